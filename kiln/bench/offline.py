@@ -1,0 +1,175 @@
+"""In-process engine benchmark (`kiln bench --offline`): no HTTP, no tokenizer round trips.
+
+  prefill  one prompt of exactly `prefill_len` tokens, max_tokens=1: prompt tokens / seconds
+           (median of `repeats` runs, each with a fresh prompt so the prefix cache never hits).
+  decode   at each batch size B, B fresh short prompts run twice, to N1 and to N1 + N output
+           tokens; decode tok/s = extra tokens / extra seconds. The difference cancels the
+           prefill and the per-call overhead, leaving the steady decode rate.
+
+Prompts are token ids, not text: one calibration call tokenizes the benchmark's word list once,
+and every prompt is then a random sequence of those word tokens, exact in length without
+knowing the model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kiln.bench.workloads import WORDS, new_salt
+from kiln.errors import KilnError
+
+DECODE_PROMPT_LEN = 32
+DECODE_BASE_TOKENS = 8  # N1: the short run whose time is subtracted
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    tokens_per_seq: int  # N, the extra tokens per sequence between the two runs
+    seconds: float  # extra seconds between the two runs
+    tok_s: float  # whole batch
+    per_seq_tok_s: float
+    short_seconds: float = 0.0  # the N1 run
+    long_seconds: float = 0.0  # the N1 + N run
+    # "difference": (long - short) timing; "whole-call": long run only, prefill included, used
+    # when noise (a busy machine) made the long run no slower than the short one.
+    method: str = "difference"
+
+
+@dataclass
+class OfflineResult:
+    model: str
+    load_seconds: float
+    prefill_tokens: int
+    prefill_seconds: list[float]
+    prefill_tok_s: float
+    decode: list[DecodeResult] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "kiln-bench-offline", "version": 1, **asdict(self)}
+
+
+def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """(seconds, output tokens) of one generate call; raises if the engine stopped early."""
+    from kiln.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != max_tokens * len(prompts):
+        raise KilnError(
+            f"asked for {max_tokens} tokens x {len(prompts)} prompts, got {produced}",
+            hint="ignore_eos must make every sequence run to max_tokens; check the engine",
+        )
+    return seconds, produced
+
+
+def word_token_pool(llm: Any) -> list[int]:
+    """Token ids of the benchmark word list, as this model tokenizes it."""
+    text = " ".join(WORDS)
+    encode = getattr(getattr(llm, "tokenizer", None), "encode", None)
+    if callable(encode):
+        try:
+            ids = list(encode(text, add_special_tokens=False))
+        except TypeError:  # an encode without the keyword: drop a leading BOS below
+            ids = list(encode(text))
+    else:
+        from kiln.sampling_params import SamplingParams
+
+        out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1))
+        ids = list(out[0].prompt_token_ids)
+    # A tokenizer that adds BOS puts it first; prompts must be made of word tokens only.
+    if len(ids) > len(WORDS):
+        ids = ids[1:]
+    pool = sorted(set(ids))
+    if len(pool) < 64:
+        raise KilnError(f"the tokenizer produced only {len(pool)} distinct word tokens")
+    return pool
+
+
+def random_prompts(pool: Sequence[int], n: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
+
+
+def run_offline(
+    model: str | None = None,
+    *,
+    prefill_len: int = 512,
+    batch_sizes: Sequence[int] = (1, 8, 32),
+    decode_tokens: int = 128,
+    repeats: int = 3,
+    seed: int | None = None,
+    engine_overrides: dict[str, Any] | None = None,
+    llm: Any = None,
+) -> OfflineResult:
+    """Load `model` with kiln's offline API (or use `llm`) and measure prefill and decode."""
+    t0 = time.perf_counter()
+    if llm is None:
+        from kiln.llm import LLM
+
+        llm = LLM(model=model, **(engine_overrides or {}))
+    load_seconds = time.perf_counter() - t0
+    rng = random.Random(f"seed{seed}" if seed is not None else new_salt())
+    pool = word_token_pool(llm)
+
+    prefill_times: list[float] = []
+    _timed_generate(llm, random_prompts(pool, 1, prefill_len, rng), 1)  # warm this shape
+    for _ in range(max(1, repeats)):
+        seconds, _ = _timed_generate(llm, random_prompts(pool, 1, prefill_len, rng), 1)
+        prefill_times.append(seconds)
+    prefill_s = statistics.median(prefill_times)
+
+    decode: list[DecodeResult] = []
+    for batch in batch_sizes:
+        _timed_generate(llm, random_prompts(pool, batch, DECODE_PROMPT_LEN, rng), 2)  # warm
+        short, n_short = _timed_generate(
+            llm, random_prompts(pool, batch, DECODE_PROMPT_LEN, rng), DECODE_BASE_TOKENS
+        )
+        long, n_long = _timed_generate(
+            llm,
+            random_prompts(pool, batch, DECODE_PROMPT_LEN, rng),
+            DECODE_BASE_TOKENS + decode_tokens,
+        )
+        if long > short * 1.05:
+            method, extra_s, tokens = "difference", long - short, n_long - n_short
+        else:
+            method, extra_s, tokens = "whole-call", long, n_long
+        tok_s = tokens / extra_s
+        decode.append(
+            DecodeResult(
+                batch=batch,
+                tokens_per_seq=decode_tokens,
+                seconds=extra_s,
+                tok_s=tok_s,
+                per_seq_tok_s=tok_s / batch,
+                short_seconds=short,
+                long_seconds=long,
+                method=method,
+            )
+        )
+    name = model or str(getattr(getattr(llm, "config", None), "model", None) or "default")
+    return OfflineResult(
+        model=name,
+        load_seconds=load_seconds,
+        prefill_tokens=prefill_len,
+        prefill_seconds=prefill_times,
+        prefill_tok_s=prefill_len / prefill_s,
+        decode=decode,
+        config={
+            "prefill_len": prefill_len,
+            "batch_sizes": list(batch_sizes),
+            "decode_tokens": decode_tokens,
+            "decode_prompt_len": DECODE_PROMPT_LEN,
+            "decode_base_tokens": DECODE_BASE_TOKENS,
+            "repeats": repeats,
+            "engine_overrides": engine_overrides or {},
+        },
+    )

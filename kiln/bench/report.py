@@ -1,0 +1,118 @@
+"""Human tables and JSON files for benchmark results."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kiln.bench.client import BenchResult
+    from kiln.bench.offline import OfflineResult
+    from kiln.bench.stats import Distribution, LevelSummary
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:,.{digits}f}"
+
+
+def table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A plain text table: the first `left` columns left-aligned, the rest right-aligned."""
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _ms(d: Distribution) -> list[str]:
+    return [fmt(v * 1000.0) for v in (d.mean, d.p50, d.p90, d.p99)]
+
+
+def format_summaries(summaries: list[LevelSummary]) -> str:
+    rows = [
+        [
+            s.label,
+            str(s.completed),
+            str(s.errors),
+            fmt(s.requests_per_s, 2),
+            fmt(s.output_tok_s),
+            fmt(s.total_tok_s),
+            fmt(s.duration_s),
+        ]
+        for s in summaries
+    ]
+    out = [table(["level", "ok", "err", "req/s", "out tok/s", "total tok/s", "time s"], rows)]
+    lat_rows: list[list[str]] = []
+    for s in summaries:
+        for name, dist in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e)):
+            lat_rows.append([s.label, name, *_ms(dist)])
+    out.append("")
+    out.append(table(["level", "ms", "mean", "p50", "p90", "p99"], lat_rows, left=2))
+    notes: list[str] = []
+    for s in summaries:
+        if s.errors:
+            notes.append(f"{s.label}: {s.errors} failed; first: " + " | ".join(s.error_messages))
+        if s.usage_missing:
+            notes.append(
+                f"{s.label}: {s.usage_missing} responses had no usage; tokens counted from chunks"
+            )
+    if notes:
+        out += ["", *notes]
+    return "\n".join(out)
+
+
+def format_result(result: BenchResult) -> str:
+    w = result.config.workload
+    head = (
+        f"kiln bench  {result.config.base_url}  model={result.model}  endpoint={w.endpoint}  "
+        f"workload={w.kind}  input~{w.input_len}  output={w.output_len}"
+    )
+    if w.kind == "shared-prefix":
+        head += f"  prefix~{w.prefix_len}"
+    if w.kind == "multi-turn":
+        head += f"  turns={w.turns}"
+    return head + "\n\n" + format_summaries([lv.summary for lv in result.levels])
+
+
+def format_offline(result: OfflineResult) -> str:
+    rows = [["prefill", f"{result.prefill_tokens} tok prompt", fmt(result.prefill_tok_s)]]
+    for d in result.decode:
+        note = "" if d.method == "difference" else " (whole call: timing was noisy)"
+        rows.append([f"decode b={d.batch}", f"{d.tokens_per_seq} tok/seq", fmt(d.tok_s) + note])
+    return f"kiln bench --offline  model={result.model}\n\n" + table(
+        ["phase", "shape", "tok/s"], rows, left=2
+    )
+
+
+def _clean(obj: Any) -> Any:
+    # JSON has no NaN/inf; null says "no value" and inf becomes a string that round-trips.
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return None
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    """Write strict JSON (NaN -> null) atomically, creating the parent folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path

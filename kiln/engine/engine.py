@@ -1,0 +1,175 @@
+"""Engine: `step()` = schedule -> run the model -> update requests. Synchronous, single thread.
+
+The async server wraps it in `AsyncEngine` (engine/async_engine.py); the offline `kiln.LLM` drives
+it directly. Both see the same `RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kiln.config import EngineConfig
+from kiln.engine.kv_cache import KVCacheManager
+from kiln.engine.model_runner import ModelRunner
+from kiln.engine.request import Request, RequestStatus, TokenLogprob
+from kiln.engine.scheduler import Scheduler, SchedulerConfig
+from kiln.errors import KilnError
+from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger("kiln.engine")
+
+
+class PromptTooLongError(KilnError):
+    def __init__(self, prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+        asked = prompt_len + (max_tokens or 0)
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {asked} tokens ({prompt_len} in the messages, {max_tokens or 0} in the "
+            f"completion). Please reduce the length of the messages or completion.")
+        self.prompt_len, self.max_model_len = prompt_len, max_model_len
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    stop_token_id: int | None = None  # the EOS / stop token that ended it (not in new_token_ids)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    tokens_computed: int = 0
+    requests_finished: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint | None = None,
+                 progress: ProgressFn | None = None, runner: ModelRunner | None = None) -> None:
+        """`runner` reuses an already loaded model and KV pool (tests build several engines with
+        different scheduler limits over one model); `config.kv_max_blocks` may then use fewer
+        blocks of that pool."""
+        self.config = config
+        self.ckpt = runner.ckpt if runner else (ckpt or open_checkpoint(config.model,
+                                                                        config.gguf_file))
+        self.runner = runner or ModelRunner(config, self.ckpt, progress=progress)
+        self.max_model_len = min(self.runner.max_model_len,
+                                 config.max_model_len or self.runner.max_model_len)
+        num_blocks = min(self.runner.plan.num_blocks, config.kv_max_blocks or 1 << 62)
+        self.kv = KVCacheManager(num_blocks, self.runner.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.max_model_len), self.kv)
+        self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids)
+        self._emitted: dict[str, int] = {}
+        self._outputs_pending: list[RequestOutput] = []
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, *, cache_salt: str | None = None,
+                    eos_token_ids: Iterable[int] | None = None) -> Request:
+        if not prompt_token_ids:
+            raise KilnError("the prompt is empty: send at least one token")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len or (params.max_tokens is not None
+                                       and n + params.max_tokens > self.max_model_len):
+            raise PromptTooLongError(n, params.max_tokens, self.max_model_len)
+        vocab = self.ckpt.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise KilnError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if request_id in self.scheduler.requests:
+            raise KilnError(f"request id {request_id!r} is already in use")
+        eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos,
+                      cache_salt=cache_salt)
+        limit = self.max_model_len - n
+        req.max_tokens = min(params.max_tokens or limit, limit)
+        self.scheduler.add_request(req)
+        self._emitted[request_id] = 0
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self.runner.sampler.forget(request_id)
+        self._outputs_pending.append(self._output(req))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._outputs_pending = self._outputs_pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        t0 = time.perf_counter()
+        sampled, logprobs = self.runner.execute(sched.scheduled)
+        touched = self.scheduler.update(sched, sampled, logprobs)
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        self.stats.tokens_computed += sched.num_tokens
+        for req in touched:
+            outputs.append(self._output(req))
+            if req.is_finished:
+                self.runner.sampler.forget(req.request_id)
+                self.stats.requests_finished += 1
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        start = self._emitted.get(req.request_id, 0)
+        new = req.output_token_ids[start:]
+        new_lp = req.output_logprobs[start:] if req.params.logprobs is not None else None
+        stop_tok = None
+        if req.status is RequestStatus.FINISHED_STOPPED and new:
+            # The EOS / stop token ended the sequence: it is reported, not part of the text.
+            stop_tok = new[-1]
+            new = new[:-1]
+            new_lp = new_lp[:-1] if new_lp is not None else None
+        self._emitted[req.request_id] = len(req.output_token_ids)
+        if req.is_finished:
+            self._emitted.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new, new_logprobs=new_lp,
+            finished=req.is_finished, finish_reason=req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens, stop_token_id=stop_tok)
+
+    # ------------------------------------------------------------------ observability
+
+    def metrics(self) -> dict[str, float]:
+        kv = self.kv
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_usage": kv.usage,
+            "prefix_cache_queries_tokens": kv.stats.queries,
+            "prefix_cache_hits_tokens": kv.stats.hits,
+            "num_preemptions": self.scheduler.stats.num_preemptions,
+            "prefill_tokens": self.scheduler.stats.num_prefill_tokens,
+            "generated_tokens": self.scheduler.stats.num_generated_tokens,
+            "steps": self.stats.steps,
+            "step_seconds": self.stats.step_seconds,
+        }

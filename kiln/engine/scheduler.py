@@ -1,0 +1,199 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Every step each request is given the tokens it still lacks (`num_tokens - num_computed_tokens`),
+capped by what is left of the step's token budget. Running requests go first (so decodes are never
+starved by a long prompt), then waiting requests join while there is budget, blocks and a free
+sequence slot. When blocks run out, the most recently arrived running request is preempted: its
+blocks are freed and it waits again, to be recomputed from scratch (prompt + what it generated so
+far), so nothing is ever lost. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.engine.kv_cache import KVCacheManager
+from kiln.engine.request import Request, RequestStatus, TokenLogprob
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    sample: bool  # this chunk reaches the end of the sequence: a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0  # tokens computed that were not the last of the sequence
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Frees the request's blocks at once; it is never scheduled again."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it in `running` remains either
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n
+                                                  == req.num_tokens))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+            i += 1
+
+        # Requests preempted this step wait until the next one: re-admitting them now would
+        # just thrash against the blocks we freed for the running ones.
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not out.preempted):
+            req = self.waiting[0]
+            hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_computed = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            req_computed_before = req.num_computed_tokens
+            req.num_computed_tokens = num_computed
+            if not self.kv.allocate(req, n, hits):
+                req.num_computed_tokens = req_computed_before
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                self.kv.record_prefix_query(req.num_tokens, num_computed)
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, num_computed + n == req.num_tokens))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               logprobs: dict[str, TokenLogprob] | None = None) -> list[Request]:
+        """Advances the scheduled requests by what the model computed; appends sampled tokens and
+        finishes requests that hit a stop. Returns the requests that got a token or finished."""
+        touched: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.sample:
+                self.stats.num_prefill_tokens += s.num_new_tokens
+                self.kv.cache_full_blocks(req)
+                continue
+            self.stats.num_prefill_tokens += s.num_new_tokens - 1
+            token = sampled[req.request_id]
+            self.kv.cache_full_blocks(req)  # before appending: only computed tokens are cached
+            req.output_token_ids.append(token)
+            if logprobs is not None and req.request_id in logprobs:
+                req.output_logprobs.append(logprobs[req.request_id])
+            self.stats.num_generated_tokens += 1
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            touched.append(req)
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req)
+
+    def all_requests(self) -> list[Request]:
+        return list(self.running) + list(self.waiting)

@@ -1,0 +1,41 @@
+"""Typed errors. Each one carries what the user should do next."""
+
+from __future__ import annotations
+
+
+class KilnError(Exception):
+    """Base class: `str(err)` is a message a user can act on."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+class ConfigError(KilnError):
+    """A setting has a bad value, or two settings conflict."""
+
+
+class ModelNotFoundError(KilnError):
+    """MODEL names nothing kiln can find locally or download."""
+
+
+class ModelLoadError(KilnError):
+    """Weights or config could not be loaded (missing/unknown tensor, bad file)."""
+
+
+class DeviceError(KilnError):
+    """The requested device is not available or cannot run the requested dtype."""
+
+
+class MemoryFitError(KilnError):
+    """The model and its KV cache do not fit in the memory budget."""
+
+
+class EngineNotFoundError(KilnError):
+    """An external engine (vLLM, SGLang) is not installed or is too old."""

@@ -1,0 +1,145 @@
+"""Paged attention: write this step's K/V into the block pool, then attend over each sequence's
+cached context through its block table.
+
+The step's tokens are laid out decodes first (one token per sequence), then each prefill chunk:
+
+    tokens : [d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 p1]
+              decodes    prefill chunk 0  prefill chunk 1
+
+Decodes attend in one batched SDPA call over their contexts gathered from the pool (padded to the
+longest, masked). A prefill chunk that starts at position 0 attends to its own fresh K/V with a
+causal mask (no pool read); a chunk that continues a sequence (chunked prefill, prefix-cache hit)
+gathers its whole context from the pool. All index tensors are built once per step by the model
+runner (`AttentionMetadata`) and shared by every layer through `get_context()`, so a model's
+forward stays `(input_ids, positions)`.
+
+KV storage is [num_slots, kv_heads, head_dim] per layer; with int8 storage each (slot, head) row
+keeps an fp32 scale (absmax / 127), quantized on write and dequantized as it is gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # token range in the flattened step
+    end: int
+    context_start: int  # position of the chunk's first token = tokens already in the pool
+    gather: torch.Tensor | None = None  # [context_start + q] slots, when context_start > 0
+    mask: torch.Tensor | None = None  # [1, 1, q, kv] bool, when context_start > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slot of every token of the step
+    num_decodes: int = 0
+    decode_gather: torch.Tensor | None = None  # [num_decodes, max_kv] slots (padding: 0)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_kv] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+def set_context(meta: AttentionMetadata | None) -> None:
+    global _CONTEXT
+    _CONTEXT = meta
+
+
+def get_context() -> AttentionMetadata:
+    assert _CONTEXT is not None, "attention called outside a model runner step"
+    return _CONTEXT
+
+
+class KVStore:
+    """One layer's slice of the KV pool."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        self.k, self.v = k, v
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.compute_dtype = compute_dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.quantized:
+            assert self.k_scale is not None and self.v_scale is not None
+            qk, sk = quantize_int8(k)
+            qv, sv = quantize_int8(v)
+            self.k.index_copy_(0, slots, qk)
+            self.v.index_copy_(0, slots, qv)
+            self.k_scale.index_copy_(0, slots, sk)
+            self.v_scale.index_copy_(0, slots, sv)
+        else:
+            self.k.index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: any shape S -> K, V of shape S + [kv_heads, head_dim] in the compute dtype."""
+        k, v = self.k[slots], self.v[slots]
+        if self.quantized:
+            assert self.k_scale is not None and self.v_scale is not None
+            k = k.to(self.compute_dtype) * self.k_scale[slots].unsqueeze(-1).to(self.compute_dtype)
+            v = v.to(self.compute_dtype) * self.v_scale[slots].unsqueeze(-1).to(self.compute_dtype)
+            return k, v
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per (token, head): x [T, H, D] -> int8 [T, H, D], scale [T, H] fp32."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / 127.0
+    q = torch.round(xf / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.kv: KVStore | None = None  # attached by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
+        meta = get_context()
+        kv = self.kv
+        assert kv is not None, "no KV cache attached"
+        kv.write(meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            assert meta.decode_gather is not None
+            ck, cv = kv.gather(meta.decode_gather)  # [nd, kv, Hk, D]
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), ck.transpose(1, 2), cv.transpose(1, 2),
+                attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        for c in meta.prefills:
+            qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            if c.context_start == 0:
+                kc = k[c.start:c.end].transpose(0, 1).unsqueeze(0)
+                vc = v[c.start:c.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qc, kc.to(qc.dtype), vc.to(qc.dtype),
+                                                   is_causal=True, scale=self.scale,
+                                                   enable_gqa=True)
+            else:
+                assert c.gather is not None
+                ck, cv = kv.gather(c.gather)  # [kv, Hk, D]
+                o = F.scaled_dot_product_attention(
+                    qc, ck.transpose(0, 1).unsqueeze(0), cv.transpose(0, 1).unsqueeze(0),
+                    attn_mask=c.mask, scale=self.scale, enable_gqa=True)
+            out[c.start:c.end] = o.squeeze(0).transpose(0, 1)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

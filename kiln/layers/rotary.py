@@ -1,0 +1,113 @@
+"""Rotary position embeddings with the scaling types Llama-family configs use.
+
+Inverse frequencies follow the published formulas (default, linear, llama3, yarn) as Hugging Face
+transformers computes them, so logits match its reference implementation. cos/sin are tabulated
+once up to `max_positions` and indexed by each token's position: any batch layout works.
+The rotation is the "rotate half" form (GGUF's interleaved Q/K rows are un-permuted at load).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None,
+                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inverse frequencies [head_dim/2], attention factor applied to cos/sin)."""
+    dim = head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    assert scaling is not None
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "dynamic":
+        # Dynamic NTK only changes the base past the original context; inside it, default.
+        return inv_freq, 1.0
+    if kind == "llama3":
+        low_ff = float(scaling.get("low_freq_factor", 1.0))
+        high_ff = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        orig = float(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+        if not scaling.get("factor"):
+            factor = max_position_embeddings / orig
+        beta_fast = float(scaling.get("beta_fast") or 32)
+        beta_slow = float(scaling.get("beta_slow") or 1)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def corr_dim(rot: float) -> float:
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrap_factor = 1 - ramp
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrap_factor) + (1.0 / pos_freqs) * extrap_factor
+        return inv, float(attn)
+    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported by kiln yet")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, base: float, max_positions: int,
+                 scaling: dict[str, Any] | None = None,
+                 max_position_embeddings: int | None = None) -> None:
+        super().__init__()
+        self.args = (head_dim, base, scaling, max_position_embeddings or max_positions)
+        self.max_positions = max_positions
+        self.build()
+
+    def build(self, freq_factors: torch.Tensor | None = None) -> None:
+        """(Re)computes the tables; `freq_factors` divide the inverse frequencies (GGUF's
+        `rope_freqs` tensor, which is how llama.cpp stores Llama 3's scaling)."""
+        inv_freq, attn_factor = rope_inv_freq(*self.args)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.float().cpu()
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # Not parameters: rebuilt at init, so the meta-device build materializes them itself.
+        device = self.cos.device if hasattr(self, "cos") and self.cos.device.type != "meta" \
+            else None
+        self.register_buffer("cos", (emb.cos() * attn_factor).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attn_factor).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(dtype)

@@ -1,0 +1,29 @@
+"""HF architecture name -> model class, imported lazily (a CLI that lists models needs no torch)."""
+
+from __future__ import annotations
+
+import importlib
+
+from kiln.errors import ModelLoadError
+
+_MODELS = {
+    "LlamaForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type:
+    try:
+        module, name = _MODELS[architecture]
+    except KeyError:
+        raise ModelLoadError(
+            f"architecture {architecture!r} is not supported by kiln's engine",
+            hint=f"supported: {', '.join(supported_architectures())}",
+        ) from None
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,267 @@
+"""Runtime presets: named bundles of kiln settings for a kind of model on a kind of machine.
+
+A preset sits below CLI, env and config file and above model defaults in the settings
+resolution, so users can still override any single value. Keys are kiln setting names.
+`infer_preset` picks one from the model's HF config and the probed hardware, with a reason that
+goes into the decision trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import ConfigError
+from kiln.resolve.hardware import HardwareInfo
+from kiln.resolve.registry import RegistryEntry, gpu_experts_per_layer
+
+# Every key a preset may set; the lead's settings table must know each of them.
+SETTING_NAMES: frozenset[str] = frozenset(
+    {
+        "device",
+        "dtype",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_dtype",
+        "block_size",
+        "gpu_memory_utilization",
+        "enable_prefix_caching",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "num_threads",
+        "quantization",
+        "compile",
+        "cpu_offload_experts",
+        "num_gpu_experts",
+    }
+)
+
+# Dense models up to this size count as "small" on CPU: at bf16 that is ~4 GB of weights, which
+# decodes at interactive speed from DRAM bandwidth.
+CPU_SMALL_MAX_PARAMS = 2.0e9
+# Fraction of VRAM the weights may take before a model counts as not fitting on one GPU (the rest
+# is KV cache and activations).
+WEIGHTS_VRAM_FRACTION = 0.75
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.settings) - SETTING_NAMES
+        if unknown:  # a typo here would silently do nothing
+            raise ConfigError(f"preset {self.name!r} sets unknown settings {sorted(unknown)}")
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "cpu-small",
+            "small dense model (<= 2B) on CPU: moderate batching, short chunks keep latency low",
+            {
+                "device": "cpu",
+                "max_num_seqs": 16,
+                "max_num_batched_tokens": 512,
+                "max_model_len": 4096,
+                "block_size": 16,
+                "kv_cache_dtype": "auto",
+                "enable_prefix_caching": True,
+                "compile": False,
+            },
+        ),
+        Preset(
+            "cpu-large",
+            "larger dense model on CPU: few sequences (decode is DRAM-bound), bf16 KV cache",
+            {
+                "device": "cpu",
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 256,
+                "max_model_len": 4096,
+                "block_size": 16,
+                "kv_cache_dtype": "bf16",
+                "enable_prefix_caching": True,
+                "compile": False,
+            },
+        ),
+        Preset(
+            "gpu-single",
+            "model fits one GPU: large batches, prefix caching, compiled decode",
+            {
+                "device": "cuda",
+                "tensor_parallel_size": 1,
+                "gpu_memory_utilization": 0.90,
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 8192,
+                "block_size": 16,
+                "enable_prefix_caching": True,
+                "compile": True,
+            },
+        ),
+        Preset(
+            "gpu-throughput",
+            "maximum tokens/s across all GPUs (tensor parallel): big batches and chunks",
+            {
+                "device": "cuda",
+                "gpu_memory_utilization": 0.92,
+                "max_num_seqs": 512,
+                "max_num_batched_tokens": 16384,
+                "block_size": 16,
+                "enable_prefix_caching": True,
+                "compile": True,
+            },
+        ),
+        Preset(
+            "moe-hybrid",
+            "MoE too big for VRAM: attention + some experts on GPU, the other experts on CPU",
+            {
+                "device": "cuda",
+                "cpu_offload_experts": True,
+                "gpu_memory_utilization": 0.90,
+                "max_num_seqs": 32,
+                "max_num_batched_tokens": 4096,
+                "block_size": 16,
+                "enable_prefix_caching": True,
+                "compile": False,
+            },
+        ),
+        Preset(
+            "latency",
+            "one user at a time: single sequence, compiled decode, prefix cache for chat turns",
+            {
+                "max_num_seqs": 1,
+                "max_num_batched_tokens": 2048,
+                "enable_prefix_caching": True,
+                "compile": True,
+            },
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    preset = PRESETS.get(name.strip().lower())
+    if preset is None:
+        raise ConfigError(
+            f"unknown preset {name!r}",
+            hint="known presets: "
+            + ", ".join(f"{p.name} ({p.description.split(':')[0]})" for p in PRESETS.values()),
+        )
+    return preset
+
+
+def num_experts(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer across HF naming schemes (0 for a dense model)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 1:
+            return value
+    return 0
+
+
+def estimate_params(config: dict[str, Any]) -> float | None:
+    """Rough parameter count from an HF config (embeddings + attention + MLP/experts)."""
+    try:
+        h = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    heads = int(config.get("num_attention_heads") or max(1, h // 128))
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    vocab = int(config.get("vocab_size") or 32000)
+    attn = h * head_dim * (2 * heads + 2 * kv)
+    experts = num_experts(config)
+    if experts:
+        inter = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * h)
+        shared = int(config.get("n_shared_experts") or 0)
+        mlp = 3 * h * inter * (experts + shared)
+    else:
+        mlp = 3 * h * int(config.get("intermediate_size") or 4 * h)
+    embed = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    return float(embed + layers * (attn + mlp))
+
+
+def _bytes_per_param(model_info: dict[str, Any]) -> float:
+    quant = str(model_info.get("quantization") or "").upper()
+    qc = model_info.get("quantization_config")
+    if isinstance(qc, dict):
+        bits = qc.get("bits") or qc.get("w_bit")
+        if isinstance(bits, int):
+            return bits / 8 + 0.05  # plus scales/zeros
+        if str(qc.get("quant_method", "")).lower() == "fp8":
+            return 1.0
+    if quant.startswith(("Q2", "Q3", "IQ2", "IQ3")):
+        return 0.45
+    if quant.startswith(("Q4", "IQ4", "INT4")):
+        return 0.6
+    if quant.startswith(("Q5", "Q6")):
+        return 0.8
+    if quant.startswith(("Q8", "INT8", "FP8")):
+        return 1.05
+    if str(model_info.get("torch_dtype", "")).lower() in ("float32", "fp32"):
+        return 4.0
+    return 2.0
+
+
+def infer_preset(model_info: dict[str, Any], hw: HardwareInfo) -> tuple[str | None, str]:
+    """Pick a preset for this model on this machine, and say why.
+
+    `model_info` is the model's HF config.json dict, optionally with "quantization" (e.g. a
+    GGUF quant such as "Q4_K_M"), "num_params" and/or "total_bytes" (weights on disk), which beat
+    the estimate from the config. Returns (None, reason) when there is too little to go on.
+    """
+    total_bytes = model_info.get("total_bytes")
+    params = model_info.get("num_params") or estimate_params(model_info)
+    if not total_bytes and params:
+        total_bytes = int(params * _bytes_per_param(model_info))
+    if not total_bytes:
+        return None, "no size information (need hidden_size/num_hidden_layers or total_bytes)"
+    if not params:
+        params = total_bytes / _bytes_per_param(model_info)
+    experts = num_experts(model_info)
+    arch = (model_info.get("architectures") or [model_info.get("model_type", "model")])[0]
+    size = f"{arch} ~{params / 1e9:.1f}B params, {total_bytes / 1024**3:.1f} GiB weights"
+    if experts:
+        size += f", {experts} experts"
+
+    if not hw.has_usable_cuda:
+        ram = hw.ram_available_bytes or hw.ram_total_bytes
+        if experts:
+            return "cpu-large", f"{size}; no usable GPU, so the whole MoE runs on CPU"
+        if params <= CPU_SMALL_MAX_PARAMS:
+            return "cpu-small", f"{size}; no usable GPU and the model is small (<= 2B)"
+        fit = "" if not ram or total_bytes < ram else " (more than the available RAM!)"
+        return "cpu-large", f"{size}; no usable GPU and the model is over 2B{fit}"
+
+    vram = min(g.total_memory_bytes for g in hw.gpus)
+    one_gpu = total_bytes <= vram * WEIGHTS_VRAM_FRACTION
+    all_gpus = total_bytes <= vram * hw.gpu_count * WEIGHTS_VRAM_FRACTION
+    gpus = f"{hw.gpu_count} GPU(s) of {vram / 1024**3:.0f} GiB"
+    if one_gpu:
+        return "gpu-single", f"{size}; fits one of {gpus}"
+    if all_gpus and hw.gpu_count > 1:
+        return "gpu-throughput", f"{size}; needs tensor parallel over {gpus}"
+    if experts:
+        return "moe-hybrid", f"{size}; too big for {gpus}, so experts are split GPU/CPU"
+    return None, (
+        f"{size}; too big for {gpus} even sharded: use a quantized variant "
+        "(owner/repo:Q4_K_M) or --device cpu"
+    )
+
+
+def moe_hybrid_settings(
+    entry: RegistryEntry, hw: HardwareInfo, *, tp: int = 1, quant: str | None = None
+) -> dict[str, Any]:
+    """The moe-hybrid preset with num_gpu_experts filled in for this machine's smallest GPU."""
+    if not hw.gpus:
+        raise ConfigError(
+            "the moe-hybrid preset needs a GPU", hint="use --preset cpu-large on a CPU machine"
+        )
+    vram = min(g.total_memory_bytes for g in hw.gpus)
+    n = gpu_experts_per_layer(entry, vram, tp, quant=quant)
+    return {**PRESETS["moe-hybrid"].settings, "tensor_parallel_size": tp, "num_gpu_experts": n}

@@ -1,0 +1,92 @@
+"""SamplingParams: how one sequence picks its next tokens.
+
+Field names and meanings follow vLLM's SamplingParams (and so the OpenAI API plus vLLM's extras),
+so a user moving between the two finds the same knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kiln.errors import KilnError
+
+
+class SamplingParamsError(KilnError):
+    """A sampling field is out of range. `param` names the field (it becomes the OpenAI `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamsError(param, msg)
+
+        if self.n < 1:
+            bad("n", f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            bad("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            )
+        if self.repetition_penalty <= 0:
+            bad(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Parameters of choice `index` of an n>1 request: one sequence each, distinct seeds."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

@@ -1,0 +1,432 @@
+"""Pydantic models of the OpenAI Chat Completions / Completions requests, responses and stream
+chunks, plus the translation of a request into SamplingParams.
+
+Validation is split in two on purpose:
+  * types and "we don't do that" (suffix, logit_bias, response_format != text, non-text content
+    parts) are pydantic validators, so FastAPI rejects them before any work, with `param` taken
+    from the error location;
+  * ranges (temperature < 0, top_p outside (0, 1], n < 1, ...) are SamplingParams.validate(), the
+    single source of those rules, reached through `to_sampling_params`.
+Unknown request fields are ignored (as vLLM does) so newer OpenAI clients keep working.
+
+Choices made here, documented for users:
+  * `logit_bias` with any entry -> 400: silently ignoring it would change outputs unnoticed.
+  * `suffix` -> 400 "suffix is not supported"; `best_of` must be None or equal to `n`.
+  * `response_format` other than {"type": "text"} -> 400 (no constrained decoding yet).
+  * `echo` together with `logprobs` -> 400 (the engine returns no prompt logprobs).
+  * content given as a list of parts: only "text" parts; they are joined with "\\n".
+  * role "developer" is rendered as "system" (chat templates predate it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from kiln.sampling_params import SamplingParams, SamplingParamsError
+
+# Logprobs of -inf are not JSON; vLLM clamps to this value, and so do we.
+MIN_LOGPROB = -9999.0
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, v: str) -> str:
+        if v not in ("text", "input_text"):
+            raise ValueError(f"content part type {v!r} is not supported; only 'text' parts are")
+        return v
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (e.g. "reasoning_content") are kept and handed to the chat template.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text_content(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text or "" for p in self.content)
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content a plain string."""
+        d: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items()}
+        d["role"] = "system" if self.role == "developer" else self.role
+        d["content"] = self.text_content()
+        if self.role == "assistant" and d["content"] is None and not self.tool_calls:
+            d["content"] = ""
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls is not None:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(
+                f"response_format type {v!r} is not supported; only 'text' is "
+                "(kiln has no constrained decoding yet)"
+            )
+        return v
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None  # None = the primary served model
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported by kiln; remove it or send {}")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        # tool_choice "none" means the model must not call tools: don't advertise them.
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tools
+
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_prompt(cls, v: PromptType) -> PromptType:
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the batch: a string, or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: int | None) -> None:
+    what = "messages" if param == "messages" else "prompt"
+    if max_tokens is None:
+        raise SamplingParamsError(
+            param,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{what} resulted in {prompt_len} tokens, leaving no room for the completion. "
+            f"Please reduce the length of the {what}.",
+        )
+    raise SamplingParamsError(
+        "max_tokens" if prompt_len < max_model_len else param,
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the "
+        f"completion). Please reduce the length of the {what} or completion.",
+    )
+
+
+def to_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, max_model_len: int, prompt_len: int
+) -> SamplingParams:
+    """Translate a validated request into SamplingParams for one prompt of `prompt_len` tokens.
+
+    Raises SamplingParamsError(param, message) for anything out of range, including a prompt plus
+    max_tokens that does not fit `max_model_len` (vLLM's message, with both numbers).
+    """
+    is_chat = isinstance(req, ChatCompletionRequest)
+    prompt_param = "messages" if is_chat else "prompt"
+
+    max_tokens_param = "max_tokens"
+    if is_chat:
+        max_tokens: int | None = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        logprobs_param = "top_logprobs"
+    else:
+        # OpenAI's legacy completions default is 16 tokens.
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        logprobs = req.logprobs
+        logprobs_param = "logprobs"
+        if req.best_of is not None and req.best_of != req.n:
+            raise SamplingParamsError(
+                "best_of", f"best_of must equal n ({req.n}) or be omitted, got {req.best_of}"
+            )
+        if req.echo and req.logprobs is not None:
+            raise SamplingParamsError(
+                "echo", "echo with logprobs is not supported (no prompt logprobs)"
+            )
+
+    try:
+        params = SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except SamplingParamsError as e:
+        renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
+        raise SamplingParamsError(renames.get(e.param, e.param), str(e)) from e
+
+    if prompt_len >= max_model_len:
+        _context_error(prompt_param, max_model_len, prompt_len, None)
+    if params.max_tokens is None:
+        params.max_tokens = max_model_len - prompt_len
+        params.validate()
+    elif prompt_len + params.max_tokens > max_model_len:
+        _context_error(prompt_param, max_model_len, prompt_len, params.max_tokens)
+    return params
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatLogprobTop(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+    refusal: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM extra: the stop string or token id that matched
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        # A delta lists only what changed: {"content": "x"}, and {} in the final chunk.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kiln"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

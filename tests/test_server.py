@@ -1,0 +1,451 @@
+"""End to end: a real `kiln serve` on a free 127.0.0.1 port, driven by the official openai client.
+
+No mocked engine: the server runs the bundled SmolLM2-135M GGUF on CPU. Requests are greedy and
+short so the whole module stays within a minute or two of CPU time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kiln.engine.async_engine")
+if (
+    importlib.util.find_spec("kiln.cli.main") is None
+    or importlib.util.find_spec("kiln.cli.serve") is None
+):
+    pytest.skip("`kiln serve` has not landed yet", allow_module_level=True)
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-kiln-test"
+NAMES = ["smol", "smol-alias"]
+MAX_MODEL_LEN = 1024
+POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass
+class Server:
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def client(self, api_key: str = API_KEY) -> Any:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.base_url}/health", timeout=10).json()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(tmp: Path, gguf: Path, *extra: str) -> Iterator[Server]:
+    port = _free_port()
+    # Flags follow the settings table (vLLM-compatible names).
+    cmd = [
+        sys.executable, "-m", "kiln", "serve", str(gguf),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", ",".join(NAMES), "--api-key", API_KEY,
+        "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
+        *extra,
+    ]  # fmt: skip
+    log_path = tmp / f"server-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kiln serve exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"kiln serve did not become healthy:\n{server.log_tail()}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> Iterator[Server]:
+    yield from _serve(tmp_path_factory.mktemp("serve"), gguf_path)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def greedy_poem(client: Any) -> Any:
+    """One greedy non-streamed answer that several tests compare against."""
+    return client.chat.completions.create(
+        model=NAMES[0], messages=POEM, max_tokens=24, temperature=0
+    )
+
+
+def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = server.health()
+        if not h.get("num_running") and not h.get("num_waiting") and not h.get("num_inflight"):
+            return h
+        if time.monotonic() > deadline:
+            pytest.fail(f"requests still in the engine after {timeout}s: {h}")
+        time.sleep(0.2)
+
+
+def _raw(server: Server, path: str, body: Any, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=60)
+
+
+# -- models, health --------------------------------------------------------------------------
+
+
+def test_models_lists_every_served_name_primary_first(client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == NAMES
+
+
+def test_health_and_version_need_no_key(server: Server) -> None:
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.base_url}/version").json()
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+
+def test_chat_stream_equals_non_stream_and_reports_usage(
+    client: Any, greedy_poem: Any, smollm2_tokenizer: Any
+) -> None:
+    text = greedy_poem.choices[0].message.content
+    usage = greedy_poem.usage
+    assert text and greedy_poem.choices[0].message.role == "assistant"
+    assert usage.prompt_tokens == len(smollm2_tokenizer.apply_chat_template(POEM))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    expected_finish = "length" if usage.completion_tokens == 24 else "stop"
+    assert greedy_poem.choices[0].finish_reason == expected_finish
+
+    chunks = list(
+        client.chat.completions.create(
+            model=NAMES[0],
+            messages=POEM,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == expected_finish and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_max_tokens_ends_with_length_under_an_alias(client: Any) -> None:
+    r = client.chat.completions.create(model=NAMES[1], messages=POEM, max_tokens=3, temperature=0)
+    assert r.model == NAMES[1]
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+
+
+def test_stop_string_is_cut_identically_in_stream_and_non_stream(
+    client: Any, greedy_poem: Any
+) -> None:
+    text = greedy_poem.choices[0].message.content
+    if len(text) < 12:
+        pytest.skip(f"greedy answer too short to pick a stop string from: {text!r}")
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    kw = dict(model=NAMES[0], messages=POEM, max_tokens=24, temperature=0, stop=[stop])
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < greedy_poem.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_choices_each_finish_in_stream_and_non_stream(client: Any) -> None:
+    kw = dict(model=NAMES[0], messages=POEM, max_tokens=6, temperature=0.9, seed=3, n=2)
+    r = client.chat.completions.create(**kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content for c in r.choices)
+    assert 2 <= r.usage.completion_tokens <= 12
+    finished: dict[int, str] = {}
+    texts = {0: "", 1: ""}
+    for c in client.chat.completions.create(**kw, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert set(finished) == {0, 1}
+    # Same seeds -> the same samples as the non-streamed request.
+    assert texts == {c.index: c.message.content for c in r.choices}
+
+
+def test_chat_logprobs_in_openai_shape(client: Any) -> None:
+    r = client.chat.completions.create(
+        model=NAMES[0], messages=POEM, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 2
+        # Greedy: the chosen token is the most likely one.
+        assert tok.token == tok.top_logprobs[0].token
+        assert tok.logprob == pytest.approx(tok.top_logprobs[0].logprob, abs=1e-4)
+    raw = b"".join(bytes(t.bytes) for t in content)
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].message.content
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_completions_text_echo_token_prompts_and_logprobs(
+    client: Any, smollm2_tokenizer: Any
+) -> None:
+    prompt = "The capital of France is"
+    kw = dict(model=NAMES[0], max_tokens=5, temperature=0)
+    r = client.completions.create(prompt=prompt, logprobs=1, **kw)
+    text = r.choices[0].text
+    assert text and r.object == "text_completion"
+    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
+    assert "".join(r.choices[0].logprobs.tokens) == text
+    assert client.completions.create(prompt=prompt, echo=True, **kw).choices[0].text == (
+        prompt + text
+    )
+    ids = smollm2_tokenizer.encode(prompt)
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == text
+    batch = client.completions.create(prompt=[prompt, "1, 2, 3,"], **kw)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == text
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kw)
+    )
+    assert streamed == text
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_404(server: Server, client: Any) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=POEM, max_tokens=2)
+    err = _raw(server, "/v1/chat/completions", {"model": "nope", "messages": POEM}).json()
+    assert err["error"]["type"] == "NotFoundError" and err["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"messages": []}, "messages"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_invalid_parameters_are_400_naming_the_parameter(
+    server: Server, body: dict[str, Any], param: str
+) -> None:
+    resp = _raw(server, "/v1/chat/completions", {"model": NAMES[0], "messages": POEM, **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and err["type"] == "BadRequestError" and err["message"]
+
+
+def test_openai_client_sees_bad_request(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAMES[0], messages=POEM, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="suffix is not supported"):
+        client.completions.create(model=NAMES[0], prompt="x", suffix="y")
+
+
+def test_context_overflow_names_both_numbers(server: Server, smollm2_tokenizer: Any) -> None:
+    resp = _raw(
+        server, "/v1/chat/completions", {"model": NAMES[0], "messages": POEM, "max_tokens": 5000}
+    )
+    assert resp.status_code == 400
+    msg = resp.json()["error"]["message"]
+    n_prompt = len(smollm2_tokenizer.apply_chat_template(POEM))
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in msg
+    assert f"({n_prompt} in the messages, 5000 in the completion)" in msg
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    resp = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=b'{"model": "smol", "messages": [',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["type"] == "BadRequestError"
+
+
+def test_api_key_is_required_on_v1(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    resp = httpx.get(f"{server.base_url}/v1/models")
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_server_keeps_serving_after_errors(server: Server, client: Any) -> None:
+    _raw(server, "/v1/chat/completions", {"messages": []})
+    _raw(server, "/v1/completions", {"prompt": [10**9]})
+    r = client.chat.completions.create(model=NAMES[0], messages=POEM, max_tokens=2)
+    assert r.choices[0].message.content is not None
+
+
+# -- disconnects and concurrency ---------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(server: Server) -> None:
+    before = _wait_idle(server)
+    body = {
+        "model": NAMES[0],
+        "messages": POEM,
+        "stream": True,
+        "max_tokens": 500,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        data_lines = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data_lines += 1
+                if data_lines == 4:
+                    break
+        mid = server.health()
+        assert mid["num_running"] + mid["num_waiting"] == 1, (data_lines, mid)
+    after = _wait_idle(server, timeout=20)
+    if "kv_blocks_free" in before:
+        assert after["kv_blocks_free"] == before["kv_blocks_free"]
+
+
+def test_concurrent_streams_all_complete(server: Server) -> None:
+    async def one(c: Any, i: int) -> tuple[str, str | None]:
+        stream = await c.chat.completions.create(
+            model=NAMES[0],
+            messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main() -> list[tuple[str, str | None]]:
+        c = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        try:
+            return await asyncio.gather(*(one(c, i) for i in range(3)))
+        finally:
+            await c.close()
+
+    results = asyncio.run(main())
+    assert all(text and finish in ("stop", "length") for text, finish in results), results
+    _wait_idle(server)
+
+
+# -- overload ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_queue_server(
+    tmp_path_factory: pytest.TempPathFactory, gguf_path: Path, server: Server
+) -> Iterator[Server]:
+    # One running sequence and one waiting slot: the third request must be refused.
+    yield from _serve(
+        tmp_path_factory.mktemp("serve-q"), gguf_path, "--max-num-seqs", "1", "--max-queue", "1"
+    )
+
+
+def test_full_queue_is_503_and_held_requests_are_freed(tiny_queue_server: Server) -> None:
+    srv = tiny_queue_server
+    body = json.dumps(
+        {"model": NAMES[0], "messages": POEM, "max_tokens": 300, "ignore_eos": True}
+    ).encode()
+    host, port = srv.base_url.removeprefix("http://").split(":")
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    stop = threading.Event()
+
+    def hold() -> None:
+        # A non-streamed request that we abandon: the server must abort it when we hang up.
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request)
+            stop.wait(60)
+
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+    try:
+        for t in holders:
+            t.start()
+        deadline = time.monotonic() + 60
+        while True:
+            h = srv.health()
+            if h.get("num_running") == 1 and h.get("num_waiting") == 1:
+                break
+            assert time.monotonic() < deadline, f"queue never filled: {h}"
+            time.sleep(0.1)
+        resp = _raw(srv, "/v1/chat/completions", {"model": NAMES[0], "messages": POEM})
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(30)
+    _wait_idle(srv, timeout=30)
