@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -42,12 +43,9 @@ HOST = "127.0.0.1"
 
 
 def _reexec_in_main_venv() -> None:
-    """The load generator is kiln.bench (httpx, tqdm): run under the repo's venv if we are not."""
-    if (
-        importlib.util.find_spec("httpx") is None
-        and MAIN_VENV_PY.exists()
-        and Path(sys.executable).resolve() != MAIN_VENV_PY.resolve()
-    ):
+    """kiln.bench and kiln itself live in the repo's venv: always run under its interpreter, so
+    `python benchmarks/compare/run.py` works from any python."""
+    if MAIN_VENV_PY.exists() and Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
         os.execv(str(MAIN_VENV_PY), [str(MAIN_VENV_PY), *sys.argv])
 
 
@@ -77,6 +75,7 @@ class Context:
     reinstall: bool
     install_timeout: float
     build_jobs: int
+    kiln_cmd: str | None = None  # template overriding `kiln serve ...`
     eos_ids: list[int] = field(default_factory=list)
     hf_dir: Path | None = None  # tokenizer + config exported from the GGUF (for vLLM)
 
@@ -220,6 +219,15 @@ class KilnPeer(Peer):
             "--threads",
             str(ctx.threads),
         ]
+        if ctx.kiln_cmd:
+            fields = {
+                "python": MAIN_VENV_PY,
+                "gguf": ctx.gguf,
+                "host": HOST,
+                "port": port,
+                "threads": ctx.threads,
+            }
+            cmd = shlex.split(ctx.kiln_cmd.format(**{k: str(v) for k, v in fields.items()}))
         return Launch(cmd, {**self.thread_env(ctx), "PYTHONPATH": str(REPO)}, 300.0)
 
 
@@ -884,6 +892,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds per install step (source builds are slow)",
     )
     ap.add_argument("--build-jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument(
+        "--kiln-cmd",
+        default=None,
+        metavar="TEMPLATE",
+        help="command that starts kiln instead of `kiln serve` (placeholders: {python} {gguf} "
+        "{host} {port} {threads})",
+    )
     args = ap.parse_args(argv)
 
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
@@ -912,6 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         reinstall=args.reinstall,
         install_timeout=args.install_timeout,
         build_jobs=args.build_jobs,
+        kiln_cmd=args.kiln_cmd,
         eos_ids=eos,
         hf_dir=hf_dir if hf_dir.exists() else None,
     )

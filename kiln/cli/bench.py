@@ -216,9 +216,9 @@ def _run_offline(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         seed=args.seed,
     )
-    print(format_offline(result))
     if args.json_path:
-        print(f"\nwrote {write_json(args.json_path, result.to_json())}", file=sys.stderr)
+        print(f"wrote {write_json(args.json_path, result.to_json())}", file=sys.stderr)
+    print(format_offline(result))
     return 0
 
 
@@ -237,8 +237,8 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kiln bench: interrupted", file=sys.stderr)
         return 130
+    if args.json_path:  # first: the raw numbers must survive a closed stdout pipe
+        print(f"wrote {write_json(args.json_path, result.to_json())}", file=sys.stderr)
     print(format_result(result))
-    if args.json_path:
-        print(f"\nwrote {write_json(args.json_path, result.to_json())}", file=sys.stderr)
     # Exit non-zero when nothing succeeded, so scripts notice a dead or misconfigured server.
     return 0 if any(lv.summary.completed for lv in result.levels) else 1

@@ -61,6 +61,14 @@ class Checkpoint:
     format: str  # "safetensors" | "gguf"
     files: list[Path]
     gguf_meta: dict[str, Any] | None = None
+    _reader: Any = None  # the GGUF reader (memory-mapped), opened once
+
+    def gguf_reader(self) -> Any:
+        if self._reader is None:
+            import gguf
+
+            self._reader = gguf.GGUFReader(str(self.path))
+        return self._reader
 
     @property
     def total_bytes(self) -> int:
@@ -75,10 +83,13 @@ def open_checkpoint(path: str | Path, gguf_file: str | Path | None = None) -> Ch
     if gguf_file is not None:
         path = Path(gguf_file) if Path(gguf_file).is_absolute() else path / gguf_file
     if path.is_file() and path.suffix == ".gguf":
-        meta, names = read_gguf_metadata(path)
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        meta, names = read_gguf_metadata(reader)
         cfg = ModelConfig.from_gguf(meta, names)
         cfg.quantization = gguf_file_type_name(meta)
-        return Checkpoint(path, cfg, "gguf", [path], meta)
+        return Checkpoint(path, cfg, "gguf", [path], meta, reader)
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.exists():
@@ -105,10 +116,7 @@ def _merge_generation_config(folder: Path, cfg: ModelConfig) -> None:
         cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(ids))
 
 
-def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], set[str]]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+def read_gguf_metadata(reader: Any) -> tuple[dict[str, Any], set[str]]:
     meta: dict[str, Any] = {}
     for key, f in reader.fields.items():
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
@@ -154,8 +162,7 @@ def _iter_gguf(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
     assert ckpt.gguf_meta is not None
     arch = ckpt.gguf_meta["general.architecture"]
     cfg = ckpt.config
-    reader = gguf.GGUFReader(str(ckpt.path))
-    for t in reader.tensors:
+    for t in ckpt.gguf_reader().tensors:
         name = _gguf_to_hf(t.name)
         if name is None:
             raise ModelLoadError(f"unknown GGUF tensor {t.name!r} in {ckpt.path}",
@@ -274,9 +281,7 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
 
 def _count_tensors(ckpt: Checkpoint) -> int:
     if ckpt.format == "gguf":
-        import gguf
-
-        return len(gguf.GGUFReader(str(ckpt.path)).tensors)
+        return len(ckpt.gguf_reader().tensors)
     from safetensors import safe_open
 
     n = 0

@@ -1,0 +1,87 @@
+"""`kiln config show|get|set|path`: the config file, and what every setting resolves to."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from kiln import config as C
+from kiln.errors import KilnError
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("config", help="show or edit kiln's config file",
+                              description="Keys are setting names (see `kiln config show`).")
+    p.add_argument("--config", type=Path, metavar="PATH", help="config file to use")
+    sub = p.add_subparsers(dest="action", metavar="ACTION")
+    show = sub.add_parser("show", help="every setting: value and source (without a model)")
+    show.add_argument("--json", action="store_true")
+    get = sub.add_parser("get", help="print one setting's resolved value and source")
+    get.add_argument("key")
+    st = sub.add_parser("set", help="write KEY = VALUE into the config file")
+    st.add_argument("key")
+    st.add_argument("value")
+    sub.add_parser("path", help="print the config file's path")
+    p.set_defaults(func=main)
+
+
+def _path(args: argparse.Namespace) -> Path:
+    return args.config or C.default_config_path()
+
+
+def _resolve(args: argparse.Namespace) -> C.ResolvedSettings:
+    path = _path(args)
+    file_settings, _, used = C.load_config_file(path if path.exists() else None)
+    return C.resolve_settings(env=C.env_values(), file=file_settings, file_path=used)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except KilnError as e:
+        print(f"kiln config: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def _main(args: argparse.Namespace) -> int:
+    action = args.action or "show"
+    if action == "path":
+        print(_path(args))
+        return 0
+    if action == "set":
+        name = args.key.replace("-", "_")
+        s = C.setting(name)
+        value = s.parse(args.value)
+        if s.choices is not None and value not in s.choices:
+            raise C.ConfigError(f"invalid value {args.value!r} for {name}",
+                                hint=f"choose one of: {', '.join(map(str, s.choices))}")
+        path = _path(args)
+        data: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
+        data[name] = value
+        import tomli_w
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(tomli_w.dumps(data))
+        print(f"{name} = {value!r} written to {path}")
+        return 0
+    s = _resolve(args)
+    if action == "get":
+        name = args.key.replace("-", "_")
+        C.setting(name)
+        r = s.values[name]
+        print(f"{r.value}\t[{r.source}] {r.reason}")
+        return 0
+    if getattr(args, "json", False):
+        print(json.dumps(s.to_json(), indent=2, default=str))
+        return 0
+    print(f"config file: {_path(args)}" + ("" if _path(args).exists() else " (absent)"))
+    for r in s.values.values():
+        st = C.BY_NAME[r.name]
+        value = "***" if r.name == "api_key" and r.value else r.value
+        shown = "auto (decided at serve time)" if st.auto and r.source == "auto" else value
+        print(f"  {r.name:<32} {shown!s:<20} [{r.source}]  {st.help}")
+    return 0

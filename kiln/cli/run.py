@@ -1,0 +1,130 @@
+"""`kiln run [MODEL] [PROMPT]`: a streamed answer in the terminal, or a chat (like `ollama run`).
+
+With PROMPT (or text on stdin), one answer and exit. Without, an interactive chat that keeps the
+history; `/bye` or Ctrl-D leaves. Runs the engine in-process: no server, no port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kiln.cli import startup
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("run", help="chat with MODEL in the terminal",
+                              description="One-shot answer to PROMPT, or an interactive chat.")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="what to run (default: smollm2)")
+    p.add_argument("prompt", nargs="*", metavar="PROMPT", help="one-shot prompt")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=512)
+    startup.add_common_arguments(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    prompt = " ".join(args.prompt).strip()
+    if args.model and not prompt and not _looks_like_model(args.model):
+        prompt, args.model = args.model, None  # `kiln run "a question"` uses the default model
+    if not prompt and not sys.stdin.isatty():
+        prompt = sys.stdin.read().strip()
+    sp = startup.StartupPlan(args)
+    try:
+        sp = startup.plan(args)
+        if args.dry_run:
+            print(startup.describe(sp))
+            return 0
+        chat = _Chat(sp, args)
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, (SystemExit, KeyboardInterrupt)):
+            raise
+        return startup.fail(sp, e)
+    if prompt:
+        chat.ask(prompt)
+        return 0
+    return chat.interactive()
+
+
+def _looks_like_model(text: str) -> bool:
+    from pathlib import Path
+
+    from kiln.resolve.registry import lookup
+
+    return (" " not in text and ("/" in text or text.endswith(".gguf") or Path(text).exists()
+                                 or lookup(text.split(":")[0]) is not None))
+
+
+class _Chat:
+    def __init__(self, sp: startup.StartupPlan, args: argparse.Namespace) -> None:
+        from kiln.config import EngineConfig
+        from kiln.engine.engine import Engine
+        from kiln.server.tokenizer import load_tokenizer
+
+        s, src = sp.settings, sp.source
+        assert s is not None and src is not None
+        print(f"loading {src.name} ...", file=sys.stderr, flush=True)
+        cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
+        self.engine = Engine(cfg, ckpt=sp.checkpoint)
+        self.tokenizer = load_tokenizer(src.path, src.gguf_file)
+        self.args = args
+        self.history: list[dict[str, str]] = []
+        if args.system:
+            self.history.append({"role": "system", "content": args.system})
+        self._n = 0
+
+    def ask(self, text: str) -> str:
+        from kiln.sampling_params import SamplingParams
+        from kiln.server.tokenizer import IncrementalDetokenizer
+
+        self.history.append({"role": "user", "content": text})
+        ids = self.tokenizer.apply_chat_template(self.history, add_generation_prompt=True)
+        budget = self.engine.max_model_len - len(ids) - 1
+        if budget < 1:
+            self.history.pop()
+            print("(the conversation is longer than the context; start a new one)")
+            return ""
+        params = SamplingParams(temperature=self.args.temperature,
+                                max_tokens=min(self.args.max_tokens, budget))
+        self._n += 1
+        rid = f"run-{self._n}"
+        self.engine.add_request(rid, ids, params,
+                                eos_token_ids=set(self.tokenizer.eos_token_ids)
+                                | set(self.engine.eos_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        try:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    sys.stdout.write(detok.add(out.new_token_ids))
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            self.engine.abort(rid)
+            self.engine.step()
+        sys.stdout.write(detok.flush() + "\n")
+        sys.stdout.flush()
+        self.history.append({"role": "assistant", "content": detok.text})
+        return detok.text
+
+    def interactive(self) -> int:
+        print("Send a message (/bye or Ctrl-D to exit, /clear to forget the chat).",
+              file=sys.stderr)
+        while True:
+            try:
+                line = input(">>> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/bye", "/exit", "/quit"):
+                return 0
+            if line == "/clear":
+                self.history = [m for m in self.history if m["role"] == "system"]
+                continue
+            self.ask(line)

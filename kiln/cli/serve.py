@@ -1,0 +1,198 @@
+"""`kiln serve [MODEL]`: resolve, load, serve the OpenAI API (or hand off to vLLM / SGLang)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from kiln.cli import startup
+
+log = logging.getLogger("kiln.serve")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve MODEL over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (alias, owner/repo[:QUANT], folder or .gguf; default: the "
+        "embedded SmolLM2-135M-Instruct) on http://127.0.0.1:8000/v1. Arguments after `--` go "
+        "to the external engine untouched (--engine vllm|sglang).")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="what to serve")
+    startup.add_common_arguments(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sp = startup.StartupPlan(args)
+    try:
+        sp = startup.plan(args)
+        s = sp.settings
+        assert s is not None
+        logging.getLogger().setLevel(s["log_level"].upper())
+        engine = s["engine"]
+        if engine == "auto":
+            engine = _choose_engine(sp)
+        if engine != "kiln":
+            return _serve_external(sp, engine)
+        if args.dry_run:
+            print(startup.describe(sp))
+            startup.write_artifacts(sp, "dry-run")
+            return 0
+        return _serve_kiln(sp)
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as e:  # noqa: BLE001 - every failure is recorded, then reported
+        if isinstance(e, SystemExit):
+            raise
+        return startup.fail(sp, e)
+
+
+def _choose_engine(sp: startup.StartupPlan) -> str:
+    from kiln.backends import choose_engine, is_engine_available
+
+    s = sp.settings
+    assert s is not None
+    engine, reason = choose_engine("auto", s["tensor_parallel_size"], s["pipeline_parallel_size"],
+                                   s["nnodes"], is_engine_available("vllm",
+                                                                    engine_cfg=sp.engines_cfg.get(
+                                                                        "vllm")))
+    s.override("engine", engine, reason)
+    print(f"kiln: engine {engine}: {reason}", file=sys.stderr)
+    return engine
+
+
+# --------------------------------------------------------------------------- kiln's own engine
+
+
+def _serve_kiln(sp: startup.StartupPlan) -> int:
+    import uvicorn
+
+    from kiln import __version__
+    from kiln.backends import format_running_block
+    from kiln.config import EngineConfig
+    from kiln.engine.async_engine import AsyncEngine, wait_idle
+    from kiln.engine.engine import Engine
+    from kiln.server.api import build_app
+    from kiln.server.tokenizer import load_tokenizer
+
+    s = sp.settings
+    src = sp.source
+    assert s is not None and src is not None
+    for w in s.warnings:
+        print(f"kiln: warning: {w}", file=sys.stderr)
+    names = s["served_model_name"] or [src.name]
+
+    sp.phase = "load"
+    t0 = time.monotonic()
+    print(f"kiln: loading {src.name} from {src.gguf_file or src.path} ...", file=sys.stderr)
+    cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
+    engine = Engine(cfg, ckpt=sp.checkpoint, progress=_progress_bar())
+    tokenizer = load_tokenizer(src.path, src.gguf_file)
+    plan = engine.runner.plan
+    if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
+        s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
+                   "lowered to fit the KV pool")
+    for w in plan.warnings:
+        print(f"kiln: warning: {w}", file=sys.stderr)
+    load_s = time.monotonic() - t0
+    sp.extra = {"engine": {"name": "kiln", "load_seconds": round(load_s, 2),
+                           "kv_blocks": plan.num_blocks, "kv_block_size": plan.block_size,
+                           "kv_token_capacity": plan.token_capacity,
+                           "kv_dtype": engine.runner.kv_dtype_name,
+                           "kv_bytes": plan.kv_bytes, "weight_bytes": plan.weight_bytes,
+                           "activation_bytes": plan.activation_bytes,
+                           "max_model_len": engine.max_model_len},
+                "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason}}}
+
+    sp.phase = "serve"
+    aengine = AsyncEngine(engine, max_queue=s["max_queue"]).start()
+    app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
+                    max_model_len=engine.max_model_len, version=__version__)
+    startup.write_artifacts(sp, "ok")
+    host, port = s["host"], s["port"]
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
+                            access_log=False)
+    server = uvicorn.Server(config)
+
+    started = server.startup
+
+    async def startup_and_announce(sockets=None):  # type: ignore[no-untyped-def]
+        await started(sockets)
+        if server.started:
+            print(format_running_block(names[0], "kiln", host, port, {
+                "weights": str(src.gguf_file or src.path),
+                "device": f"{cfg.device}, {cfg.dtype}, {engine.runner.config.num_threads or ''}"
+                          f"{' threads' if cfg.device == 'cpu' else ''}".rstrip(", "),
+                "kv cache": f"{plan.num_blocks} blocks x {plan.block_size} tokens "
+                            f"({engine.runner.kv_dtype_name}, {plan.kv_bytes / 2**30:.2f} GiB)",
+                "context": f"{engine.max_model_len} tokens",
+                "ready in": f"{time.monotonic() - sp.started:.1f} s",
+            }), flush=True)
+
+    server.startup = startup_and_announce  # type: ignore[method-assign]
+    server.run()
+    # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
+    drained = wait_idle(aengine, 1.0)
+    aengine.shutdown()
+    print("kiln: stopped" + ("" if drained else " (some requests were cut off)"),
+          file=sys.stderr)
+    return 0
+
+
+def _progress_bar():  # type: ignore[no-untyped-def]
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar: list[Any] = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, desc="loading weights", unit="tensor", leave=False))
+        bar[0].n = done
+        bar[0].refresh()
+        if done >= total:
+            bar[0].close()
+
+    return update
+
+
+# --------------------------------------------------------------------------- vLLM / SGLang
+
+
+def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
+    from kiln.backends import BackendModel, build_plan, launch, plan_to_dry_run, prepare_launch
+
+    s = sp.settings
+    src = sp.source
+    assert s is not None and src is not None
+    args = sp.args
+    entry = src.registry_entry
+    model_arg = str(src.path if src.format == "safetensors" else (src.gguf_file or src.path))
+    if src.kind in ("alias", "default") and entry is not None and src.format == "gguf":
+        model_arg = entry.hf_repo  # vLLM/SGLang load the HF repo better than a GGUF
+    bm = BackendModel(path=model_arg, served_names=s["served_model_name"] or [src.name],
+                      is_moe=bool(entry and entry.kind == "moe"),
+                      max_tp=entry.max_tensor_parallel if entry else None)
+    passthrough = list(getattr(args, "passthrough", []) or [])
+    ecfg = sp.engines_cfg.get(engine, {})
+    if args.dry_run:
+        plan = build_plan(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
+        print(startup.describe(sp))
+        print(f"\n{engine} command:")
+        print(plan_to_dry_run(plan, include_warnings=True))
+        sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env,
+                               "warnings": plan.warnings}}
+        startup.write_artifacts(sp, "dry-run")
+        return 0
+    sp.phase = "engine"
+    plan = prepare_launch(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
+    for w in plan.warnings:
+        print(f"kiln: warning: {w}", file=sys.stderr)
+    sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env}}
+    startup.write_artifacts(sp, "ok")
+    return launch(plan, host=s["host"], port=s["port"], drain_timeout_s=s["drain_timeout"])

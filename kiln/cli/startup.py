@@ -1,0 +1,269 @@
+"""What `kiln serve` / `kiln run` decide before loading anything, and the record of it.
+
+    probe hardware -> resolve MODEL to files -> read the model's config (no weights)
+      -> pick a preset -> resolve every setting (cli > env > file > preset > registry > auto)
+      -> fail closed on the device -> [load weights, size the KV pool] -> serve
+
+Each phase is named, so when startup fails the effective-config JSON and the decision trace are
+still written, marked `"status": "failed"` with the phase and the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln import config as C
+from kiln.errors import KilnError
+
+
+@dataclass
+class StartupPlan:
+    args: argparse.Namespace
+    hardware: Any = None  # kiln.resolve.hardware.HardwareInfo
+    source: Any = None  # kiln.resolve.sources.ModelSource
+    checkpoint: Any = None  # kiln.models.loader.Checkpoint (config read, weights not loaded)
+    settings: C.ResolvedSettings | None = None
+    engines_cfg: dict[str, Any] = field(default_factory=dict)
+    config_file: Path | None = None
+    preset: str | None = None
+    preset_reason: str = ""
+    phase: str = "start"
+    extra: dict[str, Any] = field(default_factory=dict)  # engine facts after loading
+    started: float = field(default_factory=time.monotonic)
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="TOML config file (default: ~/.config/kiln/config.toml) [env KILN_CONFIG]")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print hardware, model source and every non-default setting with its "
+                   "source, then exit without loading weights")
+    p.add_argument("--effective-config-json", type=Path, metavar="PATH",
+                   help="write every setting {value, source, affects, reason}, the hardware "
+                   "and the model identity")
+    p.add_argument("--decision-trace-jsonl", type=Path, metavar="PATH",
+                   help="write one JSON line per decision (candidates by source, chosen, why)")
+    C.add_setting_arguments(p)
+
+
+def plan(args: argparse.Namespace) -> StartupPlan:
+    """Everything up to (not including) loading weights."""
+    from kiln.models.loader import open_checkpoint
+    from kiln.resolve import hardware, presets, sources
+
+    sp = StartupPlan(args)
+    sp.phase = "config"
+    cli = C.cli_values(args)
+    env = C.env_values()
+    file_settings, sp.engines_cfg, sp.config_file = C.load_config_file(args.config)
+
+    sp.phase = "hardware"
+    sp.hardware = hardware.probe_hardware()
+
+    sp.phase = "model"
+    # Where to look and whether to download are settings too; take them before the rest.
+    early = C.resolve_settings(cli=_only(cli, "model_dirs", "offline"),
+                               env=_only(env, "model_dirs", "offline"),
+                               file=_only(file_settings, "model_dirs", "offline"))
+    dirs = sources.configured_model_dirs(early.get("model_dirs") or [])
+    sp.source = sources.resolve_model(getattr(args, "model", None), model_dirs=dirs,
+                                      offline=bool(early.get("offline")))
+    sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
+    mc = sp.checkpoint.config
+
+    sp.phase = "settings"
+    entry = sp.source.registry_entry
+    preset_vals: dict[str, Any] = {}
+    explicit_preset = _first(cli, env, file_settings, key="runtime_preset")
+    if explicit_preset:
+        sp.preset = explicit_preset
+        sp.preset_reason = "asked for"
+    else:
+        info = {"architectures": [mc.architecture], "hidden_size": mc.hidden_size,
+                "num_hidden_layers": mc.num_hidden_layers,
+                "num_key_value_heads": mc.num_key_value_heads,
+                "intermediate_size": mc.intermediate_size, "vocab_size": mc.vocab_size,
+                "quantization": sp.source.quant or mc.quantization,
+                "total_bytes": sp.source.total_bytes}
+        sp.preset, sp.preset_reason = presets.infer_preset(info, sp.hardware)
+    if sp.preset:
+        preset_vals = dict(presets.get_preset(sp.preset).settings)
+    hw = sp.hardware
+    ctx = C.AutoContext(
+        device="cuda" if hw.has_usable_cuda else "cpu",
+        physical_cores=hw.physical_cores or 1,
+        ram_available_bytes=hw.ram_available_bytes,
+        gpu_count=hw.gpu_count if hw.has_usable_cuda else 0,
+        gpu_memory_bytes=min((g.total_memory_bytes for g in hw.gpus), default=0),
+        gpu_bf16=any((g.compute_capability or (0, 0))[0] >= 8 for g in hw.gpus),
+        cpu_bf16=hw.cpu_native_bf16,
+        model_max_len=mc.max_position_embeddings,
+        weight_bytes=sp.source.total_bytes,
+        model_max_tp=entry.max_tensor_parallel if entry else None,
+        is_moe=bool(entry and entry.kind == "moe"),
+    )
+    registry_vals = dict(entry.recommended) if entry else {}
+    # A preset value for a knob the preset's device does not have is noise; keep it anyway:
+    # provenance shows it, and the user may override it.
+    s = C.resolve_settings(cli=cli, env=env, file=file_settings, file_path=sp.config_file,
+                           preset=preset_vals, preset_name=sp.preset, registry=registry_vals,
+                           registry_name=entry.name if entry else None, ctx=ctx)
+    if sp.preset:
+        s.values["runtime_preset"].value = sp.preset
+        if s.values["runtime_preset"].source == "default":
+            s.values["runtime_preset"].source = "auto"
+            s.values["runtime_preset"].reason = sp.preset_reason
+    _check_model_limits(s, mc.max_position_embeddings)
+    sp.settings = s
+
+    sp.phase = "device"
+    device = hardware.check_device(s["device"], hw)  # fails closed before any model work
+    if device != s["device"]:
+        s.override("device", device, s.values["device"].reason or "resolved",
+                   source=s.source("device"))
+    if s["engine"] == "kiln":
+        _check_kiln_engine_supports(s)
+    return sp
+
+
+def _only(d: dict[str, Any], *names: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k in names}
+
+
+def _first(*layers: dict[str, Any], key: str) -> Any:
+    for layer in layers:
+        if key in layer:
+            v = layer[key]
+            return v[0] if isinstance(v, tuple) else v
+    return None
+
+
+def _check_model_limits(s: C.ResolvedSettings, model_len: int) -> None:
+    r = s.values["max_model_len"]
+    if r.source in ("preset", "registry", "auto") and r.value > model_len:
+        s.override("max_model_len", model_len,
+                   f"{r.source} asked {r.value}, capped by the model's context {model_len}")
+        s.warnings.append(f"max_model_len {r.value} from {r.source} capped at the model's "
+                          f"{model_len}")
+
+
+# Settings only external engines implement: on kiln's engine they are an error, not a no-op.
+EXTERNAL_ONLY = ("lora_modules", "speculative_model", "speculative_method",
+                 "num_speculative_tokens", "cpu_offload_experts", "num_gpu_experts", "kt_method",
+                 "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
+                 "kt_gpu_prefill_token_threshold", "dist_init_addr")
+
+
+def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
+    for name in EXTERNAL_ONLY:
+        r = s.values.get(name)
+        if r is not None and r.source in ("cli", "env", "file") and r.value not in (None, False):
+            flag = C.setting(name).flags[0]
+            raise C.ConfigError(f"{flag} is not supported by kiln's own engine yet",
+                                hint="serve with --engine vllm or --engine sglang, which "
+                                "support it")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+        r = s.values[name]
+        if r.value and r.value > 1:
+            flag = C.setting(name).flags[0]
+            raise C.ConfigError(
+                f"{flag} {r.value} ({r.source}): kiln's own engine runs on one device",
+                hint="use --engine vllm (or --engine auto) for several GPUs or machines")
+
+
+# --------------------------------------------------------------------------- showing the work
+
+
+def describe(sp: StartupPlan) -> str:
+    hw, src, s = sp.hardware, sp.source, sp.settings
+    lines = ["hardware:"]
+    if hw is not None:
+        lines.append(f"  cpu      {hw.cpu_model} ({hw.physical_cores} physical cores, "
+                     f"{hw.numa_nodes} NUMA node(s))")
+        lines.append(f"  ram      {hw.ram_available_bytes / C.GiB:.1f} GiB available of "
+                     f"{hw.ram_total_bytes / C.GiB:.1f} GiB")
+        gpus = ", ".join(f"{g.name} {g.total_memory_bytes / C.GiB:.0f} GiB" for g in hw.gpus)
+        lines.append(f"  gpus     {gpus or 'none'}")
+    if src is not None:
+        lines.append("model:")
+        lines.append(f"  name     {src.name} ({src.kind}, {src.origin})")
+        lines.append(f"  path     {src.gguf_file or src.path}")
+        lines.append(f"  format   {src.format}" + (f" {src.quant}" if src.quant else "")
+                     + f", {src.total_bytes / C.GiB:.2f} GiB on disk")
+        if sp.checkpoint is not None:
+            mc = sp.checkpoint.config
+            lines.append(f"  arch     {mc.architecture}, {mc.num_hidden_layers} layers, hidden "
+                         f"{mc.hidden_size}, context {mc.max_position_embeddings}")
+    if sp.preset:
+        lines.append(f"preset: {sp.preset} ({sp.preset_reason})")
+    if s is not None:
+        lines.append("settings (non-default, with their source):")
+        for r in s.non_default():
+            value = "***" if r.name == "api_key" else r.value
+            lines.append(f"  {r.name:<24} = {value!s:<14} [{r.source}] {r.reason}")
+        for w in s.warnings:
+            lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def effective_config(sp: StartupPlan, status: str, error: BaseException | None = None
+                     ) -> dict[str, Any]:
+    out: dict[str, Any] = {"status": status, "phase": sp.phase}
+    if error is not None:
+        out["error"] = {"type": type(error).__name__, "message": str(error)}
+    out["settings"] = sp.settings.to_json() if sp.settings else {}
+    if sp.settings and "api_key" in out["settings"] and out["settings"]["api_key"]["value"]:
+        out["settings"]["api_key"]["value"] = "***"
+    out["warnings"] = list(sp.settings.warnings) if sp.settings else []
+    out["preset"] = {"name": sp.preset, "reason": sp.preset_reason}
+    out["hardware"] = sp.hardware.to_dict() if sp.hardware is not None else None
+    model: dict[str, Any] | None = sp.source.to_dict() if sp.source is not None else None
+    if model is not None and sp.checkpoint is not None:
+        from dataclasses import asdict
+
+        model["config"] = asdict(sp.checkpoint.config)
+    out["model"] = model
+    out["config_file"] = str(sp.config_file) if sp.config_file else None
+    out.update(sp.extra)
+    return out
+
+
+def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = None) -> None:
+    args = sp.args
+    if getattr(args, "effective_config_json", None):
+        path: Path = args.effective_config_json
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(effective_config(sp, status, error), indent=2, default=str))
+    if getattr(args, "decision_trace_jsonl", None):
+        path = args.decision_trace_jsonl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            f.write(json.dumps({"decision": "preset", "chosen": sp.preset,
+                                "reason": sp.preset_reason}, default=str) + "\n")
+            if sp.source is not None:
+                f.write(json.dumps({"decision": "model", "chosen": str(sp.source.gguf_file
+                                                                     or sp.source.path),
+                                    "reason": f"{sp.source.kind} via {sp.source.origin}"},
+                                   default=str) + "\n")
+            for row in (sp.settings.trace() if sp.settings else []):
+                f.write(json.dumps({"decision": "setting", **row}, default=str) + "\n")
+            for key, value in sp.extra.get("decisions", {}).items():
+                f.write(json.dumps({"decision": key, **value}, default=str) + "\n")
+            f.write(json.dumps({"decision": "startup", "status": status, "phase": sp.phase,
+                                "error": str(error) if error else None}) + "\n")
+
+
+def fail(sp: StartupPlan, err: BaseException) -> int:
+    """Records the failure, prints it the way a user can act on, and gives the exit code."""
+    write_artifacts(sp, "failed", err)
+    if isinstance(err, KilnError):
+        print(f"kiln: error ({sp.phase}): {err}", file=sys.stderr)
+        return err.exit_code
+    print(f"kiln: unexpected error ({sp.phase}): {type(err).__name__}: {err}", file=sys.stderr)
+    return 1
