@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read().strip()
     sp = startup.StartupPlan(args)
     try:
-        sp = startup.plan(args)
+        startup.plan(args, sp)
         if args.dry_run:
             print(startup.describe(sp))
             return 0

@@ -28,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sp = startup.StartupPlan(args)
     try:
-        sp = startup.plan(args)
+        startup.plan(args, sp)
         s = sp.settings
         assert s is not None
         logging.getLogger().setLevel(s["log_level"].upper())

@@ -52,12 +52,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     C.add_setting_arguments(p)
 
 
-def plan(args: argparse.Namespace) -> StartupPlan:
-    """Everything up to (not including) loading weights."""
+def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan:
+    """Everything up to (not including) loading weights. Fills `sp` as it goes, so a caller
+    that catches a failure knows the phase it happened in."""
     from kiln.models.loader import open_checkpoint
     from kiln.resolve import hardware, presets, sources
 
-    sp = StartupPlan(args)
+    sp = sp or StartupPlan(args)
     sp.phase = "config"
     cli = C.cli_values(args)
     env = C.env_values()

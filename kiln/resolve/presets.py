@@ -67,7 +67,6 @@ PRESETS: dict[str, Preset] = {
                 "device": "cpu",
                 "max_num_seqs": 16,
                 "max_num_batched_tokens": 512,
-                "max_model_len": 4096,
                 "block_size": 16,
                 "kv_cache_dtype": "auto",
                 "enable_prefix_caching": True,
