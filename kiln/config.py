@@ -96,6 +96,14 @@ def fraction(value: Any) -> float:
     return x
 
 
+def positive_wait_ms(value: Any) -> int:
+    n = int(value)
+    if n <= 0:
+        raise ValueError(f"the wait must be > 0 ms, got {n} (leave the setting unset to turn "
+                         "prefix rendezvous off)")
+    return n
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -317,6 +325,21 @@ SETTINGS: list[Setting] = [
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),
             choices=("debug", "info", "warning", "error"), affects="observability"),
+    # -- KV cache that remembers (kiln's engine)
+    Setting("prefix_rendezvous_max_wait_ms", positive_wait_ms, None,
+            "a request whose prefix another request is prefilling right now waits up to N ms "
+            "for those blocks instead of computing them twice (off unless set)",
+            ("--prefix-rendezvous-max-wait-ms",), affects="performance", metavar="N"),
+    Setting("session_cache", str, "off",
+            "keep each conversation's KV blocks pinned between turns (session id: the OpenAI "
+            "`user` field or the X-Session-Id header)", ("--session-cache",),
+            choices=("off", "memory"), affects="performance"),
+    Setting("session_cache_max_entries", positive_int, 256,
+            "most conversations the session cache keeps (least recently used go first)",
+            ("--session-cache-max-entries",), affects="memory"),
+    Setting("session_cache_max_tokens", positive_int, None,
+            "most tokens of KV the session cache keeps pinned (default: half the KV pool)",
+            ("--session-cache-max-tokens",), affects="memory"),
 ]
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -577,6 +600,10 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     compile: bool = False
+    prefix_rendezvous_max_wait_ms: int | None = None  # None: off
+    session_cache: str = "off"  # off | memory
+    session_cache_max_entries: int = 256
+    session_cache_max_tokens: int | None = None  # None: half the KV pool
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

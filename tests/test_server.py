@@ -196,7 +196,13 @@ def test_stop_string_is_cut_identically_in_stream_and_non_stream(
         pytest.skip(f"greedy answer too short to pick a stop string from: {text!r}")
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     expected = text[: text.find(stop)]
-    kw = dict(model=NAMES[0], messages=POEM, max_tokens=24, temperature=0, stop=[stop])
+    kw: dict[str, Any] = {
+        "model": NAMES[0],
+        "messages": POEM,
+        "max_tokens": 24,
+        "temperature": 0,
+        "stop": [stop],
+    }
     r = client.chat.completions.create(**kw)
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == "stop"
@@ -207,7 +213,14 @@ def test_stop_string_is_cut_identically_in_stream_and_non_stream(
 
 
 def test_n_choices_each_finish_in_stream_and_non_stream(client: Any) -> None:
-    kw = dict(model=NAMES[0], messages=POEM, max_tokens=6, temperature=0.9, seed=3, n=2)
+    kw: dict[str, Any] = {
+        "model": NAMES[0],
+        "messages": POEM,
+        "max_tokens": 6,
+        "temperature": 0.9,
+        "seed": 3,
+        "n": 2,
+    }
     r = client.chat.completions.create(**kw)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.message.content for c in r.choices)
@@ -246,7 +259,7 @@ def test_completions_text_echo_token_prompts_and_logprobs(
     client: Any, smollm2_tokenizer: Any
 ) -> None:
     prompt = "The capital of France is"
-    kw = dict(model=NAMES[0], max_tokens=5, temperature=0)
+    kw: dict[str, Any] = {"model": NAMES[0], "max_tokens": 5, "temperature": 0}
     r = client.completions.create(prompt=prompt, logprobs=1, **kw)
     text = r.choices[0].text
     assert text and r.object == "text_completion"

@@ -44,6 +44,7 @@ class _Add:
     cache_salt: str | None
     stream: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    session_id: str | None = None
 
 
 class AsyncEngine:
@@ -84,7 +85,7 @@ class AsyncEngine:
                 hint="retry later, or raise --max-queue")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        cmd = _Add(request_id, prompt_token_ids, params, cache_salt, stream, loop)
+        cmd = _Add(request_id, prompt_token_ids, params, cache_salt, stream, loop, session_id)
         self._commands.put(("add", cmd))
         # Validation errors (prompt too long, bad token id) come back before any output.
         first = await stream.get()
@@ -155,7 +156,7 @@ class AsyncEngine:
             a: _Add = cmd[1]
             try:
                 self.engine.add_request(a.request_id, a.prompt_token_ids, a.params,
-                                        cache_salt=a.cache_salt)
+                                        cache_salt=a.cache_salt, session_id=a.session_id)
             except BaseException as e:  # noqa: BLE001 - the handler re-raises it
                 a.loop.call_soon_threadsafe(a.stream.put_nowait, e)
                 return

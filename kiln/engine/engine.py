@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.config import EngineConfig
-from kiln.engine.kv_cache import KVCacheManager
+from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
 from kiln.engine.scheduler import Scheduler, SchedulerConfig
@@ -57,22 +57,35 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint | None = None,
-                 progress: ProgressFn | None = None, runner: ModelRunner | None = None) -> None:
+                 progress: ProgressFn | None = None, runner: ModelRunner | None = None, *,
+                 kv_hash_fn: HashFn | None = None) -> None:
         """`runner` reuses an already loaded model and KV pool (tests build several engines with
         different scheduler limits over one model); `config.kv_max_blocks` may then use fewer
-        blocks of that pool."""
+        blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
+        collisions with it)."""
         self.config = config
         self.ckpt = runner.ckpt if runner else (ckpt or open_checkpoint(config.model,
                                                                         config.gguf_file))
         self.runner = runner or ModelRunner(config, self.ckpt, progress=progress)
-        self.max_model_len = min(self.runner.max_model_len,
-                                 config.max_model_len or self.runner.max_model_len)
         num_blocks = min(self.runner.plan.num_blocks, config.kv_max_blocks or 1 << 62)
+        # A sequence must fit the pool on its own, or preemption could never make room for it
+        # (the runner's plan caps its own pool; a smaller kv_max_blocks over it caps it here).
+        self.max_model_len = min(self.runner.max_model_len,
+                                 config.max_model_len or self.runner.max_model_len,
+                                 num_blocks * self.runner.block_size)
+        sessions = config.session_cache != "off"
+        if sessions and not config.enable_prefix_caching:
+            log.warning("--session-cache needs prefix caching, which is off: sessions are not "
+                        "kept")
         self.kv = KVCacheManager(num_blocks, self.runner.block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching)
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 hash_fn=kv_hash_fn or default_block_hash,
+                                 session_max_entries=(config.session_cache_max_entries
+                                                      if sessions else 0),
+                                 session_max_tokens=config.session_cache_max_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.max_model_len), self.kv)
+                            self.max_model_len, config.prefix_rendezvous_max_wait_ms), self.kv)
         self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids)
         self._emitted: dict[str, int] = {}
         self._outputs_pending: list[RequestOutput] = []
@@ -82,7 +95,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, cache_salt: str | None = None,
-                    eos_token_ids: Iterable[int] | None = None) -> Request:
+                    eos_token_ids: Iterable[int] | None = None,
+                    session_id: str | None = None) -> Request:
+        """`session_id` names the conversation (the OpenAI `user` field or X-Session-Id): with
+        the session cache on, this turn's prefix stays pinned for the next one."""
         if not prompt_token_ids:
             raise KilnError("the prompt is empty: send at least one token")
         n = len(prompt_token_ids)
@@ -97,7 +113,7 @@ class Engine:
             raise KilnError(f"request id {request_id!r} is already in use")
         eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, session_id=session_id or None)
         limit = self.max_model_len - n
         req.max_tokens = min(params.max_tokens or limit, limit)
         self.scheduler.add_request(req)
@@ -159,6 +175,8 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         kv = self.kv
+        sessions = kv.sessions
+        sched = self.scheduler.stats
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -172,4 +190,9 @@ class Engine:
             "generated_tokens": self.scheduler.stats.num_generated_tokens,
             "steps": self.stats.steps,
             "step_seconds": self.stats.step_seconds,
+            "prefix_rendezvous_waits": sched.num_rendezvous_waits,
+            "prefix_rendezvous_timeouts": sched.num_rendezvous_timeouts,
+            "session_cache_entries": len(sessions) if sessions else 0,
+            "session_cache_pinned_blocks": sessions.num_pinned_blocks if sessions else 0,
+            "session_cache_released": sessions.stats.released if sessions is not None else 0,
         }

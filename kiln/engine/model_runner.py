@@ -19,7 +19,8 @@ from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.errors import ConfigError, DeviceError, MemoryFitError
-from kiln.layers.attention import AttentionMetadata, KVStore, PrefillChunk, set_context
+from kiln.layers.attention import (INT8_SCALE_BYTES, INT8_SCALE_DTYPE, AttentionMetadata, KVStore,
+                                   PrefillChunk, set_context)
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 
 log = logging.getLogger("kiln.runner")
@@ -107,7 +108,7 @@ class ModelRunner:
         mc = self.model_config
         per_head = mc.head_dim * torch.tensor([], dtype=KV_DTYPES[self.kv_dtype_name]).element_size()
         if self.kv_dtype_name == "int8":
-            per_head += 4  # fp32 scale per (token, head)
+            per_head += INT8_SCALE_BYTES  # fp16 scale per (token, head)
         return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head
 
     def _scratch_forward(self, token_ids: torch.Tensor, logits_rows: slice | None) -> torch.Tensor:
@@ -206,8 +207,10 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             k = torch.zeros(shape, dtype=dtype, device=self.device)
             v = torch.zeros(shape, dtype=dtype, device=self.device)
-            ks = torch.zeros(shape[:2], dtype=torch.float32, device=self.device) if quant else None
-            vs = torch.zeros(shape[:2], dtype=torch.float32, device=self.device) if quant else None
+            ks = vs = None
+            if quant:
+                ks = torch.zeros(shape[:2], dtype=INT8_SCALE_DTYPE, device=self.device)
+                vs = torch.zeros(shape[:2], dtype=INT8_SCALE_DTYPE, device=self.device)
             layer.kv = KVStore(k, v, ks, vs, compute_dtype=self.dtype)
 
     def _allocate_kv(self, num_blocks: int) -> None:

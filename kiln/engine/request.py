@@ -46,6 +46,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None  # extra key of the prefix-cache hashes: no sharing across salts
+    session_id: str | None = None  # conversation: the session cache pins its prefix between turns
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -54,6 +55,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
+    # Serial of the cached block holding each leading full block (see kv_cache.py); None ends
+    # it (a hash collision). Reset when the request's blocks are freed.
+    cached_chain: list[int | None] = field(default_factory=list)
+    rendezvous_since: float | None = None  # when it began waiting for another's prefill
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     max_tokens: int = 0  # resolved by the engine: params.max_tokens capped by the context

@@ -56,7 +56,9 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                banned = [t for t in (list(p.stop_token_ids)
+                                      + ([] if p.ignore_eos else list(r.eos_token_ids)))
+                          if 0 <= t < logits.shape[1]]
                 if banned:
                     logits[i, torch.tensor(banned, device=dev)] = float("-inf")
 
@@ -134,8 +136,10 @@ class Sampler:
             mask = ranks >= ks.unsqueeze(1)
             probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            # top_p = 1 keeps everything: the cumulative sum may round past 1.0 before the end.
             cum_before = probs.cumsum(dim=-1) - probs
-            mask |= cum_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
+            p_thresh = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=dev)
+            mask |= cum_before >= p_thresh.unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
         if any(m > 0 for m in min_p):

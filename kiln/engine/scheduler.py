@@ -6,11 +6,19 @@ starved by a long prompt), then waiting requests join while there is budget, blo
 sequence slot. When blocks run out, the most recently arrived running request is preempted: its
 blocks are freed and it waits again, to be recomputed from scratch (prompt + what it generated so
 far), so nothing is ever lost. Plain Python, no torch.
+
+Prefix rendezvous (off unless `prefix_rendezvous_max_wait_ms` is set): a waiting request whose
+next uncached prefix block is being prefilled right now by a running request stays in the waiting
+queue, for at most that many milliseconds in all, until those blocks are published; requests
+behind it are admitted meanwhile. Two identical long prompts that arrive together then prefill
+once instead of twice.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.engine.kv_cache import KVCacheManager
@@ -43,6 +51,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    prefix_rendezvous_max_wait_ms: int | None = None  # None: off
 
 
 @dataclass
@@ -50,12 +59,16 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0  # tokens computed that were not the last of the sequence
     num_generated_tokens: int = 0
+    num_rendezvous_waits: int = 0  # requests that waited for another's prefill
+    num_rendezvous_timeouts: int = 0  # of those, admitted because the wait ran out
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -66,6 +79,8 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         req.status = RequestStatus.WAITING
+        if req.session_id is not None and self.kv.sessions is not None:
+            self.kv.sessions.touch(req.session_id)
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -118,10 +133,19 @@ class Scheduler:
 
         # Requests preempted this step wait until the next one: re-admitting them now would
         # just thrash against the blocks we freed for the running ones.
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and not out.preempted):
-            req = self.waiting[0]
+        rendezvous = (self.config.prefix_rendezvous_max_wait_ms is not None
+                      and self.kv.enable_prefix_caching)
+        in_flight = self._blocks_in_flight() if rendezvous and self.waiting else set()
+        idx = 0
+        while (idx < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs and not out.preempted):
+            req = self.waiting[idx]
             hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            if rendezvous:
+                verdict = self._rendezvous(req, len(hits), in_flight)
+                if verdict == "wait":
+                    idx += 1  # stays in line; the requests behind it may go
+                    continue
             num_computed = len(hits) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             req_computed_before = req.num_computed_tokens
@@ -129,7 +153,11 @@ class Scheduler:
             if not self.kv.allocate(req, n, hits):
                 req.num_computed_tokens = req_computed_before
                 break
-            self.waiting.popleft()
+            del self.waiting[idx]
+            if rendezvous:
+                in_flight.update(self._uncached_hashes(req))
+                if verdict == "timeout":
+                    self.stats.num_rendezvous_timeouts += 1
             if req.num_preemptions == 0:
                 self.kv.record_prefix_query(req.num_tokens, num_computed)
                 req.num_cached_tokens = num_computed
@@ -138,6 +166,38 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, num_computed + n == req.num_tokens))
             budget -= n
         return out
+
+    # ------------------------------------------------------------------ prefix rendezvous
+
+    def _uncached_hashes(self, req: Request) -> list[int]:
+        """Hashes of the request's full blocks its KV does not cover yet: they are published
+        once computed."""
+        self.kv.update_block_hashes(req)
+        return req.block_hashes[req.num_computed_tokens // self.kv.block_size:]
+
+    def _blocks_in_flight(self) -> set[int]:
+        hashes: set[int] = set()
+        for r in self.running:
+            if r.num_computed_tokens < r.num_tokens - 1:  # still prefilling
+                hashes.update(self._uncached_hashes(r))
+        return hashes
+
+    def _rendezvous(self, req: Request, num_hits: int, in_flight: set[int]) -> str:
+        """"wait" if `req` should stay waiting: the block after its cached prefix is being
+        computed by a running request, and its wait (counted from the first) has not run out;
+        "timeout" if it would wait but may not any more; "go" otherwise."""
+        max_wait = self.config.prefix_rendezvous_max_wait_ms
+        assert max_wait is not None
+        if num_hits >= (req.num_tokens - 1) // self.kv.block_size:
+            return "go"  # nothing more to find: the last token is always computed
+        if req.block_hashes[num_hits] not in in_flight:
+            return "go"
+        now = self.clock()
+        if req.rendezvous_since is None:
+            req.rendezvous_since = now
+            self.stats.num_rendezvous_waits += 1
+        return "wait" if (now - req.rendezvous_since) * 1000.0 < max_wait else "timeout"
+
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -193,6 +253,9 @@ class Scheduler:
         req.status = status
         self.running.remove(req)
         self.requests.pop(req.request_id, None)
+        if req.session_id is not None and self.kv.sessions is not None:
+            # Pin this turn's prefix before the request lets go of its blocks.
+            self.kv.sessions.remember(req.session_id, req)
         self.kv.free(req)
 
     def all_requests(self) -> list[Request]:

@@ -421,17 +421,24 @@ class _Server:
             await fan.wait_started()
         except BaseException as e:  # overloaded, client gone, handler cancelled: stop them all
             fan.cancel()
-            if isinstance(e, self.overloaded_error):
-                raise APIError(503, e.message, code="overloaded") from e
-            if self.dead_error is not None and isinstance(e, self.dead_error):
-                raise APIError(503, e.message, code="engine_dead") from e
-            if isinstance(e, KilnError):
-                # add_request's own validation (we check the same things first, so rare).
-                raise APIError(400, e.message, code="invalid_value") from e
-            raise
+            mapped = self.engine_error(e)
+            if mapped is e:
+                raise
+            raise mapped from e
         finally:
             watcher.cancel()
         return fan
+
+    def engine_error(self, e: BaseException) -> BaseException:
+        """The HTTP error for an exception out of the engine (itself when it is not one)."""
+        if isinstance(e, self.overloaded_error):
+            return APIError(503, e.message, code="overloaded")
+        if self.dead_error is not None and isinstance(e, self.dead_error):
+            return APIError(503, e.message, code="engine_dead")
+        if isinstance(e, KilnError):
+            # add_request's own validation (we check the same things first, so rare).
+            return APIError(400, e.message, code="invalid_value")
+        return e
 
     async def collect(self, request: Request, fan: _Fanout) -> dict[int, list[_ChoiceEvent]]:
         """Non-streaming: gather all events of all choices (abort on client disconnect)."""
@@ -442,7 +449,10 @@ class _Server:
             while remaining:
                 item = await fan.next()
                 if isinstance(item, _Failed):
-                    raise item.error
+                    err = self.engine_error(item.error)
+                    if err is item.error:
+                        raise err
+                    raise err from item.error
                 events[item.index].append(item)
                 if item.finished:
                     remaining -= 1
@@ -475,12 +485,12 @@ class _Server:
                 except _ClientGone:
                     return
                 if isinstance(item, _Failed):
-                    err = item.error
-                    log.error("request failed mid-stream: %r", err, exc_info=err)
+                    err = self.engine_error(item.error)
+                    log.error("request failed mid-stream: %r", err, exc_info=item.error)
                     api_err = (
                         err
                         if isinstance(err, APIError)
-                        else APIError(500, f"internal error: {err}")
+                        else APIError(500, f"internal error: {type(err).__name__}: {err}")
                     )
                     yield f"data: {json.dumps(api_err.body())}\n\n"
                     break
