@@ -173,13 +173,16 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
     args = sp.args
     entry = src.registry_entry
     model_arg = str(src.path if src.format == "safetensors" else (src.gguf_file or src.path))
-    if src.kind in ("alias", "default") and entry is not None and src.format == "gguf":
+    if src.format == "remote":
+        model_arg = src.repo_id
+    elif src.kind in ("alias", "default") and entry is not None and src.format == "gguf":
         model_arg = entry.hf_repo  # vLLM/SGLang load the HF repo better than a GGUF
     bm = BackendModel(path=model_arg, served_names=s["served_model_name"] or [src.name],
                       is_moe=bool(entry and entry.kind == "moe"),
                       max_tp=entry.max_tensor_parallel if entry else None)
     passthrough = list(getattr(args, "passthrough", []) or [])
     ecfg = sp.engines_cfg.get(engine, {})
+    sp.phase = "engine"
     if args.dry_run:
         plan = build_plan(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
         print(startup.describe(sp))
@@ -189,7 +192,6 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
                                "warnings": plan.warnings}}
         startup.write_artifacts(sp, "dry-run")
         return 0
-    sp.phase = "engine"
     plan = prepare_launch(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
     for w in plan.warnings:
         print(f"kiln: warning: {w}", file=sys.stderr)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import config as C
-from kiln.errors import KilnError
+from kiln.errors import KilnError, ModelNotFoundError
 
 
 @dataclass
@@ -68,15 +68,28 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     sp.hardware = hardware.probe_hardware()
 
     sp.phase = "model"
-    # Where to look and whether to download are settings too; take them before the rest.
-    early = C.resolve_settings(cli=_only(cli, "model_dirs", "offline"),
-                               env=_only(env, "model_dirs", "offline"),
-                               file=_only(file_settings, "model_dirs", "offline"))
+    # Where to look, whether to download and which engine runs are settings too; take them
+    # before the rest, which depend on the model.
+    early_names = ("model_dirs", "offline", "engine")
+    early = C.resolve_settings(cli=_only(cli, *early_names), env=_only(env, *early_names),
+                               file=_only(file_settings, *early_names))
+    external = early["engine"] in ("vllm", "sglang")
     dirs = sources.configured_model_dirs(early.get("model_dirs") or [])
-    sp.source = sources.resolve_model(getattr(args, "model", None), model_dirs=dirs,
-                                      offline=bool(early.get("offline")))
-    sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
-    mc = sp.checkpoint.config
+    spec = getattr(args, "model", None)
+    # A dry run never downloads; an external engine downloads by itself what is not local.
+    download = not (args.dry_run or external)
+    try:
+        sp.source = sources.resolve_model(spec, model_dirs=dirs, offline=bool(early["offline"]),
+                                          download=download)
+    except ModelNotFoundError:
+        remote = _remote_source(spec) if external else None
+        if remote is None:
+            raise
+        sp.source = remote
+    mc = None
+    if sp.source.format != "remote":
+        sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
+        mc = sp.checkpoint.config
 
     sp.phase = "settings"
     entry = sp.source.registry_entry
@@ -85,6 +98,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if explicit_preset:
         sp.preset = explicit_preset
         sp.preset_reason = "asked for"
+    elif external or mc is None:
+        sp.preset_reason = "none inferred: the external engine picks its own defaults"
     else:
         info = {"architectures": [mc.architecture], "hidden_size": mc.hidden_size,
                 "num_hidden_layers": mc.num_hidden_layers,
@@ -104,7 +119,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         gpu_memory_bytes=min((g.total_memory_bytes for g in hw.gpus), default=0),
         gpu_bf16=any((g.compute_capability or (0, 0))[0] >= 8 for g in hw.gpus),
         cpu_bf16=hw.cpu_native_bf16,
-        model_max_len=mc.max_position_embeddings,
+        model_max_len=mc.max_position_embeddings if mc else (entry.context_length
+                                                             if entry else None),
         weight_bytes=sp.source.total_bytes,
         model_max_tp=entry.max_tensor_parallel if entry else None,
         is_moe=bool(entry and entry.kind == "moe"),
@@ -120,7 +136,9 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         if s.values["runtime_preset"].source == "default":
             s.values["runtime_preset"].source = "auto"
             s.values["runtime_preset"].reason = sp.preset_reason
-    _check_model_limits(s, mc.max_position_embeddings)
+    if mc is not None:
+        _check_model_limits(s, mc.max_position_embeddings)
+    _auto_gpu_experts(s, entry, hw)
     sp.settings = s
 
     sp.phase = "device"
@@ -131,6 +149,44 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
     return sp
+
+
+def _auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any) -> None:
+    """Hybrid MoE: how many experts of each layer stay on the GPUs, from VRAM per GPU and TP
+    (the registry's rule per model family, as ktransformers sizes it)."""
+    if not s.get("cpu_offload_experts") or s.get("num_gpu_experts") is not None:
+        return
+    if entry is None or entry.gpu_experts_rule is None or not hw.gpus:
+        s.warnings.append("num_gpu_experts left to the engine: no registry rule or no GPU to "
+                          "size it for")
+        return
+    from kiln.resolve.registry import gpu_experts_per_layer
+
+    vram = min(g.total_memory_bytes for g in hw.gpus)
+    tp = s["tensor_parallel_size"] or 1
+    n = gpu_experts_per_layer(entry, vram, tp)
+    s.override("num_gpu_experts", n, f"{n} experts per layer fit in {vram / C.GiB:.0f} GiB per "
+               f"GPU x TP {tp} after the dense weights ({entry.name} rule)")
+
+
+def _remote_source(spec: str | None) -> Any:
+    """A model the external engine will fetch itself: a registry alias or owner/repo that is not
+    on disk. kiln passes the repo id through instead of downloading it."""
+    from pathlib import Path
+
+    from kiln.resolve.registry import infer_entry, lookup
+    from kiln.resolve.sources import ModelSource
+
+    if not spec:
+        return None
+    entry = lookup(spec)
+    repo = entry.hf_repo if entry else (spec if spec.count("/") == 1 and ":" not in spec
+                                        and not Path(spec).exists() else None)
+    if repo is None:
+        return None
+    return ModelSource(spec=spec, kind="alias" if entry else "hf", path=Path(repo),
+                       format="remote", repo_id=repo, registry_entry=entry or infer_entry(repo),
+                       origin="remote (the engine downloads it)")
 
 
 def _only(d: dict[str, Any], *names: str) -> dict[str, Any]:
