@@ -108,7 +108,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                 "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason}}}
 
     sp.phase = "serve"
-    aengine = AsyncEngine(engine, max_queue=s["max_queue"]).start()
+    aengine = AsyncEngine(engine, max_queue=s["max_queue"],
+                          eos_token_ids=set(tokenizer.eos_token_ids)).start()
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__)
     startup.write_artifacts(sp, "ok")

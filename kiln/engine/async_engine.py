@@ -48,8 +48,12 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, max_queue: int = 1024) -> None:
+    def __init__(self, engine: Engine, *, max_queue: int = 1024,
+                 eos_token_ids: set[int] | None = None) -> None:
+        """`eos_token_ids`: every id that ends a turn (the tokenizer knows more of them than the
+        model config, e.g. both <|endoftext|> and <|im_end|>)."""
         self.engine = engine
+        self.eos_token_ids = (set(eos_token_ids or ()) | set(engine.eos_token_ids)) or None
         self.max_queue = max_queue
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
