@@ -5,6 +5,7 @@ wrong if a token is lost, duplicated, or computed from the wrong context."""
 from __future__ import annotations
 
 import random
+import zlib
 
 from kiln.engine.kv_cache import KVCacheManager
 from kiln.engine.request import Request, RequestStatus
@@ -27,7 +28,10 @@ def make_sched(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8,
 
 
 def make_req(rid: str, prompt: list[int] | int, max_tokens: int = 4, **kw) -> Request:
-    ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    """`prompt` as a number of tokens: distinct per request id (no accidental prefix hits)."""
+    base = zlib.crc32(rid.encode()) % 1000
+    ids = ([1000 + base * 50 + i for i in range(prompt)] if isinstance(prompt, int)
+           else list(prompt))
     r = Request(rid, ids, SamplingParams(max_tokens=max_tokens), **kw)
     r.max_tokens = max_tokens
     return r
@@ -208,7 +212,7 @@ def test_preemption_by_recompute_loses_nothing():
         out = d.step()
         for v in out.preempted:
             assert v.status is RequestStatus.PREEMPTED and v.num_computed_tokens == 0
-            assert v.block_ids == [] and s.waiting[0] is v or v in s.waiting
+            assert v.block_ids == [] and v in s.waiting
             preempted.append(v.request_id)
     assert preempted, "the pool was meant to be too small"
     assert s.stats.num_preemptions == len(preempted)
@@ -219,7 +223,7 @@ def test_preemption_by_recompute_loses_nothing():
 def test_the_most_recent_running_request_is_preempted_first():
     s = make_sched(num_blocks=6, budget=64)
     d = Driver(s)
-    old, new = make_req("old", 11, max_tokens=8), make_req("new", 11, max_tokens=8)
+    old, new = make_req("old", 12, max_tokens=8), make_req("new", 12, max_tokens=8)
     s.add_request(old)
     s.add_request(new)
     d.step()  # 3 blocks each: the pool is full
@@ -252,7 +256,8 @@ class Clock:
 def test_identical_prompts_arriving_together_prefill_once_with_rendezvous():
     def computed(rendezvous_ms):
         s = make_sched(num_blocks=64, budget=100, rendezvous_ms=rendezvous_ms, clock=Clock())
-        a, b = make_req("a", 40, max_tokens=3), make_req("b", 40, max_tokens=3)
+        prompt = list(range(1, 41))
+        a, b = make_req("a", prompt, max_tokens=3), make_req("b", prompt, max_tokens=3)
         s.add_request(a)
         s.add_request(b)
         d = Driver(s)
@@ -271,36 +276,47 @@ def test_identical_prompts_arriving_together_prefill_once_with_rendezvous():
 
 
 def test_a_rendezvous_does_not_block_the_requests_behind_it():
-    s = make_sched(num_blocks=64, budget=24, rendezvous_ms=10_000, clock=Clock())
+    s = make_sched(num_blocks=64, budget=40, rendezvous_ms=10_000, clock=Clock())
     d = Driver(s)
-    s.add_request(make_req("a", 60, max_tokens=2))
-    d.step()  # a prefills its first 24 tokens
-    s.add_request(make_req("twin", 60, max_tokens=2))
-    s.add_request(make_req("other", list(range(100, 104)), max_tokens=2))
-    out = d.step()
+    prompt = list(range(1, 61))
+    s.add_request(make_req("a", prompt, max_tokens=2))
+    d.step()  # a prefills its first 40 tokens
+    twin = make_req("twin", prompt, max_tokens=2)
+    s.add_request(twin)
+    s.add_request(make_req("other", 4, max_tokens=2))
+    out = d.step()  # a's last 20 tokens; twin waits for blocks 10-14, other goes past it
     ids = [x.request.request_id for x in out.scheduled]
     assert ids == ["a", "other"] and [r.request_id for r in s.waiting] == ["twin"]
+    out = d.step()
+    assert ("twin", 4) in [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
     d.run()
+    assert twin.num_cached_tokens == 56 and d.outputs["twin"] == d.outputs["a"]
     assert s.requests == {} and s.stats.num_rendezvous_timeouts == 0
 
 
 def test_a_rendezvous_gives_up_after_the_max_wait():
     clock = Clock()
     s = make_sched(num_blocks=64, budget=16, rendezvous_ms=50, clock=clock)
-    d = Driver(s)
-    s.add_request(make_req("a", 80, max_tokens=1))
-    s.add_request(make_req("twin", 80, max_tokens=1))
-    d.step()
-    assert [r.request_id for r in s.waiting] == ["twin"]
+    prompt = list(range(1, 81))
+    s.add_request(make_req("a", prompt, max_tokens=1))
+    Driver(s).step()  # a is prefilling: its blocks 4.. are in flight
+    twin = make_req("twin", prompt, max_tokens=1)
+    hits = s.kv.find_cached_prefix(twin)
+    in_flight = s._blocks_in_flight()
+    assert len(hits) == 4 and twin.block_hashes[4] in in_flight
+    assert s._rendezvous(twin, len(hits), in_flight) == "wait"
     clock.t = 0.049
-    out = d.step()  # still within the wait; a's chunk uses the whole budget anyway
-    assert [x.request.request_id for x in out.scheduled] == ["a"]
-    s.config.max_num_batched_tokens = 64
-    clock.t = 0.051
-    out = d.step()
-    assert "twin" in [x.request.request_id for x in out.scheduled]
+    assert s._rendezvous(twin, len(hits), in_flight) == "wait"
+    clock.t = 0.050
+    assert s._rendezvous(twin, len(hits), in_flight) == "timeout"
+    assert s._rendezvous(twin, len(hits), set()) == "go"  # nothing in flight: no wait at all
+    assert s.stats.num_rendezvous_waits == 1
+    # Given up: admitted (and counted) as soon as there is room, although a still prefills.
+    s.add_request(twin)
+    s.config.max_num_batched_tokens = 100
+    out = Driver(s).step()
+    assert [x.request.request_id for x in out.scheduled] == ["a", "twin"]
     assert s.stats.num_rendezvous_timeouts == 1
-    d.run()
 
 
 def test_rendezvous_is_off_without_prefix_caching():
@@ -313,24 +329,32 @@ def test_rendezvous_is_off_without_prefix_caching():
 # --------------------------------------------------------------------------- session cache
 
 
-def test_finished_session_turn_stays_pinned_and_the_next_turn_hits_it():
-    s = make_sched(num_blocks=16, budget=64, session_max_entries=4)
+def run_conversation(session_entries: int) -> tuple[Scheduler, Request]:
+    s = make_sched(num_blocks=16, budget=64, session_max_entries=session_entries)
     d = Driver(s)
     t1 = make_req("t1", 12, max_tokens=3, session_id="conv")
     s.add_request(t1)
     d.run()
-    assert len(s.kv.sessions) == 1 and s.kv.sessions.num_pinned_blocks == 3
-    s.kv.check_integrity([])  # only the pins hold blocks
-    # Traffic that cycles through every unpinned block.
+    # Traffic, one request at a time, that cycles through every unpinned block.
     for i in range(4):
-        s.add_request(make_req(f"o{i}", list(range(200 + 20 * i, 220 + 20 * i)), max_tokens=2))
-    d.run()
+        s.add_request(make_req(f"o{i}", 22, max_tokens=2))
+        d.run()
     t2 = make_req("t2", t1.all_token_ids + [77, 78], max_tokens=2, session_id="conv")
     s.add_request(t2)
     d.run()
-    assert t2.num_cached_tokens == 12  # 14 computed tokens of t1: 3 full blocks
-    aborted = make_req("t3", t2.all_token_ids + [5], max_tokens=4, session_id="other")
-    s.add_request(aborted)
+    return s, t2
+
+
+def test_finished_session_turn_stays_pinned_and_the_next_turn_hits_it():
+    s, t2 = run_conversation(session_entries=0)  # no session cache: the traffic evicted turn 1
+    assert t2.num_cached_tokens == 0
+    s, t2 = run_conversation(session_entries=4)
+    assert t2.num_cached_tokens == 12  # 14 computed tokens of turn 1: 3 full blocks
+    assert len(s.kv.sessions) == 1 and s.kv.sessions.num_pinned_blocks == 4  # turn 2 now
+    s.kv.check_integrity([])  # only the pins hold blocks
+    d = Driver(s)
+    t3 = make_req("t3", t2.all_token_ids + [5], max_tokens=4, session_id="other")
+    s.add_request(t3)
     d.step()
     s.abort("t3")
     assert "other" not in s.kv.sessions.entries  # an aborted turn is not kept

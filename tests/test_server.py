@@ -62,13 +62,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(tmp: Path, gguf: Path, *extra: str) -> Iterator[Server]:
+def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator[Server]:
     port = _free_port()
     # Flags follow the settings table (vLLM-compatible names).
     cmd = [
         sys.executable, "-m", "kiln", "serve", str(gguf),
         "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", ",".join(NAMES), "--api-key", API_KEY,
+        "--served-model-name", ",".join(NAMES), *(["--api-key", API_KEY] if api_key else []),
         "--device", "cpu", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
         *extra,
@@ -461,3 +461,85 @@ def test_full_queue_is_503_and_held_requests_are_freed(tiny_queue_server: Server
         for t in holders:
             t.join(30)
     _wait_idle(srv, timeout=30)
+
+
+# -- batching, seeds, metrics --------------------------------------------------------------------
+
+
+def test_sixteen_concurrent_streams_match_solo_runs(server: Server, client: Any) -> None:
+    prompts = [f"Name {i + 2} fruits." for i in range(16)]
+    solo = [
+        client.completions.create(model=NAMES[0], prompt=p, max_tokens=12, temperature=0)
+        .choices[0].text
+        for p in prompts
+    ]
+
+    async def one(c: Any, p: str) -> str:
+        stream = await c.completions.create(
+            model=NAMES[0], prompt=p, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        try:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+        finally:
+            await c.close()
+
+    together = asyncio.run(main())
+    assert together == solo
+    assert sum(map(bool, together)) >= 8
+    _wait_idle(server)
+
+
+def test_seed_reproduces_sampled_text(client: Any) -> None:
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=NAMES[0], messages=POEM, max_tokens=16, temperature=1.0, seed=seed
+        )
+        return r.choices[0].message.content
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(s) != first for s in (1, 2, 3))
+
+
+def test_metrics_are_prometheus_text(server: Server, client: Any) -> None:
+    client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=2)
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert "# TYPE kiln:num_requests_running gauge" in text
+    gen = [ln for ln in text.splitlines() if ln.startswith("kiln:generation_tokens_total")]
+    assert gen and float(gen[0].split()[-1]) >= 2
+    assert "kiln:prefix_cache_hits_total" in text
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_in_flight_request_then_exits_0(
+    tmp_path: Path, gguf_path: Path
+) -> None:
+    """Without an API key /v1 is open; SIGTERM lets a streaming request finish, then exits 0."""
+    gen = _serve(tmp_path, gguf_path, api_key=False)
+    srv = next(gen)
+    try:
+        c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="anything", max_retries=0)
+        assert c.models.list().data[0].id == NAMES[0]
+        stream = c.completions.create(
+            model=NAMES[0], prompt="Once upon a time", max_tokens=40, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        srv.proc.terminate()  # SIGTERM while the request is in flight
+        rest = list(chunks)
+        finish = [ch.choices[0].finish_reason for ch in [first, *rest] if ch.choices]
+        assert finish[-1] == "length"
+        assert srv.proc.wait(60) == 0, srv.log_tail()
+        assert "stopped" in srv.log_tail()
+    finally:
+        try:
+            next(gen)
+        except StopIteration:
+            pass

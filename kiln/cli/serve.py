@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kiln.cli import startup
@@ -135,6 +138,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
             }), flush=True)
 
     server.startup = startup_and_announce  # type: ignore[method-assign]
+    server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
     server.run()
     # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
     drained = wait_idle(aengine, 1.0)
@@ -142,6 +146,24 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     print("kiln: stopped" + ("" if drained else " (some requests were cut off)"),
           file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _drain_on_signals(server: Any) -> Iterator[None]:
+    """SIGINT/SIGTERM: uvicorn stops accepting and drains in-flight requests. Unlike uvicorn's
+    own handler we do not re-raise the signal afterwards: a drained shutdown exits 0."""
+
+    def handler(sig: int, frame: Any) -> None:
+        print(f"kiln: {signal.Signals(sig).name}: draining in-flight requests ...",
+              file=sys.stderr, flush=True)
+        server.handle_exit(sig, frame)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _progress_bar():  # type: ignore[no-untyped-def]

@@ -51,8 +51,10 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        logits = self._apply_penalties(logits, reqs)
-        # min_tokens: end-of-sequence tokens are not allowed yet.
+        penalized = self._apply_penalties(logits, reqs)
+        # min_tokens: end-of-sequence tokens are not allowed yet. (Masked on a copy: the
+        # caller's logits are left as they were.)
+        bans: list[tuple[int, list[int]]] = []
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
@@ -60,7 +62,12 @@ class Sampler:
                                       + ([] if p.ignore_eos else list(r.eos_token_ids)))
                           if 0 <= t < logits.shape[1]]
                 if banned:
-                    logits[i, torch.tensor(banned, device=dev)] = float("-inf")
+                    bans.append((i, banned))
+        if bans and penalized is logits:
+            penalized = logits.clone()
+        logits = penalized
+        for i, banned in bans:
+            logits[i, torch.tensor(banned, device=dev)] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
         if not all(p.temperature == 0.0 for p in params):

@@ -876,4 +876,11 @@ def build_app(
     async def get_version() -> Any:
         return JSONResponse({"version": version})
 
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        from kiln.server.metrics import render
+
+        return Response(render(engine.stats(), server.names[0]),
+                        media_type="text/plain; version=0.0.4")
+
     return app

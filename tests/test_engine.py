@@ -1,0 +1,191 @@
+"""Engine on SmolLM2 (fp32, CPU): batch invariance, preemption under a tiny KV pool, chunked
+prefill, abort, and the offline `kiln.LLM` API."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_to_completion
+from kiln.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time,",
+    "The three primary colors are", "Water boils at", "My favourite food is",
+    "In 1492, Columbus", "The quick brown fox", "import numpy as np\n",
+    "The largest planet in the solar system", "Photosynthesis is the process",
+    "A haiku about autumn:", "The best way to learn to code is", "Dear Sir or Madam,",
+    "The recipe calls for two cups of", "SELECT name FROM users WHERE",
+]
+NEW_TOKENS = 12
+# min_tokens = max_tokens: every request generates exactly NEW_TOKENS (EOS is masked).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
+    return [smollm2_tokenizer.encode(p) for p in PROMPTS]
+
+
+def build_engine(runner, gguf_path, **kw):
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+
+    kw.setdefault("max_num_seqs", 32)
+    kw.setdefault("max_num_batched_tokens", 512)
+    return Engine(EngineConfig(model=str(gguf_path), dtype="float32", **kw), runner=runner)
+
+
+def integrity(engine) -> None:
+    engine.kv.check_integrity(engine.scheduler.all_requests())
+
+
+@pytest.fixture(scope="module")
+def one_by_one(smollm2_runner, gguf_path, prompt_ids) -> dict[str, list[int]]:
+    """The reference: each prompt alone in the engine, no prefix caching."""
+    eng = build_engine(smollm2_runner, gguf_path, enable_prefix_caching=False)
+    out: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompt_ids):
+        eng.add_request(str(i), ids, GREEDY)
+        out.update(run_to_completion(eng))
+    assert all(len(v) == NEW_TOKENS for v in out.values())
+    return out
+
+
+def test_batch_of_16_gives_the_tokens_of_one_by_one(make_engine, prompt_ids, one_by_one):
+    eng = make_engine()
+    for i, ids in enumerate(prompt_ids):
+        eng.add_request(str(i), ids, GREEDY)
+    first = eng.step()
+    assert len(eng.scheduler.running) == 16 and len(first) == 16  # all prefilled in one step
+    out = {o.request_id: list(o.new_token_ids) for o in first}
+    for rid, toks in run_to_completion(eng, check=integrity).items():
+        out[rid] += toks
+    assert out == one_by_one
+
+
+def test_tiny_kv_pool_preempts_and_still_completes_every_request(make_engine, prompt_ids,
+                                                                  one_by_one):
+    eng = make_engine(kv_max_blocks=8)  # 128 token slots for 16 requests of ~20 tokens
+    for i, ids in enumerate(prompt_ids):
+        eng.add_request(str(i), ids, GREEDY)
+    finished: dict[str, str] = {}
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+        integrity(eng)
+        assert eng.kv.num_blocks == 8
+    assert eng.metrics()["num_preemptions"] > 0, "the pool was meant to be too small"
+    assert finished == {str(i): "length" for i in range(16)}
+    assert out == one_by_one
+    assert eng.kv.num_free_blocks == 8
+
+
+def test_long_prompt_with_a_small_token_budget_gives_the_same_output(make_engine,
+                                                                    smollm2_tokenizer):
+    text = " ".join(PROMPTS) + " Summary of the above:"
+    ids = smollm2_tokenizer.encode(text * 3)[:300]
+    outs, steps = [], []
+    for budget in (512, 48):
+        eng = make_engine(max_num_batched_tokens=budget, enable_prefix_caching=False)
+        eng.add_request("long", ids, GREEDY)
+        outs.append(run_to_completion(eng, check=integrity)["long"])
+        steps.append(eng.metrics()["steps"])
+    assert outs[0] == outs[1]
+    assert steps == [NEW_TOKENS, -(-300 // 48) + NEW_TOKENS - 1]  # 7 prefill chunks
+
+
+def test_abort_mid_generation_frees_blocks_at_once(make_engine, prompt_ids, one_by_one):
+    eng = make_engine(enable_prefix_caching=False)
+    for i in range(4):
+        eng.add_request(str(i), prompt_ids[i], GREEDY)
+    for _ in range(3):
+        eng.step()
+    held = {r.request_id: len(r.block_ids) for r in eng.scheduler.running}
+    free = eng.kv.num_free_blocks
+    assert eng.abort("1") and eng.abort("3")
+    assert not eng.abort("1")  # already gone
+    assert eng.kv.num_free_blocks == free + held["1"] + held["3"]
+    integrity(eng)
+    outs = {}
+    reasons = {}
+    while eng.has_unfinished or eng._outputs_pending:
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert reasons == {"0": "length", "1": "abort", "2": "length", "3": "abort"}
+    assert outs["0"][-1] == one_by_one["0"][-1] and outs["2"][-1] == one_by_one["2"][-1]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_in_the_engine(make_engine, prompt_ids):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, min_tokens=8)
+    runs = []
+    for others in (0, 3):
+        eng = make_engine()
+        eng.add_request("me", prompt_ids[2], params)
+        for i in range(others):
+            eng.add_request(f"o{i}", prompt_ids[5 + i], SamplingParams(temperature=1.0,
+                                                                        max_tokens=8))
+        runs.append(run_to_completion(eng)["me"])
+    assert runs[0] == runs[1]
+
+
+def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
+    from kiln.engine.engine import PromptTooLongError
+    from kiln.errors import KilnError
+
+    eng = make_engine()
+    stop_at = one_by_one["0"][3]
+    eng.add_request("s", prompt_ids[0], SamplingParams(temperature=0.0, max_tokens=12,
+                                                       stop_token_ids=[stop_at]))
+    outs = []
+    while eng.has_unfinished:
+        outs.extend(eng.step())
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_token_id == stop_at
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got == one_by_one["0"][:one_by_one["0"].index(stop_at)]
+    with pytest.raises(PromptTooLongError):
+        eng.add_request("long", [1] * eng.max_model_len, GREEDY)
+    with pytest.raises(KilnError):
+        eng.add_request("empty", [], GREEDY)
+    with pytest.raises(KilnError):
+        eng.add_request("oov", [10**9], GREEDY)
+
+
+# --------------------------------------------------------------------------- offline LLM API
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kiln import LLM
+
+    return LLM(dtype="float32", kv_cache_memory=48 << 20, max_model_len=1024,
+               max_num_batched_tokens=256)
+
+
+def test_llm_chat_answers_paris(llm):
+    out = llm.chat([{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=24))
+    assert len(out) == 1 and "Paris" in out[0].outputs[0].text
+
+
+def test_llm_generate_n_choices_and_stop_strings(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
+    a = llm.generate(["Once upon a time"], params)
+    b = llm.generate(["Once upon a time"], params)
+    assert [c.index for c in a[0].outputs] == [0, 1, 2]
+    assert [c.text for c in a[0].outputs] == [c.text for c in b[0].outputs]  # seeded
+    assert len({tuple(c.token_ids) for c in a[0].outputs}) > 1  # distinct seeds per choice
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    full = llm.generate("The capital of France is", greedy)[0].outputs[0].text
+    word = next(w for w in full.split()[2:] if len(w) > 2)
+    cut = llm.generate("The capital of France is",
+                       SamplingParams(temperature=0.0, max_tokens=16, stop=[word]))
+    text = cut[0].outputs[0].text
+    assert word not in text and full.startswith(text) and text == full[:full.index(word)]

@@ -1,0 +1,203 @@
+"""Sampler: seeded reproducibility, penalties, top-k / top-p / min-p masks, min_tokens, logprobs.
+
+Runs on CPU over synthetic logits (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.engine.request import Request
+from kiln.engine.sampler import Sampler
+from kiln.sampling_params import SamplingParams
+
+V = 64
+NEG = float("-inf")
+
+
+def make_req(rid: str, prompt=(1, 2, 3), output=(), eos=(), **params) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(**params), eos_token_ids=frozenset(eos))
+    r.output_token_ids = list(output)
+    return r
+
+
+def logits_for(step: int, rid: str, batch: int = 1) -> torch.Tensor:
+    """Logits that depend only on (step, request), so the batch around them does not matter."""
+    g = torch.Generator().manual_seed(hash((step, rid)) & 0xFFFF_FFFF)
+    return torch.randn(batch, V, generator=g) * 2
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def run_seeded(seed: int, others: int, position: int, steps: int = 12) -> list[int]:
+    """Tokens a seeded request gets over `steps`, batched with `others` unseeded requests."""
+    sampler = Sampler(V, torch.device("cpu"), seed=123 + others)
+    me = make_req("me", temperature=1.0, top_p=0.9, seed=seed)
+    crowd = [make_req(f"o{i}", temperature=0.7 + 0.1 * i) for i in range(others)]
+    out = []
+    for step in range(steps):
+        batch = crowd[:position] + [me] + crowd[position:]
+        logits = torch.cat([logits_for(step, r.request_id) for r in batch])
+        tokens = sampler(logits, batch).token_ids
+        out.append(tokens[batch.index(me)])
+        me.output_token_ids.append(out[-1])
+    return out
+
+
+def test_same_seed_gives_the_same_tokens_whatever_the_batch():
+    alone = run_seeded(7, others=0, position=0)
+    assert run_seeded(7, others=3, position=0) == alone
+    assert run_seeded(7, others=5, position=5) == alone
+    assert run_seeded(7, others=2, position=1) == alone
+    assert run_seeded(8, others=0, position=0) != alone  # the seed matters
+
+
+def test_a_seeded_request_does_not_change_the_others_greedy_tokens():
+    sampler = Sampler(V, torch.device("cpu"))
+    greedy = make_req("g", temperature=0.0)
+    seeded = make_req("s", temperature=1.0, seed=1)
+    logits = torch.cat([logits_for(0, "g"), logits_for(0, "s")])
+    tokens = sampler(logits, [greedy, seeded]).token_ids
+    assert tokens[0] == logits[0].argmax().item()
+
+
+def test_sampling_follows_the_distribution():
+    sampler = Sampler(4, torch.device("cpu"), seed=0)
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    reqs = [make_req(f"r{i}", temperature=1.0) for i in range(4000)]
+    tokens = torch.tensor(sampler(probs.log().expand(4000, 4).clone(), reqs).token_ids)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03) and freq[3] == 0
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.zeros(1, V)
+    logits[0, 1], logits[0, 2], logits[0, 5], logits[0, 9] = 4.0, -4.0, 3.0, 2.0
+    r = make_req("r", prompt=(1, 2), output=(5,), repetition_penalty=2.0)
+    out = sampler._apply_penalties(logits, [r])
+    assert out[0, 1] == 2.0 and out[0, 2] == -8.0  # prompt tokens count (HF/vLLM)
+    assert out[0, 5] == 1.5  # and generated ones
+    assert out[0, 9] == 2.0 and out[0, 0] == 0.0  # unseen tokens are untouched
+    assert logits[0, 1] == 4.0  # the caller's logits are not modified
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.full((1, V), 1.0)
+    r = make_req("r", prompt=(3, 3, 3), output=(7, 7, 7, 8), presence_penalty=0.5,
+                 frequency_penalty=0.25)
+    out = sampler._apply_penalties(logits, [r])
+    assert out[0, 7].item() == pytest.approx(1.0 - 0.5 - 3 * 0.25)
+    assert out[0, 8].item() == pytest.approx(1.0 - 0.5 - 0.25)
+    assert out[0, 3].item() == 1.0  # in the prompt only: OpenAI semantics leave it alone
+    plain = make_req("p", output=(7,))
+    assert torch.equal(sampler._apply_penalties(logits, [plain]), logits)
+
+
+def test_penalties_apply_to_their_own_row_only():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.ones(2, V)
+    a = make_req("a", output=(4,), presence_penalty=1.0)
+    b = make_req("b", output=(4,))
+    out = sampler._apply_penalties(logits, [a, b])
+    assert out[0, 4] == 0.0 and out[1, 4] == 1.0
+
+
+def test_a_penalty_changes_the_greedy_choice():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.zeros(1, V)
+    logits[0, 10], logits[0, 11] = 5.0, 4.0
+    r = make_req("r", output=(10,), temperature=0.0, frequency_penalty=2.0)
+    assert sampler(logits, [r]).token_ids == [11]
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def masked(logits: torch.Tensor, **params) -> list[int]:
+    out = Sampler._apply_top_k_top_p_min_p(logits.clone(), [SamplingParams(**params)])
+    return [i for i in range(logits.shape[1]) if out[0, i] != NEG]
+
+
+PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+
+
+def test_top_k_keeps_the_k_best():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    assert masked(logits, top_k=2) == [1, 3]
+    assert masked(logits, top_k=0) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    lg = PROBS.log()
+    assert masked(lg, top_p=0.8) == [0, 1]  # 0.5 + 0.3 reaches 0.8
+    assert masked(lg, top_p=0.81) == [0, 1, 2]
+    assert masked(lg, top_p=0.4) == [0]  # the best token always stays
+    assert masked(lg, top_p=1.0, top_k=4) == [0, 1, 2, 3]
+
+
+def test_top_p_one_with_top_k_keeps_a_peaked_distribution_whole():
+    # The best token's probability rounds to 1.0 in fp32: a cumulative mass test against 1.0
+    # would drop the whole tail from the top-k.
+    logits = torch.zeros(1, 1000)
+    logits[0, 0] = 25.0
+    assert len(masked(logits, top_k=1000, top_p=1.0)) == 1000
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    lg = PROBS.log()
+    assert masked(lg, min_p=0.2) == [0, 1, 2]  # 0.05 < 0.2 * 0.5
+    assert masked(lg, min_p=0.61) == [0]
+
+
+def test_masked_tokens_are_never_sampled():
+    sampler = Sampler(V, torch.device("cpu"), seed=3)
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0)).expand(500, V)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    reqs = [make_req(f"r{i}", temperature=1.5, top_k=5) for i in range(500)]
+    assert set(sampler(logits.clone(), reqs).token_ids) <= top5
+
+
+# --------------------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.zeros(1, V)
+    logits[0, 0], logits[0, 1], logits[0, 2] = 9.0, 8.0, 7.0  # eos, stop, ordinary
+    for n_out, want in ((0, 2), (2, 2), (3, 0)):
+        r = make_req("r", output=[5] * n_out, eos=(0,), temperature=0.0, min_tokens=3,
+                     stop_token_ids=[1])
+        assert sampler(logits, [r]).token_ids == [want], n_out
+        assert logits[0, 0] == 9.0  # masked on a copy, not in the caller's logits
+    r = make_req("r", eos=(0,), temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert sampler(logits, [r]).token_ids == [0]  # ignore_eos: EOS is an ordinary token
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_match_log_softmax_of_the_raw_logits():
+    sampler = Sampler(V, torch.device("cpu"), seed=5)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(9)) * 3
+    reqs = [make_req("a", temperature=0.0, logprobs=5),
+            make_req("b", temperature=1.0, logprobs=0, repetition_penalty=1.5),
+            make_req("c", temperature=0.8)]
+    ref = torch.log_softmax(logits, dim=-1)
+    out = sampler(logits.clone(), reqs)
+    a, b, c = out.logprobs
+    assert c is None
+    assert a.token_id == out.token_ids[0] == ref[0].argmax().item()
+    assert math.isclose(a.logprob, ref[0, a.token_id].item(), abs_tol=1e-5)
+    top_v, top_i = ref[0].topk(5)
+    assert [t for t, _ in a.top] == top_i.tolist()
+    assert all(math.isclose(x, y, abs_tol=1e-5) for (_, x), y in zip(a.top, top_v.tolist()))
+    assert b.top == [] and b.token_id == out.token_ids[1]
+    assert math.isclose(b.logprob, ref[1, b.token_id].item(), abs_tol=1e-5)
