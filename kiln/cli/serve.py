@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kiln.cli import startup
@@ -195,11 +196,22 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
     assert s is not None and src is not None
     args = sp.args
     entry = src.registry_entry
-    model_arg = str(src.path if src.format == "safetensors" else (src.gguf_file or src.path))
     if src.format == "remote":
         model_arg = src.repo_id
-    elif src.kind in ("alias", "default") and entry is not None and src.format == "gguf":
-        model_arg = entry.hf_repo  # vLLM/SGLang load the HF repo better than a GGUF
+    elif src.format == "gguf":
+        # vLLM/SGLang want an HF folder (their GGUF loaders fetch a tokenizer from the Hub):
+        # kiln exports the GGUF once into its cache.
+        from kiln.backends.export import export_dir_for, export_gguf_as_hf
+
+        gguf = Path(src.gguf_file or src.path)
+        if args.dry_run:
+            model_arg = str(export_dir_for(gguf))
+        else:
+            print(f"kiln: exporting {gguf.name} as a Hugging Face folder for {engine} ...",
+                  file=sys.stderr)
+            model_arg = str(export_gguf_as_hf(gguf))
+    else:
+        model_arg = str(src.path)
     bm = BackendModel(path=model_arg, served_names=s["served_model_name"] or [src.name],
                       is_moe=bool(entry and entry.kind == "moe"),
                       max_tp=entry.max_tensor_parallel if entry else None)
