@@ -29,7 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `kiln run MODEL --temperature 0 "a prompt"`: words after the options are still the prompt.
+    if getattr(args, "command", None) == "run" and extra and not any(
+            x.startswith("-") for x in extra):
+        args.prompt = list(args.prompt) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.passthrough = passthrough
     if not getattr(args, "func", None):
         parser.print_help()
