@@ -18,18 +18,31 @@ def export_dir_for(gguf: Path) -> Path:
 
 
 def export_gguf_as_hf(gguf: Path, dtype: str = "bfloat16") -> Path:
-    """Writes (once) and returns an HF folder with the GGUF's weights, config and tokenizer."""
+    """Writes (once) and returns an HF folder with the GGUF's weights, config and tokenizer.
+
+    Weights come from kiln's own GGUF reader (dequantized, Q/K rows un-permuted to the HF
+    layout); the config and tokenizer from transformers' GGUF support.
+    """
     out = export_dir_for(gguf)
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kiln.models.loader import iter_tensors, open_checkpoint
 
     tmp = out.with_name(out.name + ".partial")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=getattr(torch, dtype))
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the export is plain dense weights
+    cfg.torch_dtype = dtype
+    cfg.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    target = getattr(torch, dtype)
+    tensors = {name: t.to(target).contiguous() for name, t in iter_tensors(open_checkpoint(gguf))
+               if name != "rope_freqs"}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tmp.rename(out)  # atomic: a half-written export is never used
     return out
