@@ -187,7 +187,7 @@ def _engine_checks(hw: Any) -> list[Check]:
                 Check(
                     f"engine {name}",
                     "OK",
-                    f"not installed (optional: pip install {name} for --backend {name})",
+                    f"not installed (optional: pip install {name} for --engine {name})",
                 )
             )
         elif not hw.has_usable_cuda:
@@ -196,7 +196,7 @@ def _engine_checks(hw: Any) -> list[Check]:
                     f"engine {name}",
                     "WARN",
                     f"installed ({'; '.join(found)}) but there is no usable CUDA GPU",
-                    f"--backend {name} needs a GPU; use the built-in engine on CPU",
+                    f"--engine {name} needs a GPU; use the built-in engine on CPU",
                 )
             )
         else:
