@@ -50,8 +50,12 @@ EXPLICIT_SOURCES = frozenset({"cli", "env", "file", "preset", "registry"})
 
 # Settings that steer kiln itself (which engine, how to find it, how long to drain); never
 # translated and never warned about.
+# kiln's own engine and server features: nothing to hand to vLLM/SGLang (they have their own
+# prefix caches; sessions and rendezvous are kiln scheduling policies).
 KILN_ONLY = frozenset({"engine", "engine_command", "runtime_preset", "model_dirs",
-                       "drain_timeout"})
+                       "drain_timeout", "max_queue", "cpu_memory_utilization",
+                       "prefix_rendezvous_max_wait_ms", "session_cache",
+                       "session_cache_max_entries", "session_cache_max_tokens"})
 
 
 class _EngineDecides:

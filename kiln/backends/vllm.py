@@ -130,7 +130,11 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
                              "other nodes run `ray start --address=<head>:6379`")
     ctx.warn(f"vLLM spans {nnodes} nodes through Ray: start the cluster first (`ray start "
              f"--head` on this node, `ray start --address=<this host>:6379` on each other)")
-    return [Arg("--distributed-executor-backend", "ray")]
+    out: list[Out] = [Arg("--distributed-executor-backend", "ray")]
+    addr = ctx.value("dist_init_addr")
+    if addr:  # an existing Ray cluster's head: vLLM's Ray executor joins it
+        out.append(Env("RAY_ADDRESS", str(addr), "dist_init_addr"))
+    return out
 
 
 def _lora(value: Any, _: PlanContext) -> list[Out]:
@@ -201,7 +205,7 @@ TABLE: tuple[Map, ...] = (
     Map("quantization", "--quantization", convert=_quant),
     Map("tensor_parallel_size", "--tensor-parallel-size", engine_default=1),
     Map("pipeline_parallel_size", "--pipeline-parallel-size", engine_default=1),
-    Map("nnodes", emit=_nodes, engine_default=1, also=("node_rank",)),
+    Map("nnodes", emit=_nodes, engine_default=1, also=("node_rank", "dist_init_addr")),
     Map("lora_modules", emit=_lora),
     Map("max_lora_rank", "--max-lora-rank"),
     Map("speculative_model", emit=_speculative,
