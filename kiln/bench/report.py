@@ -61,6 +61,11 @@ def format_summaries(summaries: list[LevelSummary]) -> str:
     for s in summaries:
         if s.errors:
             notes.append(f"{s.label}: {s.errors} failed; first: " + " | ".join(s.error_messages))
+        if s.short_outputs:
+            notes.append(
+                f"{s.label}: {s.short_outputs} responses stopped before max_tokens although "
+                "ignore_eos was asked: the server ignores it or cut them short"
+            )
         if s.usage_missing:
             notes.append(
                 f"{s.label}: {s.usage_missing} responses had no usage; tokens counted from chunks"

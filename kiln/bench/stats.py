@@ -75,6 +75,10 @@ class RequestRecord:
     session: int = 0
     turn: int = 0
     text: str = ""
+    retries: int = 0  # resends after a stale keep-alive connection (see BenchClient.send)
+    # max_tokens when the request asked for ignore_eos (so fewer tokens mean the server cut it
+    # short); None when stopping early is allowed.
+    expected_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -112,6 +116,8 @@ class RequestRecord:
             "error": self.error,
             "session": self.session,
             "turn": self.turn,
+            "retries": self.retries,
+            "expected_tokens": self.expected_tokens,
         }
 
 
@@ -134,6 +140,8 @@ class LevelSummary:
     itl: Distribution
     e2e: Distribution
     usage_missing: int  # ok requests whose server sent no usage (counts came from chunks)
+    short_outputs: int = 0  # ok requests with fewer tokens than an ignore_eos request asked for
+    retries: int = 0  # resends after stale keep-alive connections (the client's race, not errors)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,4 +194,10 @@ def summarize(
         itl=Distribution.of([g for r in ok for g in r.itls]),
         e2e=Distribution.of([r.e2e for r in ok]),
         usage_missing=sum(1 for r in ok if not r.usage_reported),
+        retries=sum(r.retries for r in records),
+        short_outputs=sum(
+            1
+            for r in ok
+            if r.expected_tokens is not None and (r.completion_tokens or 0) < r.expected_tokens
+        ),
     )

@@ -52,6 +52,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value: Any = json.loads(raw)  # numbers, true/false, null
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().replace("-", "_"), value
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -162,6 +173,15 @@ def add_parser(subparsers: Any) -> None:
         "--decode-tokens", type=int, default=128, help="tokens per sequence of the timed decode"
     )
     off.add_argument("--repeats", type=int, default=3, help="prefill runs (median)")
+    off.add_argument(
+        "--engine-arg",
+        dest="engine_args",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="EngineConfig override for LLM(), e.g. kv_cache_memory=134217728 (repeatable)",
+    )
     p.set_defaults(func=main)
 
 
@@ -215,6 +235,7 @@ def _run_offline(args: argparse.Namespace) -> int:
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,
         seed=args.seed,
+        engine_overrides=dict(args.engine_args),
     )
     if args.json_path:
         print(f"wrote {write_json(args.json_path, result.to_json())}", file=sys.stderr)
