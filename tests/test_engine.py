@@ -8,15 +8,25 @@ import pytest
 from conftest import run_to_completion
 from kiln.sampling_params import SamplingParams
 
-PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time,",
-    "The three primary colors are", "Water boils at", "My favourite food is",
-    "In 1492, Columbus", "The quick brown fox", "import numpy as np\n",
-    "The largest planet in the solar system", "Photosynthesis is the process",
-    "A haiku about autumn:", "The best way to learn to code is", "Dear Sir or Madam,",
-    "The recipe calls for two cups of", "SELECT name FROM users WHERE",
+PROMPTS = [  # 8 to 17 tokens: with 8 new tokens most cross a 16-token block boundary
+    "The capital of France is a city known for",
+    "def fibonacci(n):\n    \"\"\"Return the n-th number",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are red, yellow and",
+    "Water boils at one hundred degrees Celsius when",
+    "My favourite food is a warm bowl of noodle soup with",
+    "In 1492, Columbus sailed across the Atlantic Ocean and",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "import numpy as np\nimport pandas as pd\n\ndef load(path):\n",
+    "The largest planet in the solar system is Jupiter, which",
+    "Photosynthesis is the process by which green plants",
+    "A haiku about autumn leaves falling on a quiet pond:",
+    "The best way to learn to code is to build small",
+    "Dear Sir or Madam, I am writing to apply for the",
+    "The recipe calls for two cups of flour, one egg and",
+    "SELECT name, email FROM users WHERE created_at >",
 ]
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 # min_tokens = max_tokens: every request generates exactly NEW_TOKENS (EOS is masked).
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
@@ -65,8 +75,8 @@ def test_batch_of_16_gives_the_tokens_of_one_by_one(make_engine, prompt_ids, one
 
 def test_tiny_kv_pool_preempts_and_still_completes_every_request(make_engine, prompt_ids,
                                                                   one_by_one):
-    eng = make_engine(kv_max_blocks=8)  # 128 token slots for 16 requests of ~20 tokens
-    for i, ids in enumerate(prompt_ids):
+    eng = make_engine(kv_max_blocks=4)  # 64 token slots for 8 requests of 16-25 tokens
+    for i, ids in enumerate(prompt_ids[:8]):
         eng.add_request(str(i), ids, GREEDY)
     finished: dict[str, str] = {}
     out: dict[str, list[int]] = {}
@@ -76,60 +86,66 @@ def test_tiny_kv_pool_preempts_and_still_completes_every_request(make_engine, pr
             if o.finished:
                 finished[o.request_id] = o.finish_reason
         integrity(eng)
-        assert eng.kv.num_blocks == 8
     assert eng.metrics()["num_preemptions"] > 0, "the pool was meant to be too small"
-    assert finished == {str(i): "length" for i in range(16)}
-    assert out == one_by_one
-    assert eng.kv.num_free_blocks == 8
+    assert finished == {str(i): "length" for i in range(8)}
+    assert out == {str(i): one_by_one[str(i)] for i in range(8)}
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks == 4
 
 
 def test_long_prompt_with_a_small_token_budget_gives_the_same_output(make_engine,
                                                                     smollm2_tokenizer):
     text = " ".join(PROMPTS) + " Summary of the above:"
-    ids = smollm2_tokenizer.encode(text * 3)[:300]
+    ids = smollm2_tokenizer.encode(text)[:160]
+    assert len(ids) == 160
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
     outs, steps = [], []
     for budget in (512, 48):
         eng = make_engine(max_num_batched_tokens=budget, enable_prefix_caching=False)
-        eng.add_request("long", ids, GREEDY)
+        eng.add_request("long", ids, params)
         outs.append(run_to_completion(eng, check=integrity)["long"])
         steps.append(eng.metrics()["steps"])
     assert outs[0] == outs[1]
-    assert steps == [NEW_TOKENS, -(-300 // 48) + NEW_TOKENS - 1]  # 7 prefill chunks
+    assert steps == [4, 4 + 3]  # 160 tokens in chunks of 48: 4 steps, the last samples
 
 
 def test_abort_mid_generation_frees_blocks_at_once(make_engine, prompt_ids, one_by_one):
     eng = make_engine(enable_prefix_caching=False)
     for i in range(4):
         eng.add_request(str(i), prompt_ids[i], GREEDY)
+    outs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+
+    def collect(outputs) -> None:
+        for o in outputs:
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+
     for _ in range(3):
-        eng.step()
+        collect(eng.step())
     held = {r.request_id: len(r.block_ids) for r in eng.scheduler.running}
     free = eng.kv.num_free_blocks
     assert eng.abort("1") and eng.abort("3")
     assert not eng.abort("1")  # already gone
     assert eng.kv.num_free_blocks == free + held["1"] + held["3"]
     integrity(eng)
-    outs = {}
-    reasons = {}
     while eng.has_unfinished or eng._outputs_pending:
-        for o in eng.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+        collect(eng.step())
     assert reasons == {"0": "length", "1": "abort", "2": "length", "3": "abort"}
-    assert outs["0"][-1] == one_by_one["0"][-1] and outs["2"][-1] == one_by_one["2"][-1]
+    assert outs["0"] == one_by_one["0"] and outs["2"] == one_by_one["2"]
+    assert outs["1"] == one_by_one["1"][:3] and outs["3"] == one_by_one["3"][:3]
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
 def test_seeded_sampling_is_reproducible_in_the_engine(make_engine, prompt_ids):
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, min_tokens=8)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=4, min_tokens=4)
     runs = []
     for others in (0, 3):
         eng = make_engine()
         eng.add_request("me", prompt_ids[2], params)
         for i in range(others):
             eng.add_request(f"o{i}", prompt_ids[5 + i], SamplingParams(temperature=1.0,
-                                                                        max_tokens=8))
+                                                                        max_tokens=4))
         runs.append(run_to_completion(eng)["me"])
     assert runs[0] == runs[1]
 
@@ -140,7 +156,7 @@ def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
 
     eng = make_engine()
     stop_at = one_by_one["0"][3]
-    eng.add_request("s", prompt_ids[0], SamplingParams(temperature=0.0, max_tokens=12,
+    eng.add_request("s", prompt_ids[0], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                        stop_token_ids=[stop_at]))
     outs = []
     while eng.has_unfinished:
@@ -163,29 +179,28 @@ def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
 def llm():
     from kiln import LLM
 
-    return LLM(dtype="float32", kv_cache_memory=48 << 20, max_model_len=1024,
+    return LLM(dtype="float32", kv_cache_memory=16 << 20, max_model_len=512,
                max_num_batched_tokens=256)
 
 
-def test_llm_chat_answers_paris(llm):
-    out = llm.chat([{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=24))
-    assert len(out) == 1 and "Paris" in out[0].outputs[0].text
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_llm_generate_n_choices_and_stop_strings(llm):
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
-    a = llm.generate(["Once upon a time"], params)
-    b = llm.generate(["Once upon a time"], params)
-    assert [c.index for c in a[0].outputs] == [0, 1, 2]
-    assert [c.text for c in a[0].outputs] == [c.text for c in b[0].outputs]  # seeded
-    assert len({tuple(c.token_ids) for c in a[0].outputs}) > 1  # distinct seeds per choice
-
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
-    full = llm.generate("The capital of France is", greedy)[0].outputs[0].text
-    word = next(w for w in full.split()[2:] if len(w) > 2)
-    cut = llm.generate("The capital of France is",
-                       SamplingParams(temperature=0.0, max_tokens=16, stop=[word]))
+def test_llm_chat_answers_paris_and_stop_strings_cut_the_text(llm):
+    out = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16))
+    full = out[0].outputs[0].text
+    assert len(out) == 1 and "Paris" in full, full
+    cut = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]))
     text = cut[0].outputs[0].text
-    assert word not in text and full.startswith(text) and text == full[:full.index(word)]
+    assert text == full[:full.index("Paris")] and "Paris" not in text
+
+
+def test_llm_generate_n_choices(llm):
+    out = llm.generate(["Once upon a time", "The sky is"],
+                       SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, min_tokens=6))
+    assert [o.prompt for o in out] == ["Once upon a time", "The sky is"]
+    for o in out:
+        assert [c.index for c in o.outputs] == [0, 1, 2]
+        assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in o.outputs)
+        assert len({tuple(c.token_ids) for c in o.outputs}) > 1  # each choice its own seed

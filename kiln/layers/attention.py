@@ -18,10 +18,22 @@ keeps an fp16 scale (absmax / 127), quantized on write and dequantized as it is 
 scale is fp16, not fp32, so that int8 KV holds >= 1.9x the tokens of 16-bit KV even at
 head_dim 64 (2*64 / (64 + 2) = 1.94; an fp32 scale would give 1.88); its rounding (2^-11
 relative) is far below the int8 step, and values are quantized against the rounded scale.
+
+Keys carry outlier channels (SmolLM2: absmax ~5x the row's RMS), which leave the other channels
+only a few int8 levels. So int8 keys are stored rotated by a fixed orthonormal matrix R (a
+normalized Hadamard matrix, which spreads every channel over all of them): the pool holds k R,
+and queries that read the pool are rotated the same way, since (q R) . (k R) = q . k. A fresh
+prefill chunk attends to its own unrotated k and q, untouched. On SmolLM2 this takes the greedy
+agreement with fp32 KV over 5 x 64 tokens from 55% to 100%. Values are not rotated: their rows
+are flatter, and rotating them changed nothing in that test.
+
+    write : pool_k = int8(k @ R), pool_v = int8(v)
+    read  : scores = (q @ R) . dequant(pool_k),  out = softmax(scores) @ dequant(pool_v)
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -65,8 +77,25 @@ def get_context() -> AttentionMetadata:
     return _CONTEXT
 
 
+@functools.lru_cache(maxsize=8)
+def rotation_matrix(dim: int, device: torch.device) -> torch.Tensor:
+    """An orthonormal [dim, dim] fp32 matrix: the Sylvester Hadamard matrix / sqrt(dim) when dim
+    is a power of two, else a fixed (seeded) random rotation."""
+    if dim & (dim - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        r = h / dim ** 0.5
+    else:
+        g = torch.Generator().manual_seed(dim)
+        r, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+        r = r.float()
+    return r.to(device)
+
+
 class KVStore:
-    """One layer's slice of the KV pool."""
+    """One layer's slice of the KV pool. int8 keys are kept rotated (see the module notes):
+    `gather` returns them in that basis, and `query` puts queries in the same one."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -74,6 +103,13 @@ class KVStore:
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
         self.compute_dtype = compute_dtype
+        self.rotation = rotation_matrix(k.shape[-1], k.device) if k_scale is not None else None
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries that attend to keys read from this store: q [..., D] in the store's basis."""
+        if self.rotation is None:
+            return q
+        return (q.float() @ self.rotation).to(q.dtype)
 
     @property
     def quantized(self) -> bool:
@@ -82,7 +118,8 @@ class KVStore:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.quantized:
             assert self.k_scale is not None and self.v_scale is not None
-            qk, sk = quantize_int8(k)
+            assert self.rotation is not None
+            qk, sk = quantize_int8(k.float() @ self.rotation)
             qv, sv = quantize_int8(v)
             self.k.index_copy_(0, slots, qk)
             self.v.index_copy_(0, slots, qv)
@@ -93,7 +130,8 @@ class KVStore:
             self.v.index_copy_(0, slots, v.to(self.v.dtype))
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots: any shape S -> K, V of shape S + [kv_heads, head_dim] in the compute dtype."""
+        """slots: any shape S -> K, V of shape S + [kv_heads, head_dim] in the compute dtype
+        (K in the store's basis: pair it with `query(q)`)."""
         k, v = self.k[slots], self.v[slots]
         if self.quantized:
             assert self.k_scale is not None and self.v_scale is not None
@@ -132,7 +170,7 @@ class Attention(nn.Module):
             assert meta.decode_gather is not None
             ck, cv = kv.gather(meta.decode_gather)  # [nd, kv, Hk, D]
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), ck.transpose(1, 2), cv.transpose(1, 2),
+                kv.query(q[:nd]).unsqueeze(2), ck.transpose(1, 2), cv.transpose(1, 2),
                 attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)
         for c in meta.prefills:
@@ -147,7 +185,7 @@ class Attention(nn.Module):
                 assert c.gather is not None
                 ck, cv = kv.gather(c.gather)  # [kv, Hk, D]
                 o = F.scaled_dot_product_attention(
-                    qc, ck.transpose(0, 1).unsqueeze(0), cv.transpose(0, 1).unsqueeze(0),
+                    kv.query(qc), ck.transpose(0, 1).unsqueeze(0), cv.transpose(0, 1).unsqueeze(0),
                     attn_mask=c.mask, scale=self.scale, enable_gqa=True)
             out[c.start:c.end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -3,7 +3,8 @@
 Inverse frequencies follow the published formulas (default, linear, llama3, yarn) as Hugging Face
 transformers computes them, so logits match its reference implementation. cos/sin are tabulated
 once up to `max_positions` and indexed by each token's position: any batch layout works.
-The rotation is the "rotate half" form (GGUF's interleaved Q/K rows are un-permuted at load).
+The rotation is the "rotate half" form (GGUF's interleaved Q/K rows are un-permuted at load), in
+the activation dtype with cos/sin cast to it, as transformers does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None,
                   max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Returns (inverse frequencies [head_dim/2], attention factor applied to cos/sin)."""
     dim = head_dim
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "default":
         return inv_freq, 1.0
@@ -65,9 +66,9 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None,
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
         extrap_factor = 1 - ramp
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
         inv = (1.0 / (factor * pos_freqs)) * (1 - extrap_factor) + (1.0 / pos_freqs) * extrap_factor
         return inv, float(attn)
     raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported by kiln yet")
@@ -82,32 +83,51 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.build()
 
-    def build(self, freq_factors: torch.Tensor | None = None) -> None:
-        """(Re)computes the tables; `freq_factors` divide the inverse frequencies (GGUF's
-        `rope_freqs` tensor, which is how llama.cpp stores Llama 3's scaling)."""
+    def build(self, freq_factors: torch.Tensor | None = None,
+              device: torch.device | str | None = None) -> None:
+        """(Re)computes the tables (on `device`, else where they are now, else the CPU);
+        `freq_factors` divide the inverse frequencies (GGUF's `rope_freqs` tensor, which is how
+        llama.cpp stores Llama 3's scaling)."""
         inv_freq, attn_factor = rope_inv_freq(*self.args)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.float().cpu()
-        t = torch.arange(self.max_positions, dtype=torch.float32)
+        # Tables are computed on the CPU (explicitly: the model is first built under
+        # torch.device("meta"), where these factories would go through slow reference code).
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         # Not parameters: rebuilt at init, so the meta-device build materializes them itself.
-        device = self.cos.device if hasattr(self, "cos") and self.cos.device.type != "meta" \
-            else None
-        self.register_buffer("cos", (emb.cos() * attn_factor).to(device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * attn_factor).to(device), persistent=False)
+        if device is None and hasattr(self, "cos") and self.cos.device.type != "meta":
+            device = self.cos.device
+        cos, sin = emb.cos() * attn_factor, emb.sin() * attn_factor
+        half = cos.shape[-1] // 2
+        # sin with the rotate-half sign folded in: x*cos + cat(x2, x1)*sin_signed equals HF's
+        # x*cos + cat(-x2, x1)*sin bit for bit, one op fewer.
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+        self.register_buffer("sin_signed", sin_signed.to(device), persistent=False)
+        self._cache: dict[torch.dtype, torch.Tensor] = {}
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) rows for `positions`, [T, 1, D] in `dtype` (HF computes them in
+        fp32 and casts to the activation dtype before rotating: so do we)."""
+        table = self._cache.get(dtype)
+        if table is None or table.device != self.cos.device:
+            table = torch.stack([self.cos, self.sin_signed], dim=0).to(dtype)
+            self._cache[dtype] = table
+        cs = table[:, positions].unsqueeze(2)  # [2, T, 1, D]
+        return cs[0], cs[1]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.lookup(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin_signed: [T, 1, D] in x's dtype (from `RotaryEmbedding.lookup`)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(dtype)
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed

@@ -1,0 +1,74 @@
+"""Memory fit: a KV pool too small for the context lowers an automatic max_model_len, and refuses
+an explicit one with the largest length that fits. A tiny random model, a tiny pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_tiny_model
+
+# TINY in conftest: 2 layers, 2 KV heads, head_dim 16, fp32: 2 * 2 * 2 * 16 * 4 = 512 bytes a
+# token, 8 KiB a block of 16. 80 KiB is 10 blocks: 160 tokens, against 512 positions.
+POOL = 80 << 10
+FITS = 160
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("fit") / "llama"))
+
+
+def runner(model: str, **kw):
+    from kiln.config import EngineConfig
+    from kiln.engine.model_runner import ModelRunner
+    from kiln.models.loader import open_checkpoint
+
+    cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32, **kw)
+    return ModelRunner(cfg, open_checkpoint(model))
+
+
+def test_auto_max_model_len_is_lowered_to_what_the_pool_holds(tiny):
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine, PromptTooLongError
+    from kiln.sampling_params import SamplingParams
+
+    r = runner(tiny, kv_cache_memory=POOL)
+    assert r.kv_bytes_per_token() == 512 and r.plan.num_blocks == 10
+    assert r.plan.token_capacity == FITS and r.max_model_len == FITS
+    assert any("lowered from 512 to 160" in w for w in r.plan.warnings)
+    eng = Engine(EngineConfig(model=tiny, dtype="float32", max_num_batched_tokens=32),
+                 runner=r)
+    assert eng.max_model_len == FITS
+    with pytest.raises(PromptTooLongError, match="maximum context length is 160"):
+        eng.add_request("r", [1] * 150, SamplingParams(max_tokens=20))
+    eng.add_request("ok", [1] * 150, SamplingParams(max_tokens=9, temperature=0.0))
+    while eng.has_unfinished:
+        eng.step()
+
+
+def test_explicit_max_model_len_that_does_not_fit_names_the_largest_that_does(tiny):
+    from kiln.errors import MemoryFitError
+
+    with pytest.raises(MemoryFitError) as e:
+        runner(tiny, kv_cache_memory=POOL, max_model_len=512, max_model_len_explicit=True)
+    assert "--max-model-len 512 does not fit" in str(e.value)
+    assert e.value.hint is not None and f"--max-model-len {FITS} or less" in e.value.hint
+    r = runner(tiny, kv_cache_memory=POOL, max_model_len=FITS, max_model_len_explicit=True)
+    assert r.max_model_len == FITS and not r.plan.warnings
+
+
+def test_a_pool_smaller_than_one_block_is_refused(tiny):
+    from kiln.errors import MemoryFitError
+
+    with pytest.raises(MemoryFitError, match="give the KV cache more memory"):
+        runner(tiny, kv_cache_memory=4 << 10)
+
+
+def test_max_model_len_counts_as_explicit_only_when_the_user_set_it():
+    from kiln.config import EngineConfig, resolve_settings
+
+    auto = EngineConfig.from_settings(resolve_settings(), model="m")
+    assert not auto.max_model_len_explicit
+    cli = resolve_settings(cli={"max_model_len": ("1024", "--max-model-len")})
+    cfg = EngineConfig.from_settings(cli, model="m")
+    assert cfg.max_model_len == 1024 and cfg.max_model_len_explicit
