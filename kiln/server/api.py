@@ -142,6 +142,7 @@ class _ChoiceSpec:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str = ""  # echoed before the completion when echo=True
+    session_id: str | None = None  # keeps this conversation's KV blocks between turns
 
 
 @dataclass
@@ -310,7 +311,8 @@ class _Server:
         want_logprobs = params.logprobs is not None
         consumed = 0  # output tokens taken so far (the engine may run ahead of a stop string)
         done = False
-        gen = self.engine.generate(spec.request_id, spec.prompt_ids, params, cache_salt=cache_salt)
+        gen = self.engine.generate(spec.request_id, spec.prompt_ids, params, cache_salt=cache_salt,
+                                   session_id=spec.session_id)
         try:
             async for out in gen:
                 on_started()
@@ -526,8 +528,12 @@ class _Server:
             raise _bad_param(e, "messages") from e
         params = self.params_for(req, len(prompt_ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.
+        session = request.headers.get("x-session-id") or req.user
         specs = [
-            _ChoiceSpec(f"{rid}-{i}", i, prompt_ids, params.for_choice(i)) for i in range(req.n)
+            _ChoiceSpec(f"{rid}-{i}", i, prompt_ids, params.for_choice(i),
+                        session_id=session if req.n == 1 else None)
+            for i in range(req.n)
         ]
         created = int(time.time())
         k = params.logprobs or 0

@@ -28,6 +28,14 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "step_seconds": ("kiln:engine_step_seconds_total", "counter", "Seconds spent in steps."),
     "session_cache_entries": ("kiln:session_cache_entries", "gauge",
                               "Conversations whose KV blocks are pinned."),
+    "session_cache_pinned_blocks": ("kiln:session_cache_pinned_blocks", "gauge",
+                                    "KV blocks pinned by the session cache."),
+    "session_cache_released": ("kiln:session_cache_released_total", "counter",
+                               "Sessions whose blocks were released (LRU or pool pressure)."),
+    "prefix_rendezvous_waits": ("kiln:prefix_rendezvous_waits_total", "counter",
+                                "Steps a request waited for a prefix another was prefilling."),
+    "prefix_rendezvous_timeouts": ("kiln:prefix_rendezvous_timeouts_total", "counter",
+                                   "Rendezvous waits that ran out of time."),
 }
 
 
