@@ -86,9 +86,10 @@ def native_int8(device_type: str) -> bool:
     if device_type != "cpu" or not _has_op("_weight_int8pack_mm"):
         return False
     try:
-        x = torch.randn(2, 64, dtype=KERNEL_DTYPE)
-        w = torch.randint(-127, 127, (32, 64), dtype=torch.int8)
-        s = torch.rand(32, dtype=KERNEL_DTYPE)
+        g = torch.Generator().manual_seed(0)  # not the global RNG: probing must not shift it
+        x = torch.randn(2, 64, generator=g).to(KERNEL_DTYPE)
+        w = torch.randint(-127, 127, (32, 64), dtype=torch.int8, generator=g)
+        s = torch.rand(32, generator=g).to(KERNEL_DTYPE)
         got = torch.ops.aten._weight_int8pack_mm(x, w, s).float()
         want = (x.float() @ w.float().t()) * s.float()
         return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-1 * want.abs().max().item()))
@@ -103,12 +104,13 @@ def native_int4(device_type: str) -> bool:
         return False
     try:
         n, k = 64, 64
-        q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        scale = torch.rand(k // INT4_GROUP, n) + 0.5
-        zero = torch.randn(k // INT4_GROUP, n)
+        scale = torch.rand(k // INT4_GROUP, n, generator=g) + 0.5
+        zero = torch.randn(k // INT4_GROUP, n, generator=g)
         sz = torch.stack([scale, zero], -1).to(KERNEL_DTYPE)
-        x = torch.randn(3, k, dtype=KERNEL_DTYPE)
+        x = torch.randn(3, k, generator=g).to(KERNEL_DTYPE)
         got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz).float()
         s = sz[..., 0].float().t().repeat_interleave(INT4_GROUP, 1)
         z = sz[..., 1].float().t().repeat_interleave(INT4_GROUP, 1)
@@ -243,8 +245,7 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
         elif self.native:
-            cd = KERNEL_DTYPE if x2.dtype == torch.float32 else x2.dtype
-            y = x2.to(cd) @ self._dequant_t(cd)
+            y = x2 @ self._dequant_t(x2.dtype)
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))
         y = y.to(x.dtype)
