@@ -4,7 +4,8 @@ load time, for each weight mode, with and without torch.compile.
     .venv/bin/python benchmarks/engine_speed.py                  # all modes, compile off and on
     .venv/bin/python benchmarks/engine_speed.py --modes bf16,bf16+int4 --compile off --quick
 
-Modes: fp32, bf16, bf16+int8, bf16+int4 (dtype + weight-only quantization). Every runner stays
+Modes: fp32, bf16, bf16+int8, bf16+int4 (dtype + weight-only quantization), bf16+int4+dense (int4
+kernels for small steps, a bf16 copy of the weights for prefill and large batches: the CPU default). Every runner stays
 loaded and the measurements go round-robin (rep 1 of every mode, then rep 2, ...), so modes are
 compared over the same stretch of a noisy, shared machine; each number is the best rep, and the
 JSON keeps every rep. "+compile" reuses the mode's runner, toggling its compiled decode step, so
@@ -36,8 +37,10 @@ from kiln.engine.model_runner import ModelRunner
 from kiln.models.loader import open_checkpoint
 from kiln.sampling_params import SamplingParams
 
-MODES = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
-         "bf16+int8": ("bfloat16", "int8"), "bf16+int4": ("bfloat16", "int4")}
+# name -> (dtype, quantization, dense_weights)
+MODES = {"fp32": ("float32", "none", False), "bf16": ("bfloat16", "none", False),
+         "bf16+int8": ("bfloat16", "int8", False), "bf16+int4": ("bfloat16", "int4", False),
+         "bf16+int4+dense": ("bfloat16", "int4", True)}
 PREFILL_TOKENS = 512
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT = 32  # tokens per decode request's prompt
@@ -50,12 +53,13 @@ def default_model() -> str:
 
 
 class Bench:
-    def __init__(self, name: str, model: str, dtype: str, quant: str, compile_: bool,
+    def __init__(self, name: str, model: str, dtype: str, quant: str, dense: bool, compile_: bool,
                  threads: int, max_batch: int, decode_steps: int, reps: int) -> None:
         self.name = name
         kv_tokens = max_batch * (DECODE_PROMPT + decode_steps + 2 * max_batch) + PREFILL_TOKENS
         per_token = 2 * 30 * 3 * 64 * (4 if dtype == "float32" else 2)  # SmolLM2-135M KV bytes
-        self.cfg = EngineConfig(model=model, dtype=dtype, quantization=quant, compile=compile_,
+        self.cfg = EngineConfig(model=model, dtype=dtype, quantization=quant, dense_weights=dense,
+                                compile=compile_,
                                 num_threads=threads, max_model_len=2048, max_num_seqs=max_batch,
                                 max_num_batched_tokens=PREFILL_TOKENS,
                                 kv_cache_memory=int(kv_tokens * per_token * 1.25),
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     benches: list[Bench] = []
     for name in args.modes.split(","):
-        dtype, quant = MODES[name]
-        b = Bench(name, model, dtype, quant, compile_on, args.threads, max(batches),
+        dtype, quant, dense = MODES[name]
+        b = Bench(name, model, dtype, quant, dense, compile_on, args.threads, max(batches),
                   args.decode_steps, args.reps)
         print(f"{name}: runner ready in {b.runner_seconds:.2f} s (weights {b.runner.load_seconds:.2f}"
               f" s, {b.runner.weight_bytes / 2**20:.0f} MiB)"

@@ -122,6 +122,7 @@ class AutoContext:
     weight_bytes: int = 0  # weight bytes on disk
     model_max_tp: int | None = None  # from the registry
     is_moe: bool = False
+    model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
 
 
 AutoRule = Callable[[AutoContext, dict[str, Any]], tuple[Any, str]]
@@ -164,6 +165,36 @@ def _auto_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if ctx.cpu_bf16:
         return "bfloat16", "CPU has AVX-512 BF16/AMX: bf16 matmuls are faster than fp32"
     return "float32", "CPU has no native bf16: fp32 is faster and exact"
+
+
+def _auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    quant = (ctx.model_quant or "").upper()
+    if v.get("engine") in ("vllm", "sglang"):
+        return "none", "the external engine serves the checkpoint as it is"
+    if v.get("device") == "cuda":
+        return "none", "GPU: dense weights in the model dtype"
+    if not quant or quant in ("F32", "F16", "BF16", "FP32", "FP16"):
+        return "none", "the checkpoint is not quantized"
+    if quant.startswith(("Q4_0", "Q4_1")):
+        return "int4", (f"CPU and a {quant} GGUF: its 4-bit blocks feed the int4 kernels as they "
+                        "are (no requantization); decode reads 4x fewer weight bytes than bf16")
+    if quant.startswith(("Q2", "Q3", "Q4", "IQ")):
+        return "int4", f"CPU and a {quant} GGUF: re-quantized to int4 groups of 32 at load"
+    return "int8", f"CPU and a {quant} GGUF: re-quantized to int8 per channel at load"
+
+
+def _auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("quantization") in (None, "none"):
+        return False, "nothing is quantized"
+    if v.get("device") == "cuda":
+        return False, "GPU: quantized weights only"
+    # Upper bound of the bf16 copy: 4-bit weights on disk grow ~4x (int8: 2x).
+    copy = ctx.weight_bytes * (4 if v.get("quantization") == "int4" else 2)
+    if copy and copy <= ctx.ram_available_bytes // 4:
+        return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB) fits in a quarter of the available "
+                      "RAM: prefill and batches of >= 8-12 run dense GEMMs, faster there than "
+                      "the quantized kernels")
+    return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
 
 
 def _auto_threads(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
@@ -238,9 +269,16 @@ SETTINGS: list[Setting] = [
     Setting("dtype", str, "auto", "weight and activation dtype", ("--dtype",),
             choices=("auto", "float32", "bfloat16", "float16"), affects="correctness",
             auto=_auto_dtype),
-    Setting("quantization", str, "none",
-            "weight-only quantization of linear layers at load", ("--quantization", "-q"),
-            choices=("none", "int8", "int4"), affects="correctness"),
+    Setting("quantization", str, "auto",
+            "weight-only quantization of linear layers at load (auto: on CPU, follow the "
+            "GGUF's own: Q4 -> int4, Q5-Q8 -> int8)", ("--quantization", "-q"),
+            choices=("auto", "none", "int8", "int4"), affects="correctness",
+            auto=_auto_quantization),
+    Setting("dense_weights", parse_bool, None,
+            "with --quantization, also keep a bf16 copy of the weights for prefill and large "
+            "batches (auto: on CPU when it fits in 1/4 of available RAM)",
+            ("--dense-weights",), neg_flags=("--no-dense-weights",), affects="memory",
+            auto=_auto_dense_weights),
     Setting("num_threads", positive_int, None, "CPU threads for compute",
             ("--threads", "--num-threads"), affects="performance", auto=_auto_threads),
     Setting("seed", int, 0, "random seed for requests without their own", ("--seed",),
@@ -586,6 +624,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "none"
+    dense_weights: bool = False  # keep bf16 copies of quantized weights for large steps
     max_model_len: int | None = None  # None: the model's own limit (capped by memory)
     max_model_len_explicit: bool = False  # the user asked for it: refuse rather than lower it
     max_num_seqs: int = 32

@@ -253,3 +253,64 @@ def test_session_turn_2_hits_turn_1_after_traffic_that_evicts_it(make_engine,
     m = seen["memory"][2]
     assert m["session_cache_entries"] == 1 and m["session_cache_pinned_blocks"] >= 2
     assert m["session_cache_released"] == 0
+
+
+def test_cascade_decode_over_a_shared_prefix_matches_no_sharing(smollm2_runner, gguf_path,
+                                                                smollm2_tokenizer, monkeypatch):
+    """8 requests whose prompts share a ~10-block prefix: with prefix caching their decode rows
+    share those physical blocks and attend to them once (cascade); the greedy tokens equal a run
+    without prefix caching, where nothing is shared."""
+    long_system = SYSTEM * 4
+    prompts = [smollm2_tokenizer.encode(long_system + q) for q in QUESTIONS[:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    runner = smollm2_runner
+    seen: list[int] = []
+    original = type(runner)._shared_prefix_blocks
+
+    def spy(self, decodes):
+        n = original(self, decodes)
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(type(runner), "_shared_prefix_blocks", spy)
+
+    def run(**kw) -> dict[str, list[int]]:
+        eng = build_engine(runner, gguf_path, **kw)
+        eng.add_request("0", prompts[0], params)
+        out = {o.request_id: list(o.new_token_ids) for o in eng.step()}
+        for i, ids in enumerate(prompts[1:], 1):
+            eng.add_request(str(i), ids, params)
+        for rid, toks in drive(eng).items():
+            out.setdefault(rid, []).extend(toks)
+        return out
+
+    plain = run(enable_prefix_caching=False)
+    assert not any(seen), "no shared blocks without prefix caching"
+    cascaded = run()
+    shared_blocks = (len(smollm2_tokenizer.encode(long_system)) - 16) // 16
+    assert max(seen) >= shared_blocks >= 4  # the cascade path ran
+    assert cascaded == plain
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cascade_attention_equals_attention_over_the_whole_context(dtype):
+    import torch
+
+    from kiln.layers.attention import Attention
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    att = Attention(num_heads=9, num_kv_heads=3, head_dim=64)
+    b, p, n = 5, 48, 20
+    q = torch.randn(b, 9, 64, dtype=dt)
+    sk, sv = torch.randn(p, 3, 64, dtype=dt), torch.randn(p, 3, 64, dtype=dt)
+    ck, cv = torch.randn(b, n, 3, 64, dtype=dt), torch.randn(b, n, 3, 64, dtype=dt)
+    lens = torch.tensor([1, 5, 20, 13, 8])
+    mask = (torch.arange(n)[None, :] < lens[:, None])[:, None, None, :]
+    got = att._cascade(q, sk, sv, ck, cv, mask).float()
+    whole_k = torch.cat([sk.expand(b, p, 3, 64), ck], dim=1)
+    whole_v = torch.cat([sv.expand(b, p, 3, 64), cv], dim=1)
+    whole_mask = torch.cat([torch.ones(b, 1, 1, p, dtype=torch.bool), mask], dim=-1)
+    want = att._decode(q.float(), whole_k.float(), whole_v.float(), whole_mask)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    assert (got - want).abs().max().item() < tol

@@ -20,7 +20,7 @@ import torch
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "The three primary colors are", "Water boils at"]
 NEW_TOKENS = 64
-MODES = ["int8", "int4"]
+MODES = ["int8", "int4", "int4+dense"]  # +dense: bf16 copies for large steps
 
 
 # --------------------------------------------------------------------------- kernels and modules
@@ -51,6 +51,28 @@ def test_int4_linear_matches_its_dequantized_weight_on_both_paths(m):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     # The layer's own dequantization is the GroupQuant's, up to bf16 scale/zero rounding.
     assert (lin.dequantize(torch.float32) - w).abs().max() <= 0.01 * w.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 11, 12, 64])
+def test_dense_copies_give_the_quantized_layers_numbers(m):
+    """keep_dense: steps of many rows run a bf16 GEMM on the dequantized weight, small ones the
+    kernels; both compute with the quantized weight."""
+    from kiln.layers.quant import INT4_DENSE_MIN_M, INT8_DENSE_MIN_M, Int4Linear, Int8Linear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(192, 256, generator=g)
+    x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+    for layer, threshold in ((Int4Linear(_groups(192, 256), None, torch.bfloat16),
+                              INT4_DENSE_MIN_M),
+                             (Int8Linear.from_float(w, None, torch.bfloat16), INT8_DENSE_MIN_M)):
+        want = x.float() @ layer.dequantize(torch.float32).t()
+        plain = layer(x).float()
+        layer.keep_dense(torch.bfloat16)
+        assert layer.dense is not None and layer.dense.shape == (192, 256)
+        got = layer(x).float()
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        if m < threshold:
+            assert torch.equal(got, plain)  # below the threshold: the kernel, unchanged
 
 
 def test_int4_linear_keeps_fp32_activations_fp32():
@@ -138,9 +160,10 @@ def quantized(request, gguf_path, smollm2_tokenizer):
     """One bf16 engine per mode (the only extra runners this file builds)."""
     from kiln import LLM
 
+    quant, _, dense = request.param.partition("+")
     llm = LLM(str(gguf_path), tokenizer=smollm2_tokenizer, dtype="bfloat16",
-              quantization=request.param, max_model_len=1024, kv_cache_memory=64 << 20,
-              max_num_seqs=8, max_num_batched_tokens=256)
+              quantization=quant, dense_weights=bool(dense), max_model_len=1024,
+              kv_cache_memory=64 << 20, max_num_seqs=8, max_num_batched_tokens=256)
     return request.param, llm
 
 
@@ -151,10 +174,18 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     mode, llm = quantized
     model = llm.engine.runner.model
     assert not any(isinstance(m, Linear) for m in model.modules())
-    kinds = {type(m) for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
-    assert kinds == ({Int4Linear, Int8Linear} if mode == "int4" else {Int8Linear})
+    quantized_layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    kinds = {type(m) for m in quantized_layers}
+    assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear, Int8Linear})
     assert isinstance(model.lm_head, Int8Linear)
     fp32_bytes = smollm2_runner.weight_bytes
+    if mode.endswith("+dense"):
+        # Every quantized layer also holds its weight in bf16: ~1/2 of fp32 + the int4 copy.
+        assert all(m.dense is not None and m.dense.dtype == torch.bfloat16
+                   for m in quantized_layers)
+        assert llm.engine.runner.weight_bytes < fp32_bytes * 0.75
+        return
+    assert all(m.dense is None for m in quantized_layers)
     # fp32 -> int8 is ~1/4 (+ scales); int4 ~1/6 (the lm_head stays int8)
     assert llm.engine.runner.weight_bytes < fp32_bytes * (0.27 if mode == "int8" else 0.19)
 

@@ -69,7 +69,10 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
         sys.executable, "-m", "kiln", "serve", str(gguf),
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", ",".join(NAMES), *(["--api-key", API_KEY] if api_key else []),
-        "--device", "cpu", "--dtype", "float32",
+        # fp32 and dense weights: the exact engine, whose batched tokens equal solo ones (the
+        # CPU default, int4 kernels for small steps and bf16 GEMMs for large ones, is not
+        # batch-invariant; tests/test_bench.py serves that).
+        "--device", "cpu", "--dtype", "float32", "--quantization", "none",
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
         *extra,
     ]  # fmt: skip
@@ -443,16 +446,23 @@ def test_full_queue_is_503_and_held_requests_are_freed(tiny_queue_server: Server
             stop.wait(60)
 
     holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
-    try:
-        for t in holders:
-            t.start()
+
+    def wait_for(running: int, waiting: int) -> None:
         deadline = time.monotonic() + 60
         while True:
             h = srv.health()
-            if h.get("num_running") == 1 and h.get("num_waiting") == 1:
-                break
+            if h.get("num_running") == running and h.get("num_waiting") == waiting:
+                return
             assert time.monotonic() < deadline, f"queue never filled: {h}"
-            time.sleep(0.1)
+            time.sleep(0.05)
+
+    try:
+        # One after the other: sent together, the second could find the first still waiting
+        # (not yet scheduled) and be refused itself.
+        holders[0].start()
+        wait_for(1, 0)
+        holders[1].start()
+        wait_for(1, 1)
         resp = _raw(srv, "/v1/chat/completions", {"model": NAMES[0], "messages": POEM})
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["type"] == "ServiceUnavailableError"

@@ -86,6 +86,27 @@ def test_dry_run_default_model_prints_sources_without_loading(capsys, tmp_path):
     assert rows[-1]["decision"] == "startup"
 
 
+def test_cpu_defaults_follow_the_gguf_quantization(tmp_path, capsys):
+    """On CPU the default Q4_1 GGUF runs its own 4-bit blocks through the int4 kernels (auto),
+    with bf16 copies for large steps; an external engine gets the checkpoint as it is."""
+    eff_path = tmp_path / "eff.json"
+    assert main(["serve", "--dry-run", "--device", "cpu",
+                 "--effective-config-json", str(eff_path)]) == 0
+    eff = json.loads(eff_path.read_text())["settings"]
+    assert eff["quantization"]["value"] == "int4" and eff["quantization"]["source"] == "auto"
+    assert "Q4_1" in eff["quantization"]["reason"]
+    assert eff["dense_weights"]["value"] is True and eff["dense_weights"]["source"] == "auto"
+    assert main(["serve", "--dry-run", "--device", "cpu", "--quantization", "none",
+                 "--effective-config-json", str(eff_path)]) == 0
+    eff = json.loads(eff_path.read_text())["settings"]
+    assert eff["quantization"]["value"] == "none"
+    assert eff["dense_weights"]["value"] is False  # nothing is quantized
+    assert main(["serve", "--dry-run", "--engine", "vllm",
+                 "--effective-config-json", str(eff_path)]) == 0
+    assert json.loads(eff_path.read_text())["settings"]["quantization"]["value"] == "none"
+    capsys.readouterr()
+
+
 def _corrupt_model(tmp_path):
     folder = tmp_path / "TinyLlama-corrupt"
     folder.mkdir()

@@ -90,6 +90,23 @@ def test_gguf_loads_the_same_from_folder_plus_file_name(smol: Tokenizer) -> None
     assert other.eos_token_ids == smol.eos_token_ids
 
 
+def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
+        smol: Tokenizer, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    first = load_tokenizer(default_gguf_path())  # converts from the GGUF, saves
+    cached = list((tmp_path / "tokenizers").iterdir())
+    assert len(cached) == 1 and (cached[0] / "tokenizer.json").is_file()
+    second = load_tokenizer(default_gguf_path())  # reads tokenizer.json
+    messages = [{"role": "user", "content": "Hi"}]
+    for tok in (first, second):
+        assert tok.encode(MULTIBYTE_TEXT) == smol.encode(MULTIBYTE_TEXT)
+        assert tok.decode(smol.encode(MULTIBYTE_TEXT)) == smol.decode(smol.encode(MULTIBYTE_TEXT))
+        assert tok.eos_token_ids == smol.eos_token_ids
+        assert tok.apply_chat_template(messages) == smol.apply_chat_template(messages)
+    (cached[0] / "tokenizer.json").write_text("{broken")  # a damaged entry is rebuilt
+    assert load_tokenizer(default_gguf_path()).encode("Hello") == smol.encode("Hello")
+
+
 def test_missing_tokenizer_raises_model_load_error(tmp_path) -> None:
     from kiln.errors import ModelLoadError
 

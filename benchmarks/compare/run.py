@@ -855,20 +855,10 @@ def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> 
     if not peer.installed(ctx) or (ctx.reinstall and peer.name != "kiln"):
         if not ctx.install:
             return {"status": "not installed (run without --no-install)"}
-        logfile = ctx.logs / f"{peer.name}-install.log"
-        log(
-            f"{peer.name}: installing into {venv(peer.name)}"
-            + (f"; {peer.install_hint}" if peer.install_hint else "")
-            + f"; log {logfile}"
-        )
-        t0 = time.monotonic()
         try:
-            if ctx.reinstall and venv(peer.name).exists() and peer.name != "kiln":
-                shutil.rmtree(venv(peer.name))
-            peer.install(ctx, logfile)
+            rec["install_s"] = install_peer(peer, ctx)
         except PeerError as err:
             return {"status": f"install failed: {err}"}
-        rec["install_s"] = time.monotonic() - t0
     port = free_port()
     base = f"http://{HOST}:{port}/v1"
     logfile = ctx.logs / f"{peer.name}-serve.log"
@@ -896,6 +886,35 @@ def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> 
             rec["status"] = f"exited with {proc.returncode} during the run"
     rec["peak_rss_bytes"] = rss.peak
     return rec
+
+
+def install_peer(peer: Peer, ctx: Context) -> float:
+    """Installs (or with --reinstall, rebuilds) one peer; returns the seconds it took."""
+    logfile = ctx.logs / f"{peer.name}-install.log"
+    log(
+        f"{peer.name}: installing into {venv(peer.name)}"
+        + (f"; {peer.install_hint}" if peer.install_hint else "")
+        + f"; log {logfile}"
+    )
+    t0 = time.monotonic()
+    if ctx.reinstall and venv(peer.name).exists() and peer.name != "kiln":
+        shutil.rmtree(venv(peer.name))
+    peer.install(ctx, logfile)
+    return time.monotonic() - t0
+
+
+def install_only(peers: list[Peer], ctx: Context) -> int:
+    failed = 0
+    for peer in peers:
+        if peer.installed(ctx) and not ctx.reinstall:
+            log(f"{peer.name}: already installed")
+            continue
+        try:
+            log(f"{peer.name}: installed in {install_peer(peer, ctx):.0f} s")
+        except PeerError as err:
+            log(f"{peer.name}: install failed: {err}")
+            failed += 1
+    return 1 if failed else 0
 
 
 def load_tokenizer(gguf: Path) -> tuple[Callable[[str], int] | None, list[int]]:
@@ -946,6 +965,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--reinstall", action="store_true", help="recreate the peers' venvs")
     ap.add_argument(
+        "--install-only",
+        action="store_true",
+        help="install the peers that are missing, then stop (builds can run ahead of a quiet "
+        "machine for the measurement)",
+    )
+    ap.add_argument(
         "--install-timeout",
         type=float,
         default=5400.0,
@@ -989,6 +1014,9 @@ def main(argv: list[str] | None = None) -> int:
         kiln_cmd=args.kiln_cmd,
         eos_ids=eos,
     )
+
+    if args.install_only:
+        return install_only([PEERS[n]() for n in names], ctx)
 
     results: dict[str, dict[str, Any]] = {}
     for name in names:

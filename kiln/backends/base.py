@@ -55,7 +55,8 @@ EXPLICIT_SOURCES = frozenset({"cli", "env", "file", "preset", "registry"})
 KILN_ONLY = frozenset({"engine", "engine_command", "runtime_preset", "model_dirs",
                        "drain_timeout", "max_queue", "cpu_memory_utilization",
                        "prefix_rendezvous_max_wait_ms", "session_cache",
-                       "session_cache_max_entries", "session_cache_max_tokens"})
+                       "session_cache_max_entries", "session_cache_max_tokens",
+                       "dense_weights"})
 
 
 class _EngineDecides:

@@ -93,8 +93,12 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     t0 = time.monotonic()
     print(f"kiln: loading {src.name} from {src.gguf_file or src.path} ...", file=sys.stderr)
     cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
-    engine = Engine(cfg, ckpt=sp.checkpoint, progress=_progress_bar())
+    # The engine is built on its own thread (see kiln/engine/async_engine.py for why), while
+    # this one loads the tokenizer.
+    aengine = AsyncEngine(lambda: Engine(cfg, ckpt=sp.checkpoint, progress=_progress_bar()),
+                          max_queue=s["max_queue"]).start(wait=False)
     tokenizer = load_tokenizer(src.path, src.gguf_file)
+    engine = aengine.wait_built()
     plan = engine.runner.plan
     if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
         s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
@@ -112,8 +116,6 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                 "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason}}}
 
     sp.phase = "serve"
-    aengine = AsyncEngine(engine, max_queue=s["max_queue"],
-                          eos_token_ids=set(tokenizer.eos_token_ids)).start()
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__)
     startup.write_artifacts(sp, "ok")

@@ -124,6 +124,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         weight_bytes=sp.source.total_bytes,
         model_max_tp=entry.max_tensor_parallel if entry else None,
         is_moe=bool(entry and entry.kind == "moe"),
+        model_quant=sp.source.quant or (mc.quantization if mc else None),
     )
     registry_vals = dict(entry.recommended) if entry else {}
     # A preset value for a knob the preset's device does not have is noise; keep it anyway:

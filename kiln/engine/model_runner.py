@@ -39,9 +39,15 @@ log = logging.getLogger("kiln.runner")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
              "int8": torch.int8}
-# On CPU the KV pool is capped unless the user sizes it: a pool is touched block by block as it
-# is used, and beyond this a small model's server would grow past the RAM users expect of it.
-CPU_KV_AUTO_CAP = 1 * GiB
+# On CPU the KV pool is capped unless the user sizes it (--kv-cache-memory): at the larger of
+# this and the weights' own size. A small model's KV cache need not outweigh the model many
+# times (512 MiB is ~23k tokens of SmolLM2-135M in bf16, what llama-server's -c 32768 holds in
+# f16), and a big model's cap grows with it, up to the RAM fraction.
+CPU_KV_AUTO_CAP = 512 * 1024 * 1024
+# Cascade decode attention (layers/attention.py) when at least this many decode rows share at
+# least this many leading blocks.
+CASCADE_MIN_ROWS = 4
+CASCADE_MIN_BLOCKS = 4
 
 
 @dataclass
@@ -72,6 +78,8 @@ class ModelRunner:
                               hint="install a CUDA build of torch, or use --device cpu")
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            _keep_freed_memory()
         self.dtype = DTYPES[config.dtype]
         mc = ckpt.config
         self.model_config = mc
@@ -90,7 +98,8 @@ class ModelRunner:
         # (quantize_model) and feeds GGUF 4-bit blocks to them directly.
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,
                                  max_positions=max(wanted, 1), progress=progress,
-                                 quantization=config.quantization)
+                                 quantization=config.quantization,
+                                 keep_dense=config.dense_weights)
         self.load_seconds = time.monotonic() - t0
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 [*self.model.parameters(), *self.model.buffers()])
@@ -104,8 +113,11 @@ class ModelRunner:
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._buckets: list[int] = []
         self.compile_seconds = 0.0
+        self._warmed_up = False
         if config.compile:
             self._setup_compile()
+        if self.device.type == "cpu":
+            _release_freed_memory()  # what loading, profiling and compiling freed
 
     # ------------------------------------------------------------------ memory
 
@@ -191,10 +203,11 @@ class ModelRunner:
             avail = _ram_available()
             frac = int(avail * c.cpu_memory_utilization) - act
             need = c.max_num_seqs * self.max_model_len * per_token
-            budget = min(frac, need, CPU_KV_AUTO_CAP)
+            cap = max(CPU_KV_AUTO_CAP, self.weight_bytes)
+            budget = min(frac, need, cap)
             reason = (f"KV pool {_gib(budget)} = min({c.cpu_memory_utilization:.0%} of available "
                       f"RAM {_gib(avail)} - activations {_gib(act)}, {c.max_num_seqs} full "
-                      f"contexts {_gib(need)}, CPU cap {_gib(CPU_KV_AUTO_CAP)})")
+                      f"contexts {_gib(need)}, CPU cap {_gib(cap)} = max(0.50 GiB, weights))")
         num_blocks = max(budget // block_bytes, 0)
         if c.kv_max_blocks:
             if c.kv_max_blocks < num_blocks:
@@ -249,10 +262,15 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         chunks = [s for s in scheduled if s.num_new_tokens != 1]
         nd = len(decodes)
-        # A decode-only step runs the compiled layers, padded up to its batch bucket.
-        compiled = (self._compiled is not None and not chunks and 0 < nd <= self._buckets[-1])
+        # Decode rows that all start with the same cached blocks attend to them once (cascade).
+        shared = self._shared_prefix_blocks(decodes)
+        # A decode-only step runs the compiled layers, padded up to its batch bucket. (Cascade
+        # steps run eager: their graph would be another variant to compile per bucket, and at
+        # the batch sizes where they pay off, per-op overhead matters little.)
+        compiled = (self._compiled is not None and not chunks and not shared
+                    and 0 < nd <= self._buckets[-1])
         padded = next(b for b in self._buckets if b >= nd) if compiled else nd
-        dec = self._decode_inputs(decodes, padded) if decodes else None
+        dec = self._decode_inputs(decodes, padded, shared) if decodes else None
         bs = self.block_size
         id_parts: list[np.ndarray] = []
         pos_parts: list[np.ndarray] = []
@@ -284,6 +302,8 @@ class ModelRunner:
         if dec is not None:
             meta.decode_gather = self._to_device(dec.gather)
             meta.decode_mask = self._to_device(dec.mask)[:, None, None, :]
+            if dec.shared is not None:
+                meta.decode_shared = self._to_device(dec.shared)
         input_ids = self._to_device(_cat(id_parts))
         positions = self._to_device(_cat(pos_parts))
 
@@ -328,10 +348,28 @@ class ModelRunner:
         t = torch.from_numpy(a)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def _decode_inputs(self, decodes: list[ScheduledRequest], padded: int) -> _DecodeInputs:
+    def _shared_prefix_blocks(self, decodes: list[ScheduledRequest]) -> int:
+        """How many leading KV blocks every decode row shares (the same physical blocks: a
+        prefix-cache hit), when enough rows share enough of them for cascade attention to pay;
+        else 0. Only full blocks before each row's current one count."""
+        if len(decodes) < CASCADE_MIN_ROWS:
+            return 0
+        reqs = [s.request for s in decodes]
+        limit = min(r.num_computed_tokens for r in reqs) // self.block_size
+        if limit < CASCADE_MIN_BLOCKS:
+            return 0
+        heads = np.array([r.block_ids[:limit] for r in reqs], dtype=np.int64)
+        same = (heads == heads[0]).all(axis=0)
+        n = limit if same.all() else int(same.argmin())
+        return n if n >= CASCADE_MIN_BLOCKS else 0
+
+    def _decode_inputs(self, decodes: list[ScheduledRequest], padded: int,
+                       shared_blocks: int = 0) -> _DecodeInputs:
         """Token ids, positions, slots and the context gather of the one-token rows, built with
         array ops (no per-sequence numpy calls). Rows past len(decodes) are padding for a
-        compiled bucket: token 0 at position 0, reading and writing only the scratch block."""
+        compiled bucket: token 0 at position 0, reading and writing only the scratch block.
+        With `shared_blocks`, the gather and mask start after those blocks, whose slots come
+        separately (`shared`)."""
         bs = self.block_size
         nd = len(decodes)
         reqs = [s.request for s in decodes]
@@ -353,7 +391,11 @@ class ModelRunner:
             ctx = np.concatenate([ctx, np.ones(padded - nd, dtype=np.int64)])
         mask = np.arange(nblk * bs)[None, :] < ctx[:, None]
         slots = gather[np.arange(padded), ctx - 1]
-        return _DecodeInputs(ids, starts, slots, gather, mask)
+        shared = None
+        if shared_blocks:
+            p = shared_blocks * bs
+            shared, gather, mask = gather[0, :p], gather[:, p:], mask[:, p:]
+        return _DecodeInputs(ids, starts, slots, gather, mask, shared)
 
     # ------------------------------------------------------------------ torch.compile
 
@@ -376,6 +418,7 @@ class ModelRunner:
         self._compiled = torch.compile(_fresh_layer_call(), fullgraph=False, dynamic=None)
         for b in self._buckets:
             self._warm_up_bucket(b)
+        self._warmed_up = True
         self.compile_seconds = time.monotonic() - t0
         log.info("compiled the decode step for batch buckets %s in %.1f s", self._buckets,
                  self.compile_seconds)
@@ -410,7 +453,13 @@ class ModelRunner:
         assert meta.decode_mask is not None
         torch._dynamo.mark_dynamic(meta.decode_mask, 3)
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            return self.model(input_ids, positions, layer_call=self._compiled)
+            if not self._warmed_up:
+                return self.model(input_ids, positions, layer_call=self._compiled)
+            # Every bucket was compiled at startup and the context length is dynamic, so no step
+            # can need a new graph: only the guards that tell the buckets apart are checked.
+            # Full guard evaluation measured ~37 us per layer call, ~1.1 ms of a ~11 ms step.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self.model(input_ids, positions, layer_call=self._compiled)
 
 
 @dataclass
@@ -420,6 +469,7 @@ class _DecodeInputs:
     slots: np.ndarray  # [B] slot each row's new K/V goes to
     gather: np.ndarray  # [B, nblk * block_size] context slots
     mask: np.ndarray  # [B, nblk * block_size] bool: position < context length
+    shared: np.ndarray | None = None  # [P] slots every row shares (cascade), cut from gather
 
 
 def _use_kiln_inductor_cache() -> None:
@@ -456,6 +506,43 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 def _token_at(r: Request, pos: int) -> int:
     n = len(r.prompt_token_ids)
     return r.prompt_token_ids[pos] if pos < n else r.output_token_ids[pos - n]
+
+
+def _keep_freed_memory() -> None:
+    """Lets glibc's malloc keep freed memory for reuse instead of returning it to the kernel.
+
+    By default an allocation above 128 KiB (a threshold that adapts, up to 32 MiB) is its own mmap, unmapped on free, so each
+    step's large activations (gathered KV, MLP intermediates) fault in fresh zeroed pages again:
+    a bf16 copy of 3.5 MB measured 199 us that way and 116 us from retained memory. This is
+    PyTorch's CUDA caching allocator idea, done by glibc; vLLM's CPU backend gets the same from
+    tcmalloc. The cost is that RSS stays at the peak the steps reached."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's ceiling on 64-bit (HEAP_MAX / 2)
+        libc.mallopt(m_trim_threshold, 256 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+def _release_freed_memory() -> None:
+    """Returns the heap's free memory to the kernel once (glibc malloc_trim): startup's
+    transients (GGUF dequantization, the profiling forward, inductor's compile) would otherwise
+    stay in RSS, since `_keep_freed_memory` asks malloc to keep what is freed."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _gib(n: float) -> str:

@@ -89,7 +89,12 @@ class Sampler:
         if raw_logprobs is not None:
             k = max(p.logprobs or 0 for p in params)
             chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            top_v, top_i = (raw_logprobs.topk(k, dim=-1) if k else (None, None))
+            # A stable sort, not topk: among equal logprobs (common with bf16 logits) the lowest
+            # token id comes first, as it does for argmax, so a greedy pick is top_logprobs[0].
+            top_v, top_i = (raw_logprobs.sort(dim=-1, descending=True, stable=True)
+                            if k else (None, None))
+            if k:
+                top_v, top_i = top_v[:, :k], top_i[:, :k]
             chosen_l = chosen.tolist()
             top_vl = top_v.tolist() if top_v is not None else None
             top_il = top_i.tolist() if top_i is not None else None

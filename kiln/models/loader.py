@@ -515,10 +515,11 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | str,
                 max_positions: int, progress: ProgressFn | None = None,
-                quantization: str = "none") -> torch.nn.Module:
+                quantization: str = "none", keep_dense: bool = False) -> torch.nn.Module:
     """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
     are swapped for quantized ones (`kiln.layers.quant.quantize_model`); GGUF 4-bit blocks then
-    go straight into them, never through a dense copy."""
+    go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
+    from the quantized weight, for large steps)."""
     from kiln.models.registry import model_class
 
     cls = model_class(ckpt.config.architecture)
@@ -531,7 +532,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     if quantization != "none":
         from kiln.layers.quant import quantize_model
 
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, keep_dense=keep_dense)
     model.eval()
     return model
 

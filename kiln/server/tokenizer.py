@@ -239,21 +239,56 @@ def _generation_config_eos(folder: Path) -> list[int]:
 
 
 def _gguf_metadata(gguf_path: Path, keys: Sequence[str]) -> dict[str, Any]:
-    """Read a few scalar/string fields from a GGUF header (memory-mapped, no tensor data read)."""
-    from gguf import GGUFReader
+    """A few header fields of a GGUF, read with kiln's own parser (no tensor data is read)."""
+    from kiln.models.loader import GGUFFile
 
-    reader = GGUFReader(str(gguf_path))
-    out: dict[str, Any] = {}
-    for key in keys:
-        field = reader.fields.get(key)
-        if field is None:
-            continue
+    meta = GGUFFile(gguf_path).metadata
+    return {k: meta[k] for k in keys if k in meta}
+
+
+def _tokenizer_cache_dir(gguf_path: Path) -> Path:
+    """Where the tokenizer converted from this GGUF is kept: keyed by the file (path, size,
+    mtime) and the transformers version that converted it."""
+    import hashlib
+    import os
+
+    import transformers
+
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    base = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    return base / "tokenizers" / f"{gguf_path.stem}-{digest}"
+
+
+def _gguf_tokenizer(gguf_path: Path) -> Any:
+    """The Hugging Face tokenizer of a GGUF. transformers rebuilds it from the GGUF's vocabulary
+    and merges on every load (~5 s for SmolLM2's 49k tokens), so the result is saved once as a
+    tokenizer.json folder and loaded from there afterwards (~0.3 s)."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    cached = _tokenizer_cache_dir(gguf_path)
+    if (cached / "tokenizer.json").is_file():
         try:
-            out[key] = field.contents()
-        except AttributeError:  # older gguf without contents(): strings are byte parts
-            raw = field.parts[field.data[0]]
-            out[key] = bytes(raw).decode("utf-8") if raw.dtype.kind == "u" else raw.tolist()[0]
-    return out
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt
+            log.warning("tokenizer cache %s unreadable (%s); rebuilding it", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+    hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+        hf.save_pretrained(str(tmp))
+        try:
+            tmp.rename(cached)  # atomic: a concurrent start sees all of it or none
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process got there first
+    except OSError as e:
+        log.info("could not cache the tokenizer under %s: %s", cached.parent, e)
+    return hf
 
 
 def load_tokenizer(source: Path, gguf_file: Path | None = None) -> Tokenizer:
@@ -270,7 +305,7 @@ def load_tokenizer(source: Path, gguf_file: Path | None = None) -> Tokenizer:
             gguf_path = Path(gguf_file)
             if not gguf_path.is_absolute() and not gguf_path.is_file():
                 gguf_path = source / gguf_path  # a file name inside the `source` folder
-            hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            hf = _gguf_tokenizer(gguf_path)
         else:
             gguf_path = None
             hf = AutoTokenizer.from_pretrained(str(source))
