@@ -78,8 +78,6 @@ class ModelRunner:
                               hint="install a CUDA build of torch, or use --device cpu")
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if self.device.type == "cpu":
-            _keep_freed_memory()
         self.dtype = DTYPES[config.dtype]
         mc = ckpt.config
         self.model_config = mc
@@ -101,6 +99,12 @@ class ModelRunner:
                                  quantization=config.quantization,
                                  keep_dense=config.dense_weights)
         self.load_seconds = time.monotonic() - t0
+        if self.device.type == "cpu":
+            # Loading's transients (dequantized GGUF blocks, fp32 copies while quantizing) go
+            # back to the kernel before the KV pool is allocated; from here on, freed memory is
+            # kept for the steps to reuse.
+            _release_freed_memory()
+            _keep_freed_memory()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 [*self.model.parameters(), *self.model.buffers()])
         self.block_size = config.block_size
