@@ -67,7 +67,7 @@ def test_dense_copies_give_the_quantized_layers_numbers(m):
                              (Int8Linear.from_float(w, None, torch.bfloat16), INT8_DENSE_MIN_M)):
         want = x.float() @ layer.dequantize(torch.float32).t()
         plain = layer(x).float()
-        layer.keep_dense(torch.bfloat16)
+        layer.keep_dense()
         assert layer.dense is not None and layer.dense.shape == (192, 256)
         got = layer(x).float()
         assert (got - want).abs().max() <= 0.02 * want.abs().max()

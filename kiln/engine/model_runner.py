@@ -7,9 +7,11 @@ the model once, computes logits only for the sequences that sample, and hands th
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
+import platform
 import time
 import types
 from collections.abc import Callable
@@ -512,41 +514,39 @@ def _token_at(r: Request, pos: int) -> int:
     return r.prompt_token_ids[pos] if pos < n else r.output_token_ids[pos - n]
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (whose malloc the two functions below tune), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def _keep_freed_memory() -> None:
     """Lets glibc's malloc keep freed memory for reuse instead of returning it to the kernel.
 
-    By default an allocation above 128 KiB (a threshold that adapts, up to 32 MiB) is its own mmap, unmapped on free, so each
-    step's large activations (gathered KV, MLP intermediates) fault in fresh zeroed pages again:
-    a bf16 copy of 3.5 MB measured 199 us that way and 116 us from retained memory. This is
-    PyTorch's CUDA caching allocator idea, done by glibc; vLLM's CPU backend gets the same from
-    tcmalloc. The cost is that RSS stays at the peak the steps reached."""
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
+    By default an allocation above 128 KiB (a threshold that adapts, up to 32 MiB) is its own
+    mmap, unmapped on free, so each step's large activations (gathered KV, MLP intermediates)
+    fault in fresh zeroed pages again: a bf16 copy of 3.5 MB measured 199 us that way and 116 us
+    from retained memory. This is PyTorch's CUDA caching allocator idea, done by glibc; vLLM's
+    CPU backend gets the same from tcmalloc. The cost is that RSS stays at the peak the steps
+    reached."""
+    libc = _glibc()
+    if libc is not None:
         m_trim_threshold, m_mmap_threshold = -1, -3
         libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's ceiling on 64-bit (HEAP_MAX / 2)
         libc.mallopt(m_trim_threshold, 256 << 20)
-    except (OSError, AttributeError):
-        pass
 
 
 def _release_freed_memory() -> None:
     """Returns the heap's free memory to the kernel once (glibc malloc_trim): startup's
     transients (GGUF dequantization, the profiling forward, inductor's compile) would otherwise
     stay in RSS, since `_keep_freed_memory` asks malloc to keep what is freed."""
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _gib(n: float) -> str:

@@ -164,12 +164,35 @@ def _unpack_int4_blocks(packed: torch.Tensor, n: int, k: int, bn: int) -> torch.
 # --------------------------------------------------------------------------- modules
 
 
-class Int8Linear(nn.Module):
+class _QuantizedLinear(nn.Module):
+    """What Int8Linear and Int4Linear share: the activation dtype they return and the optional
+    dense copy of their weight (`keep_dense`) that steps of `dense_min_m` rows or more use."""
+
+    dense_min_m: int
+
+    def __init__(self, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_dtype = out_dtype
+        self.register_buffer("dense", None)  # [N, K] in out_dtype, see keep_dense
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def keep_dense(self) -> None:
+        self.dense = self.dequantize(self.out_dtype).contiguous()
+
+    def _use_dense(self, rows: int) -> bool:
+        return self.dense is not None and rows >= self.dense_min_m
+
+
+class Int8Linear(_QuantizedLinear):
     """y = x @ (q * scale)^T + b with q int8 [N, K] and one scale per output row."""
+
+    dense_min_m = INT8_DENSE_MIN_M
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(out_dtype)
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
         self.native = native_int8(q.device.type)
@@ -177,7 +200,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scales", scale.to(KERNEL_DTYPE if self.native else out_dtype))
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
-        self.register_buffer("dense", None)  # [N, K] in the activation dtype, see keep_dense
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None,
@@ -185,14 +207,11 @@ class Int8Linear(nn.Module):
         q, s = quantize_int8_rows(w)
         return cls(q, s, bias, out_dtype)
 
-    def keep_dense(self, dtype: torch.dtype) -> None:
-        self.dense = self.dequantize(dtype).contiguous()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] >= INT8_DENSE_MIN_M:
-            y = F.linear(x2.to(self.dense.dtype), self.dense)
+        if self._use_dense(x2.shape[0]):
+            y = F.linear(x2.to(self.out_dtype), self.dense)
         elif self.native and x2.shape[0] <= self.kernel_max_m:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         else:
@@ -229,11 +248,13 @@ class Int8Embedding(nn.Module):
         return head.weight[ids].to(self.dtype) * head.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedLinear):
     """y = x @ W^T + b with W in asymmetric 4-bit groups of 32 along K."""
 
+    dense_min_m = INT4_DENSE_MIN_M
+
     def __init__(self, gq: GroupQuant, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(out_dtype)
         n, k = gq.shape
         self.in_features, self.out_features = k, n
         self.group_size = gq.group_size
@@ -257,17 +278,13 @@ class Int4Linear(nn.Module):
             self.register_buffer("scales_zeros",
                                  torch.stack([gq.scale, gq.min], dim=-1).float().contiguous())
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
-        self.register_buffer("dense", None)  # [N, K] in the activation dtype, see keep_dense
-
-    def keep_dense(self, dtype: torch.dtype) -> None:
-        self.dense = self.dequantize(dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
-        if self.dense is not None and m >= INT4_DENSE_MIN_M:
-            y = F.linear(x2.to(self.dense.dtype), self.dense)
+        if self._use_dense(m):
+            y = F.linear(x2.to(self.out_dtype), self.dense)
         elif self.native and (m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
@@ -373,22 +390,12 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False) -> nn.
         if isinstance(m, Linear) and m.stash:
             m.materialize_stash()
     if keep_dense:
-        dtype = _activation_dtype(model)
         for m in model.modules():
-            if isinstance(m, (Int8Linear, Int4Linear)):
-                m.keep_dense(dtype)
+            if isinstance(m, _QuantizedLinear):
+                m.keep_dense()
     log.info("quantized %d linear layers to %s, lm_head to int8%s", n, mode,
              " (dense copies kept for large steps)" if keep_dense else "")
     return model
-
-
-def _activation_dtype(model: nn.Module) -> torch.dtype:
-    for m in model.modules():
-        if isinstance(m, Int8Embedding):
-            return m.dtype
-        if isinstance(m, nn.Embedding):
-            return m.weight.dtype
-    return torch.bfloat16
 
 
 def _quantize_head(model: nn.Module) -> None:
