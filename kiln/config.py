@@ -192,8 +192,8 @@ def _auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     copy = ctx.weight_bytes * (4 if v.get("quantization") == "int4" else 2)
     if copy and copy <= ctx.ram_available_bytes // 4:
         return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB) fits in a quarter of the available "
-                      "RAM: prefill and batches of >= 8-12 run dense GEMMs, faster there than "
-                      "the quantized kernels")
+                      "RAM: prefill and steps of >= 4 rows run dense (oneDNN-packed) GEMMs, faster "
+                      "there than the quantized kernels")
     return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
 
 

@@ -53,26 +53,62 @@ def test_int4_linear_matches_its_dequantized_weight_on_both_paths(m):
     assert (lin.dequantize(torch.float32) - w).abs().max() <= 0.01 * w.abs().max()
 
 
-@pytest.mark.parametrize("m", [1, 11, 12, 64])
+@pytest.mark.parametrize("m", [1, 3, 4, 11, 12, 64])
 def test_dense_copies_give_the_quantized_layers_numbers(m):
-    """keep_dense: steps of many rows run a bf16 GEMM on the dequantized weight, small ones the
-    kernels; both compute with the quantized weight."""
-    from kiln.layers.quant import INT4_DENSE_MIN_M, INT8_DENSE_MIN_M, Int4Linear, Int8Linear
+    """keep_dense: steps of many rows run a bf16 GEMM on the dequantized weight (packed for
+    oneDNN where the build can), small ones the kernels; both compute with the quantized weight."""
+    from kiln.layers.linear import packing_works
+    from kiln.layers.quant import PACKED_DENSE_MIN_M, Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(192, 256, generator=g)
     x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
-    for layer, threshold in ((Int4Linear(_groups(192, 256), None, torch.bfloat16),
-                              INT4_DENSE_MIN_M),
-                             (Int8Linear.from_float(w, None, torch.bfloat16), INT8_DENSE_MIN_M)):
+    for layer in (Int4Linear(_groups(192, 256), None, torch.bfloat16),
+                  Int8Linear.from_float(w, None, torch.bfloat16)):
         want = x.float() @ layer.dequantize(torch.float32).t()
         plain = layer(x).float()
         layer.keep_dense()
         assert layer.dense is not None and layer.dense.shape == (192, 256)
+        assert layer.dense_packed == packing_works(torch.bfloat16)
+        if layer.dense_packed:
+            assert layer.dense_min_m == PACKED_DENSE_MIN_M
         got = layer(x).float()
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
-        if m < threshold:
+        if m < layer.dense_min_m:
             assert torch.equal(got, plain)  # below the threshold: the kernel, unchanged
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
+    """kiln::packed_linear on a oneDNN-packed weight: F.linear's numbers, also inside a
+    torch.compile'd graph where the packed weight is a graph input (as in the decode step)."""
+    import torch.nn.functional as F
+
+    from kiln.layers.linear import pack_weight, packed_linear, packing_works
+
+    assert packing_works(torch.bfloat16), "this x86 torch build packs bf16 weights for oneDNN"
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    wp = pack_weight(w)
+    assert wp.is_mkldnn == packing_works(dtype)
+
+    def f(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+        return F.silu(packed_linear(x, wp, wp.is_mkldnn) + b)
+
+    packed = wp.is_mkldnn
+    compiled = torch.compile(lambda x, wp: F.silu(packed_linear(x, wp, packed) + b),
+                             fullgraph=True)
+    for m in (1, 5, 33):
+        x = torch.randn(m, 64, generator=g).to(dtype)
+        want = F.silu(F.linear(x, w) + b).float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(f(x, wp).float(), want, rtol=tol, atol=tol * 4)
+        assert torch.allclose(compiled(x, wp).float(), want, rtol=tol, atol=tol * 4)
+    # A non-contiguous input (a slice of a wider activation) is accepted too.
+    x = torch.randn(7, 128, generator=g).to(dtype)[:, ::2]
+    assert torch.allclose(f(x, wp).float(), F.silu(F.linear(x, w) + b).float(), rtol=tol,
+                          atol=tol * 4)
 
 
 def test_int4_linear_keeps_fp32_activations_fp32():

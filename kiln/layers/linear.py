@@ -8,10 +8,20 @@ When the model is loaded for quantization, 4-bit checkpoint blocks skip the dens
 loader hands them to `stash_quantized` and `kiln.layers.quant.quantize_model` builds the quantized
 module from the stash. Whatever is not quantized in the end is written back into the dense weight
 (`materialize_stash`), so the module is always complete after `quantize_model`.
+
+On CPU a weight can be kept in oneDNN's blocked GEMM layout (`pack_weight`, once at load) and
+multiplied with `packed_linear`: the same products as F.linear, 1.1x faster at 512 rows and ~2x
+at 4-16 rows (Zen 5, 2 threads: a SmolLM2 layer's four linears at M=16 0.43-0.52 vs 0.82-0.92 ms
+for the int4 kernel; the 49152 x 576 head 3.4 vs 7-9 ms unpacked), because F.linear re-lays the
+weight out on every call. `packed_linear` is a custom op (kiln::packed_linear) so that
+torch.compile'd graphs call it as an opaque kernel: inductor's own lowering of oneDNN's linear
+only accepts weights that are graph constants, and ours are graph inputs (one graph serves all
+layers).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -71,3 +81,55 @@ class MergedLinear(Linear):
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}: expected {size} rows, got {tuple(tensor.shape)}")
         param.data[start:start + size].copy_(tensor)
+
+
+# --------------------------------------------------------------------------- packed CPU GEMM
+
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor w) -> Tensor")
+
+
+def _packed_linear_cpu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+# The packed weight is an opaque oneDNN tensor (dispatch key MkldnnCPU), the input a plain one.
+_LIB.impl("packed_linear", _packed_linear_cpu, "CPU")
+_LIB.impl("packed_linear", _packed_linear_cpu, "MkldnnCPU")
+
+
+@torch.library.register_fake("kiln::packed_linear")
+def _packed_linear_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@functools.cache
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU pack `dtype` weights and multiply them right (a probe
+    against F.linear; False where oneDNN is missing or lacks the dtype)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)  # not the global RNG: probing must not shift it
+        w = torch.randn(48, 64, generator=g).to(dtype)
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        got = torch.ops.kiln.packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(w))
+        return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=5e-2))
+    except Exception:  # noqa: BLE001 - any failure means: keep the weight unpacked
+        return False
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] in oneDNN's blocked layout for `packed_linear`, where the CPU build supports it;
+    otherwise w itself. A packed weight can only be multiplied (no indexing, no views)."""
+    if w.device.type == "cpu" and w.dim() == 2 and packing_works(w.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+    return w
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, packed: bool) -> torch.Tensor:
+    """x [M, K] @ w^T for a weight from `pack_weight`; `packed` says whether it was (the caller
+    keeps that flag: under torch.compile the traced stand-in of a packed weight does not say)."""
+    if packed:
+        return torch.ops.kiln.packed_linear(x.contiguous(), w)
+    return F.linear(x, w)

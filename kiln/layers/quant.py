@@ -19,10 +19,11 @@ to bf16 and runs one dense GEMM, which is several times faster there. Both paths
 numbers up to bf16 rounding.
 
 With `keep_dense` (the default on CPU when memory allows, see the `dense_weights` setting) each
-quantized layer also keeps its weight dequantized to bf16, and steps of many rows (prefill
-chunks, batches of 8-12 and more) run one dense GEMM on it: decode at low batch is bound by the
-bytes of weight read, large steps by arithmetic, where the kernels' in-loop dequantization
-loses. The copy is the quantized weight, dequantized: both paths compute with the same numbers.
+quantized layer also keeps its weight dequantized to bf16 (in oneDNN's packed layout where
+torch has it, see kiln/layers/linear.py), and steps of many rows (prefill chunks, batches of 4
+and more) run one dense GEMM on it: decode at low batch is bound by the bytes of weight read,
+large steps by arithmetic, where the kernels' in-loop dequantization loses. The copy is the
+quantized weight, dequantized: both paths compute with the same numbers.
 
 GGUF Q4_0/Q4_1 blocks are exactly this int4 form (groups of 32, a scale and a min), so a 4-bit
 GGUF becomes an int4 model with no requantization error: the loader stashes the blocks in the
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.linear import Linear
+from kiln.layers.linear import Linear, pack_weight, packed_linear
 from kiln.models.loader import GroupQuant
 
 log = logging.getLogger("kiln.quant")
@@ -64,6 +65,12 @@ INT4_KERNEL_MAX_M = 128
 # 6.6, M=16 7.1 vs 13.2 (and 32 ms for the int8 -> bf16 conversion fallback).
 INT8_DENSE_MIN_M = 8
 INT4_DENSE_MIN_M = 12
+# The same with the copy packed for oneDNN (`pack_weight`, where the build has it), which is
+# ~2x faster than F.linear at these sizes: a layer's four linears at M=2 0.16-0.24 vs 0.17-0.18
+# ms (int4 kernel), M=4 0.18-0.24 vs 0.24, M=8 0.24-0.31 vs 0.41-0.45; the head at M=2 2.7-3.3 vs
+# 3.3-3.4 ms (int8 kernel), M=4 2.4 vs 3.6, M=8 3.0 vs 6.2-6.5. In the whole model (compiled
+# decode) batch 2 ran slower on the copy (74-84 vs 115-166 tok/s), so 1-3 rows keep the kernels.
+PACKED_DENSE_MIN_M = 4
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -174,15 +181,22 @@ class _QuantizedLinear(nn.Module):
         super().__init__()
         self.out_dtype = out_dtype
         self.register_buffer("dense", None)  # [N, K] in out_dtype, see keep_dense
+        self.dense_packed = False  # dense is in oneDNN's layout (kiln.layers.linear.pack_weight)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
     def keep_dense(self) -> None:
-        self.dense = self.dequantize(self.out_dtype).contiguous()
+        self.dense = pack_weight(self.dequantize(self.out_dtype).contiguous())
+        self.dense_packed = self.dense.is_mkldnn
+        if self.dense_packed:
+            self.dense_min_m = PACKED_DENSE_MIN_M
 
     def _use_dense(self, rows: int) -> bool:
         return self.dense is not None and rows >= self.dense_min_m
+
+    def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x.to(self.out_dtype), self.dense, self.dense_packed)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -211,7 +225,7 @@ class Int8Linear(_QuantizedLinear):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self._use_dense(x2.shape[0]):
-            y = F.linear(x2.to(self.out_dtype), self.dense)
+            y = self._dense_linear(x2)
         elif self.native and x2.shape[0] <= self.kernel_max_m:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         else:
@@ -243,8 +257,9 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
-        if head.dense is not None and head.dense.dtype == self.dtype:
-            return head.dense[ids]
+        dense = head.dense
+        if dense is not None and dense.dtype == self.dtype and not head.dense_packed:
+            return dense[ids]  # (a packed copy has no rows to index: its numbers are these)
         return head.weight[ids].to(self.dtype) * head.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
@@ -284,7 +299,7 @@ class Int4Linear(_QuantizedLinear):
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
         if self._use_dense(m):
-            y = F.linear(x2.to(self.out_dtype), self.dense)
+            y = self._dense_linear(x2)
         elif self.native and (m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
