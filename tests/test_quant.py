@@ -292,3 +292,27 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
         outs[compiled] = run_to_completion(e)
     assert outs[True] == outs[False]
     assert 4 in calls and set(calls) <= {1, 2, 4}  # padded buckets ran compiled
+
+
+def test_dense_bf16_linear_packs_and_keeps_its_numbers():
+    """bf16 layers left dense on CPU are packed for oneDNN at load: same outputs, the weight
+    becomes a (multiply-only) buffer; fp32 layers are left alone."""
+    from torch import nn
+
+    from kiln.layers.linear import MergedLinear, pack_linears, packing_works
+
+    g = torch.Generator().manual_seed(7)
+    model = nn.Sequential(MergedLinear(64, {"a": 32, "b": 64}, bias=True), nn.ReLU())
+    lin = model[0]
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g))
+        lin.bias.copy_(torch.randn(96, generator=g))
+    model.to(torch.bfloat16)
+    x = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16)
+    want = model(x)
+    assert pack_linears(model, torch.float32) == 0 and not lin.packed
+    assert pack_linears(model) == (1 if packing_works(torch.bfloat16) else 0)
+    assert lin.packed and "weight" not in dict(lin.named_parameters())
+    got = model(x)
+    assert got.shape == want.shape == (2, 5, 96)
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -39,9 +39,27 @@ class Linear(nn.Module):
                      if bias else None)
         # shard name (None: the whole weight) -> kiln.models.loader.GroupQuant, not yet applied
         self.stash: dict[str | None, Any] = {}
+        self.packed = False  # weight is in oneDNN's layout (`pack`): a buffer, multiply-only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        y = packed_linear(x.reshape(-1, self.in_features), self.weight, True)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def pack(self) -> bool:
+        """Moves the (loaded, complete) weight into oneDNN's layout, where the build supports
+        its dtype; the weight can then only be multiplied. Returns whether it did."""
+        assert not self.stash, "materialize the stash first"
+        w = pack_weight(self.weight.data)
+        if not w.is_mkldnn:
+            return False
+        del self._parameters["weight"]
+        self.register_buffer("weight", w)
+        self.packed = True
+        return True
 
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         return 0, self.out_features
@@ -125,6 +143,18 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     if w.device.type == "cpu" and w.dim() == 2 and packing_works(w.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
     return w
+
+
+def pack_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Packs every dense `Linear` of `dtype` on CPU (quantized layers pack their own dense
+    copies); returns how many. Only bf16 by default: fp32 models stay on F.linear, whose
+    numbers tests compare with transformers' exactly."""
+    n = 0
+    for m in model.modules():
+        if (isinstance(m, Linear) and not m.packed and m.weight.device.type == "cpu"
+                and m.weight.dtype == dtype):
+            n += m.pack()
+    return n
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, packed: bool) -> torch.Tensor:

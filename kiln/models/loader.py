@@ -519,7 +519,8 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
     are swapped for quantized ones (`kiln.layers.quant.quantize_model`); GGUF 4-bit blocks then
     go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
-    from the quantized weight, for large steps)."""
+    from the quantized weight, for large steps). On CPU, bf16 linear layers left dense are
+    packed for oneDNN (`kiln.layers.linear.pack_linears`)."""
     from kiln.models.registry import model_class
 
     cls = model_class(ckpt.config.architecture)
@@ -533,6 +534,10 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
         from kiln.layers.quant import quantize_model
 
         quantize_model(model, quantization, keep_dense=keep_dense)
+    if torch.device(device).type == "cpu":
+        from kiln.layers.linear import pack_linears
+
+        pack_linears(model)  # bf16 layers left dense: ~2x faster GEMMs at 4-16 rows
     model.eval()
     return model
 
