@@ -72,3 +72,27 @@ def test_max_model_len_counts_as_explicit_only_when_the_user_set_it():
     cli = resolve_settings(cli={"max_model_len": ("1024", "--max-model-len")})
     cfg = EngineConfig.from_settings(cli, model="m")
     assert cfg.max_model_len == 1024 and cfg.max_model_len_explicit
+
+
+def test_cpu_kv_pool_costs_memory_only_as_it_is_written():
+    """CPU KV tensors come from anonymous mmaps: zeroed, and resident only where written."""
+    import types
+
+    import torch
+
+    from kiln.engine.model_runner import ModelRunner
+
+    def rss_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    host = types.SimpleNamespace(device=torch.device("cpu"), _kv_maps=[])
+    before = rss_kib()
+    pool = ModelRunner._kv_zeros(host, (16384, 4, 64), torch.bfloat16)  # 8 MiB x 16 = 128 MiB
+    assert pool.shape == (16384, 4, 64) and pool.dtype == torch.bfloat16
+    assert len(host._kv_maps) == 1
+    assert rss_kib() - before < 16 * 1024  # nothing resident yet
+    pool[:1024] = 1.5  # 512 KiB written
+    assert rss_kib() - before < 16 * 1024
+    assert float(pool[:1024].float().mean()) == 1.5
+    assert not bool(pool[1024:].any())  # the rest reads as zeros

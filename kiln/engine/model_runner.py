@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import math
+import mmap
 import os
 import platform
 import time
@@ -101,6 +103,7 @@ class ModelRunner:
                                  quantization=config.quantization,
                                  keep_dense=config.dense_weights)
         self.load_seconds = time.monotonic() - t0
+        ckpt.release()
         if self.device.type == "cpu":
             # Loading's transients (dequantized GGUF blocks, fp32 copies while quantizing) go
             # back to the kernel before the KV pool is allocated; from here on, freed memory is
@@ -240,14 +243,27 @@ class ModelRunner:
         mc = self.model_config
         shape = (num_slots, mc.num_key_value_heads, mc.head_dim)
         quant = dtype == torch.int8
+        self._kv_maps: list[mmap.mmap] = []
         for layer in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=dtype, device=self.device)
-            v = torch.zeros(shape, dtype=dtype, device=self.device)
+            k = self._kv_zeros(shape, dtype)
+            v = self._kv_zeros(shape, dtype)
             ks = vs = None
             if quant:
-                ks = torch.zeros(shape[:2], dtype=INT8_SCALE_DTYPE, device=self.device)
-                vs = torch.zeros(shape[:2], dtype=INT8_SCALE_DTYPE, device=self.device)
+                ks = self._kv_zeros(shape[:2], INT8_SCALE_DTYPE)
+                vs = self._kv_zeros(shape[:2], INT8_SCALE_DTYPE)
             layer.kv = KVStore(k, v, ks, vs, compute_dtype=self.dtype)
+
+    def _kv_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV tensor. On CPU it lives in its own anonymous mmap: the kernel hands out
+        zero pages as they are first written, so the pool costs RSS for the blocks in use, not
+        for its whole size up front (as llama.cpp's KV buffer does; torch.zeros would touch every
+        page). The maps are kept with the runner, which keeps them alive."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        count = math.prod(shape)
+        buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+        self._kv_maps.append(buf)
+        return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
     def _allocate_kv(self, num_blocks: int) -> None:
         # One block more than the plan: the scratch block, never handed to the block manager,

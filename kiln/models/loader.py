@@ -380,6 +380,12 @@ class Checkpoint:
             self._reader = GGUFFile(self.path)
         return self._reader
 
+    def release(self) -> None:
+        """Drops the GGUF memory map once the weights are loaded (they are copies): its pages
+        read during loading would otherwise stay in RSS (96 MB for SmolLM2 Q4_1). The map is
+        re-opened if a reader is asked for again."""
+        self._reader = None
+
     @property
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
