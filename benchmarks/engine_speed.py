@@ -8,8 +8,9 @@ Modes: fp32, bf16, bf16+int8, bf16+int4 (dtype + weight-only quantization), bf16
 kernels for small steps, a bf16 copy of the weights for prefill and large batches: the CPU
 default). Every runner stays loaded and the measurements go round-robin (rep 1 of every mode,
 then rep 2, ...), so modes are compared over the same stretch of a noisy, shared machine; each
-number is the best rep, and the JSON keeps every rep. "+compile" reuses the mode's runner, toggling its compiled decode step, so
-compiled and eager are measured in the same process on the same weights.
+number is the best rep, and the JSON keeps every rep. "+compile" reuses the mode's runner,
+toggling its compiled decode step, so compiled and eager are measured in the same process on the
+same weights.
 
 Results go to benchmarks/results/engine_speed.json (and a table on stdout).
 """

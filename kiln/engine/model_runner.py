@@ -243,7 +243,6 @@ class ModelRunner:
         mc = self.model_config
         shape = (num_slots, mc.num_key_value_heads, mc.head_dim)
         quant = dtype == torch.int8
-        self._kv_maps: list[mmap.mmap] = []
         for layer in self.model.attention_layers():
             k = self._kv_zeros(shape, dtype)
             v = self._kv_zeros(shape, dtype)
@@ -257,12 +256,11 @@ class ModelRunner:
         """A zeroed KV tensor. On CPU it lives in its own anonymous mmap: the kernel hands out
         zero pages as they are first written, so the pool costs RSS for the blocks in use, not
         for its whole size up front (as llama.cpp's KV buffer does; torch.zeros would touch every
-        page). The maps are kept with the runner, which keeps them alive."""
+        page). The tensor, and every view of it, holds a reference to its map."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
         count = math.prod(shape)
         buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-        self._kv_maps.append(buf)
         return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
     def _allocate_kv(self, num_blocks: int) -> None:

@@ -9,9 +9,9 @@ The step's tokens are laid out decodes first (one token per sequence), then each
 Decodes attend over their contexts gathered from the pool (padded to the longest, masked): fp32
 SDPA for one or two rows, two batched matmuls for larger bf16 batches, a fused product-sum form
 under torch.compile, and cascade attention when every row starts with the same cached blocks
-(see `Attention._decode` and `_cascade`). A prefill chunk that starts at position 0 attends to its
-own fresh K/V with a causal mask (no pool read); a chunk that continues a sequence (chunked prefill, prefix-cache hit)
-gathers its whole context from the pool. All index tensors are built once per step by the model
+(see `Attention._decode` and `_cascade`). A prefill chunk that starts at position 0 attends to
+its own fresh K/V with a causal mask (no pool read); a chunk that continues a sequence (chunked
+prefill, prefix-cache hit) gathers its whole context from the pool. All index tensors are built once per step by the model
 runner (`AttentionMetadata`) and shared by every layer through `get_context()`, so a model's
 forward stays `(input_ids, positions)`.
 
@@ -214,7 +214,7 @@ class Attention(nn.Module):
         query heads are spread block-diagonally (row h of kv-head g holds q in block g, zeros
         elsewhere; 1/Hk of the product is useful, which is cheap next to a copy of K), and the
         output keeps each head's own block. Softmax in fp32 either way."""
-        b, hq, d = q.shape
+        b, _, d = q.shape
         hk = ck.shape[2]
         if torch.compiler.is_compiling():
             return self._decode_fused(q, ck, cv, mask)

@@ -151,9 +151,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     numbers tests compare with transformers' exactly."""
     n = 0
     for m in model.modules():
-        if (isinstance(m, Linear) and not m.packed and m.weight.device.type == "cpu"
-                and m.weight.dtype == dtype):
-            n += m.pack()
+        if isinstance(m, Linear) and not m.packed and m.weight.dtype == dtype:
+            n += m.pack()  # (pack_weight leaves non-CPU weights as they are)
     return n
 
 
