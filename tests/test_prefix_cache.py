@@ -308,9 +308,11 @@ def test_cascade_attention_equals_attention_over_the_whole_context(dtype):
     lens = torch.tensor([1, 5, 20, 13, 8])
     mask = (torch.arange(n)[None, :] < lens[:, None])[:, None, None, :]
     got = att._cascade(q, sk, sv, ck, cv, mask).float()
+    fused = att._cascade_fused(q, sk, sv, ck, cv, mask).float()  # compiled steps' form
     whole_k = torch.cat([sk.expand(b, p, 3, 64), ck], dim=1)
     whole_v = torch.cat([sv.expand(b, p, 3, 64), cv], dim=1)
     whole_mask = torch.cat([torch.ones(b, 1, 1, p, dtype=torch.bool), mask], dim=-1)
     want = att._decode(q.float(), whole_k.float(), whole_v.float(), whole_mask)
     tol = 1e-5 if dtype == "float32" else 3e-2
     assert (got - want).abs().max().item() < tol
+    assert (fused - want).abs().max().item() < tol

@@ -81,7 +81,8 @@ def test_dense_copies_give_the_quantized_layers_numbers(m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
     """kiln::packed_linear on a oneDNN-packed weight: F.linear's numbers, also inside a
-    torch.compile'd graph where the packed weight is a graph input (as in the decode step)."""
+    torch.compile'd graph where the packed weight is a graph input (as in the decode step).
+    33 rows are padded to 64 inside the op (ROWS_QUANTUM) and cut back."""
     import torch.nn.functional as F
 
     from kiln.layers.linear import pack_weight, packed_linear, packing_works
@@ -105,6 +106,8 @@ def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         assert torch.allclose(f(x, wp).float(), want, rtol=tol, atol=tol * 4)
         assert torch.allclose(compiled(x, wp).float(), want, rtol=tol, atol=tol * 4)
+        got = packed_linear(x, wp, packed)
+        assert got.shape == (m, 96) and got.is_contiguous()
     # A non-contiguous input (a slice of a wider activation) is accepted too.
     x = torch.randn(7, 128, generator=g).to(dtype)[:, ::2]
     assert torch.allclose(f(x, wp).float(), F.silu(F.linear(x, w) + b).float(), rtol=tol,
@@ -260,8 +263,9 @@ def test_quantized_chat_still_says_paris(quantized):
 
 def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
     """--compile: decode steps run the compiled layer padded to a batch bucket (3 sequences in
-    the bucket of 4, the pad rows on the scratch block); mixed steps stay eager. Greedy tokens
-    are the eager ones."""
+    the bucket of 4, the pad rows on the scratch block); mixed steps stay eager. Then 4
+    sequences over a shared 5-block cached prefix run the bucket's cascade graph. Greedy tokens
+    are the eager ones in both cases."""
     from conftest import make_tiny_model, run_to_completion
 
     from kiln.config import EngineConfig
@@ -279,19 +283,32 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    prefix = torch.randint(0, 256, (5 * 16,), generator=g).tolist()
+    shared = [prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20, 4)]
     calls = []
     run_compiled = runner._run_compiled
-    monkeypatch.setattr(runner, "_run_compiled",
-                        lambda *a: calls.append(a[0].shape[0]) or run_compiled(*a))
+
+    def spy(ids, positions, meta):
+        calls.append((ids.shape[0], meta.decode_shared is not None))
+        return run_compiled(ids, positions, meta)
+
+    monkeypatch.setattr(runner, "_run_compiled", spy)
+    graphs = runner._compiled
     outs = {}
     for compiled in (True, False):
-        runner._compiled = runner._compiled if compiled else None
+        runner._compiled = graphs if compiled else None
         e = Engine(cfg, runner=runner)
         for i, p in enumerate(prompts):
             e.add_request(str(i), p, params)
-        outs[compiled] = run_to_completion(e)
+        plain = run_to_completion(e)
+        e.add_request("first", shared[0], params)  # publishes the prefix
+        e.step()
+        for i, p in enumerate(shared[1:]):
+            e.add_request(f"s{i}", p, params)
+        outs[compiled] = (plain, run_to_completion(e))
     assert outs[True] == outs[False]
-    assert 4 in calls and set(calls) <= {1, 2, 4}  # padded buckets ran compiled
+    assert (4, False) in calls and {b for b, _ in calls} <= {1, 2, 4}  # padded buckets
+    assert (4, True) in calls  # the cascade graph ran
 
 
 def test_dense_bf16_linear_packs_and_keeps_its_numbers():

@@ -284,11 +284,9 @@ class ModelRunner:
         nd = len(decodes)
         # Decode rows that all start with the same cached blocks attend to them once (cascade).
         shared = self._shared_prefix_blocks(decodes)
-        # A decode-only step runs the compiled layers, padded up to its batch bucket. (Cascade
-        # steps run eager: their graph would be another variant to compile per bucket, and at
-        # the batch sizes where they pay off, per-op overhead matters little.)
-        compiled = (self._compiled is not None and not chunks and not shared
-                    and 0 < nd <= self._buckets[-1])
+        # A decode-only step runs the compiled layers, padded up to its batch bucket; cascade
+        # steps are a second graph of the buckets that can have them.
+        compiled = self._compiled is not None and not chunks and 0 < nd <= self._buckets[-1]
         padded = next(b for b in self._buckets if b >= nd) if compiled else nd
         dec = self._decode_inputs(decodes, padded, shared) if decodes else None
         bs = self.block_size
@@ -414,7 +412,9 @@ class ModelRunner:
         shared = None
         if shared_blocks:
             p = shared_blocks * bs
-            shared, gather, mask = gather[0, :p], gather[:, p:], mask[:, p:]
+            # Contiguous copies: the compiled graphs are traced (and guarded) on dense inputs.
+            shared = gather[0, :p]
+            gather, mask = np.ascontiguousarray(gather[:, p:]), np.ascontiguousarray(mask[:, p:])
         return _DecodeInputs(ids, starts, slots, gather, mask, shared)
 
     # ------------------------------------------------------------------ torch.compile
@@ -431,21 +431,24 @@ class ModelRunner:
         limit = max(self.config.max_num_seqs, 1)
         self._buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < limit] + [limit]
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    len(self._buckets) + 4)
+                                                    2 * len(self._buckets) + 4)
         # Regional compilation: one decoder layer's forward is compiled, and the same graph
         # serves all layers (their weights are graph inputs), so compile time does not grow
         # with depth. Whole-model graphs measured no faster and took ~25x longer to build.
         self._compiled = torch.compile(_fresh_layer_call(), fullgraph=False, dynamic=None)
         for b in self._buckets:
             self._warm_up_bucket(b)
+            if b >= CASCADE_MIN_ROWS:
+                self._warm_up_bucket(b, cascade=True)
         self._warmed_up = True
         self.compile_seconds = time.monotonic() - t0
         log.info("compiled the decode step for batch buckets %s in %.1f s", self._buckets,
                  self.compile_seconds)
 
     @torch.inference_mode()
-    def _warm_up_bucket(self, b: int) -> None:
-        """One decode step of `b` padding rows (scratch block only): compiles that bucket."""
+    def _warm_up_bucket(self, b: int, cascade: bool = False) -> None:
+        """One decode step of `b` padding rows (scratch block only): compiles that bucket, or
+        its cascade variant (a shared prefix read once)."""
         bs = self.block_size
         scratch = self._scratch_block * bs
         nkv = 2 * bs  # any length > 1: the dimension is dynamic (0 and 1 would specialize)
@@ -456,6 +459,11 @@ class ModelRunner:
             slot_mapping=self._to_device(np.full(b, scratch, dtype=np.int64)), num_decodes=b,
             decode_gather=self._to_device(gather),
             decode_mask=self._to_device(mask)[:, None, None, :])
+        if cascade:
+            # A length of its own: equal sizes would share one symbol in the graph (dynamo's
+            # duck shaping), which then guards that the shared and own parts stay equal.
+            p = 3 * bs
+            meta.decode_shared = self._to_device(scratch + np.arange(p, dtype=np.int64) % bs)
         ids = torch.zeros(b, dtype=torch.long, device=self.device)
         set_context(meta)
         try:
@@ -472,6 +480,8 @@ class ModelRunner:
         torch._dynamo.mark_dynamic(meta.decode_gather, 1)
         assert meta.decode_mask is not None
         torch._dynamo.mark_dynamic(meta.decode_mask, 3)
+        if meta.decode_shared is not None:
+            torch._dynamo.mark_dynamic(meta.decode_shared, 0)
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             if not self._warmed_up:
                 return self.model(input_ids, positions, layer_call=self._compiled)

@@ -257,6 +257,8 @@ class Attention(nn.Module):
         for all rows, as one GEMM of B*Hq query rows, instead of B times (FlashInfer's cascade
         attention). Both parts' scores go through one softmax, so the result is exact. The
         matmuls use `_decode`'s block-diagonal query layout."""
+        if torch.compiler.is_compiling():
+            return self._cascade_fused(q, sk, sv, ck, cv, mask)
         b, hq, d = q.shape
         p, hk = sk.shape[0], sk.shape[1]
         length = ck.shape[1]
@@ -270,6 +272,35 @@ class Attention(nn.Module):
         o = ((probs[..., :p].reshape(b * hq, p) @ sv.view(p, hk * d)).view(b, hq, hk * d)
              + probs[..., p:] @ cv.view(b, length, hk * d))
         return _own_blocks(o, hk)
+
+    def _cascade_fused(self, q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
+                       ck: torch.Tensor, cv: torch.Tensor,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        """`_cascade` for torch.compile. The shared part is two batched GEMMs per KV head
+        (its B*G query rows against the P shared keys: no block-diagonal waste), which inductor
+        hands to the BLAS; the rows' own, short, parts are `_decode_fused`'s loops. The two
+        parts meet in one softmax (a common running max, one denominator), so the result is
+        exact. Compiled, a 16-row step over a 900-token prefix measured ~0.6 vs ~0.9 ms per
+        layer for `_cascade` run eager."""
+        b, hq, d = q.shape
+        hk = sk.shape[1]
+        g, length = hq // hk, ck.shape[1]
+        qg = q.view(b, hk, g, d)
+        q_heads = qg.permute(1, 0, 2, 3).reshape(hk, b * g, d)  # [Hk, B*G, D]
+        shared = torch.bmm(q_heads, sk.permute(1, 2, 0)).float() * self.scale  # [Hk, B*G, P]
+        own = (qg.unsqueeze(1).float() * ck.view(b, length, hk, 1, d).float()).sum(-1)
+        own = own * self.scale  # [B, L, Hk, G]
+        if mask is not None:
+            own = own.masked_fill(~mask.view(b, length, 1, 1), float("-inf"))
+        # Row maxima over both parts, in each part's layout: [B, Hk, G] and [Hk, B*G, 1].
+        top = torch.maximum(shared.amax(-1).view(hk, b, g).permute(1, 0, 2), own.amax(1))
+        e_shared = torch.exp(shared - top.permute(1, 0, 2).reshape(hk, b * g, 1))
+        e_own = torch.exp(own - top.unsqueeze(1))
+        denom = e_shared.sum(-1).view(hk, b, g).permute(1, 0, 2) + e_own.sum(1)  # [B, Hk, G]
+        o_shared = torch.bmm(e_shared.to(sv.dtype), sv.permute(1, 0, 2))  # [Hk, B*G, D]
+        o_own = (e_own.unsqueeze(-1) * cv.view(b, length, hk, 1, d).float()).sum(1)
+        o = (o_shared.float().view(hk, b, g, d).permute(1, 0, 2, 3) + o_own) / denom[..., None]
+        return o.reshape(b, hq, d).to(q.dtype)
 
 
 def _spread_heads(q: torch.Tensor, hk: int) -> torch.Tensor:

@@ -107,7 +107,22 @@ _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, Tensor w) -> Tensor")
 
 
+# oneDNN builds (and caches, with its scratch memory) one primitive per input shape: ~0.3-1.5 MB
+# each for SmolLM2's layers, kept in two LRU caches of 1024 entries (oneDNN's and ideep's). The
+# row counts of mixed prefill/decode steps take any value up to the token budget, so a server
+# would grow by hundreds of MB; above `ROWS_EXACT`, rows are padded up to a multiple of
+# `ROWS_QUANTUM`, which bounds the shapes to a few dozen per weight for a few % more compute.
+ROWS_EXACT = 16
+ROWS_QUANTUM = 32
+
+
 def _packed_linear_cpu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    m = x.shape[0]
+    if m > ROWS_EXACT and m % ROWS_QUANTUM:
+        padded = x.new_empty((m + ROWS_QUANTUM - m % ROWS_QUANTUM, x.shape[1]))
+        padded[:m] = x
+        padded[m:] = 0  # (rows are independent: the pad only has to be finite)
+        return torch.ops.mkldnn._linear_pointwise(padded, w, None, "none", [], "")[:m]
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
