@@ -151,6 +151,34 @@ def test_top_p_one_with_top_k_keeps_a_peaked_distribution_whole():
     assert len(masked(logits, top_k=1000, top_p=1.0)) == 1000
 
 
+def _sorted_cut(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The reference: a full sort, top-k, then the smallest prefix reaching top_p."""
+    vals, idx = logits.sort(descending=True)
+    n = top_k if top_k > 0 else len(vals)
+    probs = torch.softmax(vals[:n], dim=-1)
+    cum_before = probs.cumsum(0) - probs
+    n = int((cum_before < top_p).sum()) if top_p < 1.0 else n
+    return set(idx[:n].tolist())
+
+
+def test_top_k_top_p_over_a_large_vocab_equal_a_full_sort():
+    """The cut is searched in a window of the best logits (topk) and widened when a nucleus
+    may pass it: peaked, flat (nucleus wider than every window) and top-k rows in one batch all
+    keep exactly the tokens a full sort keeps."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 8192
+    rows = [(0, 0.9, 4.0), (40, 1.0, 3.0), (0, 0.95, 0.01), (300, 0.5, 2.0), (0, 1.0, 1.0),
+            (5000, 0.99, 0.05)]  # (top_k, top_p, logit scale): scale 0.01 is nearly flat
+    logits = torch.cat([torch.randn(1, vocab, generator=g) * sc for _, _, sc in rows])
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p, _ in rows]
+    out = Sampler._apply_top_k_top_p_min_p(logits, params)
+    for i, (k, p, _) in enumerate(rows):
+        got = set(torch.nonzero(out[i] > NEG).flatten().tolist())
+        want = _sorted_cut(logits[i], k, p)
+        assert got == want, f"row {i}: {len(got)} vs {len(want)} tokens"
+    assert len(_sorted_cut(logits[2], 0, 0.95)) > 4096  # the flat row needed the full width
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_best():
     lg = PROBS.log()
     assert masked(lg, min_p=0.2) == [0, 1, 2]  # 0.05 < 0.2 * 0.5
@@ -201,3 +229,23 @@ def test_logprobs_match_log_softmax_of_the_raw_logits():
     assert all(math.isclose(x, y, abs_tol=1e-5) for (_, x), y in zip(a.top, top_v.tolist()))
     assert b.top == [] and b.token_id == out.token_ids[1]
     assert math.isclose(b.logprob, ref[1, b.token_id].item(), abs_tol=1e-5)
+
+
+def test_top_logprobs_break_ties_by_the_lowest_token_id_like_argmax():
+    """bf16 logits tie often: the greedy token (argmax: lowest id among equals) comes first, and
+    the list equals a stable sort of the whole vocabulary, also across the k-th place."""
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.zeros(2, V)
+    logits[0, [7, 3, 40, 12]] = 2.0  # four-way tie for the best, asked for 3
+    logits[1, [9, 20]] = 1.0
+    logits[1, 5] = 3.0
+    reqs = [make_req("a", temperature=0.0, logprobs=3), make_req("b", temperature=0.0, logprobs=4)]
+    out = sampler(logits.clone(), reqs)
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, lp in enumerate(out.logprobs):
+        vals, ids = ref[i].sort(descending=True, stable=True)
+        n = reqs[i].params.logprobs
+        assert [t for t, _ in lp.top] == ids[:n].tolist()
+        assert lp.top[0][0] == out.token_ids[i] == ref[i].argmax().item()
+    assert [t for t, _ in out.logprobs[0].top] == [3, 7, 12]
+    assert [t for t, _ in out.logprobs[1].top] == [5, 9, 20, 0]
