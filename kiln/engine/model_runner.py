@@ -121,6 +121,7 @@ class ModelRunner:
         self._block_offsets = np.arange(self.block_size, dtype=np.int64)
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._buckets: list[int] = []
+        self._cascade_compiled = False  # cascade steps have graphs of their own (CPU)
         self.compile_seconds = 0.0
         self._warmed_up = False
         if config.compile:
@@ -285,8 +286,10 @@ class ModelRunner:
         # Decode rows that all start with the same cached blocks attend to them once (cascade).
         shared = self._shared_prefix_blocks(decodes)
         # A decode-only step runs the compiled layers, padded up to its batch bucket; cascade
-        # steps are a second graph of the buckets that can have them.
-        compiled = self._compiled is not None and not chunks and 0 < nd <= self._buckets[-1]
+        # steps are a second graph of the buckets that can have them (CPU only: on CUDA that
+        # graph is unmeasured, so cascade steps there stay eager).
+        compiled = (self._compiled is not None and not chunks and 0 < nd <= self._buckets[-1]
+                    and (not shared or self._cascade_compiled))
         padded = next(b for b in self._buckets if b >= nd) if compiled else nd
         dec = self._decode_inputs(decodes, padded, shared) if decodes else None
         bs = self.block_size
@@ -436,9 +439,10 @@ class ModelRunner:
         # serves all layers (their weights are graph inputs), so compile time does not grow
         # with depth. Whole-model graphs measured no faster and took ~25x longer to build.
         self._compiled = torch.compile(_fresh_layer_call(), fullgraph=False, dynamic=None)
+        self._cascade_compiled = self.device.type == "cpu"
         for b in self._buckets:
             self._warm_up_bucket(b)
-            if b >= CASCADE_MIN_ROWS:
+            if self._cascade_compiled and b >= CASCADE_MIN_ROWS:
                 self._warm_up_bucket(b, cascade=True)
         self._warmed_up = True
         self.compile_seconds = time.monotonic() - t0
