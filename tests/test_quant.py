@@ -232,7 +232,12 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
 def test_quantized_greedy_agrees_with_unquantized(quantized, smollm2_runner, smollm2_tokenizer):
     from kiln.sampling_params import SamplingParams
 
+    from kiln.layers import cpu_kernels
+
     mode, llm = quantized
+    # bf16 pools: decode runs kiln's CPU kernel wherever it can (tests/test_cpu_kernels.py)
+    layers = llm.engine.runner.model.attention_layers()
+    assert all(layer.kv.decode_kernel == cpu_kernels.available() for layer in layers)
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                 min_tokens=NEW_TOKENS))
