@@ -309,6 +309,9 @@ SETTINGS: list[Setting] = [
             affects="performance"),
     Setting("compile", parse_bool, False, "torch.compile the decode step", ("--compile",),
             neg_flags=("--no-compile",), affects="performance"),
+    Setting("cpu_kernels", parse_bool, True,
+            "kiln's C++ CPU kernels (decode attention; AVX512-BF16, built once per machine)",
+            ("--cpu-kernels",), neg_flags=("--no-cpu-kernels",), affects="performance"),
     Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",
             ("--tensor-parallel-size", "-tp"), affects="performance", auto=_auto_tp),
     Setting("pipeline_parallel_size", positive_int, 1, "pipeline stages (external engines)",
@@ -639,6 +642,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     compile: bool = False
+    cpu_kernels: bool = True
     prefix_rendezvous_max_wait_ms: int | None = None  # None: off
     session_cache: str = "off"  # off | memory
     session_cache_max_entries: int = 256

@@ -11,9 +11,11 @@ SDPA for one or two rows, two batched matmuls for larger bf16 batches, a fused p
 under torch.compile, and cascade attention when every row starts with the same cached blocks
 (see `Attention._decode` and `_cascade`). On a CPU with AVX512-BF16 and a bf16 pool, decode rows
 instead use kiln's C++ kernel, which reads the pool in place (`Attention._decode_kernel`,
-kiln/layers/cpu_kernels.cpp; about 2x faster per layer than inductor's loop). A prefill chunk that starts at position 0 attends to
-its own fresh K/V with a causal mask (no pool read); a chunk that continues a sequence (chunked
-prefill, prefix-cache hit) gathers its whole context from the pool. All index tensors are built once per step by the model
+kiln/layers/cpu_kernels.cpp; about 2x faster per layer than inductor's loop).
+
+A prefill chunk that starts at position 0 attends to its own fresh K/V with a causal mask (no
+pool read); a chunk that continues a sequence (chunked prefill, prefix-cache hit) gathers its
+whole context from the pool. All index tensors are built once per step by the model
 runner (`AttentionMetadata`) and shared by every layer through `get_context()`, so a model's
 forward stays `(input_ids, positions)`.
 
@@ -174,13 +176,14 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.kv: KVStore | None = None  # attached by the model runner
 
-    def attach(self, kv: KVStore) -> None:
+    def attach(self, kv: KVStore, cpu_kernels: bool = True) -> None:
         """Give the layer its slice of the KV pool; decode with kiln's CPU kernel where it
-        runs (a bf16 pool on a CPU with AVX512-BF16: see kiln.layers.cpu_kernels)."""
-        from kiln.layers import cpu_kernels
+        runs (a bf16 pool on a CPU with AVX512-BF16: see kiln.layers.cpu_kernels) unless
+        `cpu_kernels` (--no-cpu-kernels) is off."""
+        from kiln.layers import cpu_kernels as kernels
 
-        kv.decode_kernel = (not kv.quantized and q_dtype_matches(kv)
-                            and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
+        kv.decode_kernel = (cpu_kernels and not kv.quantized and q_dtype_matches(kv)
+                            and kernels.decode_attention_ok(kv.k, self.num_heads))
         self.kv = kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ torch.utils.cpp_extension (~15 s, g++ and ninja) into ~/.cache/kiln/ext, keyed b
 torch, the compiler flags and this CPU, so later starts only load it. `make install` builds it
 ahead (`python -m kiln.layers.cpu_kernels`).
 
-Where it cannot be used (no compiler, no AVX512-BF16, another platform, KILN_CPU_KERNELS=0),
+Where it cannot be used (no compiler, no AVX512-BF16, another platform, --no-cpu-kernels),
 `decode_attention_ok` says False and attention keeps its PyTorch paths; the build's failure is
 logged once.
 """
@@ -31,7 +31,6 @@ log = logging.getLogger("kiln.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-ENV_SWITCH = "KILN_CPU_KERNELS"  # "0": PyTorch paths only
 HEAD_DIMS = (64, 96, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the kernel's register budget)
 
@@ -63,7 +62,7 @@ def build_dir() -> Path:
 def available() -> bool:
     """Builds (or loads the cached build of) the kernels and checks them against PyTorch once.
     False, with the reason logged, where they cannot run here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or platform.system() != "Linux":
+    if platform.system() != "Linux":
         return False
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
