@@ -56,7 +56,7 @@ KILN_ONLY = frozenset({"engine", "engine_command", "runtime_preset", "model_dirs
                        "drain_timeout", "max_queue", "cpu_memory_utilization",
                        "prefix_rendezvous_max_wait_ms", "session_cache",
                        "session_cache_max_entries", "session_cache_max_tokens",
-                       "dense_weights"})
+                       "dense_weights", "cpu_kernels"})
 
 
 class _EngineDecides:
