@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.layers import cpu_kernels
-from kiln.layers.attention import Attention, AttentionMetadata, KVStore, set_context
+from kiln.layers.attention import Attention, AttentionMetadata, KVStore
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="kiln's CPU kernels do not run here")
@@ -146,8 +146,7 @@ def test_compiled_bf16_decode_calls_the_kernel_and_keeps_the_eager_tokens(tmp_pa
         kernel_calls = sum(ev.count for ev in prof.key_averages()
                            if ev.key == "kiln_cpu::decode_attention")
         assert kernel_calls >= 10 * runner.model_config.num_hidden_layers
-    assert True in compiled_steps and False in compiled_steps  # cascade and plain graphs ran
+    assert set(compiled_steps) == {True, False}  # the cascade and the plain graphs ran
     same = sum(a == b for rid in outs[False] for a, b in zip(outs[True][rid], outs[False][rid]))
     total = sum(len(t) for t in outs[False].values())
     assert total == 40 and same / total >= 0.9, f"{same}/{total}"
-    set_context(None)

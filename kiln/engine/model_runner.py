@@ -252,7 +252,7 @@ class ModelRunner:
                 ks = self._kv_zeros(shape[:2], INT8_SCALE_DTYPE)
                 vs = self._kv_zeros(shape[:2], INT8_SCALE_DTYPE)
             layer.attach(KVStore(k, v, ks, vs, compute_dtype=self.dtype),
-                         cpu_kernels=self.config.cpu_kernels)
+                         use_kernels=self.config.cpu_kernels)
 
     def _kv_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed KV tensor. On CPU it lives in its own anonymous mmap: the kernel hands out

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers import cpu_kernels
+
 INT8_SCALE_DTYPE = torch.float16  # per (slot, head) scale of int8 KV
 INT8_SCALE_BYTES = 2
 # fp16 has subnormals down to 6e-8: smaller scales would round to 0 (and divide by it).
@@ -176,14 +178,13 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.kv: KVStore | None = None  # attached by the model runner
 
-    def attach(self, kv: KVStore, cpu_kernels: bool = True) -> None:
+    def attach(self, kv: KVStore, use_kernels: bool = True) -> None:
         """Give the layer its slice of the KV pool; decode with kiln's CPU kernel where it
         runs (a bf16 pool on a CPU with AVX512-BF16: see kiln.layers.cpu_kernels) unless
-        `cpu_kernels` (--no-cpu-kernels) is off."""
-        from kiln.layers import cpu_kernels as kernels
-
-        kv.decode_kernel = (cpu_kernels and not kv.quantized and q_dtype_matches(kv)
-                            and kernels.decode_attention_ok(kv.k, self.num_heads))
+        `use_kernels` (--no-cpu-kernels) is off. The kernel reads queries and pool in one
+        dtype, so the pool must be kept in the compute dtype."""
+        kv.decode_kernel = (use_kernels and not kv.quantized and kv.k.dtype == kv.compute_dtype
+                            and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
         self.kv = kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -195,7 +196,6 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and kv.decode_kernel:
-            assert meta.decode_gather is not None and meta.decode_mask is not None
             out[:nd] = self._decode_kernel(q[:nd], kv, meta).to(q.dtype)
         elif nd:
             assert meta.decode_gather is not None
@@ -226,8 +226,6 @@ class Attention(nn.Module):
         """Decode rows with kiln's CPU kernel, reading the pool in place; a shared prefix
         (cascade) is attended separately as GEMMs (`_shared_part`) and the two softmaxes are
         merged through their log-sum-exps, which is exact. Returns fp32 [B, Hq, D]."""
-        from kiln.layers import cpu_kernels
-
         assert meta.decode_gather is not None and meta.decode_mask is not None
         b = q.shape[0]
         o, lse = cpu_kernels.decode_attention(q, kv.k, kv.v, meta.decode_gather,
@@ -247,14 +245,21 @@ class Attention(nn.Module):
         b, hq, d = q.shape
         hk = sk.shape[1]
         g = hq // hk
-        q_heads = q.view(b, hk, g, d).permute(1, 0, 2, 3).reshape(hk, b * g, d)
-        scores = torch.bmm(q_heads, sk.permute(1, 2, 0)).float() * self.scale  # [Hk, B*G, P]
+        scores = self._shared_scores(q, sk)  # [Hk, B*G, P]
         top = scores.amax(-1, keepdim=True)
         e = torch.exp(scores - top)
         denom = e.sum(-1, keepdim=True)
         o = torch.bmm(e.to(sv.dtype), sv.permute(1, 0, 2)).float() / denom  # [Hk, B*G, D]
         lse = (top + torch.log(denom)).view(hk, b, g).permute(1, 0, 2).reshape(b, hq)
         return o.view(hk, b, g, d).permute(1, 0, 2, 3).reshape(b, hq, d), lse
+
+    def _shared_scores(self, q: torch.Tensor, sk: torch.Tensor) -> torch.Tensor:
+        """Scaled fp32 scores of every row's queries q [B, Hq, D] against the P keys every row
+        shares, sk [P, Hk, D]: one batched GEMM of B*G query rows per KV head -> [Hk, B*G, P]."""
+        b, hq, d = q.shape
+        hk = sk.shape[1]
+        q_heads = q.view(b, hk, hq // hk, d).permute(1, 0, 2, 3).reshape(hk, -1, d)
+        return torch.bmm(q_heads, sk.permute(1, 2, 0)).float() * self.scale
 
     def _decode(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -339,8 +344,7 @@ class Attention(nn.Module):
         hk = sk.shape[1]
         g, length = hq // hk, ck.shape[1]
         qg = q.view(b, hk, g, d)
-        q_heads = qg.permute(1, 0, 2, 3).reshape(hk, b * g, d)  # [Hk, B*G, D]
-        shared = torch.bmm(q_heads, sk.permute(1, 2, 0)).float() * self.scale  # [Hk, B*G, P]
+        shared = self._shared_scores(q, sk)  # [Hk, B*G, P]
         own = (qg.unsqueeze(1).float() * ck.view(b, length, hk, 1, d).float()).sum(-1)
         own = own * self.scale  # [B, L, Hk, G]
         if mask is not None:
@@ -354,11 +358,6 @@ class Attention(nn.Module):
         o_own = (e_own.unsqueeze(-1) * cv.view(b, length, hk, 1, d).float()).sum(1)
         o = (o_shared.float().view(hk, b, g, d).permute(1, 0, 2, 3) + o_own) / denom[..., None]
         return o.reshape(b, hq, d).to(q.dtype)
-
-
-def q_dtype_matches(kv: KVStore) -> bool:
-    """The kernel reads queries and pool in one dtype: a pool kept in the compute dtype."""
-    return kv.k.dtype == kv.compute_dtype
 
 
 def _spread_heads(q: torch.Tensor, hk: int) -> torch.Tensor:

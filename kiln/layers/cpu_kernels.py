@@ -123,7 +123,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing (the kernel runs as one opaque call)."""
     @torch.library.register_fake("kiln_cpu::decode_attention")
-    def _(q, k, v, slots, mask, scale):  # noqa: ANN001, ANN202
+    def _(q, k, v, slots, mask, scale):
         b, hq, d = q.shape
         return q.new_empty((b, hq, d), dtype=torch.float32), q.new_empty((b, hq),
                                                                           dtype=torch.float32)
