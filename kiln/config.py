@@ -192,8 +192,8 @@ def _auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     copy = ctx.weight_bytes * (4 if v.get("quantization") == "int4" else 2)
     if copy and copy <= ctx.ram_available_bytes // 4:
         return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB) fits in a quarter of the available "
-                      "RAM: prefill and steps of >= 4 rows run dense (oneDNN-packed) GEMMs, faster "
-                      "there than the quantized kernels")
+                      "RAM: prefill (and, without kiln's CPU kernels, steps of >= 4 rows) runs "
+                      "dense (oneDNN-packed) GEMMs, faster there than the quantized kernels")
     return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
 
 
@@ -310,7 +310,8 @@ SETTINGS: list[Setting] = [
     Setting("compile", parse_bool, False, "torch.compile the decode step", ("--compile",),
             neg_flags=("--no-compile",), affects="performance"),
     Setting("cpu_kernels", parse_bool, True,
-            "kiln's C++ CPU kernels (decode attention; AVX512-BF16, built once per machine)",
+            "kiln's C++ CPU kernels (decode attention, int4/int8 linears; AVX512-BF16, built "
+            "once per machine)",
             ("--cpu-kernels",), neg_flags=("--no-cpu-kernels",), affects="performance"),
     Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",
             ("--tensor-parallel-size", "-tp"), affects="performance", auto=_auto_tp),

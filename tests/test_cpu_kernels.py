@@ -1,6 +1,8 @@
-"""kiln's C++ CPU decode-attention kernel (kiln/layers/cpu_kernels.cpp): its numbers against
-PyTorch, its bounds check, the cascade merge, and compiled decode steps that call it. Skipped
-where the kernel cannot run (no AVX512-BF16, no compiler)."""
+"""kiln's C++ CPU kernels (kiln/layers/cpu_kernels.cpp). Decode attention: its numbers against
+PyTorch, its bounds check, the cascade merge, and compiled decode steps that call it. The int4
+and int8 weight-only linears: their numbers against the dequantized weight for every row-tile
+and block tail, their packed layouts, their shape checks, and a compiled quantized engine that
+calls them. Skipped where the kernels cannot run (no AVX512-BF16, no compiler)."""
 
 from __future__ import annotations
 
@@ -150,3 +152,109 @@ def test_compiled_bf16_decode_calls_the_kernel_and_keeps_the_eager_tokens(tmp_pa
     same = sum(a == b for rid in outs[False] for a, b in zip(outs[True][rid], outs[False][rid]))
     total = sum(len(t) for t in outs[False].values())
     assert total == 40 and same / total >= 0.9, f"{same}/{total}"
+
+
+# --------------------------------------------------------------------------- int4 / int8 linears
+
+
+def _w4(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    mn = (-scale * torch.randint(4, 12, (n, k // 32), generator=g)).half().float()
+    return q, scale, mn
+
+
+def _dequant4(q, scale, mn):
+    n, k = q.shape
+    return (q.float().view(n, -1, 32) * scale[..., None] + mn[..., None]).view(n, k)
+
+
+# N: one block, three (an odd tail task), six, many; M: every row-tile size and tails of it.
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (96, 576), (1536, 576), (64, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 33])
+def test_w4_linear_matches_the_dequantized_weight(n, k, m):
+    q, scale, mn = _w4(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = cpu_kernels.w4_linear(x, cpu_kernels.pack_w4(q, scale, mn), n)
+    want = x.float() @ _dequant4(q, scale, mn).t()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # fp32 accumulation, one bf16 rounding of the output
+    assert (got.float() - want).abs().max() <= 8e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (80, 576), (4096, 576)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 33])
+def test_w8_linear_matches_the_dequantized_weight(n, k, m):
+    """Up to 4 rows convert int8 in the loop, more rows through a bf16 scratch: both exact."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(m, k, generator=g).bfloat16()
+    got = cpu_kernels.w8_linear(x, cpu_kernels.pack_w8(q), scale)
+    want = (x.float() @ q.float().t()) * scale
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert (got.float() - want).abs().max() <= 8e-3 * want.abs().max()
+
+
+def test_packed_layouts_round_trip():
+    q, scale, mn = _w4(48, 96)
+    q2, s2, m2 = cpu_kernels.unpack_w4(cpu_kernels.pack_w4(q, scale, mn))
+    assert torch.equal(q2, q) and torch.equal(s2, scale) and torch.equal(m2, mn)
+    q8 = torch.randint(-128, 128, (48, 96), dtype=torch.int8)
+    packed = cpu_kernels.pack_w8(q8)
+    assert torch.equal(cpu_kernels.unpack_w8(packed), q8)
+    rows = torch.tensor([[0, 17], [47, 16]])  # an embedding lookup of a [2, 2] batch
+    assert torch.equal(cpu_kernels.unpack_w8_rows(packed, rows), q8[rows])
+
+
+def test_linear_kernels_reject_mismatched_inputs():
+    q, scale, mn = _w4(32, 64)
+    packed = cpu_kernels.pack_w4(q, scale, mn)
+    with pytest.raises(RuntimeError, match="K = 32"):
+        cpu_kernels.w4_linear(torch.zeros(2, 32).bfloat16(), packed, 32)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernels.w4_linear(torch.zeros(2, 64), packed, 32)
+    p8 = cpu_kernels.pack_w8(torch.zeros(32, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="scale fp32"):
+        cpu_kernels.w8_linear(torch.zeros(1, 64).bfloat16(), p8, torch.ones(16))
+    assert cpu_kernels.w4_linear(torch.zeros(0, 64).bfloat16(), packed, 32).shape == (0, 32)
+
+
+def test_compiled_int4_engine_calls_the_linear_kernels(tmp_path, monkeypatch):
+    """An int4 engine with --compile: its quantized layers hold kiln's layouts, and compiled and
+    eager decode steps call kiln_cpu::w4_linear / w8_linear, with the same greedy tokens."""
+    from conftest import make_tiny_model, run_to_completion
+
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+    from kiln.layers.quant import Int4Linear, Int8Linear
+    from kiln.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
+    cfg = EngineConfig(model=str(folder), dtype="bfloat16", quantization="int4",
+                       dense_weights=False, kv_cache_memory=8 << 20, max_num_seqs=4,
+                       max_num_batched_tokens=64, compile=True)
+    eng = Engine(cfg)
+    runner = eng.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert layers and all(m.kiln for m in layers)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+    graphs, outs = runner._compiled, {}
+    for compiled in (True, False):
+        runner._compiled = graphs if compiled else None
+        e = Engine(cfg, runner=runner)
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, params)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs[compiled] = run_to_completion(e)
+        calls = {ev.key: ev.count for ev in prof.key_averages()}
+        assert calls.get("kiln_cpu::w4_linear", 0) >= 10 * runner.model_config.num_hidden_layers
+        assert calls.get("kiln_cpu::w8_linear", 0) >= 10  # the head, once a step
+    same = sum(a == b for rid in outs[False] for a, b in zip(outs[True][rid], outs[False][rid]))
+    total = sum(len(t) for t in outs[False].values())
+    assert total == 30 and same / total >= 0.9, f"{same}/{total}"

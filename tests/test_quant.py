@@ -53,7 +53,7 @@ def test_int4_linear_matches_its_dequantized_weight_on_both_paths(m):
     assert (lin.dequantize(torch.float32) - w).abs().max() <= 0.01 * w.abs().max()
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 11, 12, 64])
+@pytest.mark.parametrize("m", [1, 3, 4, 11, 12, 64, 96])
 def test_dense_copies_give_the_quantized_layers_numbers(m):
     """keep_dense: steps of many rows run a bf16 GEMM on the dequantized weight (packed for
     oneDNN where the build can), small ones the kernels; both compute with the quantized weight."""
@@ -70,7 +70,9 @@ def test_dense_copies_give_the_quantized_layers_numbers(m):
         layer.keep_dense()
         assert layer.dense is not None and layer.dense.shape == (192, 256)
         assert layer.dense_packed == packing_works(torch.bfloat16)
-        if layer.dense_packed:
+        if layer.kiln:  # kiln's kernels reuse weight tiles across rows: dense only at prefill
+            assert layer.dense_min_m == layer.kiln_dense_min_m > PACKED_DENSE_MIN_M
+        elif layer.dense_packed:
             assert layer.dense_min_m == PACKED_DENSE_MIN_M
         got = layer(x).float()
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
@@ -138,19 +140,27 @@ def test_int8_linear_matches_dense_on_both_paths():
 
 
 def test_reference_fallback_gives_the_native_numbers(monkeypatch):
-    """Where the packed ops are missing, layers dequantize on the fly: same results."""
+    """Where the packed ops are missing, layers dequantize on the fly: same results. kiln's own
+    kernels (the default where they run) give them too."""
     from kiln.layers import quant
 
     gq = _groups(64, 128)
     x = torch.randn(4, 128).to(torch.bfloat16)
-    native = quant.Int4Linear(gq, None, torch.bfloat16)
+    native = quant.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
+    kiln = quant.Int4Linear(gq, None, torch.bfloat16)
+    w8 = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    native8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
+    kiln8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16)
+    assert not native.kiln and not native8.kiln
     monkeypatch.setattr(quant, "native_int4", lambda device_type: False)
     monkeypatch.setattr(quant, "native_int8", lambda device_type: False)
-    ref = quant.Int4Linear(gq, None, torch.bfloat16)
-    assert not ref.native
-    assert (ref(x).float() - native(x).float()).abs().max() <= 0.02 * native(x).abs().max()
-    lin8 = quant.Int8Linear.from_float(gq.dequantize(), None, torch.bfloat16)
-    assert not lin8.native and lin8(x).shape == (4, 64)
+    ref = quant.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
+    ref8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
+    assert not ref.native and not ref8.native
+    for a, b in ((ref, native), (kiln, native), (ref8, native8), (kiln8, native8)):
+        assert (a(x).float() - b(x).float()).abs().max() <= 0.02 * b(x).float().abs().max()
+        torch.testing.assert_close(a.dequantize(torch.float32), b.dequantize(torch.float32),
+                                   rtol=1e-2, atol=1e-2 * b.dequantize(torch.float32).abs().max())
 
 
 def test_gguf_blocks_decode_like_the_gguf_package():
@@ -217,6 +227,9 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     kinds = {type(m) for m in quantized_layers}
     assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear, Int8Linear})
     assert isinstance(model.lm_head, Int8Linear)
+    # On a CPU with AVX512-BF16 every quantized layer runs kiln's own kernels (int4 and int8).
+    from kiln.layers import cpu_kernels
+    assert all(m.kiln == cpu_kernels.available() for m in quantized_layers)
     fp32_bytes = smollm2_runner.weight_bytes
     if mode.endswith("+dense"):
         # Every quantized layer also holds its weight in bf16: ~1/2 of fp32 + the int4 copy.

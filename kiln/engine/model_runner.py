@@ -101,7 +101,8 @@ class ModelRunner:
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,
                                  max_positions=max(wanted, 1), progress=progress,
                                  quantization=config.quantization,
-                                 keep_dense=config.dense_weights)
+                                 keep_dense=config.dense_weights,
+                                 cpu_kernels=config.cpu_kernels)
         self.load_seconds = time.monotonic() - t0
         ckpt.release()
         if self.device.type == "cpu":

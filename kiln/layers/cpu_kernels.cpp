@@ -30,6 +30,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <atomic>
@@ -186,6 +187,249 @@ void decode_attention_impl(const uint16_t* q, const uint16_t* k, const uint16_t*
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Weight-only quantized linears: y [M, N] bf16 = x [M, K] bf16 @ W^T, W read in its packed
+// quantized form and never dequantized to memory. Decode steps (M = 1..32) are bound by the
+// bytes of weight read at small M and by the dot products at larger M; PyTorch's int4/int8 CPU
+// kernels reach ~14 GB/s at M = 1 and do not reuse a weight tile across rows.
+//
+// Both layouts put 16 output rows side by side, so one 512-bit register holds a pair of k for
+// each of 16 rows: exactly the operand of vdpbf16ps, which adds a[2i]*b[2i] + a[2i+1]*b[2i+1]
+// into fp32 lane i. x's pair (x[k], x[k+1]) is broadcast to all lanes.
+//
+// w4: uint8 [N/16, K/32, 320], per block of 16 rows and group of 32 k (GGUF Q4_0/Q4_1 groups):
+//   256 bytes of codes: 8 quads of k, 32 bytes each; byte t of quad j holds
+//     low nibble  q[n = t/2, k = 4j + t%2],  high nibble  q[n = t/2, k = 4j + 2 + t%2]
+//   32 bytes: the 16 rows' scales d (fp16), 32 bytes: their mins m (fp16); w = d * q + m.
+//   A code becomes the bf16 128 + q with one OR (0x4300 is 128.0; q fills the low mantissa
+//   bits), exact. Per group the row sums P = sum (128 + q) x and S = sum x give
+//   sum w x = d * P + (m - 128 d) * S, so the scale is applied once per group, in fp32.
+// w8: int8 [N/16, K/2, 32]; byte t of pair j is q[n = t/2, k = 2j + t%2]; w = scale[n] * q.
+//   int8 -> fp32 -> bf16 is exact (|q| <= 128 needs 8 significant bits). For M > 4 each tile
+//   of rows is converted once into a bf16 scratch (L2) that all row tiles then read.
+
+constexpr int64_t kW4Group = 32;
+constexpr int64_t kW4GroupBytes = 320;
+
+inline void store_bf16(uint16_t* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline __m512bh bcast_pair(const uint16_t* x) {
+  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+}
+
+constexpr int64_t kW4Ahead = 24;  // groups (of 320 bytes) ahead in each block's stream
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// MT rows of x times NT blocks of 16 output rows. Each group's partial sums run in S chains
+// (S = 2 when the tile has few accumulators): a vdpbf16ps must wait for the one before it on the
+// same register, and at M = 1 one chain per block left the core waiting, not reading memory.
+template <int MT, int NT>
+inline void w4_tile(const uint16_t* x, int64_t K, const float* xsum, const uint8_t* w,
+                    int64_t block_bytes, uint16_t* y, int64_t N) {
+  constexpr int S = MT * NT < 8 ? 2 : 1;
+  const int64_t G = K / kW4Group;
+  const __m512i low = _mm512_set1_epi16(0x000F);
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NT; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 p[MT][NT][S];
+    for (int m = 0; m < MT; ++m)
+      for (int b = 0; b < NT; ++b)
+        for (int c = 0; c < S; ++c) p[m][b][c] = _mm512_setzero_ps();
+    // Software prefetch kW4Ahead groups ahead in each block's stream (past a block's end it
+    // fetches the next block's start): the hardware prefetcher alone left M = 1 at about half
+    // of the bandwidth that 2 cores can read here.
+    for (int b = 0; b < NT; ++b)
+      prefetch_bytes(w + b * block_bytes + (g + kW4Ahead) * kW4GroupBytes, kW4GroupBytes);
+    for (int j = 0; j < 8; ++j) {
+      __m512bh wa[NT], wb[NT];
+      for (int b = 0; b < NT; ++b) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w + b * block_bytes + g * kW4GroupBytes + 32 * j)));
+        wa[b] = (__m512bh)_mm512_ternarylogic_epi32(v, low, bias, 0xEA);  // (v & low) | bias
+        wb[b] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+      }
+      const int64_t k = g * kW4Group + 4 * j;
+      for (int m = 0; m < MT; ++m) {
+        const __m512bh xa = bcast_pair(x + m * K + k), xb = bcast_pair(x + m * K + k + 2);
+        for (int b = 0; b < NT; ++b) {
+          p[m][b][0] = _mm512_dpbf16_ps(p[m][b][0], wa[b], xa);
+          p[m][b][S - 1] = _mm512_dpbf16_ps(p[m][b][S - 1], wb[b], xb);
+        }
+      }
+    }
+    for (int b = 0; b < NT; ++b) {
+      const uint8_t* sm = w + b * block_bytes + g * kW4GroupBytes + 256;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+      const __m512 mn =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 32)));
+      const __m512 mb = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), mn);  // m - 128 d
+      for (int m = 0; m < MT; ++m) {
+        const __m512 pm = S == 2 ? _mm512_add_ps(p[m][b][0], p[m][b][S - 1]) : p[m][b][0];
+        acc[m][b] = _mm512_fmadd_ps(pm, d, acc[m][b]);
+        acc[m][b] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), mb, acc[m][b]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NT; ++b) store_bf16(y + m * N + 16 * b, acc[m][b]);
+}
+
+// Sums of x over each group of 32 k: xsum [M, K/32] fp32.
+void group_sums(const uint16_t* x, int64_t M, int64_t K, float* xsum) {
+  for (int64_t i = 0; i < M * (K / kW4Group); ++i) {
+    const uint16_t* src = x + i * kW4Group;
+    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(widen(src), widen(src + 16)));
+  }
+}
+
+// All M rows for NT blocks, in row tiles of up to 4 (the first tile reads the weights from
+// memory, the others find them in L1/L2).
+template <int NT>
+void w4_rows(const uint16_t* x, int64_t M, int64_t K, const float* xsum, const uint8_t* w,
+             int64_t block_bytes, uint16_t* y, int64_t N) {
+  const int64_t G = K / kW4Group;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    w4_tile<4, NT>(x + m * K, K, xsum + m * G, w, block_bytes, y + m * N, N);
+  switch (M - m) {
+    case 3: w4_tile<3, NT>(x + m * K, K, xsum + m * G, w, block_bytes, y + m * N, N); break;
+    case 2: w4_tile<2, NT>(x + m * K, K, xsum + m * G, w, block_bytes, y + m * N, N); break;
+    case 1: w4_tile<1, NT>(x + m * K, K, xsum + m * G, w, block_bytes, y + m * N, N); break;
+    default: break;
+  }
+}
+
+// Tasks of kTask blocks (M <= 2: 4 blocks, whose 4 weight streams keep more loads in flight;
+// else 2, so that a 4-row tile's accumulators fit the registers).
+template <int kTask>
+void w4_tasks(const uint16_t* x, int64_t M, int64_t K, const float* xsum, const uint8_t* w,
+              uint16_t* y, int64_t N) {
+  const int64_t NB = N / 16, block_bytes = (K / kW4Group) * kW4GroupBytes;
+  at::parallel_for(0, (NB + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t b = kTask * t;
+      const int64_t last = std::min(NB, b + kTask);
+      if (b + kTask <= last) {
+        w4_rows<kTask>(x, M, K, xsum, w + b * block_bytes, block_bytes, y + 16 * b, N);
+        continue;
+      }
+      for (; b < last; ++b)  // a short last task, block by block
+        w4_rows<1>(x, M, K, xsum, w + b * block_bytes, block_bytes, y + 16 * b, N);
+    }
+  });
+}
+
+void w4_linear_impl(const uint16_t* x, const uint8_t* w, uint16_t* y, int64_t M, int64_t K,
+                    int64_t N) {
+  std::vector<float> xsum(M * (K / kW4Group));
+  group_sums(x, M, K, xsum.data());
+  if (M <= 2)
+    w4_tasks<4>(x, M, K, xsum.data(), w, y, N);
+  else
+    w4_tasks<2>(x, M, K, xsum.data(), w, y, N);
+}
+
+// int8 -> bf16 of one pair of k for 16 rows (32 bytes).
+inline __m512bh w8_pair(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+constexpr int64_t kW8Ahead = 4096;  // bytes ahead in each block's stream (see kW4Ahead)
+
+// MT rows x NT blocks; the weight comes as int8 (kDirect) or as its bf16 scratch.
+template <int MT, int NT, bool kDirect>
+inline void w8_tile(const uint16_t* x, int64_t K, const int8_t* w8, const uint16_t* wbf,
+                    int64_t block_pairs_stride, const float* scale, uint16_t* y, int64_t N) {
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NT; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K / 2; ++j) {
+    __m512bh wv[NT];
+    for (int b = 0; b < NT; ++b) {
+      if constexpr (kDirect) {
+        if ((j & 1) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w8 + b * block_pairs_stride + 32 * j) +
+                           kW8Ahead, _MM_HINT_T0);
+        wv[b] = w8_pair(w8 + b * block_pairs_stride + 32 * j);
+      }
+      else
+        wv[b] = (__m512bh)_mm512_loadu_si512(wbf + b * block_pairs_stride + 32 * j);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = bcast_pair(x + m * K + 2 * j);
+      for (int b = 0; b < NT; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
+    }
+  }
+  for (int b = 0; b < NT; ++b) {
+    const __m512 s = _mm512_loadu_ps(scale + 16 * b);
+    for (int m = 0; m < MT; ++m) store_bf16(y + m * N + 16 * b, _mm512_mul_ps(acc[m][b], s));
+  }
+}
+
+template <int NT, bool kDirect>
+void w8_rows(const uint16_t* x, int64_t M, int64_t K, const int8_t* w8, const uint16_t* wbf,
+             int64_t stride, const float* scale, uint16_t* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    w8_tile<4, NT, kDirect>(x + m * K, K, w8, wbf, stride, scale, y + m * N, N);
+  switch (M - m) {
+    case 3: w8_tile<3, NT, kDirect>(x + m * K, K, w8, wbf, stride, scale, y + m * N, N); break;
+    case 2: w8_tile<2, NT, kDirect>(x + m * K, K, w8, wbf, stride, scale, y + m * N, N); break;
+    case 1: w8_tile<1, NT, kDirect>(x + m * K, K, w8, wbf, stride, scale, y + m * N, N); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kW8TaskBlocks = 4;
+
+void w8_linear_impl(const uint16_t* x, const int8_t* w, const float* scale, uint16_t* y,
+                    int64_t M, int64_t K, int64_t N) {
+  const int64_t NB = N / 16, block = 16 * K;  // bytes (= int8 values) per block
+  const int64_t tasks = (NB + kW8TaskBlocks - 1) / kW8TaskBlocks;
+  const bool direct = M <= 4;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> scratch(direct ? 0 : kW8TaskBlocks * block);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = kW8TaskBlocks * t, nb = std::min(kW8TaskBlocks, NB - b0);
+      const int8_t* wb = w + b0 * block;
+      uint16_t* yb = y + 16 * b0;
+      const float* sb = scale + 16 * b0;
+      if (direct) {  // 4 blocks at a time (4 weight streams, 4 independent sums per row)
+        if (nb == kW8TaskBlocks) {
+          w8_rows<kW8TaskBlocks, true>(x, M, K, wb, nullptr, block, sb, yb, N);
+          continue;
+        }
+        for (int64_t b = 0; b < nb; ++b)
+          w8_rows<1, true>(x, M, K, wb + b * block, nullptr, block, sb + 16 * b, yb + 16 * b, N);
+        continue;
+      }
+      for (int64_t i = 0; i < nb * K / 2; ++i)
+        _mm512_storeu_si512(scratch.data() + 32 * i, (__m512i)w8_pair(wb + 32 * i));
+      int64_t b = 0;
+      for (; b + 4 <= nb; b += 4)
+        w8_rows<4, false>(x, M, K, nullptr, scratch.data() + b * block, block, sb + 16 * b,
+                          yb + 16 * b, N);
+      for (; b < nb; ++b)
+        w8_rows<1, false>(x, M, K, nullptr, scratch.data() + b * block, block, sb + 16 * b,
+                          yb + 16 * b, N);
+    }
+  });
+}
+
 #endif  // KILN_HAVE_KERNELS
 
 bool supported() { return KILN_HAVE_KERNELS; }
@@ -234,12 +478,61 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
+
+at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w4_linear: x [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kW4GroupBytes,
+              "w4_linear: packed uint8 [N/16, K/32, 320]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(0) * 16 == n && packed.size(1) * kW4Group == K,
+              "w4_linear: packed weight is [", packed.size(0) * 16, ", ", packed.size(1) * 32,
+              "], x has K = ", K, " and n = ", n);
+  const auto xc = x.contiguous();
+  auto y = at::empty({M, n}, x.options());
+#if KILN_HAVE_KERNELS
+  if (M > 0)
+    w4_linear_impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()), packed.data_ptr<uint8_t>(),
+                   reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, n);
+#else
+  TORCH_CHECK(false, "w4_linear: built without AVX512-BF16");
+#endif
+  return y;
+}
+
+at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w8_linear: x [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == 32,
+              "w8_linear: packed int8 [N/16, K/2, 32]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 2 == K, "w8_linear: packed weight has K = ", packed.size(1) * 2,
+              ", x has ", K);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous(),
+              "w8_linear: scale fp32 [N]");
+  const auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+#if KILN_HAVE_KERNELS
+  if (M > 0)
+    w8_linear_impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()), packed.data_ptr<int8_t>(),
+                   scale.data_ptr<float>(), reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, N);
+#else
+  TORCH_CHECK(false, "w8_linear: built without AVX512-BF16");
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("supported() -> bool");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor mask, float scale)"
         " -> (Tensor, Tensor)");
+  m.def("w4_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.impl("supported", &supported);
+  m.impl("w4_linear", c10::DispatchKey::CPU, &w4_linear);
+  m.impl("w8_linear", c10::DispatchKey::CPU, &w8_linear);
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
 }

@@ -4,8 +4,13 @@
     quantize_model(model, "int4")   every Linear -> Int4Linear (4-bit, asymmetric groups of 32)
                                     lm_head (and a tied embedding) -> Int8Linear / Int8Embedding
 
-Decode is memory-bound, so fewer weight bytes read per token is more tokens/s. The packed forms
-are PyTorch's own CPU kernels, which take bf16 activations (AVX-512 BF16 where the CPU has it):
+Decode is memory-bound, so fewer weight bytes read per token is more tokens/s.
+
+Where kiln's own CPU kernels run (`--cpu-kernels`, AVX512-BF16: kiln/layers/cpu_kernels.cpp),
+both modules keep their weight in those kernels' layouts (`kiln` = True) and every step below
+`dense_min_m` rows calls them: they read each weight tile once per step and reuse it for all of
+the step's rows, so a 16-row decode step costs about 3x a single row, not 16x. Elsewhere the
+packed forms are PyTorch's own CPU kernels, which take bf16 activations:
 
     int8: torch.ops.aten._weight_int8pack_mm(x[M,K] bf16, w[N,K] int8, scales[N] bf16)
     int4: torch.ops.aten._weight_int4pack_mm_for_cpu(x[M,K] bf16, packed, 32, sz[K/32,N,2] bf16)
@@ -46,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers import cpu_kernels
 from kiln.layers.linear import Linear, pack_weight, packed_linear
 from kiln.models.loader import GroupQuant
 
@@ -71,6 +77,13 @@ INT4_DENSE_MIN_M = 12
 # 3.3-3.4 ms (int8 kernel), M=4 2.4 vs 3.6, M=8 3.0 vs 6.2-6.5. In the whole model (compiled
 # decode) batch 2 ran slower on the copy (74-84 vs 115-166 tok/s), so 1-3 rows keep the kernels.
 PACKED_DENSE_MIN_M = 4
+# With kiln's own kernels (kiln/layers/cpu_kernels.cpp, `--cpu-kernels`), which reuse each weight
+# tile across a step's rows, the dense copy only wins at prefill sizes. 30 SmolLM2 layers' four
+# linears from DRAM, 2 threads, kiln int4 vs oneDNN bf16: M=1 4.6 vs 15-18 ms, M=16 12.5-13.3 vs
+# 20-24, M=64 57 vs 69, M=128 27.4 vs 25.9 (10 layers), M=512 111 vs 96. The int8 head
+# (49152 x 576): M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
+KILN_INT4_DENSE_MIN_M = 96
+KILN_INT8_DENSE_MIN_M = 16
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -173,13 +186,18 @@ def _unpack_int4_blocks(packed: torch.Tensor, n: int, k: int, bn: int) -> torch.
 
 class _QuantizedLinear(nn.Module):
     """What Int8Linear and Int4Linear share: the activation dtype they return and the optional
-    dense copy of their weight (`keep_dense`) that steps of `dense_min_m` rows or more use."""
+    dense copy of their weight (`keep_dense`) that steps of `dense_min_m` rows or more use.
+    `kiln`: the weight is in the layout of kiln's own CPU kernel (cpu_kernels.w4_linear /
+    w8_linear), which then runs every step below `dense_min_m`; else PyTorch's packed ops
+    (`native`) or the reference form."""
 
     dense_min_m: int
+    kiln_dense_min_m: int
 
     def __init__(self, out_dtype: torch.dtype) -> None:
         super().__init__()
         self.out_dtype = out_dtype
+        self.kiln = False
         self.register_buffer("dense", None)  # [N, K] in out_dtype, see keep_dense
         self.dense_packed = False  # dense is in oneDNN's layout (kiln.layers.linear.pack_weight)
 
@@ -189,7 +207,9 @@ class _QuantizedLinear(nn.Module):
     def keep_dense(self) -> None:
         self.dense = pack_weight(self.dequantize(self.out_dtype).contiguous())
         self.dense_packed = self.dense.is_mkldnn
-        if self.dense_packed:
+        if self.kiln:
+            self.dense_min_m = self.kiln_dense_min_m
+        elif self.dense_packed:
             self.dense_min_m = PACKED_DENSE_MIN_M
 
     def _use_dense(self, rows: int) -> bool:
@@ -203,29 +223,43 @@ class Int8Linear(_QuantizedLinear):
     """y = x @ (q * scale)^T + b with q int8 [N, K] and one scale per output row."""
 
     dense_min_m = INT8_DENSE_MIN_M
+    kiln_dense_min_m = KILN_INT8_DENSE_MIN_M
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype) -> None:
+                 out_dtype: torch.dtype, use_kernels: bool = True) -> None:
         super().__init__(out_dtype)
-        self.in_features = q.shape[1]
-        self.out_features = q.shape[0]
-        self.native = native_int8(q.device.type)
+        n, k = q.shape
+        self.in_features, self.out_features = k, n
+        self.kiln = use_kernels and cpu_kernels.linear_ok(q.device, n, k)
+        self.native = not self.kiln and native_int8(q.device.type)
         self.kernel_max_m = INT8_KERNEL_MAX_M
-        self.register_buffer("weight", q.contiguous())
-        self.register_buffer("scales", scale.to(KERNEL_DTYPE if self.native else out_dtype))
+        if self.kiln:  # weight: cpu_kernels.pack_w8's layout, [N/16, K/2, 32]
+            self.register_buffer("weight", cpu_kernels.pack_w8(q))
+            self.register_buffer("scales", scale.float().contiguous())
+        else:
+            self.register_buffer("weight", q.contiguous())
+            self.register_buffer("scales", scale.to(KERNEL_DTYPE if self.native else out_dtype))
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype) -> Int8Linear:
+                   out_dtype: torch.dtype, use_kernels: bool = True) -> Int8Linear:
         q, s = quantize_int8_rows(w)
-        return cls(q, s, bias, out_dtype)
+        return cls(q, s, bias, out_dtype, use_kernels)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the int8 weight (what an embedding lookup reads)."""
+        if self.kiln:
+            return cpu_kernels.unpack_w8_rows(self.weight, ids)
+        return self.weight[ids]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self._use_dense(x2.shape[0]):
             y = self._dense_linear(x2)
+        elif self.kiln:
+            y = cpu_kernels.w8_linear(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         elif self.native and x2.shape[0] <= self.kernel_max_m:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         else:
@@ -238,11 +272,15 @@ class Int8Linear(_QuantizedLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
+        q = cpu_kernels.unpack_w8(self.weight) if self.kiln else self.weight
+        return q.to(dtype) * self.scales.to(dtype).unsqueeze(1)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, "
-                f"{'native' if self.native else 'reference'}")
+        return f"in={self.in_features}, out={self.out_features}, {_kernel_name(self)}"
+
+
+def _kernel_name(layer: _QuantizedLinear) -> str:
+    return "kiln" if layer.kiln else "native" if layer.native else "reference"
 
 
 class Int8Embedding(nn.Module):
@@ -253,33 +291,40 @@ class Int8Embedding(nn.Module):
         super().__init__()
         self._head = [head]  # not a child: its buffers are counted once, under lm_head
         self.dtype = dtype
-        self.num_embeddings, self.embedding_dim = head.weight.shape
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
         dense = head.dense
         if dense is not None and dense.dtype == self.dtype and not head.dense_packed:
             return dense[ids]  # (a packed copy has no rows to index: its numbers are these)
-        return head.weight[ids].to(self.dtype) * head.scales[ids].to(self.dtype).unsqueeze(-1)
+        return head.rows(ids).to(self.dtype) * head.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
 class Int4Linear(_QuantizedLinear):
     """y = x @ W^T + b with W in asymmetric 4-bit groups of 32 along K."""
 
     dense_min_m = INT4_DENSE_MIN_M
+    kiln_dense_min_m = KILN_INT4_DENSE_MIN_M
 
-    def __init__(self, gq: GroupQuant, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    def __init__(self, gq: GroupQuant, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                 use_kernels: bool = True) -> None:
         super().__init__(out_dtype)
         n, k = gq.shape
         self.in_features, self.out_features = k, n
         self.group_size = gq.group_size
         device = gq.q.device
-        self.native = (native_int4(device.type) and k % gq.group_size == 0 and n % 16 == 0
-                       and gq.group_size in (32, 64, 128, 256))
+        self.kiln = (use_kernels and gq.group_size == 32
+                     and cpu_kernels.linear_ok(device, n, k))
+        self.native = (not self.kiln and native_int4(device.type) and k % gq.group_size == 0
+                       and n % 16 == 0 and gq.group_size in (32, 64, 128, 256))
         self.kernel_max_m = INT4_KERNEL_MAX_M
         bn = int4_block_n() if self.native else None
         self.block_n = bn if bn is not None and n % bn == 0 else None
-        if self.native:
+        if self.kiln:  # cpu_kernels.pack_w4's layout: codes + fp16 scale/min per group of 32
+            self.register_buffer("packed", cpu_kernels.pack_w4(gq.q, gq.scale, gq.min))
+            self.register_buffer("scales_zeros", None)
+        elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 gq.q.to(torch.int32).contiguous(), 1)
             zero = gq.min + 8.0 * gq.scale  # the kernel computes (q - 8) * scale + zero
@@ -300,6 +345,8 @@ class Int4Linear(_QuantizedLinear):
         m = x2.shape[0]
         if self._use_dense(m):
             y = self._dense_linear(x2)
+        elif self.kiln:
+            y = cpu_kernels.w4_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.native and (m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
@@ -328,6 +375,10 @@ class Int4Linear(_QuantizedLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype` (reference path; also used by tests)."""
         n, k, g = self.out_features, self.in_features, self.group_size
+        if self.kiln:
+            q, scale, mn = cpu_kernels.unpack_w4(self.packed)
+            w = torch.addcmul(mn.unsqueeze(-1), q.view(n, k // g, g).float(), scale.unsqueeze(-1))
+            return w.reshape(n, k).to(dtype)
         if self.native:
             if self.block_n is not None:
                 return self._dequant_t(torch.float32).t().to(dtype)
@@ -341,7 +392,7 @@ class Int4Linear(_QuantizedLinear):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
-                f"{'native' if self.native else 'reference'}")
+                f"{_kernel_name(self)}")
 
 
 # --------------------------------------------------------------------------- the pass
@@ -377,19 +428,21 @@ def _int4_ok(lin: Linear) -> bool:
     return lin.in_features % INT4_GROUP == 0 and lin.in_features % 2 == 0
 
 
-def quantize_linear(lin: Linear, mode: str) -> nn.Module:
+def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Module:
     dtype = lin.weight.dtype
     bias = lin.bias.data if lin.bias is not None else None
     with torch.no_grad():
         if mode == "int4" and _int4_ok(lin):
-            return Int4Linear(_groups_of(lin), bias, dtype)
-        return Int8Linear.from_float(_dense_fp32(lin), bias, dtype)
+            return Int4Linear(_groups_of(lin), bias, dtype, use_kernels)
+        return Int8Linear.from_float(_dense_fp32(lin), bias, dtype, use_kernels)
 
 
-def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
+                   use_kernels: bool = True) -> nn.Module:
     """Swaps the model's linear layers for quantized modules, in place; returns the model.
     `mode`: "int8" | "int4" (see the module docstring); "none" does nothing. `keep_dense`: each
-    quantized layer also keeps its (dequantized) weight in the activation dtype for large steps."""
+    quantized layer also keeps its (dequantized) weight in the activation dtype for large steps.
+    `use_kernels`: layers use kiln's own CPU kernels where this machine can (--cpu-kernels)."""
     if mode == "none":
         return model
     if mode not in ("int8", "int4"):
@@ -398,9 +451,9 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False) -> nn.
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and name != "lm_head":
-                setattr(parent, name, quantize_linear(child, mode))
+                setattr(parent, name, quantize_linear(child, mode, use_kernels))
                 n += 1
-    _quantize_head(model)
+    _quantize_head(model, use_kernels)
     for m in model.modules():  # anything left dense gets its stashed blocks back
         if isinstance(m, Linear) and m.stash:
             m.materialize_stash()
@@ -413,7 +466,7 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False) -> nn.
     return model
 
 
-def _quantize_head(model: nn.Module) -> None:
+def _quantize_head(model: nn.Module, use_kernels: bool) -> None:
     """lm_head -> Int8Linear in both modes: 4-bit logits cost accuracy (teacher-forced greedy
     agreement with the fp32 model fell from 0.97 to 0.89 on SmolLM2 with an int4 head). A tied
     embedding then looks its rows up in the same int8 storage."""
@@ -425,8 +478,8 @@ def _quantize_head(model: nn.Module) -> None:
     with torch.no_grad():
         if isinstance(head, TiedLMHead):
             emb = head.embedding
-            q8 = Int8Linear.from_float(emb.weight.data, None, emb.weight.dtype)
+            q8 = Int8Linear.from_float(emb.weight.data, None, emb.weight.dtype, use_kernels)
             model.lm_head = q8
             model.model.embed_tokens = Int8Embedding(q8, emb.weight.dtype)
         elif isinstance(head, Linear):
-            model.lm_head = quantize_linear(head, "int8")
+            model.lm_head = quantize_linear(head, "int8", use_kernels)

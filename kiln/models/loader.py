@@ -521,7 +521,8 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | str,
                 max_positions: int, progress: ProgressFn | None = None,
-                quantization: str = "none", keep_dense: bool = False) -> torch.nn.Module:
+                quantization: str = "none", keep_dense: bool = False,
+                cpu_kernels: bool = True) -> torch.nn.Module:
     """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
     are swapped for quantized ones (`kiln.layers.quant.quantize_model`); GGUF 4-bit blocks then
     go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
@@ -539,7 +540,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     if quantization != "none":
         from kiln.layers.quant import quantize_model
 
-        quantize_model(model, quantization, keep_dense=keep_dense)
+        quantize_model(model, quantization, keep_dense=keep_dense, use_kernels=cpu_kernels)
     if torch.device(device).type == "cpu":
         from kiln.layers.linear import pack_linears
 
