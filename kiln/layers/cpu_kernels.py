@@ -59,8 +59,11 @@ def _cpu_id() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(CFLAGS),
-                                    _cpu_id(), sys.version]).encode()).hexdigest()[:16]
+    # The source's path is part of the key: torch's builder rebuilds (~15 s) when the path in a
+    # build folder's ninja file changes, so two checkouts sharing one folder rebuilt at each start.
+    key = hashlib.sha256("\n".join([str(SOURCE.resolve()), SOURCE.read_text(), torch.__version__,
+                                    " ".join(CFLAGS), _cpu_id(), sys.version]).encode()
+                         ).hexdigest()[:16]
     base = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
     return base / "ext" / f"cpu_kernels-{key}"
 
