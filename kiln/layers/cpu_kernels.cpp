@@ -74,9 +74,9 @@ inline __m512 exp_vec(__m512 x) {
 // faults, so the slot of a masked position needs no check.)
 constexpr int64_t kPrefetch = 16;
 
-inline void prefetch(const uint16_t* row, int64_t bytes) {
+inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
 // bf16 -> fp32 for 16 values: a bf16 is the top half of an fp32.
@@ -222,11 +222,6 @@ inline __m512bh bcast_pair(const uint16_t* x) {
 
 constexpr int64_t kW4Ahead = 24;  // groups (of 320 bytes) ahead in each block's stream
 
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-
 // MT rows of x times NT blocks of 16 output rows. Each group's partial sums run in S chains
 // (S = 2 when the tile has few accumulators): a vdpbf16ps must wait for the one before it on the
 // same register, and at M = 1 one chain per block left the core waiting, not reading memory.
@@ -249,7 +244,7 @@ inline void w4_tile(const uint16_t* x, int64_t K, const float* xsum, const uint8
     // fetches the next block's start): the hardware prefetcher alone left M = 1 at about half
     // of the bandwidth that 2 cores can read here.
     for (int b = 0; b < NT; ++b)
-      prefetch_bytes(w + b * block_bytes + (g + kW4Ahead) * kW4GroupBytes, kW4GroupBytes);
+      prefetch(w + b * block_bytes + (g + kW4Ahead) * kW4GroupBytes, kW4GroupBytes);
     for (int j = 0; j < 8; ++j) {
       __m512bh wa[NT], wb[NT];
       for (int b = 0; b < NT; ++b) {

@@ -7,8 +7,8 @@ further row (16 rows: ~44 ms for SmolLM2's 30 layers); kiln's read the packed we
 step and reuse each tile across up to 4 rows held in registers (16 rows: ~13 ms, fewer than
 oneDNN's bf16 GEMM on a dense copy, ~20-24 ms, which reads 3x the bytes).
 
-Why a C++ attention kernel: decode attention reads each sequence's KV rows scattered over the paged pool.
-Neither PyTorch's ops nor inductor's generated loops do that well on CPU: eager needs a gathered
+Why a C++ attention kernel: decode attention reads each sequence's KV rows scattered over the
+paged pool. Neither PyTorch's ops nor inductor's generated loops do that well on CPU: eager needs a gathered
 copy of the context, and inductor's fused loop recomputes the query's RoPE for every key and
 reduces each dot product serially (16 rows x 256 positions: ~600 us per layer, vs ~185 us for
 the kernel; 1 x 128: 160 vs 17 us). It is one small source file, built with

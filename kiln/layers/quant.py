@@ -376,9 +376,7 @@ class Int4Linear(_QuantizedLinear):
         """W [N, K] in `dtype` (reference path; also used by tests)."""
         n, k, g = self.out_features, self.in_features, self.group_size
         if self.kiln:
-            q, scale, mn = cpu_kernels.unpack_w4(self.packed)
-            w = torch.addcmul(mn.unsqueeze(-1), q.view(n, k // g, g).float(), scale.unsqueeze(-1))
-            return w.reshape(n, k).to(dtype)
+            return GroupQuant(*cpu_kernels.unpack_w4(self.packed), g).dequantize(dtype)
         if self.native:
             if self.block_n is not None:
                 return self._dequant_t(torch.float32).t().to(dtype)
