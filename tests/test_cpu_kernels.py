@@ -1,5 +1,8 @@
 """kiln's C++ CPU kernels (kiln/layers/cpu_kernels.cpp). Decode attention: its numbers against
-PyTorch, its bounds check, the cascade merge, and compiled decode steps that call it. The int4
+PyTorch, its bounds check, the cascade merge, and compiled decode steps that call it. The flash
+kernels (prefill chunks, a cascade's shared prefix): their numbers against PyTorch for causal
+chunks at any start, tails of the query and key blocks, GQA and MHA, their checks, and a layer's
+mixed step with and without them. The decode-layer kernel against the layer's modules. The int4
 and int8 weight-only linears: their numbers against the dequantized weight for every row-tile
 and block tail, their packed layouts, their shape checks, and a compiled quantized engine that
 calls them. Skipped where the kernels cannot run (no AVX512-BF16, no compiler)."""
@@ -10,7 +13,13 @@ import pytest
 import torch
 
 from kiln.layers import cpu_kernels
-from kiln.layers.attention import Attention, AttentionMetadata, KVStore
+from kiln.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    KVStore,
+    PrefillChunk,
+    set_context,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="kiln's CPU kernels do not run here")
@@ -73,7 +82,7 @@ def _attention_over_pool(shared: int):
     att = Attention(9, 3, 64)
     q, k, v, own, mask = _case(5, 9, 3, 64, 23, seed=1, pool=160)
     att.attach(KVStore(k, v, compute_dtype=torch.bfloat16))
-    assert att.kv is not None and att.kv.decode_kernel
+    assert att.kv is not None and att.kv.kernel
     shared_slots = torch.arange(100, 100 + shared)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=5,
                              decode_gather=own, decode_mask=mask.view(5, 1, 1, -1),
@@ -86,8 +95,8 @@ def _attention_over_pool(shared: int):
 
 @pytest.mark.parametrize("shared", [0, 48])
 def test_kernel_decode_and_its_cascade_merge_equal_whole_context_attention(shared):
-    """With a shared prefix the kernel attends to the rows' own parts, GEMMs to the shared
-    part, and the two softmaxes merge through their log-sum-exps: equal to attending to the
+    """With a shared prefix the decode kernel attends to the rows' own parts, the flash kernel
+    to the shared part, and the two softmaxes merge through their log-sum-exps: equal to attending to the
     whole context at once."""
     att, q, meta, want = _attention_over_pool(shared)
     assert att.kv is not None
@@ -95,15 +104,119 @@ def test_kernel_decode_and_its_cascade_merge_equal_whole_context_attention(share
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # shared GEMMs: bf16 probs
 
 
+def _flash_case(t, start, hq, hk, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = start + t + 40
+    k = torch.randn(pool, hk, d, generator=g).bfloat16()
+    v = torch.randn(pool, hk, d, generator=g).bfloat16()
+    q = torch.randn(t, hq, d, generator=g).bfloat16()
+    slots = torch.randperm(pool, generator=g)[:start + t]  # scattered over the pool
+    return q, k, v, slots
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 2)])
+@pytest.mark.parametrize("d", [64, 128, 96])
+@pytest.mark.parametrize("t,start", [(1, 0), (7, 0), (50, 0), (33, 31), (16, 100), (1, 63)])
+def test_prefill_attention_matches_pytorch(heads, d, t, start):
+    """A chunk of t queries starting at position `start` attends causally to the slots of its
+    whole context: equal to fp32 PyTorch over the gathered context (bf16 probabilities and
+    output: ~1e-2), for query and key blocks cut anywhere."""
+    hq, hk = heads
+    q, k, v, slots = _flash_case(t, start, hq, hk, d)
+    got = cpu_kernels.prefill_attention(q, k, v, slots, start, d ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, hq, d)
+    want = cpu_kernels.prefill_reference(q, k, v, slots, start, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    if start == 0:  # and equal to PyTorch's own causal SDPA
+        def ctx(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(0, slots).float().transpose(0, 1).unsqueeze(0)
+
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1).unsqueeze(0), ctx(k), ctx(v), is_causal=True,
+            scale=d ** -0.5, enable_gqa=True)
+        torch.testing.assert_close(got.float(), sdpa.squeeze(0).transpose(0, 1), rtol=2e-2,
+                                   atol=2e-2)
+
+
+@pytest.mark.parametrize("b,p", [(1, 5), (16, 100), (5, 64)])
+def test_shared_attention_matches_pytorch(b, p):
+    """Every row's queries against all P shared keys: outputs and log-sum-exps equal fp32
+    PyTorch (what the cascade merge needs)."""
+    q, k, v, slots = _flash_case(b, p - b, 9, 3, 64, seed=2)
+    slots = slots[:p]
+    out, lse = cpu_kernels.shared_attention(q, k, v, slots, 0.125)
+    assert out.dtype == lse.dtype == torch.float32
+    want_out, want_lse = cpu_kernels.reference(q, k, v, slots.expand(b, p),
+                                               torch.ones(b, p, dtype=torch.bool), 0.125)
+    torch.testing.assert_close(out, want_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_kernels_check_their_inputs():
+    q, k, v, slots = _flash_case(4, 3, 9, 3, 64)
+    bad = slots.clone()
+    bad[2] = k.shape[0]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.prefill_attention(q, k, v, bad, 3, 0.125)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.shared_attention(q, k, v, bad, 0.125)
+    with pytest.raises(RuntimeError, match="start"):
+        cpu_kernels.prefill_attention(q, k, v, slots, 2, 0.125)  # slots are not start + T
+    with pytest.raises(RuntimeError, match="no shared keys"):
+        cpu_kernels.shared_attention(q, k, v, slots[:0], 0.125)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernels.prefill_attention(q.float(), k, v, slots, 3, 0.125)
+
+
+def test_a_mixed_step_with_the_kernels_equals_pytorchs_paths():
+    """One layer's step of 2 decode rows, a chunk from position 0 and a chunk continuing a
+    sequence (its context gathered from the pool, as after a prefix-cache hit): the kernels
+    (prefill chunks by the flash kernel) and PyTorch's SDPA paths give the same output."""
+    g = torch.Generator().manual_seed(4)
+    pool = 200
+    k0 = torch.randn(pool, 3, 64, generator=g).bfloat16()
+    v0 = torch.randn(pool, 3, 64, generator=g).bfloat16()
+    n_a, start_b, n_b = 21, 40, 13  # chunk A: 21 fresh tokens; chunk B: 13 after 40 cached
+    t = 2 + n_a + n_b
+    q = torch.randn(t, 9, 64, generator=g).bfloat16()
+    k = torch.randn(t, 3, 64, generator=g).bfloat16()
+    v = torch.randn(t, 3, 64, generator=g).bfloat16()
+    ctx_b = torch.arange(100, 100 + start_b + n_b)  # B's context slots, its own tokens last
+    slot_mapping = torch.cat([torch.tensor([195, 196]), torch.arange(0, n_a),
+                              ctx_b[start_b:]])
+    gather_b = ctx_b
+    mask_b = (torch.arange(start_b + n_b)[None, :]
+              <= start_b + torch.arange(n_b)[:, None])[None, None]
+    decode_gather = torch.stack([torch.arange(50, 80), torch.arange(160, 190)])
+    decode_gather[:, -1] = torch.tensor([195, 196])  # each row ends at its own new token
+    outs = []
+    for kernel in (True, False):
+        att = Attention(9, 3, 64)
+        att.attach(KVStore(k0.clone(), v0.clone(), compute_dtype=torch.bfloat16))
+        assert att.kv is not None and att.kv.kernel
+        att.kv.kernel = kernel
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, num_decodes=2, decode_gather=decode_gather,
+            decode_mask=torch.ones(2, 1, 1, 30, dtype=torch.bool),
+            prefills=[PrefillChunk(2, 2 + n_a, 0),
+                      PrefillChunk(2 + n_a, t, start_b, gather=gather_b, mask=mask_b)])
+        set_context(meta)
+        try:
+            outs.append(att(q, k, v).float())
+        finally:
+            set_context(None)
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
 def test_a_quantized_or_fp32_pool_keeps_the_pytorch_paths():
     att = Attention(9, 3, 64)
     att.attach(KVStore(torch.zeros(16, 3, 64), torch.zeros(16, 3, 64)))
-    assert att.kv is not None and not att.kv.decode_kernel
+    assert att.kv is not None and not att.kv.kernel
     att.attach(KVStore(torch.zeros(16, 3, 64, dtype=torch.int8),
                        torch.zeros(16, 3, 64, dtype=torch.int8),
                        torch.ones(16, 3, dtype=torch.float16),
                        torch.ones(16, 3, dtype=torch.float16), compute_dtype=torch.bfloat16))
-    assert not att.kv.decode_kernel
+    assert not att.kv.kernel
 
 
 def test_compiled_bf16_decode_calls_the_kernel_and_keeps_the_eager_tokens(tmp_path, monkeypatch):
@@ -122,7 +235,7 @@ def test_compiled_bf16_decode_calls_the_kernel_and_keeps_the_eager_tokens(tmp_pa
                        max_num_seqs=4, max_num_batched_tokens=64, compile=True)
     eng = Engine(cfg)
     runner = eng.runner
-    assert all(layer.kv.decode_kernel for layer in runner.model.attention_layers())
+    assert all(layer.kv.kernel for layer in runner.model.attention_layers())
     compiled_steps = []
     run_compiled = runner._run_compiled
 
@@ -221,14 +334,17 @@ def test_linear_kernels_reject_mismatched_inputs():
     assert cpu_kernels.w4_linear(torch.zeros(0, 64).bfloat16(), packed, 32).shape == (0, 32)
 
 
-def test_compiled_int4_engine_calls_the_linear_kernels(tmp_path, monkeypatch):
-    """An int4 engine with --compile: its quantized layers hold kiln's layouts, and compiled and
-    eager decode steps call kiln_cpu::w4_linear / w8_linear, with the same greedy tokens."""
+def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_path, monkeypatch):
+    """An int4 engine with --compile: its quantized layers hold kiln's layouts. Decode steps run
+    each layer as one decode_layer call; with that kernel off they run compiled graphs (or
+    eager modules) that call kiln_cpu::w4_linear / w8_linear. All three give the same greedy
+    tokens (>= 90%: bf16 rounding differs), and the kernel's steps need no compiled graph."""
     from conftest import make_tiny_model, run_to_completion
 
     from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
     from kiln.layers.quant import Int4Linear, Int8Linear
+    from kiln.models import llama
     from kiln.sampling_params import SamplingParams
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
@@ -237,24 +353,97 @@ def test_compiled_int4_engine_calls_the_linear_kernels(tmp_path, monkeypatch):
     cfg = EngineConfig(model=str(folder), dtype="bfloat16", quantization="int4",
                        dense_weights=False, kv_cache_memory=8 << 20, max_num_seqs=4,
                        max_num_batched_tokens=64, compile=True)
-    eng = Engine(cfg)
+    kernel_engine = Engine(cfg)
+    assert kernel_engine.runner.decode_kernel_rows == llama.DECODE_KERNEL_MAX_ROWS
+    assert kernel_engine.runner._compiled is None  # every decode batch runs the kernel
+    monkeypatch.setattr(llama, "DECODE_KERNEL_MAX_ROWS", 0)
+    eng = Engine(cfg)  # the layer kernel off: graphs for every bucket
     runner = eng.runner
+    assert runner.decode_kernel_rows == 0 and runner._compiled is not None
     layers = [m for m in runner.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert layers and all(m.kiln for m in layers)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
     graphs, outs = runner._compiled, {}
-    for compiled in (True, False):
-        runner._compiled = graphs if compiled else None
-        e = Engine(cfg, runner=runner)
+    n_layers = runner.model_config.num_hidden_layers
+    for mode in ("kernel", "compiled", "eager"):
+        if mode == "kernel":
+            e = Engine(cfg, runner=kernel_engine.runner)
+        else:
+            runner._compiled = graphs if mode == "compiled" else None
+            e = Engine(cfg, runner=runner)
         for i, p in enumerate(prompts):
             e.add_request(str(i), p, params)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            outs[compiled] = run_to_completion(e)
+            outs[mode] = run_to_completion(e)
         calls = {ev.key: ev.count for ev in prof.key_averages()}
-        assert calls.get("kiln_cpu::w4_linear", 0) >= 10 * runner.model_config.num_hidden_layers
+        if mode == "kernel":
+            assert calls.get("kiln_cpu::decode_layer", 0) >= 9 * n_layers
+        else:
+            assert calls.get("kiln_cpu::decode_layer", 0) == 0
+            assert calls.get("kiln_cpu::w4_linear", 0) >= 10 * n_layers
         assert calls.get("kiln_cpu::w8_linear", 0) >= 10  # the head, once a step
-    same = sum(a == b for rid in outs[False] for a, b in zip(outs[True][rid], outs[False][rid]))
-    total = sum(len(t) for t in outs[False].values())
-    assert total == 30 and same / total >= 0.9, f"{same}/{total}"
+    total = sum(len(t) for t in outs["eager"].values())
+    assert total == 30
+    for mode in ("kernel", "compiled"):
+        same = sum(a == b for rid in outs["eager"]
+                   for a, b in zip(outs[mode][rid], outs["eager"][rid]))
+        assert same / total >= 0.9, f"{mode}: {same}/{total}"
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_decode_layer_equals_the_layer_modules(tmp_path, shared):
+    """One int4 decoder layer's decode step as one decode_layer call equals the layer's modules
+    with PyTorch's attention (norms, RoPE, K/V written to the pool, attention over ragged
+    contexts, optionally a shared prefix, the MLP, the residuals), to bf16 rounding."""
+    from conftest import make_tiny_model
+
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+
+    folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
+    cfg = EngineConfig(model=str(folder), dtype="bfloat16", quantization="int4",
+                       dense_weights=False, kv_cache_memory=8 << 20, max_num_seqs=4,
+                       max_num_batched_tokens=64, compile=False)
+    model = Engine(cfg).runner.model
+    layer = model.model.layers[1]
+    kv = layer.self_attn.attn.kv
+    assert layer.decode_kernel_rows() > 0
+    g = torch.Generator().manual_seed(5)
+    b, length = 3, 40
+    x = torch.randn(b, 256, generator=g).bfloat16()
+    own = torch.tensor([39, 20, 5])  # each row's last position in its own part
+    pos = own + shared
+    cos, sin = model.model._rotary[0].lookup(pos, torch.bfloat16)
+    gather = torch.arange(b * length).view(b, length) + 64
+    mask = torch.arange(length)[None, :] <= own[:, None]
+    meta = AttentionMetadata(slot_mapping=gather[torch.arange(b), own], num_decodes=b,
+                             decode_gather=gather, decode_mask=mask[:, None, None, :],
+                             decode_shared=torch.arange(shared) + 8 if shared else None)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    pool = kv.k.clone(), kv.v.clone()
+    set_context(meta)
+    try:
+        with torch.inference_mode():
+            kv.kernel = False
+            want = layer(cos, sin, x).float()
+            want_pool = kv.k.clone(), kv.v.clone()
+            kv.kernel = True
+            kv.k.copy_(pool[0])
+            kv.v.copy_(pool[1])
+            got = layer.forward_decode_kernel(cos, sin, x).float()
+    finally:
+        set_context(None)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * scale)
+    torch.testing.assert_close(kv.k, want_pool[0], rtol=2e-2, atol=2e-2)
+    assert torch.equal(kv.v, want_pool[1])
+    meta.slot_mapping = torch.tensor([0, 1, kv.k.shape[0]])
+    set_context(meta)
+    try:
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            layer.forward_decode_kernel(cos, sin, x)
+    finally:
+        set_context(None)

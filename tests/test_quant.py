@@ -250,7 +250,7 @@ def test_quantized_greedy_agrees_with_unquantized(quantized, smollm2_runner, smo
     mode, llm = quantized
     # bf16 pools: decode runs kiln's CPU kernel wherever it can (tests/test_cpu_kernels.py)
     layers = llm.engine.runner.model.attention_layers()
-    assert all(layer.kv.decode_kernel == cpu_kernels.available() for layer in layers)
+    assert all(layer.kv.kernel == cpu_kernels.available() for layer in layers)
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                 min_tokens=NEW_TOKENS))

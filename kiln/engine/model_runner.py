@@ -121,6 +121,9 @@ class ModelRunner:
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self._block_offsets = np.arange(self.block_size, dtype=np.int64)
         self._compiled: Callable[..., torch.Tensor] | None = None
+        # Decode steps of up to this many rows run each layer as one call of kiln's CPU kernel
+        # (LlamaDecoderLayer.forward_decode_kernel); 0: they cannot.
+        self.decode_kernel_rows = self._decode_kernel_rows()
         self._buckets: list[int] = []
         self._cascade_compiled = False  # cascade steps have graphs of their own (CPU)
         self.compile_seconds = 0.0
@@ -290,8 +293,9 @@ class ModelRunner:
         # A decode-only step runs the compiled layers, padded up to its batch bucket; cascade
         # steps are a second graph of the buckets that can have them (CPU only: on CUDA that
         # graph is unmeasured, so cascade steps there stay eager).
-        compiled = (self._compiled is not None and not chunks and 0 < nd <= self._buckets[-1]
-                    and (not shared or self._cascade_compiled))
+        kernel = not chunks and 0 < nd <= self.decode_kernel_rows
+        compiled = (not kernel and self._compiled is not None and not chunks
+                    and 0 < nd <= self._buckets[-1] and (not shared or self._cascade_compiled))
         padded = next(b for b in self._buckets if b >= nd) if compiled else nd
         dec = self._decode_inputs(decodes, padded, shared) if decodes else None
         bs = self.block_size
@@ -346,7 +350,9 @@ class ModelRunner:
 
         set_context(meta)
         try:
-            if compiled:
+            if kernel:
+                hidden = self.model(input_ids, positions, layer_call=_kernel_layer_call)
+            elif compiled:
                 hidden = self._run_compiled(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions)
@@ -435,6 +441,12 @@ class ModelRunner:
         t0 = time.monotonic()
         limit = max(self.config.max_num_seqs, 1)
         self._buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < limit] + [limit]
+        # Batches the layer kernel runs need no graph.
+        self._buckets = [b for b in self._buckets if b > self.decode_kernel_rows]
+        if not self._buckets:
+            log.info("decode steps of up to %d rows run kiln's layer kernel: nothing to compile",
+                     self.decode_kernel_rows)
+            return
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     2 * len(self._buckets) + 4)
         # Regional compilation: one decoder layer's forward is compiled, and the same graph
@@ -477,6 +489,17 @@ class ModelRunner:
         finally:
             set_context(None)
 
+    def _decode_kernel_rows(self) -> int:
+        """Up to how many rows every decoder layer can run a decode step as one kernel call
+        (kiln's CPU kernels, int4/int8 layers, a bf16 pool; see decode_kernel_rows in
+        models/llama.py); 0 if any cannot, or if --no-cpu-kernels."""
+        if not self.config.cpu_kernels or self.device.type != "cpu":
+            return 0
+        layers = list(getattr(getattr(self.model, "model", None), "layers", []))
+        rows = [layer.decode_kernel_rows() if hasattr(layer, "decode_kernel_rows") else 0
+                for layer in layers]
+        return min(rows) if rows else 0
+
     def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
         assert self._compiled is not None and meta.decode_gather is not None
@@ -518,6 +541,11 @@ def _use_kiln_inductor_cache() -> None:
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         base = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
+
+
+def _kernel_layer_call(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+                       x: torch.Tensor) -> torch.Tensor:
+    return layer.forward_decode_kernel(cos, sin, x)  # type: ignore[operator]
 
 
 def _call_layer(layer: torch.nn.Module, *args: torch.Tensor) -> torch.Tensor:

@@ -425,6 +425,335 @@ void w8_linear_impl(const uint16_t* x, const int8_t* w, const float* scale, uint
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// prefill_attention: the queries of one prefill chunk attending causally over their sequence's
+// context in the pool, which already holds the chunk's own K/V (the layer writes it first).
+//
+//   q      [T, Hq, D]  bf16   query t sits at position start + t
+//   k, v   [S, Hk, D]  bf16   the layer's pool
+//   slots  [L] int64          pool slot of context positions 0..L-1, L = start + T
+//   -> out [T, Hq, D]  bf16
+//
+// Flash attention (FlashAttention-2's loop) on vdpbf16ps. PyTorch's CPU flash kernel reached
+// ~50 GFLOPS here (6 ms per SmolLM2 layer at 512 causal tokens, a third of the prefill), and
+// the masked form a prefix-cache hit needs is slower still.
+//   1. The context's K and V are copied once per call into the two layouts vdpbf16ps reads
+//      (per KV head, blocks of kKB keys): K as [D/2][kKB] pairs of dims, so one register holds
+//      the pair (2i, 2i+1) of 16 keys; V as [kKB/2][D] pairs of keys, so one register holds two
+//      keys' values of 16 dims. The copy is as big as the context, read from the scattered
+//      pool once instead of once per query block.
+//   2. One task per (KV head, block of kTQ query tokens): its rows are the tokens x the G
+//      query heads sharing that KV head. Per key block: scores into an L1 tile (each q pair is
+//      broadcast against 2 registers of keys), causal mask on the diagonal blocks only, the
+//      online softmax (running max and sum per row, the output rescaled when the max grows),
+//      then probabilities (rounded to bf16) times V into fp32 rows. Key blocks wholly after a
+//      task's last query are never touched, so causal prefill does half the work.
+//   3. Tasks go to the threads from a shared counter, largest (latest queries) first: causal
+//      tasks differ in cost up to T / kTQ times.
+
+constexpr int64_t kKB = 32;  // keys per block: two registers of scores per row
+constexpr int64_t kTQ = 16;  // query tokens per task
+
+// Scores of MR rows against one key block: S[r][0..31] = q_r . k_j (unscaled).
+template <int MR, int D>
+inline void qk_tile(const uint16_t* const* qrow, const uint32_t* kb, float* s) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * kKB);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + p * kKB + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh b = bcast_pair(qrow[i] + 2 * p);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], b, k0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], b, k1);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(s + i * kKB, acc[i][0]);
+    _mm512_storeu_ps(s + i * kKB + 16, acc[i][1]);
+  }
+}
+
+// O[r] = alpha[r] * O[r] + P[r] @ V for MR rows (P: kKB bf16 per row, V: one packed block).
+template <int MR, int D>
+inline void pv_tile(const uint16_t* p, const float* alpha, const uint32_t* vb, float* o) {
+  constexpr int W = D / 16;
+  __m512 acc[MR][W];
+  for (int i = 0; i < MR; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    for (int w = 0; w < W; ++w) acc[i][w] = _mm512_mul_ps(a, _mm512_loadu_ps(o + i * D + 16 * w));
+  }
+  for (int jp = 0; jp < kKB / 2; ++jp) {
+    __m512bh vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = (__m512bh)_mm512_loadu_si512(vb + jp * D + 16 * w);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh b = bcast_pair(p + i * kKB + 2 * jp);
+      for (int w = 0; w < W; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], b, vv[w]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + i * D + 16 * w, acc[i][w]);
+}
+
+inline void store_row(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store_row(uint16_t* dst, __m512 v) { store_bf16(dst, v); }
+
+// causal: query t sees positions <= start + t (a prefill chunk, L = start + T); otherwise every
+// query sees all L keys (a cascade's shared prefix). lse (may be null): per (token, query head)
+// log of the softmax denominator, with its max.
+template <int D, typename OutT>
+void flash_attention_impl(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                          const int64_t* slots, OutT* out, float* lse, int64_t T, int64_t Hq,
+                          int64_t Hk, int64_t L, bool causal, int64_t start, float scale) {
+  constexpr int MQ = 6;  // score rows per register tile: 12 accumulators, 2 key registers
+  constexpr int W = D / 16;
+  constexpr int MV = W >= 16 ? 1 : 16 / W > 4 ? 4 : 16 / W;  // P @ V rows: MV * W accumulators
+  constexpr int64_t block = kKB * D / 2;  // uint32 (bf16 pairs) per packed K or V block
+  const int64_t G = Hq / Hk;
+  const int64_t NB = (L + kKB - 1) / kKB;
+  std::vector<uint32_t> kp(Hk * NB * block), vp(Hk * NB * block);
+  at::parallel_for(0, Hk * NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / NB, nb = task % NB;
+      uint32_t* kd = kp.data() + task * block;
+      uint32_t* vd = vp.data() + task * block;
+      for (int64_t j = 0; j < kKB; ++j) {
+        const int64_t pos = nb * kKB + j;
+        const uint32_t* kr = pos < L ? reinterpret_cast<const uint32_t*>(
+                                           k + (slots[pos] * Hk + h) * D) : nullptr;
+        for (int64_t p = 0; p < D / 2; ++p) kd[p * kKB + j] = kr ? kr[p] : 0u;
+      }
+      for (int64_t jp = 0; jp < kKB / 2; ++jp) {
+        const int64_t pos = nb * kKB + 2 * jp;
+        const uint16_t* v0 = pos < L ? v + (slots[pos] * Hk + h) * D : nullptr;
+        const uint16_t* v1 = pos + 1 < L ? v + (slots[pos + 1] * Hk + h) * D : nullptr;
+        for (int64_t d = 0; d < D; ++d)
+          vd[jp * D + d] = (v0 ? v0[d] : 0u) | (static_cast<uint32_t>(v1 ? v1[d] : 0u) << 16);
+      }
+    }
+  });
+
+  // Query blocks of up to kTQ tokens, smaller when that leaves threads without tasks (a
+  // cascade's 16 decode rows would be one block per head).
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t tq = std::clamp<int64_t>((T * Hk + want - 1) / want, 1, kTQ);
+  const int64_t QB = (T + tq - 1) / tq;
+  const int64_t R_max = tq * G;
+  std::atomic<int64_t> next{0};
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> s(R_max * kKB), o(R_max * D), mx(R_max), alpha(R_max);
+    std::vector<uint16_t> pr(R_max * kKB);
+    std::vector<__m512> sum(R_max);
+    std::vector<const uint16_t*> qrow(R_max);
+    for (int64_t task; (task = next.fetch_add(1)) < Hk * QB;) {
+      const int64_t qb = QB - 1 - task / Hk, h = task % Hk;  // latest (largest) blocks first
+      const int64_t t0 = qb * tq, nt = std::min(tq, T - t0), R = nt * G;
+      for (int64_t r = 0; r < R; ++r) {
+        qrow[r] = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        mx[r] = neg_inf;
+        sum[r] = _mm512_setzero_ps();
+      }
+      std::fill(o.begin(), o.begin() + R * D, 0.0f);
+      // Keys visible to the task's first and last rows: blocks past the last are skipped,
+      // blocks past the first need a mask.
+      const int64_t first_sees = causal ? start + t0 + 1 : L;
+      const int64_t last_sees = causal ? start + t0 + nt : L;
+      const int64_t nkb = (last_sees + kKB - 1) / kKB;
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const uint32_t* kblk = kp.data() + (h * NB + kb) * block;
+        const uint32_t* vblk = vp.data() + (h * NB + kb) * block;
+        int64_t r = 0;
+        for (; r + MQ <= R; r += MQ) qk_tile<MQ, D>(qrow.data() + r, kblk, s.data() + r * kKB);
+        switch (R - r) {
+          case 5: qk_tile<5, D>(qrow.data() + r, kblk, s.data() + r * kKB); break;
+          case 4: qk_tile<4, D>(qrow.data() + r, kblk, s.data() + r * kKB); break;
+          case 3: qk_tile<3, D>(qrow.data() + r, kblk, s.data() + r * kKB); break;
+          case 2: qk_tile<2, D>(qrow.data() + r, kblk, s.data() + r * kKB); break;
+          case 1: qk_tile<1, D>(qrow.data() + r, kblk, s.data() + r * kKB); break;
+          default: break;
+        }
+        // Online softmax. Every row sees position 0, so after block 0 its max is finite.
+        const bool masked = kb * kKB + kKB > first_sees;
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (r = 0; r < R; ++r) {
+          __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(s.data() + r * kKB), sc);
+          __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(s.data() + r * kKB + 16), sc);
+          if (masked) {
+            const int64_t visible = (causal ? start + t0 + r / G + 1 : L) - kb * kKB;
+            const __mmask16 m0 = visible >= 16 ? 0xFFFF : visible <= 0 ? 0
+                               : static_cast<__mmask16>((1u << visible) - 1u);
+            const __mmask16 m1 = visible >= 32 ? 0xFFFF : visible <= 16 ? 0
+                               : static_cast<__mmask16>((1u << (visible - 16)) - 1u);
+            s0 = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), m0, s0);
+            s1 = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), m1, s1);
+          }
+          const float m_new = std::max(mx[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+          const float a = std::exp(mx[r] - m_new);  // 0 on the first block (mx = -inf)
+          mx[r] = m_new;
+          alpha[r] = a;
+          const __m512 mv = _mm512_set1_ps(m_new);
+          const __m512 e0 = exp_vec(_mm512_sub_ps(s0, mv));
+          const __m512 e1 = exp_vec(_mm512_sub_ps(s1, mv));
+          sum[r] = _mm512_fmadd_ps(sum[r], _mm512_set1_ps(a), _mm512_add_ps(e0, e1));
+          store_bf16(pr.data() + r * kKB, e0);
+          store_bf16(pr.data() + r * kKB + 16, e1);
+        }
+        for (r = 0; r + MV <= R; r += MV)
+          pv_tile<MV, D>(pr.data() + r * kKB, alpha.data() + r, vblk, o.data() + r * D);
+        for (; r < R; ++r)
+          pv_tile<1, D>(pr.data() + r * kKB, alpha.data() + r, vblk, o.data() + r * D);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float total = _mm512_reduce_add_ps(sum[r]);
+        const __m512 inv = _mm512_set1_ps(1.0f / total);
+        const int64_t row = (t0 + r / G) * Hq + h * G + r % G;
+        for (int w = 0; w < W; ++w)
+          store_row(out + row * D + 16 * w,
+                    _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + 16 * w), inv));
+        if (lse) lse[row] = mx[r] + std::log(total);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// decode_layer: one Llama decoder layer of a decode step (one token per row), in one call:
+//
+//   h = rmsnorm(x) ; qkv = h W_qkv ; rotate q, k ; write k, v to the pool
+//   x += attention(q, pool) W_o ; h = rmsnorm(x) ; x += (silu(g) * u) W_down, [g u] = h W_gate_up
+//
+// What it replaces is the same layer as a torch.compile'd graph: at one row the graph's kernels
+// take ~6 ms of a ~11 ms step and its calls, guards and per-op parallel regions ~2.4 ms more.
+// Here the linears (w4/w8 above) and the attention (decode_attention, plus shared_attention
+// for a cascade) are the parallel regions; the elementwise steps between them are short loops
+// over the rows. Numerics: bf16 tensors between steps, as the graph has them; RMSNorm in fp32
+// rounded to bf16 before its weight (the module's casts), RoPE and SiLU in fp32, rounded once.
+
+struct PackedLinear {
+  const uint8_t* w4 = nullptr;  // w4 layout, or
+  const int8_t* w8 = nullptr;   // w8 layout with its per-row scale
+  const float* scale = nullptr;
+  int64_t n = 0, k = 0;
+  void operator()(const uint16_t* x, uint16_t* y, int64_t M) const {
+    if (w4)
+      w4_linear_impl(x, w4, y, M, k, n);
+    else
+      w8_linear_impl(x, w8, scale, y, M, k, n);
+  }
+};
+
+struct LayerArgs {
+  const uint16_t *ln1, *ln2;  // RMSNorm weights [H] bf16
+  float eps;
+  PackedLinear qkv, o, gate_up, down;
+  int64_t H, Hq, Hk, D, I;
+};
+
+inline __m512 bf16_round(__m512 v) {  // v rounded to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// y = w * bf16(x / rms(x)) for each of M rows of H (a multiple of 16).
+void rmsnorm_rows(const uint16_t* x, const uint16_t* w, float eps, uint16_t* y, int64_t M,
+                  int64_t H) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xr = x + m * H;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+      const __m512 v = widen(xr + i);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
+    for (int64_t i = 0; i < H; i += 16)
+      store_bf16(y + m * H + i,
+                 _mm512_mul_ps(widen(w + i), bf16_round(_mm512_mul_ps(widen(xr + i), inv))));
+  }
+}
+
+// x += y, in place, M * H values.
+void add_rows(uint16_t* x, const uint16_t* y, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16)
+    store_bf16(x + i, _mm512_add_ps(widen(x + i), widen(y + i)));
+}
+
+// One head of D values: x * cos + rotate_half(x) * sin_signed (sin carries rotate_half's sign).
+template <int D>
+inline void rope_head(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* y) {
+  constexpr int W = D / 16, half = W / 2;  // D/2 is a multiple of 16: whole registers swap
+  __m512 v[W];
+  for (int w = 0; w < W; ++w) v[w] = widen(x + 16 * w);
+  for (int w = 0; w < W; ++w)
+    store_bf16(y + 16 * w, _mm512_fmadd_ps(v[w], widen(cos + 16 * w),
+                                           _mm512_mul_ps(v[(w + half) % W], widen(sin + 16 * w))));
+}
+
+template <int D>
+at::Tensor decode_layer_impl(const LayerArgs& a, const at::Tensor& x, const uint16_t* cos,
+                             const uint16_t* sin, uint16_t* kpool, uint16_t* vpool, int64_t S,
+                             const int64_t* slot_mapping, const int64_t* gather, const bool* mask,
+                             int64_t L, const int64_t* shared, int64_t P, float scale) {
+  const int64_t B = x.size(0), H = a.H, Hq = a.Hq, Hk = a.Hk, I = a.I;
+  const int64_t QKV = (Hq + 2 * Hk) * D;
+  auto out = x.clone();  // the residual stream, updated in place
+  uint16_t* xs = reinterpret_cast<uint16_t*>(out.data_ptr());
+  std::vector<uint16_t> h(B * H), qkv(B * QKV), q(B * Hq * D), attn(B * Hq * D),
+      gu(B * 2 * I), act(B * I);
+  // attention
+  rmsnorm_rows(xs, a.ln1, a.eps, h.data(), B, H);
+  a.qkv(h.data(), qkv.data(), B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t slot = slot_mapping[b];
+    TORCH_CHECK(slot >= 0 && slot < S, "decode_layer: slot ", slot, " lies outside the pool");
+    const uint16_t* row = qkv.data() + b * QKV;
+    for (int64_t hh = 0; hh < Hq; ++hh)
+      rope_head<D>(row + hh * D, cos + b * D, sin + b * D, q.data() + (b * Hq + hh) * D);
+    for (int64_t hh = 0; hh < Hk; ++hh) {
+      rope_head<D>(row + (Hq + hh) * D, cos + b * D, sin + b * D, kpool + (slot * Hk + hh) * D);
+      std::copy_n(row + (Hq + Hk + hh) * D, D, vpool + (slot * Hk + hh) * D);
+    }
+  }
+  std::vector<float> o(B * Hq * D), lse(B * Hq);
+  std::atomic<bool> bad_slot{false};
+  decode_attention_impl<D>(q.data(), kpool, vpool, gather, mask, o.data(), lse.data(), B, Hq,
+                           Hk, L, S, scale, bad_slot);
+  TORCH_CHECK(!bad_slot.load(), "decode_layer: a slot lies outside the pool of ", S);
+  if (P > 0) {  // cascade: the shared prefix once for all rows, merged by log-sum-exp
+    std::vector<float> os(B * Hq * D), lses(B * Hq);
+    flash_attention_impl<D, float>(q.data(), kpool, vpool, shared, os.data(), lses.data(), B,
+                                   Hq, Hk, P, false, 0, scale);
+    for (int64_t r = 0; r < B * Hq; ++r) {
+      const float top = std::max(lse[r], lses[r]);
+      const float w = std::exp(lse[r] - top), ws = std::exp(lses[r] - top);
+      const __m512 wv = _mm512_set1_ps(w / (w + ws)), wsv = _mm512_set1_ps(ws / (w + ws));
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o.data() + r * D + d,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(o.data() + r * D + d), wv,
+                                         _mm512_mul_ps(_mm512_loadu_ps(os.data() + r * D + d),
+                                                       wsv)));
+    }
+  }
+  for (int64_t i = 0; i < B * Hq * D; i += 16) store_bf16(attn.data() + i, _mm512_loadu_ps(&o[i]));
+  a.o(attn.data(), h.data(), B);
+  add_rows(xs, h.data(), B * H);
+  // MLP
+  rmsnorm_rows(xs, a.ln2, a.eps, h.data(), B, H);
+  a.gate_up(h.data(), gu.data(), B);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; i += 16) {  // silu(g) * u, silu(g) = g * sigmoid(g)
+      const __m512 g = widen(gu.data() + b * 2 * I + i), u = widen(gu.data() + b * 2 * I + I + i);
+      const __m512 e = exp_vec(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // e^-|g|
+      const __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+      const __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.0f));
+      const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      store_bf16(act.data() + b * I + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+    }
+  a.down(act.data(), h.data(), B);
+  add_rows(xs, h.data(), B * H);
+  return out;
+}
+
 #endif  // KILN_HAVE_KERNELS
 
 bool supported() { return KILN_HAVE_KERNELS; }
@@ -473,6 +802,169 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
+
+// Checks shared by prefill_attention and shared_attention; returns the contiguous slots.
+at::Tensor check_flash_args(const char* name, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q [T, Hq, D], k/v [S, Hk, D]");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              name, ": mismatched head shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              name, ": bf16 q, k and v");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), name, ": contiguous pools");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, name, ": slots int64 [L]");
+  auto sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < sc.size(0); ++i)  // never read outside the pool
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), name, ": slot ", sp[i],
+                " lies outside the pool of ", k.size(0));
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 96 || D == 128 || D == 256, name, ": head_dim ", D,
+              " (64, 96, 128 or 256)");
+  return sc;
+}
+
+template <typename OutT>
+void run_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slots, OutT* out, float* lse, bool causal, int64_t start,
+               double scale) {
+#if KILN_HAVE_KERNELS
+  const auto qc = q.contiguous();
+  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), L = slots.size(0);
+  if (T == 0) return;
+  auto args = [&](auto impl) {
+    impl(reinterpret_cast<const uint16_t*>(qc.data_ptr()),
+         reinterpret_cast<const uint16_t*>(k.data_ptr()),
+         reinterpret_cast<const uint16_t*>(v.data_ptr()), slots.data_ptr<int64_t>(), out, lse,
+         T, Hq, Hk, L, causal, start, static_cast<float>(scale));
+  };
+  switch (q.size(2)) {
+    case 64: args(flash_attention_impl<64, OutT>); break;
+    case 128: args(flash_attention_impl<128, OutT>); break;
+    case 96: args(flash_attention_impl<96, OutT>); break;
+    default: args(flash_attention_impl<256, OutT>); break;
+  }
+#else
+  TORCH_CHECK(false, "flash attention: built without AVX512-BF16");
+#endif
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& slots, int64_t start, double scale) {
+  const auto sc = check_flash_args("prefill_attention", q, k, v, slots);
+  TORCH_CHECK(start >= 0 && sc.size(0) == start + q.size(0),
+              "prefill_attention: slots [start + T]: ", sc.size(0), " for start ", start,
+              " and T ", q.size(0));
+  auto out = at::empty(q.sizes(), q.options());
+  run_flash(q, k, v, sc, reinterpret_cast<uint16_t*>(out.data_ptr()), nullptr, true, start,
+            scale);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> shared_attention(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& slots,
+                                                    double scale) {
+  const auto sc = check_flash_args("shared_attention", q, k, v, slots);
+  TORCH_CHECK(sc.size(0) > 0, "shared_attention: no shared keys");
+  auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  run_flash(q, k, v, sc, out.data_ptr<float>(), lse.data_ptr<float>(), false, 0, scale);
+  return {out, lse};
+}
+
+#if KILN_HAVE_KERNELS
+PackedLinear packed_linear_arg(const at::Tensor& w, const at::Tensor& scale) {
+  PackedLinear l;
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "decode_layer: packed weights [N/16, ., .]");
+  l.n = w.size(0) * 16;
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.size(2) == kW4GroupBytes, "decode_layer: w4 weights [N/16, K/32, 320]");
+    l.k = w.size(1) * kW4Group;
+    l.w4 = w.data_ptr<uint8_t>();
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == 32,
+                "decode_layer: w8 weights int8 [N/16, K/2, 32]");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                    scale.numel() == l.n,
+                "decode_layer: w8 scale fp32 [N]");
+    l.k = w.size(1) * 2;
+    l.w8 = w.data_ptr<int8_t>();
+    l.scale = scale.data_ptr<float>();
+  }
+  return l;
+}
+#endif
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        at::TensorList weights, at::TensorList scales, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& slot_mapping,
+                        const at::Tensor& gather, const at::Tensor& mask,
+                        const c10::optional<at::Tensor>& shared, int64_t num_heads,
+                        double scale) {
+#if KILN_HAVE_KERNELS
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "decode_layer: x [B, H] bf16");
+  TORCH_CHECK(weights.size() == 4 && scales.size() == 4,
+              "decode_layer: 4 weights and scales (qkv, o, gate_up, down)");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && k.is_contiguous() && v.is_contiguous(),
+              "decode_layer: bf16 pools k/v [S, Hk, D]");
+  const int64_t B = x.size(0), H = x.size(1), Hk = k.size(1), D = k.size(2), Hq = num_heads;
+  TORCH_CHECK(Hq % Hk == 0 && Hq / Hk <= kMaxGroup, "decode_layer: mismatched head counts");
+  LayerArgs a{reinterpret_cast<const uint16_t*>(ln1.data_ptr()),
+              reinterpret_cast<const uint16_t*>(ln2.data_ptr()), static_cast<float>(eps),
+              packed_linear_arg(weights[0], scales[0]), packed_linear_arg(weights[1], scales[1]),
+              packed_linear_arg(weights[2], scales[2]), packed_linear_arg(weights[3], scales[3]),
+              H, Hq, Hk, D, 0};
+  a.I = a.gate_up.n / 2;
+  TORCH_CHECK(a.qkv.k == H && a.qkv.n == (Hq + 2 * Hk) * D && a.o.k == Hq * D && a.o.n == H &&
+                  a.gate_up.k == H && a.down.k == a.I && a.down.n == H && H % 16 == 0 &&
+                  a.I % 16 == 0,
+              "decode_layer: weight shapes do not make a layer of hidden size ", H);
+  TORCH_CHECK(ln1.scalar_type() == at::kBFloat16 && ln2.scalar_type() == at::kBFloat16 &&
+                  ln1.numel() == H && ln2.numel() == H && ln1.is_contiguous() &&
+                  ln2.is_contiguous(),
+              "decode_layer: bf16 norm weights [H]");
+  const auto cc = cos.contiguous(), sc = sin.contiguous();
+  TORCH_CHECK(cc.scalar_type() == at::kBFloat16 && sc.scalar_type() == at::kBFloat16 &&
+                  cc.numel() == B * D && sc.numel() == B * D,
+              "decode_layer: bf16 cos/sin [B, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == B &&
+                  gather.scalar_type() == at::kLong && mask.scalar_type() == at::kBool &&
+                  gather.dim() == 2 && gather.size(0) == B && mask.numel() == gather.numel(),
+              "decode_layer: slot_mapping [B], gather int64 [B, L], mask bool [B, L]");
+  const auto sm = slot_mapping.contiguous(), gc = gather.contiguous(), mc = mask.contiguous();
+  at::Tensor sh;
+  if (shared.has_value()) {
+    sh = shared->contiguous();
+    TORCH_CHECK(sh.scalar_type() == at::kLong && sh.dim() == 1 && sh.size(0) > 0,
+                "decode_layer: shared slots int64 [P], P > 0");
+    const int64_t* sp = sh.data_ptr<int64_t>();
+    for (int64_t i = 0; i < sh.size(0); ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "decode_layer: slot ", sp[i],
+                  " lies outside the pool of ", k.size(0));
+  }
+  auto args = [&](auto impl) {
+    return impl(a, x, reinterpret_cast<const uint16_t*>(cc.data_ptr()),
+                reinterpret_cast<const uint16_t*>(sc.data_ptr()),
+                reinterpret_cast<uint16_t*>(k.data_ptr()), reinterpret_cast<uint16_t*>(v.data_ptr()),
+                k.size(0), sm.data_ptr<int64_t>(), gc.data_ptr<int64_t>(), mc.data_ptr<bool>(),
+                gc.size(1), sh.defined() ? sh.data_ptr<int64_t>() : nullptr,
+                sh.defined() ? sh.size(0) : 0, static_cast<float>(scale));
+  };
+  switch (D) {
+    case 64: return args(decode_layer_impl<64>);
+    case 128: return args(decode_layer_impl<128>);
+    case 96: return args(decode_layer_impl<96>);
+    case 256: return args(decode_layer_impl<256>);
+    default: TORCH_CHECK(false, "decode_layer: head_dim ", D, " (64, 96, 128 or 256)");
+  }
+#else
+  TORCH_CHECK(false, "decode_layer: built without AVX512-BF16");
+#endif
+}
 
 at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w4_linear: x [M, K] bf16");
@@ -524,10 +1016,20 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("supported() -> bool");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor mask, float scale)"
         " -> (Tensor, Tensor)");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor slots, int start, float scale)"
+        " -> Tensor");
+  m.def("shared_attention(Tensor q, Tensor k, Tensor v, Tensor slots, float scale)"
+        " -> (Tensor, Tensor)");
+  m.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps,"
+        " Tensor[] weights, Tensor[] scales, Tensor(a!) k, Tensor(b!) v, Tensor slot_mapping,"
+        " Tensor gather, Tensor mask, Tensor? shared, int num_heads, float scale) -> Tensor");
   m.def("w4_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.impl("supported", &supported);
   m.impl("w4_linear", c10::DispatchKey::CPU, &w4_linear);
   m.impl("w8_linear", c10::DispatchKey::CPU, &w8_linear);
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+  m.impl("prefill_attention", c10::DispatchKey::CPU, &prefill_attention);
+  m.impl("shared_attention", c10::DispatchKey::CPU, &shared_attention);
+  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

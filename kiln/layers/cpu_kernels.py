@@ -1,7 +1,11 @@
 """kiln's own CPU kernels (cpu_kernels.cpp), compiled on first use for this machine's CPU.
 
-Two kinds: decode attention over the paged KV pool, and weight-only int4/int8 linears
-(`w4_linear`, `w8_linear`; kiln.layers.quant's modules call them). Why the linears: PyTorch's
+Attention over the paged KV pool (`decode_attention` for one token per sequence,
+`prefill_attention` and `shared_attention`, a flash loop, for prefill chunks and a cascade's
+shared prefix), weight-only int4/int8 linears (`w4_linear`, `w8_linear`; kiln.layers.quant's
+modules call them), and `decode_layer`, a whole Llama decoder layer of a decode step made of
+those, in one call: it replaces the compiled per-layer graph, whose calls and per-op parallel
+regions cost ~2.4 ms of an ~11 ms single-row step. Why the linears: PyTorch's
 int4/int8 CPU kernels read weights at ~14 GB/s for one row and redo all of their work for each
 further row (16 rows: ~44 ms for SmolLM2's 30 layers); kiln's read the packed weight once per
 step and reuse each tile across up to 4 rows held in registers (16 rows: ~13 ms, fewer than
@@ -130,6 +134,36 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     return torch.ops.kiln_cpu.decode_attention(q, k, v, slots, mask, scale)
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                      start: int, scale: float) -> torch.Tensor:
+    """A prefill chunk's queries q [T, Hq, D] bf16 (query t at position start + t) attending
+    causally over the pool k/v [S, Hk, D] through slots [start + T] (the chunk's own K/V
+    already written) -> [T, Hq, D] bf16."""
+    return torch.ops.kiln_cpu.prefill_attention(q, k, v, slots, start, scale)
+
+
+def shared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query of q [B, Hq, D] bf16 against all the keys at `slots` [P] of the pool k/v
+    (a cascade's shared prefix) -> (out [B, Hq, D] fp32, lse [B, Hq] fp32), to be merged with
+    decode_attention's result over each row's own keys."""
+    return torch.ops.kiln_cpu.shared_attention(q, k, v, slots, scale)
+
+
+def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Tensor,
+                 ln2: torch.Tensor, eps: float, weights: list[torch.Tensor],
+                 scales: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor,
+                 shared: torch.Tensor | None, num_heads: int, scale: float) -> torch.Tensor:
+    """One Llama decoder layer of a decode step in one call (cpu_kernels.cpp decode_layer):
+    x [B, H] bf16 -> [B, H] bf16, writing the step's K/V to the pool k/v at slot_mapping.
+    weights: qkv, o, gate_up, down in pack_w4's (uint8) or pack_w8's (int8) layout; scales:
+    their w8 row scales (empty tensors for w4). gather/mask [B, L] and shared [P] as for
+    decode_attention / shared_attention; cos/sin [B, 1, D] from RotaryEmbedding.lookup."""
+    return torch.ops.kiln_cpu.decode_layer(x, cos, sin, ln1, ln2, eps, weights, scales, k, v,
+                                           slot_mapping, gather, mask, shared, num_heads, scale)
+
+
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q + min)
     -> the kernel's layout, uint8 [N/16, K/32, 320] (see w4 in cpu_kernels.cpp)."""
@@ -204,6 +238,15 @@ def _register_fakes() -> None:
     def _(x, packed, scale):
         return x.new_empty((x.shape[0], packed.shape[0] * 16))
 
+    @torch.library.register_fake("kiln_cpu::prefill_attention")
+    def _(q, k, v, slots, start, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kiln_cpu::shared_attention")
+    def _(q, k, v, slots, scale):
+        return (q.new_empty(q.shape, dtype=torch.float32),
+                q.new_empty(q.shape[:2], dtype=torch.float32))
+
     @torch.library.register_fake("kiln_cpu::decode_attention")
     def _(q, k, v, slots, mask, scale):
         b, hq, d = q.shape
@@ -223,6 +266,19 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     s = (q.float().unsqueeze(2) @ ck.transpose(-1, -2)).squeeze(2) * scale  # [B, Hq, L]
     s = s.masked_fill(~mask.view(b, 1, -1), float("-inf"))
     return (torch.softmax(s, -1).unsqueeze(2) @ cv).squeeze(2), torch.logsumexp(s, -1)
+
+
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                      start: int, scale: float) -> torch.Tensor:
+    """What prefill_attention computes, in fp32 PyTorch (tests)."""
+    t, hq, _ = q.shape
+    hk = k.shape[1]
+    ck = k.index_select(0, slots).float().repeat_interleave(hq // hk, dim=1).transpose(0, 1)
+    cv = v.index_select(0, slots).float().repeat_interleave(hq // hk, dim=1).transpose(0, 1)
+    s = (q.float().transpose(0, 1) @ ck.transpose(-1, -2)) * scale  # [Hq, T, L]
+    visible = torch.arange(slots.shape[0])[None, :] <= start + torch.arange(t)[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(s, -1) @ cv).transpose(0, 1)
 
 
 def _self_check() -> bool:

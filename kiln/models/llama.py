@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.attention import Attention
+from kiln.layers import cpu_kernels
+from kiln.layers.attention import Attention, get_context
 from kiln.layers.linear import Linear, MergedLinear
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
@@ -37,6 +38,11 @@ PACKED = {
 
 # How the runner may call a decoder layer: (layer, cos, sin, x) -> x.
 LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Decode steps of up to this many rows may run a layer as one kernel call (decode_kernel_rows).
+DECODE_KERNEL_MAX_ROWS = 64
+
+
+_NO_SCALE = torch.empty(0)  # decode_layer's scale for a w4 weight
 
 
 class LlamaAttention(nn.Module):
@@ -96,10 +102,52 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        # (weights, w8 scales) for forward_decode_kernel, gathered on its first call.
+        self._kernel_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(cos, sin, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_kernel_rows(self) -> int:
+        """Up to how many rows a decode step may run this layer as one call of kiln's CPU
+        kernel (`forward_decode_kernel`); 0 where it cannot: q/k norms, biases, a linear not
+        in kiln's int4/int8 layouts, a pool the attention kernels do not read. Above a
+        linear's dense-copy threshold its dense GEMM is faster, so the kernel stops there."""
+        attn, mlp = self.self_attn, self.mlp
+        kv = attn.attn.kv
+        if attn.qk_norm or kv is None or not kv.kernel:
+            return 0
+        if self.input_layernorm.weight.dtype != torch.bfloat16:
+            return 0
+        rows = DECODE_KERNEL_MAX_ROWS
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not getattr(lin, "kiln", False) or lin.bias is not None:
+                return 0
+            if lin.dense is not None:
+                rows = min(rows, lin.dense_min_m - 1)
+        return rows
+
+    def forward_decode_kernel(self, cos: torch.Tensor, sin: torch.Tensor,
+                              x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a decode step (one token per row), as one kernel call: the same math,
+        without the ~15 separate ops and their dispatch (see decode_layer in cpu_kernels.cpp)."""
+        meta = get_context()
+        attn = self.self_attn
+        kv = attn.attn.kv
+        assert kv is not None and meta.decode_gather is not None and meta.decode_mask is not None
+        if self._kernel_weights is None:
+            lins = (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+            self._kernel_weights = (
+                [lin.packed if hasattr(lin, "packed") else lin.weight for lin in lins],
+                [getattr(lin, "scales", None) if not hasattr(lin, "packed") else _NO_SCALE
+                 for lin in lins])
+        weights, scales = self._kernel_weights
+        return cpu_kernels.decode_layer(
+            x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, weights, scales, kv.k, kv.v, meta.slot_mapping,
+            meta.decode_gather, meta.decode_mask.view(x.shape[0], -1), meta.decode_shared,
+            attn.num_heads, attn.attn.scale)
 
 
 class LlamaModel(nn.Module):
