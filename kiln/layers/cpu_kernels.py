@@ -164,6 +164,26 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: tor
                                            slot_mapping, gather, mask, shared, num_heads, scale)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, H] bf16 with weight [H] bf16 in one pass (kiln.layers.norm's math)."""
+    return torch.ops.kiln_cpu.rms_norm(x, weight, eps)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for gu = [g u], [M, 2 I] bf16 -> [M, I] bf16, in one pass."""
+    return torch.ops.kiln_cpu.silu_mul(gu)
+
+
+def use_elementwise_kernels(model: torch.nn.Module) -> None:
+    """Lets the modules of a bf16 CPU model that have an `elementwise_kernel` flag (RMSNorm,
+    LlamaMLP) run rms_norm / silu_mul in their eager steps, where the kernels run here."""
+    if not available():
+        return
+    for m in model.modules():
+        if getattr(m, "elementwise_kernel", None) is False:
+            m.elementwise_kernel = True
+
+
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q + min)
     -> the kernel's layout, uint8 [N/16, K/32, 320] (see w4 in cpu_kernels.cpp)."""
@@ -246,6 +266,14 @@ def _register_fakes() -> None:
     def _(q, k, v, slots, scale):
         return (q.new_empty(q.shape, dtype=torch.float32),
                 q.new_empty(q.shape[:2], dtype=torch.float32))
+
+    @torch.library.register_fake("kiln_cpu::rms_norm")
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kiln_cpu::silu_mul")
+    def _(gu):
+        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
 
     @torch.library.register_fake("kiln_cpu::decode_attention")
     def _(q, k, v, slots, mask, scale):

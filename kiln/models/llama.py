@@ -88,9 +88,13 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = i
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.elementwise_kernel = False  # see RMSNorm.elementwise_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
+        if (self.elementwise_kernel and gu.dtype == torch.bfloat16 and gu.shape[1] % 32 == 0
+                and not torch.compiler.is_compiling()):
+            return self.down_proj(cpu_kernels.silu_mul(gu))
         i = self.intermediate_size
         return self.down_proj(F.silu(gu[:, :i]) * gu[:, i:])
 
