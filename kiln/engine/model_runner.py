@@ -435,18 +435,20 @@ class ModelRunner:
         the cost is paid here at startup. The context length stays a dynamic dimension, so one
         graph per bucket serves every length. Compiled artifacts are cached on disk (inductor's
         FX graph cache under ~/.cache/kiln/inductor): a second start skips the C++ builds."""
+        limit = max(self.config.max_num_seqs, 1)
+        # Batches the layer kernel runs need no graph.
+        self._buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                         if self.decode_kernel_rows < b < limit]
+        if limit > self.decode_kernel_rows:
+            self._buckets.append(limit)
+        else:  # not even torch._dynamo's import (~2 s) is needed
+            log.info("decode steps of up to %d rows run kiln's layer kernel: nothing to compile",
+                     self.decode_kernel_rows)
+            return
         _use_kiln_inductor_cache()
         import torch._dynamo
 
         t0 = time.monotonic()
-        limit = max(self.config.max_num_seqs, 1)
-        self._buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < limit] + [limit]
-        # Batches the layer kernel runs need no graph.
-        self._buckets = [b for b in self._buckets if b > self.decode_kernel_rows]
-        if not self._buckets:
-            log.info("decode steps of up to %d rows run kiln's layer kernel: nothing to compile",
-                     self.decode_kernel_rows)
-            return
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     2 * len(self._buckets) + 4)
         # Regional compilation: one decoder layer's forward is compiled, and the same graph

@@ -808,6 +808,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 }
 
 
+// slots: int64 [L], every one inside a pool of S slots (so no kernel reads outside it);
+// returns them contiguous.
+at::Tensor check_slots(const char* name, const at::Tensor& slots, int64_t S) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, name, ": slots int64 [L]");
+  auto sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < sc.size(0); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < S, name, ": slot ", sp[i], " lies outside the pool of ", S);
+  return sc;
+}
+
 // Checks shared by prefill_attention and shared_attention; returns the contiguous slots.
 at::Tensor check_flash_args(const char* name, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& slots) {
@@ -818,12 +829,7 @@ at::Tensor check_flash_args(const char* name, const at::Tensor& q, const at::Ten
                   v.scalar_type() == at::kBFloat16,
               name, ": bf16 q, k and v");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), name, ": contiguous pools");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, name, ": slots int64 [L]");
-  auto sc = slots.contiguous();
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < sc.size(0); ++i)  // never read outside the pool
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), name, ": slot ", sp[i],
-                " lies outside the pool of ", k.size(0));
+  auto sc = check_slots(name, slots, k.size(0));
   const int64_t D = q.size(2);
   TORCH_CHECK(D == 64 || D == 96 || D == 128 || D == 256, name, ": head_dim ", D,
               " (64, 96, 128 or 256)");
@@ -943,13 +949,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   const auto sm = slot_mapping.contiguous(), gc = gather.contiguous(), mc = mask.contiguous();
   at::Tensor sh;
   if (shared.has_value()) {
-    sh = shared->contiguous();
-    TORCH_CHECK(sh.scalar_type() == at::kLong && sh.dim() == 1 && sh.size(0) > 0,
-                "decode_layer: shared slots int64 [P], P > 0");
-    const int64_t* sp = sh.data_ptr<int64_t>();
-    for (int64_t i = 0; i < sh.size(0); ++i)
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "decode_layer: slot ", sp[i],
-                  " lies outside the pool of ", k.size(0));
+    sh = check_slots("decode_layer", *shared, k.size(0));
+    TORCH_CHECK(sh.size(0) > 0, "decode_layer: no shared keys");
   }
   auto args = [&](auto impl) {
     return impl(a, x, reinterpret_cast<const uint16_t*>(cc.data_ptr()),

@@ -141,11 +141,11 @@ class LlamaDecoderLayer(nn.Module):
         kv = attn.attn.kv
         assert kv is not None and meta.decode_gather is not None and meta.decode_mask is not None
         if self._kernel_weights is None:
-            lins = (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-            self._kernel_weights = (
-                [lin.packed if hasattr(lin, "packed") else lin.weight for lin in lins],
-                [getattr(lin, "scales", None) if not hasattr(lin, "packed") else _NO_SCALE
-                 for lin in lins])
+            # Int4Linear holds `packed`; Int8Linear its w8 `weight` and row `scales`.
+            pairs = [(lin.packed, _NO_SCALE) if hasattr(lin, "packed") else (lin.weight, lin.scales)
+                     for lin in (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj,
+                                 self.mlp.down_proj)]
+            self._kernel_weights = ([w for w, _ in pairs], [s for _, s in pairs])
         weights, scales = self._kernel_weights
         return cpu_kernels.decode_layer(
             x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
