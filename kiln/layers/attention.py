@@ -191,12 +191,17 @@ class Attention(nn.Module):
                      and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
         self.kv = kv
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+                ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]. k and v None: the step's keys and
+        values are already in a kernel-read pool (`rope_write`)."""
         meta = get_context()
         kv = self.kv
         assert kv is not None, "no KV cache attached"
-        kv.write(meta.slot_mapping, k, v)
+        if k is None or v is None:
+            assert kv.kernel, "k/v already written: only the kernels' paths read the pool alone"
+        else:
+            kv.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and kv.kernel:
@@ -230,6 +235,15 @@ class Attention(nn.Module):
                     attn_mask=c.mask, scale=self.scale, enable_gqa=True)
             out[c.start:c.end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates q and k of a fused qkv [T, (Hq + 2 Hk) * D] and writes k and v to the pool in
+        one kernel pass (cpu_kernels.rope_write); returns q [T, Hq, D] for forward(q, None,
+        None). Only for a kernel-read pool (`kv.kernel`)."""
+        kv = self.kv
+        assert kv is not None and kv.kernel
+        return cpu_kernels.rope_write(qkv, cos, sin, kv.k, kv.v, get_context().slot_mapping,
+                                      self.num_heads)
 
     def _decode_kernel(self, q: torch.Tensor, kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows with kiln's CPU kernel, reading the pool in place; a shared prefix

@@ -22,7 +22,8 @@
 // 256 positions on 2 Zen 5 cores this kernel measured 184 vs 600-660 us per layer with the pool
 // in cache, ~300 vs ~520 us with it in DRAM (where reading the scattered rows bounds both).
 //
-// Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere the
+// Built only where the compiler targets AVX512-BF16 and AVX512-VNNI (-march=native on such a
+// CPU: every one with BF16 so far, Cooper Lake, Sapphire Rapids, Zen 4 and 5); elsewhere the
 // library still loads and `supported()` says false, and kiln keeps PyTorch's paths.
 // Threads: at::parallel_for, i.e. torch's own OpenMP pool.
 
@@ -37,7 +38,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define KILN_HAVE_KERNELS 1
 #include <immintrin.h>
 #else
@@ -332,6 +333,162 @@ void w4_linear_impl(const uint16_t* x, const uint8_t* w, uint16_t* y, int64_t M,
     w4_tasks<4>(x, M, K, xsum.data(), w, y, N);
   else
     w4_tasks<2>(x, M, K, xsum.data(), w, y, N);
+}
+
+// w4 at prefill sizes (w4a8_linear): x quantized to int8 and the weight's 4-bit codes used as
+// the unsigned bytes of vpdpbusd, which adds four u8 x s8 products into each int32 lane: 64
+// multiply-adds an instruction, twice vdpbf16ps's.
+//
+// x's scale: per row D = max |x| / 127, refined per group of 32 k by a power of two, 2^-t with
+// t = floor(log2(max_row / max_group)) (<= 15): a group of small values keeps its resolution,
+// within 2x of its own scale (llama.cpp's Q8_1 gives each group an fp16 scale). With
+// P = sum q_w q_x (exact, < 2^16 in magnitude) per group,
+//   sum w x = sum_g d_w D 2^-t P + m_w S        (S: the group's exact sum of x)
+//           = D 2^-15 (sum_g d_w (P << (15 - t)) + m_w S 2^15 / D)
+// The shift is an integer op, off the FMA ports that vpdpbusd also needs; an fp32 scale per
+// group would cost one multiply there per int32 result (measured: 68% vs 76-78% of vpdpbusd's
+// peak in the inner loop). A task first expands its blocks' codes into a scratch that the
+// instruction reads as it is (per quad of k, 16 rows x 4 bytes, fp32 d and m after each group),
+// then runs every row over it: at M = 512 the expansion is ~1% of the task.
+constexpr int64_t kA8GroupBytes = 640;  // 8 quads x 64 bytes of codes, 16 fp32 d, 16 fp32 m
+constexpr int kA8MaxShift = 15;
+
+struct QuantizedRows {  // x [M, K] as above
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<int32_t> sh;   // [M, G]: 15 - t
+  std::vector<float> s;      // [M, G]: S 2^15 / D
+  std::vector<float> scale;  // [M]: D 2^-15
+};
+
+QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t G = K / kW4Group;
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<int32_t>(M * G),
+                  std::vector<float>(M * G), std::vector<float>(M)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> gmax(G);
+    for (int64_t m = begin; m < end; ++m) {
+      const uint16_t* xr = x + m * K;
+      float rmax = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 a = widen(xr + 32 * g), b = widen(xr + 32 * g + 16);
+        gmax[g] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        rmax = std::max(rmax, gmax[g]);
+      }
+      const float inv = rmax > 0.0f ? 127.0f / rmax : 0.0f;
+      r.scale[m] = std::ldexp(rmax / 127.0f, -kA8MaxShift);
+      for (int64_t g = 0; g < G; ++g) {
+        const int t = gmax[g] > 0.0f ? std::min(kA8MaxShift, std::ilogb(rmax / gmax[g]))
+                                     : kA8MaxShift;
+        const __m512 a = widen(xr + 32 * g), b = widen(xr + 32 * g + 16);
+        const __m512 f = _mm512_set1_ps(std::ldexp(inv, t));
+        // cvtps rounds to nearest even; |x| 127 2^t / max_row <= 127 (the saturating pack
+        // guards the last ulp)
+        int8_t* q = r.q.data() + m * K + 32 * g;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, f))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, f))));
+        r.sh[m * G + g] = kA8MaxShift - t;
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        r.s[m * G + g] = rmax > 0.0f ? sum / r.scale[m] : 0.0f;
+      }
+    }
+  });
+  return r;
+}
+
+// One block of 16 rows, all K, from w4's layout into the scratch layout. A quad's 32 bytes hold
+// row r's codes in bytes 2r (k = 4j, 4j + 2) and 2r + 1 (k = 4j + 1, 4j + 3); widened to one
+// 32-bit lane per row (b0 | b1 << 8), (v | v << 12) & 0x0F0F0F0F puts them in k order.
+void a8_expand_block(const uint8_t* w, int64_t G, uint8_t* dst) {
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* src = w + g * kW4GroupBytes;
+    uint8_t* out = dst + g * kA8GroupBytes;
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)));
+      _mm512_storeu_si512(out + 64 * j,
+                          _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nib, 0xA8));
+    }
+    _mm512_storeu_ps(out + 512, _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 256))));
+    _mm512_storeu_ps(out + 576, _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 288))));
+  }
+}
+
+// MT rows times NT expanded blocks (block b at ws + b * wstride).
+template <int MT, int NT>
+inline void a8_tile(const QuantizedRows& x, int64_t m0, int64_t K, const uint8_t* ws,
+                    int64_t wstride, uint16_t* y, int64_t N) {
+  const int64_t G = K / kW4Group;
+  const int8_t* qx = x.q.data() + m0 * K;
+  const int32_t* sh = x.sh.data() + m0 * G;
+  const float* sx = x.s.data() + m0 * G;
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NT; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = ws + g * kA8GroupBytes;
+    __m512i p[MT][NT];
+    for (int m = 0; m < MT; ++m)
+      for (int b = 0; b < NT; ++b) p[m][b] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv[NT];
+      for (int b = 0; b < NT; ++b) wv[b] = _mm512_loadu_si512(wg + b * wstride + 64 * j);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xb =
+            _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + m * K + g * 32 + 4 * j));
+        for (int b = 0; b < NT; ++b) p[m][b] = _mm512_dpbusd_epi32(p[m][b], wv[b], xb);
+      }
+    }
+    for (int b = 0; b < NT; ++b) {
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + b * wstride + 512));
+      const __m512 mn = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + b * wstride + 576));
+      for (int m = 0; m < MT; ++m) {
+        const __m512i shifted = _mm512_sllv_epi32(p[m][b], _mm512_set1_epi32(sh[m * G + g]));
+        acc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), d, acc[m][b]);
+        acc[m][b] = _mm512_fmadd_ps(_mm512_set1_ps(sx[m * G + g]), mn, acc[m][b]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m512 rs = _mm512_set1_ps(x.scale[m0 + m]);
+    for (int b = 0; b < NT; ++b) store_bf16(y + m * N + 16 * b, _mm512_mul_ps(acc[m][b], rs));
+  }
+}
+
+template <int NT>
+void a8_rows(const QuantizedRows& x, int64_t M, int64_t K, const uint8_t* ws, int64_t wstride,
+             uint16_t* y, int64_t N) {
+  constexpr int MT = 4;
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) a8_tile<MT, NT>(x, m, K, ws, wstride, y + m * N, N);
+  for (; m < M; ++m) a8_tile<1, NT>(x, m, K, ws, wstride, y + m * N, N);
+}
+
+void w4a8_linear_impl(const uint16_t* x, const uint8_t* w, uint16_t* y, int64_t M, int64_t K,
+                      int64_t N) {
+  constexpr int NT = 3;  // 3 x 4 rows: 12 int32 and 12 fp32 accumulators
+  const int64_t G = K / kW4Group, NB = N / 16, block_bytes = G * kW4GroupBytes;
+  const int64_t wstride = G * kA8GroupBytes;
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  at::parallel_for(0, (NB + NT - 1) / NT, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> scratch(NT * wstride);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = NT * t, nb = std::min<int64_t>(NT, NB - b0);
+      for (int64_t b = 0; b < nb; ++b)
+        a8_expand_block(w + (b0 + b) * block_bytes, G, scratch.data() + b * wstride);
+      uint16_t* yt = y + 16 * b0;
+      if (nb == NT) {
+        a8_rows<NT>(xq, M, K, scratch.data(), wstride, yt, N);
+      } else {
+        for (int64_t b = 0; b < nb; ++b)
+          a8_rows<1>(xq, M, K, scratch.data() + b * wstride, wstride, yt + 16 * b, N);
+      }
+    }
+  });
 }
 
 // int8 -> bf16 of one pair of k for 16 rows (32 bytes).
@@ -974,6 +1131,66 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
 
 // The eager steps' (prefill's) RMSNorm and SiLU-and-mul as one pass each: PyTorch runs them as
 // 6 and 3 ops over the step's activations (512 rows: ~12 and ~10 ms of SmolLM2's prefill).
+// The eager steps' RoPE and K/V write in one pass (rope_write): per token, q's and k's heads
+// rotated (rope_head, fp32, one rounding) and k's and v's rows stored at the token's pool slot;
+// returns q [T, Hq, D]. PyTorch spends 6 ops on it (two muls, a cat, an add, two index_copy_),
+// ~1 ms a layer at 512 tokens.
+template <int D>
+void rope_write_impl(const uint16_t* qkv, const uint16_t* cos, const uint16_t* sin,
+                     uint16_t* kpool, uint16_t* vpool, const int64_t* slots, uint16_t* q,
+                     int64_t T, int64_t Hq, int64_t Hk) {
+  const int64_t row = (Hq + 2 * Hk) * D;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* x = qkv + t * row;
+      const uint16_t *c = cos + t * D, *sn = sin + t * D;
+      for (int64_t h = 0; h < Hq; ++h) rope_head<D>(x + h * D, c, sn, q + (t * Hq + h) * D);
+      for (int64_t h = 0; h < Hk; ++h) {
+        rope_head<D>(x + (Hq + h) * D, c, sn, kpool + (slots[t] * Hk + h) * D);
+        std::copy_n(x + (Hq + Hk + h) * D, D, vpool + (slots[t] * Hk + h) * D);
+      }
+    }
+  });
+}
+
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                      int64_t num_heads) {
+#if KILN_HAVE_KERNELS
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && k.is_contiguous() && v.is_contiguous(),
+              "rope_write: bf16 pools k/v [S, Hk, D]");
+  const int64_t T = qkv.size(0), Hk = k.size(1), D = k.size(2), Hq = num_heads;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 &&
+                  qkv.size(1) == (Hq + 2 * Hk) * D,
+              "rope_write: qkv [T, (Hq + 2 Hk) * D] bf16");
+  const auto xc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  TORCH_CHECK(cc.scalar_type() == at::kBFloat16 && sc.scalar_type() == at::kBFloat16 &&
+                  cc.numel() == T * D && sc.numel() == T * D,
+              "rope_write: bf16 cos/sin [T, D]");
+  TORCH_CHECK(slots.numel() == T, "rope_write: one slot per token");
+  const auto sl = check_slots("rope_write", slots, k.size(0));
+  auto q = at::empty({T, Hq, D}, qkv.options());
+  auto args = [&](auto impl) {
+    impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+         reinterpret_cast<const uint16_t*>(cc.data_ptr()),
+         reinterpret_cast<const uint16_t*>(sc.data_ptr()), reinterpret_cast<uint16_t*>(k.data_ptr()),
+         reinterpret_cast<uint16_t*>(v.data_ptr()), sl.data_ptr<int64_t>(),
+         reinterpret_cast<uint16_t*>(q.data_ptr()), T, Hq, Hk);
+  };
+  switch (D) {
+    case 64: args(rope_write_impl<64>); break;
+    case 128: args(rope_write_impl<128>); break;
+    case 96: args(rope_write_impl<96>); break;
+    case 256: args(rope_write_impl<256>); break;
+    default: TORCH_CHECK(false, "rope_write: head_dim ", D, " (64, 96, 128 or 256)");
+  }
+  return q;
+#else
+  TORCH_CHECK(false, "rope_write: built without AVX512-BF16");
+#endif
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
                   w.dim() == 1 && w.size(0) == x.size(1) && x.size(1) % 16 == 0,
@@ -1033,6 +1250,28 @@ at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return y;
 }
 
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w4a8_linear: x [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kW4GroupBytes,
+              "w4a8_linear: packed uint8 [N/16, K/32, 320]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(0) * 16 == n && packed.size(1) * kW4Group == K,
+              "w4a8_linear: packed weight is [", packed.size(0) * 16, ", ", packed.size(1) * 32,
+              "], x has K = ", K, " and n = ", n);
+  const auto xc = x.contiguous();
+  auto y = at::empty({M, n}, x.options());
+#if KILN_HAVE_KERNELS
+  if (M > 0)
+    w4a8_linear_impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+                     packed.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(y.data_ptr()), M, K,
+                     n);
+#else
+  TORCH_CHECK(false, "w4a8_linear: built without AVX512-BF16");
+#endif
+  return y;
+}
+
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w8_linear: x [M, K] bf16");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
@@ -1069,17 +1308,22 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps,"
         " Tensor[] weights, Tensor[] scales, Tensor(a!) k, Tensor(b!) v, Tensor slot_mapping,"
         " Tensor gather, Tensor mask, Tensor? shared, int num_heads, float scale) -> Tensor");
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor slots,"
+        " int num_heads) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("w4_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("w4a8_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.impl("supported", &supported);
   m.impl("w4_linear", c10::DispatchKey::CPU, &w4_linear);
+  m.impl("w4a8_linear", c10::DispatchKey::CPU, &w4a8_linear);
   m.impl("w8_linear", c10::DispatchKey::CPU, &w8_linear);
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
   m.impl("prefill_attention", c10::DispatchKey::CPU, &prefill_attention);
   m.impl("shared_attention", c10::DispatchKey::CPU, &shared_attention);
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+  m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
 }

@@ -2,8 +2,8 @@
 
 Attention over the paged KV pool (`decode_attention` for one token per sequence,
 `prefill_attention` and `shared_attention`, a flash loop, for prefill chunks and a cascade's
-shared prefix), weight-only int4/int8 linears (`w4_linear`, `w8_linear`; kiln.layers.quant's
-modules call them), and `decode_layer`, a whole Llama decoder layer of a decode step made of
+shared prefix), weight-only int4/int8 linears (`w4_linear`, `w8_linear`, and `w4a8_linear`
+for prefill, with int8 activations; kiln.layers.quant's modules call them), and `decode_layer`, a whole Llama decoder layer of a decode step made of
 those, in one call: it replaces the compiled per-layer graph, whose calls and per-op parallel
 regions cost ~2.4 ms of an ~11 ms single-row step. Why the linears: PyTorch's
 int4/int8 CPU kernels read weights at ~14 GB/s for one row and redo all of their work for each
@@ -164,6 +164,14 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: tor
                                            slot_mapping, gather, mask, shared, num_heads, scale)
 
 
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A step's RoPE and K/V write in one pass: qkv [T, (Hq + 2 Hk) * D] bf16, cos and signed
+    sin [T, 1, D] bf16 (RotaryEmbedding.lookup); k and v rotated/stored at `slots` [T] of the
+    bf16 pools [S, Hk, D]. Returns the rotated q [T, Hq, D]."""
+    return torch.ops.kiln_cpu.rope_write(qkv, cos, sin, k, v, slots, num_heads)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [M, H] bf16 with weight [H] bf16 in one pass (kiln.layers.norm's math)."""
     return torch.ops.kiln_cpu.rms_norm(x, weight, eps)
@@ -176,7 +184,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 def use_elementwise_kernels(model: torch.nn.Module) -> None:
     """Lets the modules of a bf16 CPU model that have an `elementwise_kernel` flag (RMSNorm,
-    LlamaMLP) run rms_norm / silu_mul in their eager steps, where the kernels run here."""
+    LlamaMLP, LlamaAttention) run rms_norm / silu_mul / rope_write in their eager steps, where
+    the kernels run here."""
     if not available():
         return
     for m in model.modules():
@@ -243,6 +252,14 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.kiln_cpu.w4_linear(x, packed, n)
 
 
+def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """w4_linear for many rows (prefill): x quantized per group of 32 to int8 (llama.cpp's
+    Q8_1), int8 x 4-bit dot products (AVX512-VNNI), ~1.3-1.6x oneDNN's bf16 GEMM on a dense
+    copy of the weight at 16-512 rows. Same layout as w4_linear; results differ from it by the
+    activations' rounding (relative error ~1e-2 on random data, like llama.cpp's)."""
+    return torch.ops.kiln_cpu.w4a8_linear(x, packed, n)
+
+
 def w8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 @ (scale * q)^T with q in pack_w8's layout, scale fp32 [N] -> [M, N] bf16."""
     return torch.ops.kiln_cpu.w8_linear(x, packed, scale)
@@ -251,6 +268,10 @@ def w8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tor
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing (the kernels run as one opaque call each)."""
     @torch.library.register_fake("kiln_cpu::w4_linear")
+    def _(x, packed, n):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("kiln_cpu::w4a8_linear")
     def _(x, packed, n):
         return x.new_empty((x.shape[0], n))
 
@@ -266,6 +287,10 @@ def _register_fakes() -> None:
     def _(q, k, v, slots, scale):
         return (q.new_empty(q.shape, dtype=torch.float32),
                 q.new_empty(q.shape[:2], dtype=torch.float32))
+
+    @torch.library.register_fake("kiln_cpu::rope_write")
+    def _(qkv, cos, sin, k, v, slots, num_heads):
+        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[2]))
 
     @torch.library.register_fake("kiln_cpu::rms_norm")
     def _(x, w, eps):

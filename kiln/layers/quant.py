@@ -78,11 +78,15 @@ INT4_DENSE_MIN_M = 12
 # decode) batch 2 ran slower on the copy (74-84 vs 115-166 tok/s), so 1-3 rows keep the kernels.
 PACKED_DENSE_MIN_M = 4
 # With kiln's own kernels (kiln/layers/cpu_kernels.cpp, `--cpu-kernels`), which reuse each weight
-# tile across a step's rows, the dense copy only wins at prefill sizes. 30 SmolLM2 layers' four
-# linears from DRAM, 2 threads, kiln int4 vs oneDNN bf16: M=1 4.6 vs 15-18 ms, M=16 12.5-13.3 vs
-# 20-24, M=64 57 vs 69, M=128 27.4 vs 25.9 (10 layers), M=512 111 vs 96. The int8 head
-# (49152 x 576): M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
-KILN_INT4_DENSE_MIN_M = 96
+# tile across a step's rows, the dense copy only wins at prefill sizes, and for int4 not even
+# there: from KILN_INT4_A8_MIN_M rows on, int4 layers quantize the activations to int8 and run
+# w4a8_linear (int8 dot products, twice the multiply-adds of bf16's). 30 SmolLM2 layers' four
+# linears, 2 threads, min of 20 runs, w4a8 vs oneDNN bf16 vs w4 (bf16 activations): M=16 8.1 vs
+# 12.4 vs 10.3 ms, M=32 18.0 vs 28.9 vs 22.4, M=128 59.8 vs 76.9 vs 78.4, M=512 198-207 vs
+# 275-294 vs 304-331. So int4 layers keep no dense copy. Below the threshold (decode) the
+# activations stay bf16, as in decode_layer. The int8 head (49152 x 576) against its copy:
+# M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
+KILN_INT4_A8_MIN_M = 32
 KILN_INT8_DENSE_MIN_M = 16
 
 
@@ -305,7 +309,6 @@ class Int4Linear(_QuantizedLinear):
     """y = x @ W^T + b with W in asymmetric 4-bit groups of 32 along K."""
 
     dense_min_m = INT4_DENSE_MIN_M
-    kiln_dense_min_m = KILN_INT4_DENSE_MIN_M
 
     def __init__(self, gq: GroupQuant, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  use_kernels: bool = True) -> None:
@@ -345,6 +348,8 @@ class Int4Linear(_QuantizedLinear):
         m = x2.shape[0]
         if self._use_dense(m):
             y = self._dense_linear(x2)
+        elif self.kiln and m >= KILN_INT4_A8_MIN_M:
+            y = cpu_kernels.w4a8_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.kiln:
             y = cpu_kernels.w4_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.native and (m <= self.kernel_max_m or self.block_n is None):
@@ -358,6 +363,10 @@ class Int4Linear(_QuantizedLinear):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def keep_dense(self) -> None:
+        if not self.kiln:  # kiln's w4a8_linear beats the copy at every size (see above)
+            super().keep_dense()
 
     def _dequant_t(self, dtype: torch.dtype) -> torch.Tensor:
         """W^T [K, N] in `dtype`, from the CPU packed layout. Works block-wise ([N/B, K, B]) so

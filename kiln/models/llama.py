@@ -63,10 +63,15 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary  # shared by all layers; not a child module's parameter
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.elementwise_kernel = False  # see RMSNorm.elementwise_kernel
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """cos, sin: [T, 1, head_dim] from `RotaryEmbedding.lookup` (sin signed)."""
         qkv = self.qkv_proj(x)
+        kv = self.attn.kv
+        if (self.elementwise_kernel and not self.qk_norm and kv is not None and kv.kernel
+                and qkv.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
+            return self.o_proj(self.attn(self.attn.rope_write(qkv, cos, sin), None, None))
         t = qkv.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size:].view(t, hk, d)
