@@ -191,9 +191,11 @@ def _auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     # Upper bound of the bf16 copy: 4-bit weights on disk grow ~4x (int8: 2x).
     copy = ctx.weight_bytes * (4 if v.get("quantization") == "int4" else 2)
     if copy and copy <= ctx.ram_available_bytes // 4:
-        return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB) fits in a quarter of the available "
-                      "RAM: prefill (and, without kiln's CPU kernels, steps of >= 4 rows) runs "
-                      "dense (oneDNN-packed) GEMMs, faster there than the quantized kernels")
+        return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB at most) fits in a quarter of the "
+                      "available RAM: prefill (and, without kiln's CPU kernels, steps of >= 4 "
+                      "rows) runs dense (oneDNN-packed) GEMMs, faster there than the quantized "
+                      "kernels; int4 layers on kiln's kernels keep none (their int8-activation "
+                      "kernel is faster)")
     return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
 
 

@@ -28,7 +28,10 @@ quantized layer also keeps its weight dequantized to bf16 (in oneDNN's packed la
 torch has it, see kiln/layers/linear.py), and steps of many rows (prefill chunks, batches of 4
 and more) run one dense GEMM on it: decode at low batch is bound by the bytes of weight read,
 large steps by arithmetic, where the kernels' in-loop dequantization loses. The copy is the
-quantized weight, dequantized: both paths compute with the same numbers.
+quantized weight, dequantized: both paths compute with the same numbers. Int4 layers on kiln's
+kernels keep no copy: from KILN_INT4_A8_MIN_M rows on they quantize the activations to int8
+(cpu_kernels.w4a8_linear, as llama.cpp does for its 4-bit formats), which beats the bf16 GEMM
+at every size; their numbers then differ from the copy's by that rounding.
 
 GGUF Q4_0/Q4_1 blocks are exactly this int4 form (groups of 32, a scale and a min), so a 4-bit
 GGUF becomes an int4 model with no requantization error: the loader stashes the blocks in the
@@ -81,9 +84,9 @@ PACKED_DENSE_MIN_M = 4
 # tile across a step's rows, the dense copy only wins at prefill sizes, and for int4 not even
 # there: from KILN_INT4_A8_MIN_M rows on, int4 layers quantize the activations to int8 and run
 # w4a8_linear (int8 dot products, twice the multiply-adds of bf16's). 30 SmolLM2 layers' four
-# linears, 2 threads, min of 20 runs, w4a8 vs oneDNN bf16 vs w4 (bf16 activations): M=16 8.1 vs
-# 12.4 vs 10.3 ms, M=32 18.0 vs 28.9 vs 22.4, M=128 59.8 vs 76.9 vs 78.4, M=512 198-207 vs
-# 275-294 vs 304-331. So int4 layers keep no dense copy. Below the threshold (decode) the
+# linears (one layer's weights, in cache), 2 threads, min of 20 runs, w4a8 vs oneDNN bf16 vs w4
+# (bf16 activations): M=16 9.5 vs 16.2 vs 11.2 ms, M=32 15.8 vs 24.1 vs 21.0, M=128 49.1 vs
+# 80.5 vs 79.8, M=512 175-231 vs 275-283 vs 298-347. So int4 layers keep no dense copy. Below the threshold (decode) the
 # activations stay bf16, as in decode_layer. The int8 head (49152 x 576) against its copy:
 # M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
 KILN_INT4_A8_MIN_M = 32
