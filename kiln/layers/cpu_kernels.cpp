@@ -349,7 +349,7 @@ void w4_linear_impl(const uint16_t* x, const uint8_t* w, uint16_t* y, int64_t M,
 // group would cost one multiply there per int32 result (measured: 68% vs 76-78% of vpdpbusd's
 // peak in the inner loop). A task first expands its blocks' codes into a scratch that the
 // instruction reads as it is (per quad of k, 16 rows x 4 bytes, fp32 d and m after each group),
-// then runs every row over it: at M = 512 the expansion is ~1% of the task.
+// then runs every row over it: at M = 512 the expansion is under 1% of the instructions.
 constexpr int64_t kA8GroupBytes = 640;  // 8 quads x 64 bytes of codes, 16 fp32 d, 16 fp32 m
 constexpr int kA8MaxShift = 15;
 
@@ -377,7 +377,8 @@ QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
       const float inv = rmax > 0.0f ? 127.0f / rmax : 0.0f;
       r.scale[m] = std::ldexp(rmax / 127.0f, -kA8MaxShift);
       for (int64_t g = 0; g < G; ++g) {
-        const int t = gmax[g] > 0.0f ? std::min(kA8MaxShift, std::ilogb(rmax / gmax[g]))
+        // (clamped: a NaN group would give ilogb's INT_MIN)
+        const int t = gmax[g] > 0.0f ? std::clamp(std::ilogb(rmax / gmax[g]), 0, kA8MaxShift)
                                      : kA8MaxShift;
         const __m512 a = widen(xr + 32 * g), b = widen(xr + 32 * g + 16);
         const __m512 f = _mm512_set1_ps(std::ldexp(inv, t));
