@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -921,6 +922,20 @@ at::Tensor decode_layer_impl(const LayerArgs& a, const at::Tensor& x, const uint
 
 bool supported() { return KILN_HAVE_KERNELS; }
 
+#if KILN_HAVE_KERNELS
+// f(std::integral_constant<int, D>{}) for the head dims the kernels are instantiated for.
+template <typename F>
+void for_head_dim(const char* name, int64_t D, F&& f) {
+  switch (D) {
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 96: f(std::integral_constant<int, 96>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    default: TORCH_CHECK(false, name, ": head_dim ", D, " (64, 96, 128 or 256)");
+  }
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& slots,
                                                     const at::Tensor& mask, double scale) {
@@ -951,13 +966,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
          mc.data_ptr<bool>(), out.data_ptr<float>(), lse.data_ptr<float>(), B, Hq, Hk, L,
          k.size(0), static_cast<float>(scale), bad_slot);
   };
-  switch (D) {
-    case 64: args(decode_attention_impl<64>); break;
-    case 128: args(decode_attention_impl<128>); break;
-    case 96: args(decode_attention_impl<96>); break;
-    case 256: args(decode_attention_impl<256>); break;
-    default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " (64, 96, 128 or 256)");
-  }
+  for_head_dim("decode_attention", D,
+               [&](auto d) { args(decode_attention_impl<decltype(d)::value>); });
   TORCH_CHECK(!bad_slot.load(), "decode_attention: a slot lies outside the pool of ", k.size(0));
 #else
   TORCH_CHECK(false, "decode_attention: built without AVX512-BF16");
@@ -1008,12 +1018,8 @@ void run_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          reinterpret_cast<const uint16_t*>(v.data_ptr()), slots.data_ptr<int64_t>(), out, lse,
          T, Hq, Hk, L, causal, start, static_cast<float>(scale));
   };
-  switch (q.size(2)) {
-    case 64: args(flash_attention_impl<64, OutT>); break;
-    case 128: args(flash_attention_impl<128, OutT>); break;
-    case 96: args(flash_attention_impl<96, OutT>); break;
-    default: args(flash_attention_impl<256, OutT>); break;
-  }
+  for_head_dim("flash_attention", q.size(2),
+               [&](auto d) { args(flash_attention_impl<decltype(d)::value, OutT>); });
 #else
   TORCH_CHECK(false, "flash attention: built without AVX512-BF16");
 #endif
@@ -1118,13 +1124,10 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
                 gc.size(1), sh.defined() ? sh.data_ptr<int64_t>() : nullptr,
                 sh.defined() ? sh.size(0) : 0, static_cast<float>(scale));
   };
-  switch (D) {
-    case 64: return args(decode_layer_impl<64>);
-    case 128: return args(decode_layer_impl<128>);
-    case 96: return args(decode_layer_impl<96>);
-    case 256: return args(decode_layer_impl<256>);
-    default: TORCH_CHECK(false, "decode_layer: head_dim ", D, " (64, 96, 128 or 256)");
-  }
+  at::Tensor out;
+  for_head_dim("decode_layer", D,
+               [&](auto d) { out = args(decode_layer_impl<decltype(d)::value>); });
+  return out;
 #else
   TORCH_CHECK(false, "decode_layer: built without AVX512-BF16");
 #endif
@@ -1175,17 +1178,12 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   auto args = [&](auto impl) {
     impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
          reinterpret_cast<const uint16_t*>(cc.data_ptr()),
-         reinterpret_cast<const uint16_t*>(sc.data_ptr()), reinterpret_cast<uint16_t*>(k.data_ptr()),
-         reinterpret_cast<uint16_t*>(v.data_ptr()), sl.data_ptr<int64_t>(),
+         reinterpret_cast<const uint16_t*>(sc.data_ptr()),
+         reinterpret_cast<uint16_t*>(k.data_ptr()), reinterpret_cast<uint16_t*>(v.data_ptr()),
+         sl.data_ptr<int64_t>(),
          reinterpret_cast<uint16_t*>(q.data_ptr()), T, Hq, Hk);
   };
-  switch (D) {
-    case 64: args(rope_write_impl<64>); break;
-    case 128: args(rope_write_impl<128>); break;
-    case 96: args(rope_write_impl<96>); break;
-    case 256: args(rope_write_impl<256>); break;
-    default: TORCH_CHECK(false, "rope_write: head_dim ", D, " (64, 96, 128 or 256)");
-  }
+  for_head_dim("rope_write", D, [&](auto d) { args(rope_write_impl<decltype(d)::value>); });
   return q;
 #else
   TORCH_CHECK(false, "rope_write: built without AVX512-BF16");
@@ -1230,47 +1228,38 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return act;
 }
 
-at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w4_linear: x [M, K] bf16");
+// w4_linear and w4a8_linear: the same inputs and checks, two kernels.
+at::Tensor run_w4(const char* name, bool a8, const at::Tensor& x, const at::Tensor& packed,
+                  int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x [M, K] bf16");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == kW4GroupBytes,
-              "w4_linear: packed uint8 [N/16, K/32, 320]");
+              name, ": packed uint8 [N/16, K/32, 320]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.size(0) * 16 == n && packed.size(1) * kW4Group == K,
-              "w4_linear: packed weight is [", packed.size(0) * 16, ", ", packed.size(1) * 32,
+  TORCH_CHECK(packed.size(0) * 16 == n && packed.size(1) * kW4Group == K, name,
+              ": packed weight is [", packed.size(0) * 16, ", ", packed.size(1) * 32,
               "], x has K = ", K, " and n = ", n);
   const auto xc = x.contiguous();
   auto y = at::empty({M, n}, x.options());
 #if KILN_HAVE_KERNELS
-  if (M > 0)
-    w4_linear_impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()), packed.data_ptr<uint8_t>(),
-                   reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, n);
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (M > 0 && a8)
+    w4a8_linear_impl(xp, packed.data_ptr<uint8_t>(), yp, M, K, n);
+  else if (M > 0)
+    w4_linear_impl(xp, packed.data_ptr<uint8_t>(), yp, M, K, n);
 #else
-  TORCH_CHECK(false, "w4_linear: built without AVX512-BF16");
+  TORCH_CHECK(false, name, ": built without AVX512-BF16");
 #endif
   return y;
 }
 
+at::Tensor w4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return run_w4("w4_linear", false, x, packed, n);
+}
+
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "w4a8_linear: x [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kW4GroupBytes,
-              "w4a8_linear: packed uint8 [N/16, K/32, 320]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.size(0) * 16 == n && packed.size(1) * kW4Group == K,
-              "w4a8_linear: packed weight is [", packed.size(0) * 16, ", ", packed.size(1) * 32,
-              "], x has K = ", K, " and n = ", n);
-  const auto xc = x.contiguous();
-  auto y = at::empty({M, n}, x.options());
-#if KILN_HAVE_KERNELS
-  if (M > 0)
-    w4a8_linear_impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
-                     packed.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(y.data_ptr()), M, K,
-                     n);
-#else
-  TORCH_CHECK(false, "w4a8_linear: built without AVX512-BF16");
-#endif
-  return y;
+  return run_w4("w4a8_linear", true, x, packed, n);
 }
 
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
