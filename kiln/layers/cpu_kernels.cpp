@@ -48,6 +48,11 @@
 
 namespace {
 
+// The w4 layout's group (see the weight-only linears below); the op wrappers check against it
+// in every build.
+constexpr int64_t kW4Group = 32;
+constexpr int64_t kW4GroupBytes = 320;
+
 #if KILN_HAVE_KERNELS
 
 constexpr int kMaxGroup = 16;  // query heads per KV head handled by one task
@@ -211,8 +216,6 @@ void decode_attention_impl(const uint16_t* q, const uint16_t* k, const uint16_t*
 //   int8 -> fp32 -> bf16 is exact (|q| <= 128 needs 8 significant bits). For M > 4 each tile
 //   of rows is converted once into a bf16 scratch (L2) that all row tiles then read.
 
-constexpr int64_t kW4Group = 32;
-constexpr int64_t kW4GroupBytes = 320;
 
 inline void store_bf16(uint16_t* dst, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
@@ -861,6 +864,28 @@ inline void rope_head(const uint16_t* x, const uint16_t* cos, const uint16_t* si
                                            _mm512_mul_ps(v[(w + half) % W], widen(sin + 16 * w))));
 }
 
+// RoPE and the K/V write for T tokens (the eager steps' rope_write, and decode_layer's rows):
+// per token, q's and k's heads rotated (rope_head, fp32, one rounding), q's into q [T, Hq, D],
+// k's and v's rows stored at the token's pool slot (checked by the caller). PyTorch spends 6
+// ops on it (two muls, a cat, an add, two index_copy_), ~1 ms a layer at 512 tokens.
+template <int D>
+void rope_write_impl(const uint16_t* qkv, const uint16_t* cos, const uint16_t* sin,
+                     uint16_t* kpool, uint16_t* vpool, const int64_t* slots, uint16_t* q,
+                     int64_t T, int64_t Hq, int64_t Hk) {
+  const int64_t row = (Hq + 2 * Hk) * D;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* x = qkv + t * row;
+      const uint16_t *c = cos + t * D, *sn = sin + t * D;
+      for (int64_t h = 0; h < Hq; ++h) rope_head<D>(x + h * D, c, sn, q + (t * Hq + h) * D);
+      for (int64_t h = 0; h < Hk; ++h) {
+        rope_head<D>(x + (Hq + h) * D, c, sn, kpool + (slots[t] * Hk + h) * D);
+        std::copy_n(x + (Hq + Hk + h) * D, D, vpool + (slots[t] * Hk + h) * D);
+      }
+    }
+  });
+}
+
 template <int D>
 at::Tensor decode_layer_impl(const LayerArgs& a, const at::Tensor& x, const uint16_t* cos,
                              const uint16_t* sin, uint16_t* kpool, uint16_t* vpool, int64_t S,
@@ -875,17 +900,7 @@ at::Tensor decode_layer_impl(const LayerArgs& a, const at::Tensor& x, const uint
   // attention
   rmsnorm_rows(xs, a.ln1, a.eps, h.data(), B, H);
   a.qkv(h.data(), qkv.data(), B);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t slot = slot_mapping[b];
-    TORCH_CHECK(slot >= 0 && slot < S, "decode_layer: slot ", slot, " lies outside the pool");
-    const uint16_t* row = qkv.data() + b * QKV;
-    for (int64_t hh = 0; hh < Hq; ++hh)
-      rope_head<D>(row + hh * D, cos + b * D, sin + b * D, q.data() + (b * Hq + hh) * D);
-    for (int64_t hh = 0; hh < Hk; ++hh) {
-      rope_head<D>(row + (Hq + hh) * D, cos + b * D, sin + b * D, kpool + (slot * Hk + hh) * D);
-      std::copy_n(row + (Hq + Hk + hh) * D, D, vpool + (slot * Hk + hh) * D);
-    }
-  }
+  rope_write_impl<D>(qkv.data(), cos, sin, kpool, vpool, slot_mapping, q.data(), B, Hq, Hk);
   std::vector<float> o(B * Hq * D), lse(B * Hq);
   std::atomic<bool> bad_slot{false};
   decode_attention_impl<D>(q.data(), kpool, vpool, gather, mask, o.data(), lse.data(), B, Hq,
@@ -1110,7 +1125,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
                   gather.scalar_type() == at::kLong && mask.scalar_type() == at::kBool &&
                   gather.dim() == 2 && gather.size(0) == B && mask.numel() == gather.numel(),
               "decode_layer: slot_mapping [B], gather int64 [B, L], mask bool [B, L]");
-  const auto sm = slot_mapping.contiguous(), gc = gather.contiguous(), mc = mask.contiguous();
+  const auto sm = check_slots("decode_layer", slot_mapping, k.size(0));
+  const auto gc = gather.contiguous(), mc = mask.contiguous();
   at::Tensor sh;
   if (shared.has_value()) {
     sh = check_slots("decode_layer", *shared, k.size(0));
@@ -1119,9 +1135,10 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   auto args = [&](auto impl) {
     return impl(a, x, reinterpret_cast<const uint16_t*>(cc.data_ptr()),
                 reinterpret_cast<const uint16_t*>(sc.data_ptr()),
-                reinterpret_cast<uint16_t*>(k.data_ptr()), reinterpret_cast<uint16_t*>(v.data_ptr()),
-                k.size(0), sm.data_ptr<int64_t>(), gc.data_ptr<int64_t>(), mc.data_ptr<bool>(),
-                gc.size(1), sh.defined() ? sh.data_ptr<int64_t>() : nullptr,
+                reinterpret_cast<uint16_t*>(k.data_ptr()),
+                reinterpret_cast<uint16_t*>(v.data_ptr()), k.size(0), sm.data_ptr<int64_t>(),
+                gc.data_ptr<int64_t>(), mc.data_ptr<bool>(), gc.size(1),
+                sh.defined() ? sh.data_ptr<int64_t>() : nullptr,
                 sh.defined() ? sh.size(0) : 0, static_cast<float>(scale));
   };
   at::Tensor out;
@@ -1131,30 +1148,6 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
 #else
   TORCH_CHECK(false, "decode_layer: built without AVX512-BF16");
 #endif
-}
-
-// The eager steps' (prefill's) RMSNorm and SiLU-and-mul as one pass each: PyTorch runs them as
-// 6 and 3 ops over the step's activations (512 rows: ~12 and ~10 ms of SmolLM2's prefill).
-// The eager steps' RoPE and K/V write in one pass (rope_write): per token, q's and k's heads
-// rotated (rope_head, fp32, one rounding) and k's and v's rows stored at the token's pool slot;
-// returns q [T, Hq, D]. PyTorch spends 6 ops on it (two muls, a cat, an add, two index_copy_),
-// ~1 ms a layer at 512 tokens.
-template <int D>
-void rope_write_impl(const uint16_t* qkv, const uint16_t* cos, const uint16_t* sin,
-                     uint16_t* kpool, uint16_t* vpool, const int64_t* slots, uint16_t* q,
-                     int64_t T, int64_t Hq, int64_t Hk) {
-  const int64_t row = (Hq + 2 * Hk) * D;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* x = qkv + t * row;
-      const uint16_t *c = cos + t * D, *sn = sin + t * D;
-      for (int64_t h = 0; h < Hq; ++h) rope_head<D>(x + h * D, c, sn, q + (t * Hq + h) * D);
-      for (int64_t h = 0; h < Hk; ++h) {
-        rope_head<D>(x + (Hq + h) * D, c, sn, kpool + (slots[t] * Hk + h) * D);
-        std::copy_n(x + (Hq + Hk + h) * D, D, vpool + (slots[t] * Hk + h) * D);
-      }
-    }
-  });
 }
 
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -1190,9 +1183,12 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 #endif
 }
 
+// The eager steps' (prefill's) RMSNorm and SiLU-and-mul as one pass each: PyTorch runs them as
+// 6 and 3 ops over the step's activations (512 rows: ~12 and ~10 ms of SmolLM2's prefill).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-                  w.dim() == 1 && w.size(0) == x.size(1) && x.size(1) % 16 == 0,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.size(0) == x.size(1) &&
+                  x.size(1) % 16 == 0,
               "rms_norm: x [M, H] and w [H] bf16, H a multiple of 16");
   const auto xc = x.contiguous(), wc = w.contiguous();
   auto y = at::empty_like(xc);

@@ -3,9 +3,10 @@
 Attention over the paged KV pool (`decode_attention` for one token per sequence,
 `prefill_attention` and `shared_attention`, a flash loop, for prefill chunks and a cascade's
 shared prefix), weight-only int4/int8 linears (`w4_linear`, `w8_linear`, and `w4a8_linear`
-for prefill, with int8 activations; kiln.layers.quant's modules call them), and `decode_layer`, a whole Llama decoder layer of a decode step made of
-those, in one call: it replaces the compiled per-layer graph, whose calls and per-op parallel
-regions cost ~2.4 ms of an ~11 ms single-row step. Why the linears: PyTorch's
+for prefill, with int8 activations; kiln.layers.quant's modules call them), and
+`decode_layer`, a whole Llama decoder layer of a decode step made of those, in one call: it
+replaces the compiled per-layer graph, whose calls and per-op parallel regions cost ~2.4 ms of
+an ~11 ms single-row step. Why the linears: PyTorch's
 int4/int8 CPU kernels read weights at ~14 GB/s for one row and redo all of their work for each
 further row (16 rows: ~44 ms for SmolLM2's 30 layers); kiln's read the packed weight once per
 step and reuse each tile across up to 4 rows held in registers (16 rows: ~13 ms, fewer than
@@ -253,10 +254,11 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """w4_linear for many rows (prefill): x quantized per group of 32 to int8 (llama.cpp's
-    Q8_1), int8 x 4-bit dot products (AVX512-VNNI), ~1.3-1.6x oneDNN's bf16 GEMM on a dense
-    copy of the weight at 16-512 rows. Same layout as w4_linear; results differ from it by the
-    activations' rounding (relative error ~1e-2 on random data, like llama.cpp's)."""
+    """w4_linear for many rows (prefill): x quantized to int8 (a scale per row, refined per
+    group of 32 by a power of two; see cpu_kernels.cpp), int8 x 4-bit dot products
+    (AVX512-VNNI), 0.59-0.82x the time of oneDNN's bf16 GEMM on a dense copy of the weight at
+    16-512 rows. Same layout as w4_linear; results differ from it by the activations' rounding
+    (relative error ~1.4e-2 on random data)."""
     return torch.ops.kiln_cpu.w4a8_linear(x, packed, n)
 
 

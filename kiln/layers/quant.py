@@ -86,8 +86,9 @@ PACKED_DENSE_MIN_M = 4
 # w4a8_linear (int8 dot products, twice the multiply-adds of bf16's). 30 SmolLM2 layers' four
 # linears (one layer's weights, in cache), 2 threads, min of 20 runs, w4a8 vs oneDNN bf16 vs w4
 # (bf16 activations): M=16 9.5 vs 16.2 vs 11.2 ms, M=32 15.8 vs 24.1 vs 21.0, M=128 49.1 vs
-# 80.5 vs 79.8, M=512 175-231 vs 275-283 vs 298-347. So int4 layers keep no dense copy. Below the threshold (decode) the
-# activations stay bf16, as in decode_layer. The int8 head (49152 x 576) against its copy:
+# 80.5 vs 79.8, M=512 175-231 vs 275-283 vs 298-347. So int4 layers keep no dense copy. Below
+# the threshold (decode) the activations stay bf16, as in decode_layer. The int8 head
+# (49152 x 576) against its copy:
 # M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
 KILN_INT4_A8_MIN_M = 32
 KILN_INT8_DENSE_MIN_M = 16
