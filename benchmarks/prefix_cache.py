@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.models.loader import open_checkpoint
     from kiln.resolve.sources import default_model_path
     from kiln.sampling_params import SamplingParams
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -61,7 +61,7 @@ class LLM:
         self.config = EngineConfig(model=path, gguf_file=gguf, **engine_overrides)
         self.engine = Engine(self.config)
         if tokenizer is None:
-            from kiln.server.tokenizer import load_tokenizer
+            from kiln.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(Path(path), gguf)
         self.tokenizer = tokenizer

@@ -39,7 +39,7 @@ def smollm2_runner(gguf_path):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(gguf_path):
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.tokenizer import load_tokenizer
 
     return load_tokenizer(gguf_path)
 

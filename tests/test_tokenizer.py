@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kiln.server.tokenizer import (
+from kiln.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     Tokenizer,

@@ -64,7 +64,7 @@ class _Chat:
     def __init__(self, sp: startup.StartupPlan, args: argparse.Namespace) -> None:
         from kiln.config import EngineConfig
         from kiln.engine.engine import Engine
-        from kiln.server.tokenizer import load_tokenizer
+        from kiln.tokenizer import load_tokenizer
 
         s, src = sp.settings, sp.source
         assert s is not None and src is not None
@@ -80,7 +80,7 @@ class _Chat:
 
     def ask(self, text: str) -> str:
         from kiln.sampling_params import SamplingParams
-        from kiln.server.tokenizer import IncrementalDetokenizer
+        from kiln.tokenizer import IncrementalDetokenizer
 
         self.history.append({"role": "user", "content": text})
         ids = self.tokenizer.apply_chat_template(self.history, add_generation_prompt=True)

@@ -80,7 +80,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.engine.async_engine import AsyncEngine, wait_idle
     from kiln.engine.engine import Engine
     from kiln.server.api import build_app
-    from kiln.server.tokenizer import load_tokenizer
+    from kiln.tokenizer import load_tokenizer
 
     s = sp.settings
     src = sp.source

@@ -53,7 +53,7 @@ from kiln.server.protocol import (
     UsageInfo,
     to_sampling_params,
 )
-from kiln.server.tokenizer import (
+from kiln.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     Tokenizer,
