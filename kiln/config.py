@@ -18,7 +18,7 @@ import argparse
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,9 @@ class AutoContext:
     model_max_tp: int | None = None  # from the registry
     is_moe: bool = False
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
+    # Settings resolved so far from an explicit source (cli, env, file): filled by
+    # resolve_settings as it walks the table, so a rule can tell "asked for" from "defaulted".
+    explicit: set[str] = field(default_factory=set)
 
 
 AutoRule = Callable[[AutoContext, dict[str, Any]], tuple[Any, str]]
@@ -173,6 +176,10 @@ def _auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
         return "none", "the external engine serves the checkpoint as it is"
     if v.get("device") == "cuda":
         return "none", "GPU: dense weights in the model dtype"
+    if "dtype" in ctx.explicit and v.get("dtype") == "float32":
+        # The quantized kernels compute with bf16 activations: not what float32 asks for.
+        return "none", ("--dtype float32 asks for float32 math: the weights are dequantized to "
+                        "float32 (the int4/int8 kernels compute in bf16)")
     if not quant or quant in ("F32", "F16", "BF16", "FP32", "FP16"):
         return "none", "the checkpoint is not quantized"
     if quant.startswith(("Q4_0", "Q4_1")):
@@ -585,7 +592,7 @@ def resolve_settings(
 ) -> ResolvedSettings:
     """Walks the sources for every setting, highest first; auto rules run in table order, so a
     rule may read settings declared above it (dtype reads device)."""
-    ctx = ctx or AutoContext()
+    ctx = replace(ctx or AutoContext(), explicit=set())
     layers: list[tuple[str, Mapping[str, Any], Callable[[str], str]]] = [
         ("cli", {k: v[0] for k, v in (cli or {}).items()}, lambda n: (cli or {})[n][1]),
         ("env", {k: v[0] for k, v in (env or {}).items()}, lambda n: (env or {})[n][1]),
@@ -602,6 +609,8 @@ def resolve_settings(
         if explicit is not None:
             r = Resolved(s.name, explicit.value, explicit.source, s.affects,
                          f"set by {explicit.detail}", cands)
+            if explicit.source in ("cli", "env", "file"):
+                ctx.explicit.add(s.name)
         elif s.auto is not None and _is_auto(s.default):
             value, reason = s.auto(ctx, chosen)
             cands.append(Candidate("auto", value, reason))
@@ -621,9 +630,19 @@ def _is_auto(value: Any) -> bool:
 # --------------------------------------------------------------------------- the engine's view
 
 
+def _table_default(name: str) -> Any:
+    return BY_NAME[name].default
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine needs, frozen. Built from resolved settings (or directly, offline)."""
+    """What the engine needs, frozen. Built from resolved settings by `from_settings` (every
+    front-end does: kiln serve, kiln run, LLM, kiln bench --offline); tests build it directly.
+
+    Settings with a fixed default take it from the table. Those the table decides by an auto
+    rule (dtype, quantization, threads, batch limits, ...) have no single default; the values
+    here are the engine's plain fallback for direct construction: float32, unquantized, CPU
+    limits."""
 
     model: str  # folder or .gguf path
     gguf_file: str | None = None
@@ -635,21 +654,21 @@ class EngineConfig:
     max_model_len_explicit: bool = False  # the user asked for it: refuse rather than lower it
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    cpu_memory_utilization: float = 0.7
-    kv_cache_memory: int | None = None
-    kv_max_blocks: int | None = None
-    enable_prefix_caching: bool = True
     num_threads: int | None = None
-    seed: int = 0
-    compile: bool = False
-    cpu_kernels: bool = True
-    prefix_rendezvous_max_wait_ms: int | None = None  # None: off
-    session_cache: str = "off"  # off | memory
-    session_cache_max_entries: int = 256
-    session_cache_max_tokens: int | None = None  # None: half the KV pool
+    block_size: int = _table_default("block_size")
+    kv_cache_dtype: str = _table_default("kv_cache_dtype")
+    gpu_memory_utilization: float = _table_default("gpu_memory_utilization")
+    cpu_memory_utilization: float = _table_default("cpu_memory_utilization")
+    kv_cache_memory: int | None = _table_default("kv_cache_memory")
+    kv_max_blocks: int | None = _table_default("kv_max_blocks")
+    enable_prefix_caching: bool = _table_default("enable_prefix_caching")
+    seed: int = _table_default("seed")
+    compile: bool = _table_default("compile")
+    cpu_kernels: bool = _table_default("cpu_kernels")
+    prefix_rendezvous_max_wait_ms: int | None = _table_default("prefix_rendezvous_max_wait_ms")
+    session_cache: str = _table_default("session_cache")
+    session_cache_max_entries: int = _table_default("session_cache_max_entries")
+    session_cache_max_tokens: int | None = _table_default("session_cache_max_tokens")
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

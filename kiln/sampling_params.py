@@ -34,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
     skip_special_tokens: bool = True

@@ -50,6 +50,7 @@ class OfflineResult:
     prefill_tok_s: float
     decode: list[DecodeResult] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: value, source...}
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kiln-bench-offline", "version": 1, **asdict(self)}
@@ -172,4 +173,23 @@ def run_offline(
             "repeats": repeats,
             "engine_overrides": engine_overrides or {},
         },
+        settings=served_settings(llm),
     )
+
+
+# What the offline report names: the settings that decide the engine's speed.
+REPORTED = ("device", "dtype", "quantization", "dense_weights", "kv_cache_dtype", "cpu_kernels",
+            "compile", "num_threads", "max_num_seqs", "max_num_batched_tokens",
+            "runtime_preset")
+
+
+def served_settings(llm: Any) -> dict[str, dict[str, Any]]:
+    """The engine settings the measured LLM resolved, each {value, source, reason}: the same
+    table, presets and auto rules as `kiln serve`, so this is the served configuration."""
+    settings = getattr(llm, "settings", None)
+    if settings is None:
+        return {}
+    from kiln.config import BY_NAME
+
+    return {name: r.to_dict() for name, r in settings.values.items()
+            if BY_NAME[name].group == "engine" and r.value is not None}

@@ -93,9 +93,15 @@ def format_offline(result: OfflineResult) -> str:
     for d in result.decode:
         note = "" if d.method == "difference" else " (whole call: timing was noisy)"
         rows.append([f"decode b={d.batch}", f"{d.tokens_per_seq} tok/seq", fmt(d.tok_s) + note])
-    return f"kiln bench --offline  model={result.model}\n\n" + table(
-        ["phase", "shape", "tok/s"], rows, left=2
-    )
+    from kiln.bench.offline import REPORTED
+
+    measured = [[name, str(result.settings[name]["value"]), result.settings[name]["source"]]
+                for name in REPORTED if name in result.settings]
+    head = f"kiln bench --offline  model={result.model}\n\n"
+    if measured:
+        head += ("configuration measured (resolved as kiln serve resolves it):\n"
+                 + table(["setting", "value", "source"], measured, left=2) + "\n\n")
+    return head + table(["phase", "shape", "tok/s"], rows, left=2)
 
 
 def _clean(obj: Any) -> Any:

@@ -180,7 +180,8 @@ def add_parser(subparsers: Any) -> None:
         default=[],
         type=_key_value,
         metavar="KEY=VALUE",
-        help="EngineConfig override for LLM(), e.g. kv_cache_memory=134217728 (repeatable)",
+        help="a setting for the engine by its table name, as kiln serve takes it, e.g. "
+        "kv_cache_memory=128MiB (repeatable)",
     )
     p.set_defaults(func=main)
 

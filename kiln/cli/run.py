@@ -21,6 +21,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop when TEXT is generated (cut from the answer; repeatable)")
     startup.add_common_arguments(p)
     p.set_defaults(func=main)
 
@@ -62,16 +64,11 @@ def _looks_like_model(text: str) -> bool:
 
 class _Chat:
     def __init__(self, sp: startup.StartupPlan, args: argparse.Namespace) -> None:
-        from kiln.config import EngineConfig
-        from kiln.engine.engine import Engine
-        from kiln.tokenizer import load_tokenizer
-
-        s, src = sp.settings, sp.source
-        assert s is not None and src is not None
+        src = sp.source
+        assert src is not None
         print(f"loading {src.name} ...", file=sys.stderr, flush=True)
-        cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
-        self.engine = Engine(cfg, ckpt=sp.checkpoint)
-        self.tokenizer = load_tokenizer(src.path, src.gguf_file)
+        self.tokenizer = startup.load_tokenizer(sp)
+        self.engine = startup.build_engine(sp, self.tokenizer)
         self.args = args
         self.history: list[dict[str, str]] = []
         if args.system:
@@ -80,7 +77,6 @@ class _Chat:
 
     def ask(self, text: str) -> str:
         from kiln.sampling_params import SamplingParams
-        from kiln.tokenizer import IncrementalDetokenizer
 
         self.history.append({"role": "user", "content": text})
         ids = self.tokenizer.apply_chat_template(self.history, add_generation_prompt=True)
@@ -90,25 +86,28 @@ class _Chat:
             print("(the conversation is longer than the context; start a new one)")
             return ""
         params = SamplingParams(temperature=self.args.temperature,
-                                max_tokens=min(self.args.max_tokens, budget))
+                                max_tokens=min(self.args.max_tokens, budget),
+                                stop=self.args.stop or [])
         self._n += 1
         rid = f"run-{self._n}"
-        self.engine.add_request(rid, ids, params,
-                                eos_token_ids=set(self.tokenizer.eos_token_ids)
-                                | set(self.engine.eos_token_ids))
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        self.engine.add_request(rid, ids, params)
+        answer: list[str] = []
         try:
             while self.engine.has_unfinished:
                 for out in self.engine.step():
-                    sys.stdout.write(detok.add(out.new_token_ids))
+                    answer.append(out.text)
+                    sys.stdout.write(out.text)
                     sys.stdout.flush()
         except KeyboardInterrupt:
             self.engine.abort(rid)
-            self.engine.step()
-        sys.stdout.write(detok.flush() + "\n")
+            for out in self.engine.step():  # the abort's output: the text held back so far
+                answer.append(out.text)
+                sys.stdout.write(out.text)
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        self.history.append({"role": "assistant", "content": detok.text})
-        return detok.text
+        reply = "".join(answer)
+        self.history.append({"role": "assistant", "content": reply})
+        return reply
 
     def interactive(self) -> int:
         print("Send a message (/bye or Ctrl-D to exit, /clear to forget the chat).",

@@ -76,11 +76,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
 
     from kiln import __version__
     from kiln.backends import format_running_block
-    from kiln.config import EngineConfig
     from kiln.engine.async_engine import AsyncEngine, wait_idle
-    from kiln.engine.engine import Engine
-    from kiln.server.api import build_app
-    from kiln.tokenizer import load_tokenizer
+    from kiln.server.app import build_app
 
     s = sp.settings
     src = sp.source
@@ -89,31 +86,15 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         print(f"kiln: warning: {w}", file=sys.stderr)
     names = s["served_model_name"] or [src.name]
 
-    sp.phase = "load"
-    t0 = time.monotonic()
     print(f"kiln: loading {src.name} from {src.gguf_file or src.path} ...", file=sys.stderr)
-    cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
-    # The engine is built on its own thread (see kiln/engine/async_engine.py for why), while
-    # this one loads the tokenizer.
-    aengine = AsyncEngine(lambda: Engine(cfg, ckpt=sp.checkpoint, progress=_progress_bar()),
+    tokenizer = startup.load_tokenizer(sp)
+    # The engine is built on its own thread (see kiln/engine/async_engine.py for why).
+    aengine = AsyncEngine(lambda: startup.build_engine(sp, tokenizer, progress=_progress_bar()),
                           max_queue=s["max_queue"]).start(wait=False)
-    tokenizer = load_tokenizer(src.path, src.gguf_file)
     engine = aengine.wait_built()
-    plan = engine.runner.plan
-    if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
-        s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
-                   "lowered to fit the KV pool")
+    cfg, plan = engine.config, engine.runner.plan
     for w in plan.warnings:
         print(f"kiln: warning: {w}", file=sys.stderr)
-    load_s = time.monotonic() - t0
-    sp.extra = {"engine": {"name": "kiln", "load_seconds": round(load_s, 2),
-                           "kv_blocks": plan.num_blocks, "kv_block_size": plan.block_size,
-                           "kv_token_capacity": plan.token_capacity,
-                           "kv_dtype": engine.runner.kv_dtype_name,
-                           "kv_bytes": plan.kv_bytes, "weight_bytes": plan.weight_bytes,
-                           "activation_bytes": plan.activation_bytes,
-                           "max_model_len": engine.max_model_len},
-                "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason}}}
 
     sp.phase = "serve"
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],

@@ -52,6 +52,21 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     C.add_setting_arguments(p)
 
 
+def namespace_for(model: str | None, settings: dict[str, Any], config: Path | None = None
+                  ) -> argparse.Namespace:
+    """The arguments `kiln serve MODEL --flag value ...` would give, for the offline LLM: its
+    keyword settings resolve through the same table, presets and auto rules, with the highest
+    precedence (recorded as `LLM(name=...)`)."""
+    unknown = sorted(set(settings) - set(C.BY_NAME))
+    if unknown:
+        raise C.ConfigError(f"unknown setting(s): {', '.join(unknown)}",
+                            hint=f"known settings: {', '.join(sorted(C.BY_NAME))}")
+    seen = {name: [(value, f"LLM({name}={value!r})")] for name, value in settings.items()}
+    return argparse.Namespace(model=model, config=config, dry_run=False,
+                              effective_config_json=None, decision_trace_jsonl=None,
+                              _kiln_seen=seen)
+
+
 def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan:
     """Everything up to (not including) loading weights. Fills `sp` as it goes, so a caller
     that catches a failure knows the phase it happened in."""
@@ -233,6 +248,51 @@ def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
             raise C.ConfigError(
                 f"{flag} {r.value} ({r.source}): kiln's own engine runs on one device",
                 hint="use --engine vllm (or --engine auto) for several GPUs or machines")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(sp: StartupPlan) -> Any:
+    from kiln.tokenizer import load_tokenizer as load
+
+    assert sp.source is not None
+    return load(sp.source.path, sp.source.gguf_file)
+
+
+def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
+    """Loads the planned model into kiln's Engine (the one way `kiln serve`, `kiln run`, the
+    offline LLM and `kiln bench --offline` build it), then writes what the load decided back
+    into the settings, so the effective config tells what actually runs."""
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+
+    s, src = sp.settings, sp.source
+    assert s is not None and src is not None
+    sp.phase = "load"
+    t0 = time.monotonic()
+    cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
+    engine = Engine(cfg, ckpt=sp.checkpoint, tokenizer=tokenizer, progress=progress)
+    record_engine(sp, engine, time.monotonic() - t0)
+    return engine
+
+
+def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
+    s = sp.settings
+    assert s is not None
+    plan = engine.runner.plan
+    if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
+        s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
+                   "lowered to fit the KV pool")
+    s.warnings.extend(plan.warnings)
+    sp.extra = {"engine": {"name": "kiln", "load_seconds": round(load_seconds, 2),
+                           "kv_blocks": plan.num_blocks, "kv_block_size": plan.block_size,
+                           "kv_token_capacity": plan.token_capacity,
+                           "kv_dtype": engine.runner.kv_dtype_name,
+                           "kv_bytes": plan.kv_bytes, "weight_bytes": plan.weight_bytes,
+                           "activation_bytes": plan.activation_bytes,
+                           "max_model_len": engine.max_model_len},
+                "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason}}}
 
 
 # --------------------------------------------------------------------------- showing the work

@@ -1,24 +1,28 @@
-"""Engine: `step()` = schedule -> run the model -> update requests. Synchronous, single thread.
+"""Engine: `step()` = schedule -> run the model -> update requests -> outputs. Synchronous.
 
-The async server wraps it in `AsyncEngine` (engine/async_engine.py); the offline `kiln.LLM` drives
-it directly. Both see the same `RequestOutput`s.
+The async server wraps it in `AsyncEngine` (engine/async_engine.py); the offline `kiln.LLM` and
+`kiln run` drive it directly. All of them see the same `RequestOutput`s, made by the one output
+processor (engine/output.py): text, stop strings, EOS and logprobs are decided here, once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine.request import Request, RequestStatus, TokenLogprob
+from kiln.engine.output import OutputProcessor, RequestOutput
+from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig
 from kiln.errors import KilnError
 from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
 from kiln.sampling_params import SamplingParams
+from kiln.tokenizer import Tokenizer
+
+__all__ = ["Engine", "EngineStats", "PromptTooLongError", "RequestOutput"]
 
 log = logging.getLogger("kiln.engine")
 
@@ -34,19 +38,6 @@ class PromptTooLongError(KilnError):
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    stop_token_id: int | None = None  # the EOS / stop token that ended it (not in new_token_ids)
-
-
-@dataclass
 class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0
@@ -58,8 +49,9 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint | None = None,
                  progress: ProgressFn | None = None, runner: ModelRunner | None = None, *,
-                 kv_hash_fn: HashFn | None = None) -> None:
-        """`runner` reuses an already loaded model and KV pool (tests build several engines with
+                 tokenizer: Tokenizer | None = None, kv_hash_fn: HashFn | None = None) -> None:
+        """`tokenizer` turns tokens into text and enables stop strings (the front-ends pass
+        it; tests that drive token ids need none). `runner` reuses an already loaded model and KV pool (tests build several engines with
         different scheduler limits over one model); `config.kv_max_blocks` may then use fewer
         blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
         collisions with it)."""
@@ -86,8 +78,12 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len, config.prefix_rendezvous_max_wait_ms), self.kv)
-        self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids)
-        self._emitted: dict[str, int] = {}
+        # Every id that ends generation: the model's (config / generation_config / GGUF) and
+        # the tokenizer's (e.g. ChatML's <|im_end|>), merged here once for every front-end.
+        self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids) | frozenset(
+            tokenizer.eos_token_ids if tokenizer is not None else ())
+        self.tokenizer = tokenizer
+        self.output = OutputProcessor(tokenizer)
         self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
 
@@ -95,7 +91,6 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, cache_salt: str | None = None,
-                    eos_token_ids: Iterable[int] | None = None,
                     session_id: str | None = None) -> Request:
         """`session_id` names the conversation (the OpenAI `user` field or X-Session-Id): with
         the session cache on, this turn's prefix stays pinned for the next one."""
@@ -111,13 +106,13 @@ class Engine:
             raise KilnError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if request_id in self.scheduler.requests:
             raise KilnError(f"request id {request_id!r} is already in use")
-        eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos,
+        req = Request(request_id, list(prompt_token_ids), params,
+                      eos_token_ids=self.eos_token_ids,
                       cache_salt=cache_salt, session_id=session_id or None)
         limit = self.max_model_len - n
         req.max_tokens = min(params.max_tokens or limit, limit)
+        self.output.add(req)
         self.scheduler.add_request(req)
-        self._emitted[request_id] = 0
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -125,7 +120,7 @@ class Engine:
         if req is None:
             return False
         self.runner.sampler.forget(request_id)
-        self._outputs_pending.append(self._output(req))
+        self._outputs_pending.append(self.output.process(req)[0])
         return True
 
     @property
@@ -146,30 +141,15 @@ class Engine:
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.tokens_computed += sched.num_tokens
         for req in touched:
-            outputs.append(self._output(req))
+            out, stop_string = self.output.process(req)
+            if stop_string and not req.is_finished:
+                # Finished in this step, so its blocks go back before the next one is planned.
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            outputs.append(out)
             if req.is_finished:
                 self.runner.sampler.forget(req.request_id)
                 self.stats.requests_finished += 1
         return outputs
-
-    def _output(self, req: Request) -> RequestOutput:
-        start = self._emitted.get(req.request_id, 0)
-        new = req.output_token_ids[start:]
-        new_lp = req.output_logprobs[start:] if req.params.logprobs is not None else None
-        stop_tok = None
-        if req.status is RequestStatus.FINISHED_STOPPED and new:
-            # The EOS / stop token ended the sequence: it is reported, not part of the text.
-            stop_tok = new[-1]
-            new = new[:-1]
-            new_lp = new_lp[:-1] if new_lp is not None else None
-        self._emitted[req.request_id] = len(req.output_token_ids)
-        if req.is_finished:
-            self._emitted.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=new, new_logprobs=new_lp,
-            finished=req.is_finished, finish_reason=req.status.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens, stop_token_id=stop_tok)
 
     # ------------------------------------------------------------------ observability
 

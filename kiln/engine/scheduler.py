@@ -233,7 +233,7 @@ class Scheduler:
             self.stats.num_generated_tokens += 1
             status = self._check_stop(req, token)
             if status is not None:
-                self._finish(req, status)
+                self.finish(req, status)
             touched.append(req)
         return touched
 
@@ -249,7 +249,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Ends a running request (a stop, or a stop string the output processor found) and
+        frees its blocks."""
         req.status = status
         self.running.remove(req)
         self.requests.pop(req.request_id, None)

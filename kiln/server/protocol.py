@@ -271,6 +271,7 @@ def to_sampling_params(
             min_tokens=req.min_tokens,
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,

@@ -1,0 +1,104 @@
+"""Every error the HTTP API returns, in OpenAI's shape `{"error": {message, type, param, code}}`.
+
+Errors are mapped here and only here: APIError carries its status; request validation, engine
+exceptions and Starlette's own HTTP errors are translated by the functions below and the handlers
+that server/app.py installs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from kiln.errors import KilnError
+from kiln.sampling_params import SamplingParamsError
+from kiln.server.protocol import ErrorInfo, ErrorResponse
+from kiln.tokenizer import TokenizerError
+
+_STATUS_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, rendered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _STATUS_TYPES.get(status, "APIError")
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready; nothing is sent."""
+
+
+def bad_param(e: SamplingParamsError | TokenizerError, param: str | None = None) -> APIError:
+    if isinstance(e, SamplingParamsError):
+        code = "context_length_exceeded" if "maximum context length" in e.message else None
+        return APIError(400, e.message, param=e.param, code=code or "invalid_value")
+    return APIError(400, e.message, param=param, code="invalid_value")
+
+
+def engine_error(e: BaseException) -> BaseException:
+    """The HTTP error for an exception out of the engine (itself when it is not one)."""
+    from kiln.engine.async_engine import EngineDeadError, EngineOverloadedError
+
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, e.message, code="overloaded")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, e.message, code="engine_dead")
+    if isinstance(e, KilnError):
+        # add_request's own validation (the routes check the same things first, so rare).
+        return APIError(400, e.message, code="invalid_value")
+    return e
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    # loc = ("body", "messages", 0, "content", ...): the top-level field is the OpenAI param.
+    parts = [p for p in loc if p != "body"]
+    return str(parts[0]) if parts and isinstance(parts[0], str) else None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        why = detail.get("ctx", {}).get("error", detail.get("msg", ""))
+        return APIError(400, f"Malformed JSON in the request body: {why}", code="invalid_json")
+    if not errors:
+        return APIError(400, "invalid request", code="invalid_value")
+    first = errors[0]
+    param = _validation_param(tuple(first.get("loc", ())))
+    if param is None and len(tuple(first.get("loc", ()))) <= 1:
+        # The body itself is missing or not an object.
+        return APIError(400, f"Invalid request body: {first.get('msg')}", code="invalid_value")
+    # Only the errors about the same top-level field, so a union's alternatives don't drown it.
+    same = [e for e in errors if _validation_param(tuple(e.get("loc", ()))) == param]
+    # Our own "not supported" checks are value errors; they beat a union's "not a string".
+    ours = [e for e in same if e.get("type") == "value_error"]
+    msgs = []
+    for e in ours or same:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        msgs.append(f"{where}: {msg}")
+    return APIError(400, "; ".join(dict.fromkeys(msgs[:4])), param=param, code="invalid_value")

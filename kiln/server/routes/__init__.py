@@ -1,0 +1,1 @@
+"""One module per group of endpoints; each builds an APIRouter over the shared `Serving`."""

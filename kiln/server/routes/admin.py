@@ -1,0 +1,50 @@
+"""GET /v1/models, /health, /version, /metrics: what is served and how the engine is doing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from kiln.server.protocol import ModelCard, ModelList
+from kiln.server.serving import Serving
+
+
+def models_router(sv: Serving) -> APIRouter:
+    """Under /v1, behind the API key."""
+    r = APIRouter()
+
+    @r.get("/models")
+    async def models() -> Any:
+        cards = [ModelCard(id=name, created=sv.created, root=sv.names[0],
+                           max_model_len=sv.max_model_len) for name in sv.names]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    return r
+
+
+def router(sv: Serving) -> APIRouter:
+    """Unauthenticated operational endpoints (probes and scrapers carry no key)."""
+    r = APIRouter()
+
+    @r.get("/health")
+    async def health() -> Any:
+        try:
+            stats = dict(sv.engine.stats())
+        except Exception as e:  # noqa: BLE001 - a dead engine thread shows here
+            return JSONResponse({"status": "error", "error": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok", **stats})
+
+    @r.get("/version")
+    async def get_version() -> Any:
+        return JSONResponse({"version": sv.version})
+
+    @r.get("/metrics")
+    async def metrics() -> Any:
+        from kiln.server.metrics import render
+
+        return Response(render(sv.engine.stats(), sv.names[0]),
+                        media_type="text/plain; version=0.0.4")
+
+    return r
