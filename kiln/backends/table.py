@@ -56,10 +56,6 @@ class BackendModel:
     is_moe: bool = False
     max_tp: int | None = None  # from the registry: the most GPUs one replica may split over
 
-    @property
-    def primary_name(self) -> str:
-        return self.served_names[0] if self.served_names else self.path
-
 
 @dataclass(frozen=True)
 class EngineCommand:
@@ -99,10 +95,6 @@ class LaunchPlan:
     port: int = 8000
     api_key: str | None = None
     command: EngineCommand | None = None
-
-    def flags(self) -> list[str]:
-        """The engine flags kiln itself emitted (config and pass-through args excluded)."""
-        return [flag for _, flag, _ in self.translated if flag.startswith("-")]
 
 
 @dataclass(frozen=True)

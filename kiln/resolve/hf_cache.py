@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from kiln.paths import xdg_cache_home
+
 
 def hf_cache_dir() -> Path:
     """The hub cache huggingface_hub would use, read from the environment at call time."""
@@ -16,8 +18,7 @@ def hf_cache_dir() -> Path:
             return Path(os.environ[var]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "huggingface" / "hub"
+    return xdg_cache_home() / "huggingface" / "hub"
 
 
 def _repo_cache_dir(repo_id: str, cache: Path | None = None) -> Path:
