@@ -31,7 +31,6 @@ KT_SETTINGS = ("kt_method", "kt_weight_path", "kt_cpuinfer", "kt_threadpool_coun
                "num_gpu_experts", "kt_gpu_prefill_token_threshold")
 
 
-
 class _EngineDecides:
     def __repr__(self) -> str:
         return "ENGINE_DECIDES"
