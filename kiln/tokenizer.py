@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError, ModelLoadError
+from kiln.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -250,15 +251,13 @@ def _tokenizer_cache_dir(gguf_path: Path) -> Path:
     """Where the tokenizer converted from this GGUF is kept: keyed by the file (path, size,
     mtime) and the transformers version that converted it."""
     import hashlib
-    import os
 
     import transformers
 
     st = gguf_path.stat()
     key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    base = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    return base / "tokenizers" / f"{gguf_path.stem}-{digest}"
+    return cache_dir("tokenizers", f"{gguf_path.stem}-{digest}")
 
 
 def _gguf_tokenizer(gguf_path: Path) -> Any:

@@ -22,21 +22,18 @@ import pytest
 from kiln.backends import (
     BackendModel,
     EngineCommand,
-    auto_tensor_parallel,
     build_plan,
     check_plan,
     choose_engine,
     find_engine,
     format_running_block,
     get_backend,
-    gpu_experts_per_layer,
     launch,
     parse_help,
     plan_to_dry_run,
     prepare_launch,
     probe_engine,
 )
-from kiln.backends.base import KILN_ONLY
 from kiln.config import SETTINGS, AutoContext, resolve_settings
 from kiln.errors import ConfigError, EngineNotFoundError
 
@@ -301,33 +298,23 @@ def test_dry_run_is_a_pasteable_shell_line() -> None:
 
 
 def test_every_kiln_setting_is_placed_in_each_table() -> None:
-    # A new setting must say what each engine does with it (even "unsupported: warn").
+    # A setting the table says an engine honours must have a row in that engine's table.
     for engine in ("vllm", "sglang"):
         rows = {n for r in get_backend(engine).table for n in (r.setting, *r.also)}
-        missing = [s.name for s in SETTINGS if s.name not in rows | KILN_ONLY]
+        missing = [s.name for s in SETTINGS if engine in s.engines and s.name not in rows]
         assert not missing, f"{engine} table lacks {missing}"
 
 
-# --------------------------------------------------------------------------- sizing rules
+def test_settings_kiln_alone_honours_are_neither_passed_nor_warned_about() -> None:
+    kiln_only = {s.name: True for s in SETTINGS if s.engines == ("kiln",) and s.is_bool}
+    assert {"cpu_kernels", "dense_weights"} <= set(kiln_only)
+    for engine in ("vllm", "sglang"):
+        p = plan(engine, {**kiln_only, "session_cache": "memory"})
+        assert not any("cpu-kernels" in a or "dense" in a or "session" in a for a in p.argv)
+        assert not any("equivalent" in w for w in p.warnings), p.warnings
 
 
-@pytest.mark.parametrize("gpus,max_tp,tp,warns", [
-    (0, None, 1, False), (1, None, 1, False), (2, None, 2, False), (8, None, 8, False),
-    (6, None, 4, True), (8, 4, 4, True), (3, 1, 1, True),
-])
-def test_auto_tensor_parallel(gpus: int, max_tp: int | None, tp: int, warns: bool) -> None:
-    got, warning = auto_tensor_parallel(gpus, max_tp)
-    assert got == tp and (warning is not None) == warns
-
-
-def test_gpu_experts_per_layer() -> None:
-    gib = 1 << 30
-    assert gpu_experts_per_layer(24 * gib, 1, gib, 128, 8 * gib) == 16
-    assert gpu_experts_per_layer(24 * gib, 2, gib, 128, 8 * gib) == 32  # TP shards experts
-    assert gpu_experts_per_layer(80 * gib, 8, gib, 64, 8 * gib) == 64  # all fit: capped
-    assert gpu_experts_per_layer(8 * gib, 1, gib, 64, 10 * gib) == 0
-    with pytest.raises(ValueError):
-        gpu_experts_per_layer(8 * gib, 0, gib, 64, 0)
+# --------------------------------------------------------------------------- engine choice
 
 
 def test_choose_engine() -> None:
@@ -357,6 +344,7 @@ def isolated_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("KILN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return bin_dir
 

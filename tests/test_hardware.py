@@ -14,13 +14,19 @@ from kiln.resolve.hardware import (
     check_device,
     count_numa_nodes,
     count_physical_cores_sysfs,
+    cpu_flags,
+    cpu_signature,
     parse_cgroup_cpu_max,
     parse_cgroup_memory_limit,
     parse_cpuinfo,
     parse_meminfo,
     parse_nvidia_smi,
+    parse_status_bytes,
     probe_hardware,
     probe_hardware_at,
+    ram_available_bytes,
+    rss_bytes,
+    rss_peak_bytes,
     supported_dtypes,
     supported_kv_dtypes,
 )
@@ -123,6 +129,27 @@ def fake_root(tmp_path: Path) -> Path:
     (cg / "memory.current").write_text(str(4 * 1024**3))
     (cg / "cpu.max").write_text("100000 100000")
     return root
+
+
+def test_live_readers_on_a_fake_tree(tmp_path: Path) -> None:
+    root = fake_root(tmp_path)
+    # The same cgroup-aware figure the probe reports: limit 16 GiB minus 4 GiB in use.
+    assert ram_available_bytes(root) == 12 * 1024**3
+    (root / "sys/fs/cgroup/memory.max").write_text("max")
+    assert ram_available_bytes(root) == 32768000 * 1024  # no limit: MemAvailable
+    assert ram_available_bytes(tmp_path / "nothing") is None
+    assert {"asimd", "bf16", "fp"} <= cpu_flags(root)  # every flag, not only those of interest
+    assert cpu_signature(root).endswith("|" + " ".join(sorted(cpu_flags(root))))
+
+
+def test_rss_readers() -> None:
+    status = "Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n"
+    assert parse_status_bytes(status, "VmRSS") == 1024 * 1024
+    assert parse_status_bytes(status, "VmHWM") == 2048 * 1024
+    assert parse_status_bytes(status, "VmSwap") is None
+    if Path("/proc/self/status").exists():
+        assert 0 < rss_bytes() <= rss_peak_bytes()
+    assert rss_bytes(2**31 - 1) == 0  # no such process
 
 
 def test_probe_on_a_fake_tree_respects_the_cgroup(tmp_path: Path) -> None:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from kiln.errors import ModelLoadError, ModelNotFoundError
-from kiln.resolve import sources
+from kiln.resolve.download import plan_download
+from kiln.resolve.picker import gguf_quant_from_name
 from kiln.resolve.sources import (
     configured_model_dirs,
     default_model_path,
-    gguf_quant_from_name,
     list_local_models,
-    plan_download,
     resolve_model,
 )
 
@@ -433,7 +433,9 @@ def test_model_dirs_flags_then_env_then_defaults(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("KILN_MODEL_DIRS", f"{tmp_path / 'e1'}{sources.os.pathsep}{tmp_path / 'e2'}")
+    monkeypatch.delenv("KILN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("KILN_MODEL_DIRS", f"{tmp_path / 'e1'}{os.pathsep}{tmp_path / 'e2'}")
     dirs = configured_model_dirs([str(tmp_path / "f")])
     assert dirs == [
         tmp_path / "f",

@@ -186,3 +186,15 @@ def test_preset_is_inferred_and_yields_to_cli(tmp_path):
 def test_kiln_engine_rejects_multi_gpu_settings(capsys):
     assert main(["serve", "--dry-run", "--tensor-parallel-size", "2"]) != 0
     assert "--engine vllm" in capsys.readouterr().err
+
+
+def test_kiln_engine_rejects_settings_only_external_engines_honour(capsys):
+    assert main(["serve", "--dry-run", "--lora-modules", "a=/tmp/a"]) != 0
+    err = capsys.readouterr().err
+    assert "--lora-modules is not supported by kiln's own engine" in err
+    assert "--engine vllm or --engine sglang" in err
+    assert main(["serve", "--dry-run", "--cpu-offload-experts"]) != 0
+    err = capsys.readouterr().err
+    assert "--cpu-offload-experts" in err and "--engine sglang, which supports it" in err
+    # Off is what kiln's engine does anyway: no error.
+    assert main(["serve", "--dry-run", "--no-cpu-offload-experts"]) == 0

@@ -1,5 +1,16 @@
 """External engines: translate kiln's settings for vLLM / SGLang, find them, launch them.
 
+kiln never runs its own distributed runtime: for many GPUs or nodes it translates its settings
+into the engine's own flags and launches the engine's OpenAI server.
+
+    table.py       the mapping-table machinery (Backend, Map rows, PlanContext, shared converters)
+    vllm.py        one table each: kiln setting -> engine flag
+    sglang.py
+    plan.py        settings -> LaunchPlan (argv, env, warnings); dry-run line; prepare_launch
+    discovery.py   find_engine, probe_engine (--help, cached), check_plan
+    launch.py      choose_engine (--engine auto), the "server running" block, launch + supervise
+    export.py      a GGUF as an HF folder (cached) for engines that want one
+
     plan = prepare_launch("vllm", settings, BackendModel(path, served_names=[name]),
                           passthrough=args_after_dashdash, engine_cfg=engines.get("vllm"))
     print(plan_to_dry_run(plan))          # or
@@ -10,7 +21,16 @@
 
 from __future__ import annotations
 
-from kiln.backends.base import (
+from kiln.backends.discovery import (
+    check_plan,
+    find_engine,
+    is_engine_available,
+    parse_help,
+    probe_engine,
+)
+from kiln.backends.launch import choose_engine, format_running_block, launch
+from kiln.backends.plan import build_plan, plan_to_dry_run, prepare_launch
+from kiln.backends.table import (
     ENGINE_DECIDES,
     ENGINES,
     Arg,
@@ -23,26 +43,32 @@ from kiln.backends.base import (
     Map,
     PlanContext,
     Untranslatable,
-    auto_tensor_parallel,
-    build_plan,
-    check_plan,
-    choose_engine,
-    find_engine,
-    format_running_block,
     get_backend,
-    gpu_experts_per_layer,
-    is_engine_available,
-    launch,
-    parse_help,
-    plan_to_dry_run,
-    prepare_launch,
-    probe_engine,
 )
 
 __all__ = [
-    "ENGINE_DECIDES", "ENGINES", "Arg", "Backend", "BackendModel", "EngineCommand", "EngineHelp",
-    "Env", "LaunchPlan", "Map", "PlanContext", "Untranslatable", "auto_tensor_parallel",
-    "build_plan", "check_plan", "choose_engine", "find_engine", "format_running_block",
-    "get_backend", "gpu_experts_per_layer", "is_engine_available", "launch", "parse_help",
-    "plan_to_dry_run", "prepare_launch", "probe_engine",
+    "ENGINES",
+    "ENGINE_DECIDES",
+    "Arg",
+    "Backend",
+    "BackendModel",
+    "EngineCommand",
+    "EngineHelp",
+    "Env",
+    "LaunchPlan",
+    "Map",
+    "PlanContext",
+    "Untranslatable",
+    "build_plan",
+    "check_plan",
+    "choose_engine",
+    "find_engine",
+    "format_running_block",
+    "get_backend",
+    "is_engine_available",
+    "launch",
+    "parse_help",
+    "plan_to_dry_run",
+    "prepare_launch",
+    "probe_engine",
 ]

@@ -7,14 +7,14 @@ the tokenizer and chat template, so kiln exports the folder once and caches it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from kiln.paths import cache_dir
 
 
 def export_dir_for(gguf: Path) -> Path:
-    base = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
     st = gguf.stat()
-    return base / "hf-export" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    return cache_dir("hf-export", f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}")
 
 
 def export_gguf_as_hf(gguf: Path, dtype: str = "bfloat16") -> Path:

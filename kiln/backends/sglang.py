@@ -11,7 +11,9 @@ import importlib.util
 import sys
 from typing import Any
 
-from kiln.backends.base import (
+from kiln.backends.discovery import is_python, python_with_module
+from kiln.backends.table import (
+    KT_SETTINGS,
     Arg,
     Backend,
     EngineCommand,
@@ -20,10 +22,8 @@ from kiln.backends.base import (
     Out,
     PlanContext,
     Untranslatable,
-    is_python,
     kv_cache_dtype,
     lora_pairs,
-    python_with_module,
     served_names,
 )
 
@@ -41,9 +41,6 @@ TORCHAO = {"int8": "int8wo", "int4": "int4wo-128"}
 
 # These kt methods read the model's own checkpoint (no converted CPU copy).
 NATIVE_KT_METHODS = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "RAWINT4"})
-
-KT_SETTINGS = ("kt_method", "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
-               "num_gpu_experts", "kt_gpu_prefill_token_threshold")
 
 INSTALL = 'pip install "sglang[all]"'
 KT_INSTALL = ("hybrid CPU/GPU MoE needs kt-kernel and kvcache-ai's SGLang build: "

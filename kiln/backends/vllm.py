@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln.backends.base import (
+from kiln.backends.discovery import is_python
+from kiln.backends.table import (
+    KT_SETTINGS,
     Arg,
     Backend,
     EngineCommand,
@@ -21,7 +23,6 @@ from kiln.backends.base import (
     Out,
     PlanContext,
     Untranslatable,
-    is_python,
     kv_cache_dtype,
     lora_pairs,
     served_names,
@@ -181,9 +182,6 @@ def _offline(value: bool, _: PlanContext) -> list[Out]:
 def _nothing(_: Any, __: PlanContext) -> list[Out]:
     return []
 
-
-KT_SETTINGS = ("kt_method", "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
-               "num_gpu_experts", "kt_gpu_prefill_token_threshold")
 
 TABLE: tuple[Map, ...] = (
     Map("host", "--host", always=True),

@@ -205,7 +205,7 @@ def _engine_checks(hw: Any) -> list[Check]:
 
 
 def _model_dir_checks(flags: list[str] | None) -> tuple[list[Check], list[dict[str, Any]]]:
-    from kiln.resolve.sources import list_local_models, model_dirs_with_origin
+    from kiln.resolve.local import list_local_models, model_dirs_with_origin
 
     out: list[Check] = []
     info: list[dict[str, Any]] = []
@@ -244,7 +244,9 @@ def _nearest_existing(path: Path) -> Path:
 
 def _hf_cache_checks() -> list[Check]:
     from kiln.resolve.hardware import format_bytes
-    from kiln.resolve.sources import hf_cache_dir, list_local_models, offline_mode
+    from kiln.resolve.hf_cache import hf_cache_dir
+    from kiln.resolve.local import list_local_models
+    from kiln.resolve.sources import offline_mode
 
     out: list[Check] = []
     cache = hf_cache_dir()
@@ -289,7 +291,7 @@ def _hf_cache_checks() -> list[Check]:
 
 def _default_model_check() -> Check:
     from kiln.resolve.hardware import format_bytes
-    from kiln.resolve.sources import DEFAULT_MODEL_INSTALL, default_model_path
+    from kiln.resolve.local import DEFAULT_MODEL_INSTALL, default_model_path
 
     try:
         path = default_model_path()

@@ -226,21 +226,19 @@ def _check_model_limits(s: C.ResolvedSettings, model_len: int) -> None:
                           f"{model_len}")
 
 
-# Settings only external engines implement: on kiln's engine they are an error, not a no-op.
-EXTERNAL_ONLY = ("lora_modules", "speculative_model", "speculative_method",
-                 "num_speculative_tokens", "cpu_offload_experts", "num_gpu_experts", "kt_method",
-                 "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
-                 "kt_gpu_prefill_token_threshold", "dist_init_addr")
-
-
 def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
-    for name in EXTERNAL_ONLY:
-        r = s.values.get(name)
+    # Settings the table says kiln's engine does not honour: an error when a person set them,
+    # not a silent no-op.
+    for spec in C.SETTINGS:
+        if "kiln" in spec.engines:
+            continue
+        r = s.values.get(spec.name)
         if r is not None and r.source in ("cli", "env", "file") and r.value not in (None, False):
-            flag = C.setting(name).flags[0]
-            raise C.ConfigError(f"{flag} is not supported by kiln's own engine yet",
-                                hint="serve with --engine vllm or --engine sglang, which "
-                                "support it")
+            which = " or ".join(f"--engine {e}" for e in spec.engines)
+            raise C.ConfigError(f"{spec.flags[0]} is not supported by kiln's own engine yet",
+                                hint=f"serve with {which}, which "
+                                f"support{'s' if len(spec.engines) == 1 else ''} it")
+    # kiln's engine honours these at 1 (one device, one machine); the limit is on the value.
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
         r = s.values[name]
         if r.value and r.value > 1:

@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+from kiln.paths import cache_dir
+from kiln.resolve.hardware import cpu_signature
+
 log = logging.getLogger("kiln.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -47,30 +50,13 @@ HEAD_DIMS = (64, 96, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the kernel's register budget)
 
 
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU model and its feature flags."""
-    model = flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = value.strip()
-                break
-    except OSError:
-        return platform.processor() or platform.machine()
-    return f"{model}|{flags}"
-
-
 def build_dir() -> Path:
     # The source's path is part of the key: torch's builder rebuilds (~15 s) when the path in a
     # build folder's ninja file changes, so two checkouts sharing one folder rebuilt at each start.
     key = hashlib.sha256("\n".join([str(SOURCE.resolve()), SOURCE.read_text(), torch.__version__,
-                                    " ".join(CFLAGS), _cpu_id(), sys.version]).encode()
+                                    " ".join(CFLAGS), cpu_signature(), sys.version]).encode()
                          ).hexdigest()[:16]
-    base = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    return base / "ext" / f"cpu_kernels-{key}"
+    return cache_dir("ext", f"cpu_kernels-{key}")
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from kiln.resolve.hardware import (
     supported_dtypes,
     supported_kv_dtypes,
 )
+from kiln.resolve.hf_cache import hf_cache_dir
 from kiln.resolve.presets import PRESETS, Preset, get_preset, infer_preset, moe_hybrid_settings
 from kiln.resolve.registry import (
     GpuExpertsRule,
@@ -24,7 +25,6 @@ from kiln.resolve.sources import (
     ModelSource,
     configured_model_dirs,
     default_model_path,
-    hf_cache_dir,
     list_local_models,
     resolve_model,
 )

@@ -71,7 +71,8 @@ class CpuInfo:
     logical_cores: int
     physical_cores: int | None
     sockets: int | None
-    flags: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)  # the FLAGS_OF_INTEREST it has
+    all_flags: frozenset[str] = frozenset()  # every flag, for keys that must see them all
 
 
 @dataclass
@@ -155,6 +156,7 @@ def parse_cpuinfo(text: str) -> CpuInfo:
         physical_cores=len(pairs) or None,
         sockets=len(sockets) or None,
         flags=sorted(f for f in flags if f in FLAGS_OF_INTEREST),
+        all_flags=frozenset(flags),
     )
 
 
@@ -169,6 +171,15 @@ def parse_meminfo(text: str) -> tuple[int, int]:
     # Kernels before 3.14 lack MemAvailable; free + page cache is the usual estimate.
     available = values.get("MemAvailable", values.get("MemFree", 0) + values.get("Cached", 0))
     return total, available
+
+
+def parse_status_bytes(text: str, key: str) -> int | None:
+    """One "Key:  N kB" line of /proc/<pid>/status (VmRSS, VmHWM, ...) in bytes."""
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            fields = line.split()
+            return int(fields[1]) * 1024 if len(fields) > 1 and fields[1].isdigit() else None
+    return None
 
 
 def parse_cgroup_memory_limit(text: str) -> int | None:
@@ -285,13 +296,7 @@ def probe_hardware_at(root: Path, *, query_gpus: bool = True) -> HardwareInfo:
     if quota is not None:
         usable = min(usable, quota)
 
-    total, available = parse_meminfo(_read(proc / "meminfo") or "")
-    limit = _cgroup_memory_limit(sys_)
-    if limit is not None and limit < total:
-        # Inside a container the host's MemTotal lies; the cgroup limit is what OOM-kills us.
-        used = _cgroup_memory_used(sys_) or 0
-        total = limit
-        available = min(available, max(0, limit - used))
+    total, available, limit = _memory(proc, sys_)
 
     torch_version, cuda_version, gpus, cuda_ok = _torch_gpus() if query_gpus else _NO_GPU
     gpu_source: str | None = "torch" if gpus else None
@@ -315,6 +320,18 @@ def probe_hardware_at(root: Path, *, query_gpus: bool = True) -> HardwareInfo:
         cuda_version=cuda_version,
         torch_cuda_available=cuda_ok,
     )
+
+
+def _memory(proc: Path, sys_: Path) -> tuple[int, int, int | None]:
+    """(total, available, cgroup limit) in bytes; 0, 0 where /proc/meminfo cannot be read."""
+    total, available = parse_meminfo(_read(proc / "meminfo") or "")
+    limit = _cgroup_memory_limit(sys_)
+    if limit is not None and limit < total:
+        # Inside a container the host's MemTotal lies; the cgroup limit is what OOM-kills us.
+        used = _cgroup_memory_used(sys_) or 0
+        total = limit
+        available = min(available, max(0, limit - used))
+    return total, available, limit
 
 
 def _affinity_count() -> int:
@@ -392,6 +409,65 @@ def _nvidia_smi_gpus() -> list[GPUInfo]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return parse_nvidia_smi(out.stdout) if out.returncode == 0 else []
+
+
+# ---------------------------------------------------------------------------------------------
+# Live readers: what other modules ask of /proc while kiln runs (one copy of each, here)
+
+
+def ram_available_bytes(root: Path = Path("/")) -> int | None:
+    """RAM this process can still take, read now (not cached: planning runs after the weights
+    took their share): MemAvailable, capped by the cgroup's limit minus its usage, since the
+    host's figure ignores the container's limit. None where /proc/meminfo cannot be read."""
+    total, available, _ = _memory(root / "proc", root / "sys")
+    return available if total else None
+
+
+def cpu_flags(root: Path = Path("/")) -> frozenset[str]:
+    """Every feature flag of this CPU (x86 "flags", ARM "Features"); empty where /proc/cpuinfo
+    cannot be read."""
+    return _cpuinfo(root).all_flags
+
+
+def cpu_signature(root: Path = Path("/")) -> str:
+    """"model|flag flag ...": what -march=native compiles for, so a build cache keyed by it is
+    never reused on another CPU. platform's names where /proc/cpuinfo cannot be read."""
+    cpu = _cpuinfo(root)
+    if not cpu.logical_cores and not cpu.all_flags:
+        return platform.processor() or platform.machine()
+    return f"{cpu.model}|{' '.join(sorted(cpu.all_flags))}"
+
+
+@functools.lru_cache(maxsize=4)
+def _cpuinfo(root: Path) -> CpuInfo:
+    # The CPU does not change while kiln runs; /proc/cpuinfo of a big machine is ~1 MB of text.
+    return parse_cpuinfo(_read(root / "proc" / "cpuinfo") or "")
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process now (VmRSS); 0 where its status cannot be read."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def rss_peak_bytes(pid: int | str = "self") -> int:
+    """Peak resident memory of a process (VmHWM) since it started or since reset_rss_peak();
+    0 where its status cannot be read."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def reset_rss_peak() -> int:
+    """Resets this process's peak-RSS mark (Linux clear_refs "5", so the next rss_peak_bytes()
+    measures one phase alone) and returns the current RSS; 0 where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return 0
+    return rss_bytes()
+
+
+def _status_bytes(pid: int | str, key: str) -> int:
+    return parse_status_bytes(_read(Path("/proc") / str(pid) / "status") or "", key) or 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,31 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.config import BY_NAME
 from kiln.errors import ConfigError
 from kiln.resolve.hardware import HardwareInfo
 from kiln.resolve.registry import RegistryEntry, gpu_experts_per_layer
-
-# Every key a preset may set; the lead's settings table must know each of them.
-SETTING_NAMES: frozenset[str] = frozenset(
-    {
-        "device",
-        "dtype",
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "kv_cache_dtype",
-        "block_size",
-        "gpu_memory_utilization",
-        "enable_prefix_caching",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "num_threads",
-        "quantization",
-        "compile",
-        "cpu_offload_experts",
-        "num_gpu_experts",
-    }
-)
 
 # Dense models up to this size count as "small" on CPU: at bf16 that is ~4 GB of weights, which
 # decodes at interactive speed from DRAM bandwidth.
@@ -52,7 +31,7 @@ class Preset:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = set(self.settings) - SETTING_NAMES
+        unknown = set(self.settings) - set(BY_NAME)
         if unknown:  # a typo here would silently do nothing
             raise ConfigError(f"preset {self.name!r} sets unknown settings {sorted(unknown)}")
 

@@ -81,21 +81,8 @@ class RegistryEntry:
     def names(self) -> list[str]:
         return [self.name, *self.aliases]
 
-    @property
-    def params_count(self) -> float:
-        return parse_param_count(self.params)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def parse_param_count(text: str) -> float:
-    """ "135M" -> 1.35e8, "1.7B" -> 1.7e9, "671B" -> 6.71e11."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMBT]?)\s*", text, re.IGNORECASE)
-    if m is None:
-        raise ConfigError(f"bad parameter count {text!r}", hint="write it like 135M or 7.6B")
-    scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]
-    return float(m.group(1)) * scale
 
 
 _REQUIRED = ("name", "hf_repo", "family", "kind", "params", "description")

@@ -1,0 +1,270 @@
+"""The mapping-table machinery: what a backend module (vllm.py, sglang.py) declares, and what
+its rows may read while a plan is built.
+
+A `Backend` holds one table of `Map` rows. A row says how one kiln setting becomes engine flags
+or env vars, or that the engine cannot honour it (`unsupported="warn"` or `"error"`; error when
+ignoring it would change what the model computes). plan.py walks the table; discovery.py finds
+and probes the engine; launch.py runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kiln.config import BY_NAME, ResolvedSettings
+from kiln.errors import ConfigError
+
+ENGINES = ("vllm", "sglang")
+
+# Sources that mean "someone chose this value" (the user, a preset, or the model's registry
+# entry). Values from kiln's own auto rules or defaults are kiln's guesses for kiln's engine:
+# the external engine makes its own, so they are passed on only where they differ from the
+# engine's default in a way that matters (tensor parallel size, say).
+EXPLICIT_SOURCES = frozenset({"cli", "env", "file", "preset", "registry"})
+
+# Hybrid CPU/GPU MoE (kt-kernel) settings: SGLang translates them, vLLM warns they are ignored.
+KT_SETTINGS = ("kt_method", "kt_weight_path", "kt_cpuinfer", "kt_threadpool_count",
+               "num_gpu_experts", "kt_gpu_prefill_token_threshold")
+
+
+class _EngineDecides:
+    def __repr__(self) -> str:
+        return "ENGINE_DECIDES"
+
+
+ENGINE_DECIDES: Any = _EngineDecides()
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class BackendModel:
+    """What to serve, as the lead's model resolution found it.
+
+    `path` is what the engine is given: a local folder, a .gguf file, or a Hugging Face repo id.
+    """
+
+    path: str
+    served_names: list[str] = field(default_factory=list)
+    tokenizer: str | None = None  # only passed when it differs from `path` (GGUF needs it)
+    is_moe: bool = False
+    max_tp: int | None = None  # from the registry: the most GPUs one replica may split over
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """How to start one engine: `prefix` + model + flags.
+
+    `model_flag` None means the model is positional (`vllm serve MODEL`).
+    """
+
+    engine: str
+    prefix: tuple[str, ...]
+    model_flag: str | None
+    source: str  # "kiln's venv" | "PATH" | "--engine-command" | "engines.<name>.command" | ...
+
+    @property
+    def executable(self) -> str:
+        return self.prefix[0]
+
+
+@dataclass
+class EngineHelp:
+    """The flags one installed engine accepts, parsed from its --help."""
+
+    flags: frozenset[str]
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    from_cache: bool = False
+
+
+@dataclass
+class LaunchPlan:
+    engine: str
+    argv: list[str]
+    env: dict[str, str]  # additions to the inherited environment
+    warnings: list[str]
+    translated: list[tuple[str, str, Any]]  # (kiln setting, engine flag or env var, value)
+    model_name: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    command: EngineCommand | None = None
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One engine flag. value True: a bare flag; a list: one flag followed by several values."""
+
+    flag: str
+    value: Any = True
+    setting: str | None = None  # which kiln setting it came from, when not the row's own
+
+
+@dataclass(frozen=True)
+class Env:
+    name: str
+    value: str
+    setting: str | None = None
+
+
+Out = Arg | Env
+
+
+class Untranslatable(Exception):
+    """Raised by a row's convert/emit: this value cannot be handed to the engine."""
+
+    def __init__(self, severity: Literal["warn", "error"], message: str) -> None:
+        super().__init__(message)
+        self.severity = severity
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Map:
+    """One row of a backend's table: how one kiln setting reaches the engine.
+
+    Emission rule: a row fires when its setting (or one in `also`) has a value and that value
+    was chosen (EXPLICIT_SOURCES), or differs from `engine_default`, or `always` is set.
+    Then either `emit` gives the outputs, or `flag` is emitted with `convert(value)` (None from
+    convert emits nothing). `unsupported` rows only report: "warn" notes the setting is ignored,
+    "error" refuses the plan.
+    """
+
+    setting: str
+    flag: str | None = None
+    convert: Callable[[Any, PlanContext], Any] | None = None
+    emit: Callable[[Any, PlanContext], list[Out]] | None = None
+    engine_default: Any = ENGINE_DECIDES
+    always: bool = False
+    also: tuple[str, ...] = ()  # further settings this row reads; any of them can fire it
+    unsupported: Literal["warn", "error"] | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    label: str  # "vLLM"
+    table: tuple[Map, ...]
+    default_command: Callable[[], EngineCommand]
+    discover: Callable[[], EngineCommand | None]  # kiln's venv, then PATH
+    from_user_command: Callable[[list[str], str], EngineCommand]
+    help_args: tuple[tuple[str, ...], ...]  # tried in order until one lists flags
+    install_hint: str
+    upgrade_hint: str
+    flag_hints: Mapping[str, str] = field(default_factory=dict)  # flag prefix -> install hint
+    tokenizer_flag: str = "--tokenizer"
+
+
+# --------------------------------------------------------------------------- settings view
+
+
+class PlanContext:
+    """What a row's convert/emit may read while one plan is built."""
+
+    def __init__(self, backend: Backend, settings: ResolvedSettings | Mapping[str, Any],
+                 model: BackendModel, help: EngineHelp | None) -> None:
+        self.backend = backend
+        self.model = model
+        self.help = help
+        self.warnings: list[str] = []
+        self._resolved = settings if isinstance(settings, ResolvedSettings) else None
+        self._plain: Mapping[str, Any] = {} if self._resolved is not None else settings
+
+    def value(self, name: str) -> Any:
+        if self._resolved is not None:
+            return self._resolved.get(name)
+        if name in self._plain:
+            return self._plain[name]
+        s = BY_NAME.get(name)
+        return s.default if s is not None and s.default != "auto" else None
+
+    def explicit(self, name: str) -> bool:
+        """True when a person, preset or registry entry chose the value. A plain mapping
+        counts as all-chosen: its keys are what the caller set."""
+        if self._resolved is not None:
+            r = self._resolved.values.get(name)
+            return r is not None and r.value is not None and r.source in EXPLICIT_SOURCES
+        return self._plain.get(name) is not None
+
+    def names(self) -> list[str]:
+        if self._resolved is not None:
+            return list(self._resolved.values)
+        return list(self._plain)
+
+    def choices(self, flag: str, known: Iterable[str]) -> tuple[str, ...]:
+        """The values this engine accepts for `flag`: from its --help when probed, else what
+        the backend knows of current releases."""
+        if self.help is not None and flag in self.help.choices:
+            return self.help.choices[flag]
+        return tuple(known)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+def get_backend(engine: str) -> Backend:
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown external engine {engine!r}",
+                          hint=f"choose one of: {', '.join(ENGINES)}")
+    # Imported lazily: the backend modules import this one.
+    return importlib.import_module(f"kiln.backends.{engine}").BACKEND
+
+
+# --------------------------------------------------------------------------- shared converters
+
+
+def kv_cache_dtype(value: str, ctx: PlanContext, *, flag: str, literals: Mapping[str, str],
+                   known: Iterable[str]) -> str | None:
+    """Maps kiln's kv_cache_dtype (auto|fp16|bf16|fp32|int8) to an engine literal.
+
+    Under "auto" both engines store KV in the model dtype, so fp16/bf16/fp32 are honoured
+    without a literal when --dtype was set to the same type. int8 has no such escape: a
+    different KV type changes the numbers, so it is refused rather than silently dropped.
+    """
+    if value == "auto":
+        return None
+    accepted = ctx.choices(flag, known)
+    literal = literals.get(value)
+    if literal is not None and literal in accepted:
+        return literal
+    same = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(value)
+    label = ctx.backend.label
+    if same is not None:
+        if ctx.explicit("dtype") and ctx.value("dtype") == same:
+            return None
+        raise Untranslatable("error", f"{label} has no {value} KV cache type (it accepts "
+                             f"{', '.join(accepted)}); its KV cache follows the model dtype, "
+                             f"so set --dtype {same} with --kv-cache-dtype auto")
+    raise Untranslatable("error", f"{label} has no {value} KV cache (it accepts "
+                         f"{', '.join(accepted)}); use --kv-cache-dtype auto, or pass an "
+                         f"fp8 type after `--`")
+
+
+def lora_pairs(value: Any) -> list[str]:
+    """'name=path' or a bare path (named after its folder) -> ['name=path', ...]."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    pairs: list[str] = []
+    for item in items:
+        item = str(item).strip()
+        if not item:
+            continue
+        if "=" in item:
+            name, path = item.split("=", 1)
+        else:
+            path = item
+            name = Path(item.rstrip("/")).name
+        if not name or not path:
+            raise Untranslatable("error", f"LoRA module {item!r} must be NAME=PATH")
+        pairs.append(f"{name}={path}")
+    return pairs
+
+
+def served_names(ctx: PlanContext) -> list[str]:
+    names = ctx.value("served_model_name") or ctx.model.served_names
+    return [str(n) for n in names] if names else []

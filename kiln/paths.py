@@ -1,0 +1,28 @@
+"""Where kiln keeps what it builds or converts once per machine.
+
+One function, so every cache (kernel builds, converted tokenizers, GGUF exports, engine --help
+probes, inductor's graphs, model folders) moves together when the user points kiln elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR_ENV = "KILN_CACHE_DIR"
+
+
+def xdg_cache_home() -> Path:
+    """The user's cache root (XDG): `$XDG_CACHE_HOME`, else `~/.cache`. Hugging Face's hub cache
+    lives under it too (resolve/hf_cache.py)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+
+
+def cache_dir(*parts: str) -> Path:
+    """kiln's cache folder, or a path inside it: `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`,
+    else `~/.cache/kiln`. Read from the environment at each call (tests and users set the
+    variables at run time); nothing is created here."""
+    base = os.environ.get(CACHE_DIR_ENV)
+    root = Path(base).expanduser() if base else xdg_cache_home() / "kiln"
+    return root.joinpath(*parts)

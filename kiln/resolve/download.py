@@ -1,0 +1,129 @@
+"""Fetching a model from the Hugging Face Hub into its cache: which files (plan_download, never
+.bin/.pth/onnx duplicates), then huggingface_hub's resumable downloads with progress bars.
+huggingface_hub is imported only here, and only when a download is needed."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.errors import KilnError, ModelNotFoundError
+from kiln.resolve.hf_cache import cached_snapshot, hf_cache_dir
+from kiln.resolve.local import ModelSource, not_found, source_from_dir
+from kiln.resolve.picker import glob_escape, group_gguf, pick_gguf_group, safetensors_names
+
+# Files besides weights a safetensors model needs (tokenizer, chat template, generation config).
+_AUX_FILES = re.compile(
+    r"^(config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|"
+    r"added_tokens\.json|vocab\.(json|txt)|merges\.txt|.*\.tiktoken|chat_template\.(jinja|json)|"
+    r".*\.safetensors\.index\.json)$"
+)
+
+
+@dataclass
+class DownloadPlan:
+    format: str  # "gguf" | "safetensors"
+    files: list[str]  # repo-relative names
+    quant: str | None = None
+
+
+def plan_download(
+    repo_id: str, repo_files: Sequence[str], quant: str | None, default_quant: str | None = None
+) -> DownloadPlan:
+    """Which files of a repo to fetch: one GGUF (all parts) for :QUANT or GGUF-only repos, else
+    the top-level safetensors + config/tokenizer files (never .bin/.pth/onnx duplicates)."""
+    groups = group_gguf([f for f in repo_files if f.endswith(".gguf")])
+    st = safetensors_names(repo_files)
+    has_config = "config.json" in repo_files
+    if quant is None and has_config and st:
+        aux = [f for f in repo_files if "/" not in f and _AUX_FILES.match(f)]
+        return DownloadPlan("safetensors", sorted(set(st + aux)))
+    if quant is not None or groups:
+        parts, q = pick_gguf_group(groups, quant, default_quant, repo_id)
+        return DownloadPlan("gguf", parts, q)
+    raise ModelNotFoundError(
+        f"{repo_id} has no weights kiln can read (no config.json + *.safetensors, no *.gguf)",
+        hint="pick a repo with safetensors or GGUF files, or convert the weights",
+    )
+
+
+def _hub_error(repo_id: str, e: Exception) -> KilnError:
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(e, GatedRepoError):
+        return ModelNotFoundError(
+            f"{repo_id} is gated: Hugging Face needs you to accept its license first",
+            hint=f"accept it at https://huggingface.co/{repo_id}, log in with `hf auth login` "
+            f"(or set HF_TOKEN), then run `kiln pull {repo_id}`",
+        )
+    if isinstance(e, RepositoryNotFoundError):
+        return not_found(
+            repo_id,
+            f"no Hugging Face repo {repo_id!r} (or it is private)",
+            extra="private repos need `hf auth login` or HF_TOKEN",
+        )
+    return KilnError(
+        f"downloading {repo_id} failed: {e}",
+        hint="check the network (or HF_ENDPOINT / proxy settings) and re-run `kiln pull "
+        f"{repo_id}`: it resumes where it stopped",
+    )
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    kinds: list[type[BaseException]] = [HfHubHTTPError, OSError]
+    try:
+        import httpx
+
+        kinds.append(httpx.HTTPError)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def download_model(
+    repo_id: str, quant: str | None = None, *, default_quant: str | None = None, spec: str
+) -> ModelSource:
+    """Fetch repo_id into the HF cache (resumable, with progress bars) and resolve it."""
+    import huggingface_hub as hub
+
+    cache = hf_cache_dir()
+    errors = _network_errors()
+    try:
+        files = hub.list_repo_files(repo_id)
+        plan = plan_download(repo_id, files, quant, default_quant)
+        print(
+            f"kiln: downloading {repo_id} ({', '.join(plan.files[:4])}"
+            f"{', ...' if len(plan.files) > 4 else ''}) into {cache}",
+            file=sys.stderr,
+        )
+        if plan.format == "gguf":
+            for name in plan.files:
+                hub.hf_hub_download(repo_id, name, cache_dir=cache)
+        else:
+            # Exact names as fnmatch patterns, so only the planned files come down.
+            patterns = [glob_escape(f) for f in plan.files]
+            hub.snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache)
+    except KilnError:
+        raise
+    except errors as e:
+        raise _hub_error(repo_id, e) from e
+    snap = cached_snapshot(repo_id, cache)
+    if snap is None:  # the hub writes refs/main on success, so this is a hub/cache bug
+        raise KilnError(f"downloaded {repo_id} but it is not in {cache}", hint="re-run the pull")
+    return source_from_dir(
+        snap,
+        spec=spec,
+        kind="hf",
+        origin="downloaded",
+        quant=plan.quant if plan.format == "gguf" else None,
+        repo_id=repo_id,
+        default_quant=default_quant,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution
