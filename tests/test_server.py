@@ -45,6 +45,7 @@ class Server:
     base_url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    effective_config: Path
 
     def client(self, api_key: str = API_KEY) -> Any:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
@@ -69,10 +70,11 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
         sys.executable, "-m", "kiln", "serve", str(gguf),
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", ",".join(NAMES), *(["--api-key", API_KEY] if api_key else []),
-        # fp32 and dense weights: the exact engine, whose batched tokens equal solo ones (the
-        # CPU default, int4 kernels for small steps and bf16 GEMMs for large ones, is not
-        # batch-invariant; tests/test_bench.py serves that).
-        "--device", "cpu", "--dtype", "float32", "--quantization", "none",
+        # fp32, which also resolves quantization to none (the int4/int8 kernels compute in bf16):
+        # the exact engine, whose batched tokens equal solo ones (the CPU default, int4 kernels,
+        # is not batch-invariant yet; tests/test_bench.py serves that).
+        "--device", "cpu", "--dtype", "float32",
+        "--effective-config-json", str(tmp / f"effective-{port}.json"),
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
         *extra,
     ]  # fmt: skip
@@ -80,7 +82,7 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, tmp / f"effective-{port}.json")
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
@@ -553,3 +555,84 @@ def test_sigterm_drains_in_flight_request_then_exits_0(
             next(gen)
         except StopIteration:
             pass
+
+
+# ---------------------------------------------------------------------------------------------
+# One way through: --dtype float32 means float32 math; server, LLM and `kiln run` agree
+
+
+def test_float32_serves_transformers_greedy_tokens(server: Server, client: Any,
+                                                   gguf_path: Path) -> None:
+    """`--dtype float32` alone resolves quantization to none (with its reason), and the served
+    greedy text equals transformers' float32 run of the same GGUF: 5 prompts x 32 tokens."""
+    import torch
+    import transformers
+
+    eff = json.loads(server.effective_config.read_text())
+    q = eff["settings"]["quantization"]
+    assert (q["value"], q["source"]) == ("none", "auto") and "float32" in q["reason"], q
+    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+               "The three primary colors are", "Water boils at"]
+    for p in prompts:
+        got = client.completions.create(model=NAMES[0], prompt=p, max_tokens=32, temperature=0,
+                                        extra_body={"min_tokens": 32})
+        ids = tok.encode(p)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                do_sample=False)[0, len(ids):].tolist()
+        assert got.usage.completion_tokens == 32
+        assert got.choices[0].text == tok.decode(want), p
+
+
+def test_server_llm_and_kiln_run_give_the_same_text(client: Any, gguf_path: Path) -> None:
+    """The same greedy chat request with a stop string through the three front-ends: each ends
+    at the stop (the engine's one output processor), with the same text."""
+    from kiln import LLM, SamplingParams
+
+    question = "What is the capital of France? Answer in one sentence."
+    stop = " is"
+    served = client.chat.completions.create(
+        model=NAMES[0], messages=[{"role": "user", "content": question}], max_tokens=32,
+        temperature=0, stop=[stop])
+    served_text = served.choices[0].message.content
+    assert served.choices[0].finish_reason == "stop" and stop not in served_text
+
+    settings = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
+                    kv_cache_memory="64MiB")
+    llm = LLM(str(gguf_path), **settings)
+    q = llm.settings.values["quantization"]
+    assert (q.value, q.source) == ("none", "auto")
+    out = llm.chat([{"role": "user", "content": question}],
+                   SamplingParams(temperature=0, max_tokens=32, stop=[stop]))[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (served_text, "stop", stop)
+    # The tokens end with the one that completed the stop string: none past it.
+    assert (served_text + stop) in llm.tokenizer.decode(out.token_ids)
+    assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+    run = subprocess.run(
+        [sys.executable, "-m", "kiln", "run", str(gguf_path), question, "--temperature", "0",
+         "--max-tokens", "32", "--stop", stop, "--device", "cpu", "--dtype", "float32",
+         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == served_text + "\n"
+
+
+def test_llm_stop_ends_text_and_tokens_at_the_stop(gguf_path: Path) -> None:
+    """LLM().generate with stop=["."]: the text stops before ".", the tokens at the token that
+    completed it (the engine finished the request there, not at max_tokens)."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(str(gguf_path), kv_cache_memory="64MiB", max_model_len=MAX_MODEL_LEN)
+    # The default model on CPU: the same rule as `kiln serve` picks int4 for its Q4_1 blocks.
+    q = llm.settings.values["quantization"]
+    assert (q.value, q.source) == ("int4", "auto") and "Q4_1" in q.reason
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0, max_tokens=64, stop=["."]))[0].outputs[0]
+    full = llm.tokenizer.decode(out.token_ids)
+    assert out.finish_reason == "stop" and out.stop_reason == "."
+    assert "." not in out.text and full.startswith(out.text) and full.endswith(".")
+    assert len(out.token_ids) < 64
