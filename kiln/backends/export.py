@@ -63,24 +63,15 @@ def _hf_config(ckpt: Checkpoint) -> Any:
     c, meta = ckpt.config, ckpt.gguf_meta or {}
     eos: int | list[int] | None = (c.eos_token_ids[0] if len(c.eos_token_ids) == 1
                                    else c.eos_token_ids or None)
+    same_name = {k: getattr(c, k) for k in _HF_FIELDS}
     return AutoConfig.for_model(
-        str(meta["general.architecture"]),
-        architectures=[c.architecture],
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        rope_scaling=c.rope_scaling,
-        tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=c.attention_bias,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=eos,
+        str(meta["general.architecture"]), architectures=[c.architecture], eos_token_id=eos,
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
-    )
+        unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"), **same_name)
+
+
+# ModelConfig fields that transformers' configs spell the same way.
+_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+              "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias",
+              "bos_token_id")
