@@ -135,7 +135,7 @@ def iter_tensors(ckpt: Checkpoint, keep_4bit: bool = False
 
     for f in ckpt.files:
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, sf.get_tensor(name)
 
 
