@@ -241,7 +241,7 @@ def _generation_config_eos(folder: Path) -> list[int]:
 
 def _gguf_metadata(gguf_path: Path, keys: Sequence[str]) -> dict[str, Any]:
     """A few header fields of a GGUF, read with kiln's own parser (no tensor data is read)."""
-    from kiln.models.loader import GGUFFile
+    from kiln.models.gguf import GGUFFile
 
     meta = GGUFFile(gguf_path).metadata
     return {k: meta[k] for k in keys if k in meta}

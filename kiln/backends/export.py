@@ -1,13 +1,19 @@
 """A GGUF as a Hugging Face folder, for external engines.
 
 vLLM and SGLang load HF folders best (their GGUF paths want a tokenizer from the Hub, which is
-not reachable offline). transformers can read a GGUF (dequantizing it) and write safetensors plus
-the tokenizer and chat template, so kiln exports the folder once and caches it.
+not reachable offline), so kiln exports the folder once and caches it. The GGUF is read once, by
+kiln's own reader (`kiln/models/gguf.py` through the loader): weights, config and tokenizer
+metadata. transformers' GGUF path would parse the file again with `gguf.GGUFReader` (seconds on
+the tokenizer's arrays).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kiln.models.loader import Checkpoint
 
 from kiln.paths import cache_dir
 
@@ -21,28 +27,51 @@ def export_gguf_as_hf(gguf: Path, dtype: str = "bfloat16") -> Path:
     """Writes (once) and returns an HF folder with the GGUF's weights, config and tokenizer.
 
     Weights come from kiln's own GGUF reader (dequantized, Q/K rows un-permuted to the HF
-    layout); the config and tokenizer from transformers' GGUF support.
+    layout), the config from the same parse (`_hf_config`), and the tokenizer from kiln's cached
+    GGUF tokenizer conversion (`kiln.tokenizer`), so the export and `kiln serve` tokenize alike.
     """
     out = export_dir_for(gguf)
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
 
     from kiln.models.loader import iter_tensors, open_checkpoint
+    from kiln.tokenizer import _gguf_tokenizer
 
     tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config  # the export is plain dense weights
+    ckpt = open_checkpoint(gguf)
+    cfg = _hf_config(ckpt)
     cfg.torch_dtype = dtype
     cfg.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    _gguf_tokenizer(gguf).save_pretrained(tmp)
     target = getattr(torch, dtype)
-    tensors = {name: t.to(target).contiguous() for name, t in iter_tensors(open_checkpoint(gguf))
+    tensors = {name: t.to(target).contiguous() for name, t in iter_tensors(ckpt)
                if name != "rope_freqs"}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tmp.rename(out)  # atomic: a half-written export is never used
     return out
+
+
+def _hf_config(ckpt: Checkpoint) -> Any:
+    """The transformers config of a GGUF checkpoint, built from the config kiln parsed (the same
+    fields transformers' GGUF mapping sets, plus `architectures`, which vLLM reads). The GGUF
+    architecture names kiln runs (llama, mistral, qwen2, qwen3) are transformers' model types."""
+    from transformers import AutoConfig
+
+    c, meta = ckpt.config, ckpt.gguf_meta or {}
+    eos: int | list[int] | None = (c.eos_token_ids[0] if len(c.eos_token_ids) == 1
+                                   else c.eos_token_ids or None)
+    same_name = {k: getattr(c, k) for k in _HF_FIELDS}
+    return AutoConfig.for_model(
+        str(meta["general.architecture"]), architectures=[c.architecture], eos_token_id=eos,
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"), **same_name)
+
+
+# ModelConfig fields that transformers' configs spell the same way.
+_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+              "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias",
+              "bos_token_id")

@@ -37,7 +37,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
-        # shard name (None: the whole weight) -> kiln.models.loader.GroupQuant, not yet applied
+        # shard name (None: the whole weight) -> kiln.layers.quant.GroupQuant, not yet applied
         self.stash: dict[str | None, Any] = {}
         self.packed = False  # weight is in oneDNN's layout (`pack`): a buffer, multiply-only
 
@@ -99,6 +99,22 @@ class MergedLinear(Linear):
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}: expected {size} rows, got {tuple(tensor.shape)}")
         param.data[start:start + size].copy_(tensor)
+
+
+class TiedLMHead(nn.Module):
+    """logits = hidden @ embedding^T, reading the embedding's own weight (no copy). It lives with
+    the linears so `kiln.layers.quant` can swap it without importing a model family."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self._embedding = [embedding]  # not a child: the weight is registered once
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self._embedding[0]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self._embedding[0].weight)
 
 
 # --------------------------------------------------------------------------- packed CPU GEMM

@@ -49,14 +49,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.layers import cpu_kernels
-from kiln.layers.linear import Linear, pack_weight, packed_linear
-from kiln.models.loader import GroupQuant
+from kiln.layers.linear import Linear, TiedLMHead, pack_weight, packed_linear
 
 log = logging.getLogger("kiln.quant")
 
@@ -103,6 +104,34 @@ def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+@dataclass
+class GroupQuant:
+    """A weight in asymmetric groups along its input dimension: w = q * scale + min, q in 0..15.
+
+    q: [N, K] uint8; scale, min: [N, K / group_size] fp32. GGUF Q4_1 blocks are exactly this
+    (Q4_0 too, with min = -8 * scale; `kiln.models.gguf` hands them over as they are), and
+    `Int4Linear` repacks it for the int4 kernel."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group_size: int = 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        g = self.group_size
+        w = torch.addcmul(self.min.unsqueeze(-1), self.q.view(n, k // g, g).float(),
+                          self.scale.unsqueeze(-1))
+        return w.reshape(n, k).to(dtype)
+
+    def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupQuant:
+        return GroupQuant(fn(self.q), fn(self.scale), fn(self.min), self.group_size)
 
 
 def quantize_int4_groups(w: torch.Tensor, group_size: int = INT4_GROUP) -> GroupQuant:
@@ -484,8 +513,6 @@ def _quantize_head(model: nn.Module, use_kernels: bool) -> None:
     head = getattr(model, "lm_head", None)
     if head is None:
         return
-    from kiln.models.llama import TiedLMHead  # the model family that defines tying
-
     with torch.no_grad():
         if isinstance(head, TiedLMHead):
             emb = head.embedding

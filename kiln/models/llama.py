@@ -22,7 +22,7 @@ from torch import nn
 
 from kiln.layers import cpu_kernels
 from kiln.layers.attention import Attention, get_context
-from kiln.layers.linear import Linear, MergedLinear
+from kiln.layers.linear import Linear, MergedLinear, TiedLMHead
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 from kiln.models.config import ModelConfig
@@ -182,21 +182,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(cos, sin, x) if layer_call is None else layer_call(layer, cos, sin, x)
         return self.norm(x)
-
-
-class TiedLMHead(nn.Module):
-    """logits = hidden @ embedding^T, reading the embedding's own weight (no copy)."""
-
-    def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__()
-        self._embedding = [embedding]  # not a child: the weight is registered once
-
-    @property
-    def embedding(self) -> nn.Embedding:
-        return self._embedding[0]
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self._embedding[0].weight)
 
 
 class LlamaForCausalLM(nn.Module):

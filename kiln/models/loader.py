@@ -5,33 +5,28 @@ device, then every parameter is filled from the checkpoint. Names are mapped to 
 to HF names first, then HF names to our packed modules); a checkpoint tensor we do not know, or a
 parameter the checkpoint does not provide, is an error that names it.
 
-GGUF specifics: the file is parsed here (header, metadata, tensor table; memory-mapped, a few ms)
-rather than with `gguf.GGUFReader`, which takes seconds on a tokenizer's 50k-entry string arrays.
-Quantized blocks are dequantized with vectorized torch code (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
-Q6_K; other types through the `gguf` package's numpy code). When the model is going to be
-quantized anyway (`build_model(..., quantization=...)`), 4-bit blocks (Q4_0/Q4_1) are not
-dequantized at all: they reach `kiln/layers/quant.py` as `GroupQuant` (codes, scale, min), which
-the int4 path repacks exactly. llama.cpp stores Llama's Q and K rows permuted for its interleaved
-RoPE; we undo that so the "rotate half" RoPE of the HF layout applies.
+GGUF files are read and dequantized by `kiln/models/gguf.py`; this module only maps their names.
+When the model is going to be quantized anyway (`build_model(..., quantization=...)`), 4-bit
+blocks (Q4_0/Q4_1) are not dequantized at all: they reach `kiln/layers/quant.py` as `GroupQuant`
+(codes, scale, min), which the int4 path repacks exactly. llama.cpp stores Llama's Q and K rows
+permuted for its interleaved RoPE; we undo that so the "rotate half" RoPE of the HF layout applies.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import re
-import struct
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.layers.quant import GroupQuant
 from kiln.models.config import ModelConfig
+from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
 
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
 
@@ -58,307 +53,6 @@ _GGUF_TOP = {
 }
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted (interleaved RoPE).
 _GGUF_PERMUTED_QK = {"llama", "mistral"}
-
-
-# --------------------------------------------------------------------------- GGUF parsing
-
-# ggml tensor types: id -> (name, elements per block, bytes per block)
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-}
-
-# GGUF metadata value types: id -> struct format (scalars); 8 = string, 9 = array
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-            6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-# String arrays too large to be worth decoding here: only their length is kept (`range(n)`).
-_GGUF_SKIP_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                     "tokenizer.ggml.token_type"}
-
-
-@dataclass
-class GGUFTensorInfo:
-    name: str
-    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
-    type_id: int
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-    @property
-    def type_name(self) -> str:
-        return GGML_TYPES.get(self.type_id, (f"type{self.type_id}", 0, 0))[0]
-
-    @property
-    def torch_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape))
-
-
-class GGUFFile:
-    """A parsed GGUF file: `metadata` (key -> value), `tensors` (in file order), and raw tensor
-    bytes on demand (`raw(t)`, a uint8 tensor viewing the memory map, copy-on-write)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        with open(self.path, "rb") as f:
-            try:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            except ValueError as e:  # empty file
-                raise ModelLoadError(f"{self.path} is not a GGUF file (empty)") from e
-        self.metadata: dict[str, Any] = {}
-        self.tensors: list[GGUFTensorInfo] = []
-        try:
-            self._parse()
-        except (struct.error, UnicodeDecodeError, IndexError) as e:
-            raise ModelLoadError(f"{self.path} is not a valid GGUF file ({e})",
-                                 hint="the download may be truncated; fetch it again") from e
-
-    def _parse(self) -> None:
-        mm = self._mm
-        if mm[:4] != b"GGUF":
-            raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic {bytes(mm[:4])!r})")
-        version, = struct.unpack_from("<I", mm, 4)
-        if version < 2:
-            raise ModelLoadError(f"{self.path}: GGUF version {version} is too old",
-                                 hint="convert it again with a recent llama.cpp")
-        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
-        # The pseudo-keys gguf.GGUFReader reports too.
-        self.metadata.update({"GGUF.version": version, "GGUF.tensor_count": n_tensors,
-                              "GGUF.kv_count": n_kv})
-        pos = 24
-        for _ in range(n_kv):
-            key, pos = self._string(pos)
-            vtype, = struct.unpack_from("<I", mm, pos)
-            pos += 4
-            self.metadata[key], pos = self._value(vtype, pos, key)
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = self._string(pos)
-            n_dims, = struct.unpack_from("<I", mm, pos)
-            dims = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
-            pos += 4 + 8 * n_dims
-            type_id, offset = struct.unpack_from("<IQ", mm, pos)
-            pos += 12
-            infos.append((name, tuple(int(d) for d in dims), type_id, offset))
-        align = int(self.metadata.get("general.alignment", 32))
-        data_start = (pos + align - 1) // align * align
-        for name, dims, type_id, offset in infos:
-            n = int(np.prod(dims)) if dims else 1
-            if type_id in GGML_TYPES:
-                _, be, bb = GGML_TYPES[type_id]
-                nbytes = n // be * bb
-            else:
-                nbytes = 0  # unknown type: an error if the tensor is ever read
-            self.tensors.append(GGUFTensorInfo(name, dims, type_id, data_start + offset, nbytes))
-
-    def _string(self, pos: int) -> tuple[str, int]:
-        n, = struct.unpack_from("<Q", self._mm, pos)
-        return self._mm[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
-
-    def _value(self, vtype: int, pos: int, key: str) -> tuple[Any, int]:
-        mm = self._mm
-        if vtype in _GGUF_SCALAR:
-            fmt = _GGUF_SCALAR[vtype]
-            return struct.unpack_from(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
-        if vtype == 8:
-            return self._string(pos)
-        if vtype == 9:
-            etype, n = struct.unpack_from("<IQ", mm, pos)
-            pos += 12
-            if etype in _GGUF_NP:
-                dt = np.dtype(_GGUF_NP[etype])
-                end = pos + n * dt.itemsize
-                if key in _GGUF_SKIP_ARRAYS:
-                    return range(n), end
-                return np.frombuffer(mm, dtype=dt, count=n, offset=pos).tolist(), end
-            if etype == 8:
-                if key in _GGUF_SKIP_ARRAYS:
-                    for _ in range(n):
-                        ln, = struct.unpack_from("<Q", mm, pos)
-                        pos += 8 + ln
-                    return range(n), pos
-                out = []
-                for _ in range(n):
-                    s, pos = self._string(pos)
-                    out.append(s)
-                return out, pos
-            out = []
-            for _ in range(n):
-                v, pos = self._value(etype, pos, key)
-                out.append(v)
-            return out, pos
-        raise ModelLoadError(f"{self.path}: unknown GGUF metadata type {vtype} for {key!r}")
-
-    def raw(self, t: GGUFTensorInfo) -> torch.Tensor:
-        if t.type_id not in GGML_TYPES or t.offset + t.nbytes > len(self._mm):
-            raise ModelLoadError(f"GGUF tensor {t.name!r} ({t.type_name}) cannot be read",
-                                 hint="the file may be truncated or use a newer tensor type")
-        arr = np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ACCESS_COPY maps are writable; numpy says so
-            return torch.from_numpy(arr)
-
-
-# --------------------------------------------------------------------------- GGUF dequantization
-
-
-@dataclass
-class GroupQuant:
-    """A weight in asymmetric groups along its input dimension: w = q * scale + min, q in 0..15.
-
-    q: [N, K] uint8; scale, min: [N, K / group_size] fp32. GGUF Q4_1 blocks are exactly this
-    (Q4_0 too, with min = -8 * scale); `kiln.layers.quant` repacks it for the int4 kernel."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor
-    group_size: int = 32
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.q.shape
-        g = self.group_size
-        w = torch.addcmul(self.min.unsqueeze(-1), self.q.view(n, k // g, g).float(),
-                          self.scale.unsqueeze(-1))
-        return w.reshape(n, k).to(dtype)
-
-    def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupQuant:
-        return GroupQuant(fn(self.q), fn(self.scale), fn(self.min), self.group_size)
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[n, 2] uint8 (any strides) -> [n] fp32."""
-    return b.contiguous().view(torch.float16).float().squeeze(-1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] uint8 -> [n, 32]: low nibbles are elements 0..15, high nibbles 16..31."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def _high_bits(qh: torch.Tensor) -> torch.Tensor:
-    """[n, 4] uint8 (a little-endian uint32 per block) -> [n, 32] bit j of element j (0/1)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
-
-
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K 12-byte packed 6-bit scales and mins -> ([n, 8], [n, 8]) uint8."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
-
-
-def _group_q4(blocks: torch.Tensor, type_name: str) -> GroupQuant:
-    """Q4_0 / Q4_1 blocks [n_blocks, bytes] -> codes, scale, min per block of 32 (flat)."""
-    d = _f16(blocks[:, 0:2])
-    if type_name == "Q4_1":
-        m = _f16(blocks[:, 2:4])
-        qs = blocks[:, 4:20]
-    else:
-        m = d * -8.0
-        qs = blocks[:, 2:18]
-    return GroupQuant(_nibbles(qs), d, m, 32)
-
-
-def dequantize_blocks(raw: torch.Tensor, type_name: str) -> torch.Tensor | None:
-    """Raw GGUF bytes of one tensor -> flat fp32 values, or None for types done by `gguf`."""
-    if type_name == "F32":
-        return raw.view(torch.float32)
-    if type_name == "F16":
-        return raw.view(torch.float16).float()
-    if type_name == "BF16":
-        return raw.view(torch.bfloat16).float()
-    if type_name not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
-        return None
-    _, _, bb = next(v for v in GGML_TYPES.values() if v[0] == type_name)
-    b = raw.view(-1, bb)
-    n = b.shape[0]
-    if type_name in ("Q4_0", "Q4_1"):
-        g = _group_q4(b, type_name)
-        return torch.addcmul(g.min.unsqueeze(-1), g.q.float(), g.scale.unsqueeze(-1)).reshape(-1)
-    if type_name == "Q8_0":
-        d = _f16(b[:, 0:2])
-        return (b[:, 2:34].contiguous().view(torch.int8).float() * d.unsqueeze(-1)).reshape(-1)
-    if type_name in ("Q5_0", "Q5_1"):
-        d = _f16(b[:, 0:2])
-        off = 4 if type_name == "Q5_1" else 2
-        q = (_nibbles(b[:, off + 4:off + 20]) | (_high_bits(b[:, off:off + 4]) << 4)).float()
-        if type_name == "Q5_1":
-            return torch.addcmul(_f16(b[:, 2:4]).unsqueeze(-1), q, d.unsqueeze(-1)).reshape(-1)
-        return ((q - 16.0) * d.unsqueeze(-1)).reshape(-1)
-    if type_name in ("Q4_K", "Q5_K"):
-        d = _f16(b[:, 0:2]).unsqueeze(-1)
-        dmin = _f16(b[:, 2:4]).unsqueeze(-1)
-        sc, mn = _k_scales(b[:, 4:16])
-        scale = (d * sc.float()).unsqueeze(-1)  # [n, 8, 1]
-        minv = (dmin * mn.float()).unsqueeze(-1)
-        if type_name == "Q4_K":
-            qs = b[:, 16:144].reshape(n, 4, 1, 32)
-            q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F)
-        else:
-            qh = b[:, 16:48].reshape(n, 1, 1, 32)
-            qs = b[:, 48:176].reshape(n, 4, 1, 32)
-            ql = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
-            hb = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1, 1)) & 1  # [n, 8, 1, 32]
-            q = ql.reshape(n, 8, 32) | (hb.reshape(n, 8, 32) << 4)
-        q = q.reshape(n, 8, 32).float()
-        return (scale * q - minv).reshape(-1)
-    # Q6_K: ql[128], qh[64], scales[16] int8, d f16
-    ql = b[:, 0:128].reshape(n, 2, 1, 64)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(b[:, 208:210]).unsqueeze(-1)
-    lo = ((ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F)
-    lo = lo.reshape(n, 2, 4, 32)  # [n, half, quarter, 32]
-    hi = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 0x03
-    q = (lo | (hi.reshape(n, 2, 4, 32) << 4)).to(torch.int16) - 32
-    q = q.reshape(n, 16, 16).float()
-    return ((d * scales).unsqueeze(-1) * q).reshape(-1)
-
-
-def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False
-                ) -> torch.Tensor | GroupQuant:
-    """One GGUF tensor as a fp32 tensor in torch layout ([out, in] for weights), or as a
-    `GroupQuant` when `keep_4bit` and its blocks are Q4_0/Q4_1."""
-    shape = t.torch_shape
-    raw = gf.raw(t)
-    if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) == 2:
-        g = _group_q4(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
-        n, k = shape
-        return GroupQuant(g.q.reshape(n, k), g.scale.reshape(n, k // 32),
-                          g.min.reshape(n, k // 32), 32)
-    flat = dequantize_blocks(raw, t.type_name)
-    if flat is None:
-        import gguf
-
-        try:
-            arr = gguf.quants.dequantize(raw.numpy().reshape(-1, _row_bytes(t)),
-                                         gguf.GGMLQuantizationType(t.type_id))
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(
-                f"GGUF tensor {t.name!r} uses {t.type_name}, which kiln cannot dequantize",
-                hint="use a GGUF with Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/F16/BF16/F32 "
-                "tensors") from e
-        flat = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    return flat.reshape(shape)
-
-
-def _row_bytes(t: GGUFTensorInfo) -> int:
-    _, be, bb = GGML_TYPES[t.type_id]
-    return t.shape[0] // be * bb if t.shape else bb
 
 
 # --------------------------------------------------------------------------- opening
@@ -427,33 +121,6 @@ def _merge_generation_config(folder: Path, cfg: ModelConfig) -> None:
         cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(ids))
 
 
-def read_gguf_metadata(reader: GGUFFile | str | Path) -> tuple[dict[str, Any], set[str]]:
-    """(metadata, tensor names). The tokenizer's big arrays are kept as `range(len)`."""
-    if not isinstance(reader, GGUFFile):
-        reader = GGUFFile(reader)
-    return dict(reader.metadata), {t.name for t in reader.tensors}
-
-
-# llama_ftype -> name, as gguf.LlamaFileType spells it without "MOSTLY_"
-_FILE_TYPES = {0: "ALL_F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
-               10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
-               16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
-
-
-def gguf_file_type_name(meta: dict[str, Any]) -> str | None:
-    ft = meta.get("general.file_type")
-    if ft is None:
-        return None
-    if int(ft) in _FILE_TYPES:
-        return _FILE_TYPES[int(ft)]
-    import gguf
-
-    try:
-        return gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_")
-    except ValueError:
-        return None
-
-
 # --------------------------------------------------------------------------- tensor streams
 
 
@@ -468,7 +135,7 @@ def iter_tensors(ckpt: Checkpoint, keep_4bit: bool = False
 
     for f in ckpt.files:
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, sf.get_tensor(name)
 
 
