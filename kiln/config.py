@@ -14,9 +14,6 @@ Each resolved value keeps its source, the reason an auto rule gave, and every ca
 
 from __future__ import annotations
 
-import argparse
-import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -415,63 +412,6 @@ def setting(name: str) -> Setting:
         raise ConfigError(f"unknown setting {name!r}") from None
 
 
-# --------------------------------------------------------------------------- CLI from the table
-
-
-class _Record(argparse.Action):
-    """Stores (value, flag) so conflicting spellings of one setting can be named in the error."""
-
-    def __init__(self, *args: Any, const_value: Any = None, **kwargs: Any) -> None:
-        self.const_value = const_value
-        super().__init__(*args, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
-        seen: dict[str, list[tuple[Any, str]]] = getattr(namespace, "_kiln_seen", None) or {}
-        value = self.const_value if self.nargs == 0 else values
-        seen.setdefault(self.dest, []).append((value, option_string or self.dest))
-        namespace._kiln_seen = seen
-
-
-def add_setting_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] | None = None
-                          ) -> None:
-    """Adds one flag per setting (plus aliases). Values land in `namespace._kiln_seen`."""
-    by_group: dict[str, argparse._ArgumentGroup] = {}
-    for s in SETTINGS:
-        if not s.flags or (groups and s.group not in groups):
-            continue
-        grp = by_group.get(s.group) or parser.add_argument_group(f"{s.group} settings")
-        by_group[s.group] = grp
-        env = f"[env {s.env_var}]"
-        if s.is_bool:
-            grp.add_argument(*s.flags, dest=s.name, action=_Record, nargs=0, const_value=True,
-                             default=argparse.SUPPRESS, help=f"{s.help} {env}")
-            if s.neg_flags:
-                grp.add_argument(*s.neg_flags, dest=s.name, action=_Record, nargs=0,
-                                 const_value=False, default=argparse.SUPPRESS,
-                                 help=f"turn off: {s.help}")
-        else:
-            grp.add_argument(*s.flags, dest=s.name, action=_Record, default=argparse.SUPPRESS,
-                             choices=s.choices, metavar=s.metavar,
-                             help=f"{s.help} (default: {s.default if s.auto is None else 'auto'}) "
-                             f"{env}")
-
-
-def cli_values(namespace: argparse.Namespace) -> dict[str, tuple[Any, str]]:
-    """Returns {setting: (raw value, flag used)}; rejects conflicting spellings by name."""
-    seen: dict[str, list[tuple[Any, str]]] = getattr(namespace, "_kiln_seen", None) or {}
-    out: dict[str, tuple[Any, str]] = {}
-    for name, uses in seen.items():
-        values = {repr(v) for v, _ in uses}
-        if len(values) > 1:
-            flags = " and ".join(sorted({f for _, f in uses}))
-            raise ConfigError(
-                f"conflicting flags for {name}: {flags}",
-                hint="give the setting once",
-            )
-        out[name] = uses[-1]
-    return out
-
-
 # --------------------------------------------------------------------------- resolution
 
 
@@ -532,48 +472,6 @@ class ResolvedSettings:
 
     def non_default(self) -> list[Resolved]:
         return [r for r in self.values.values() if r.source != "default"]
-
-
-def env_values(environ: Mapping[str, str] | None = None) -> dict[str, tuple[Any, str]]:
-    environ = os.environ if environ is None else environ
-    return {s.name: (environ[s.env_var], s.env_var) for s in SETTINGS if s.env_var in environ}
-
-
-def load_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
-    """Reads a TOML config. Returns (settings, engines table, path used).
-
-    Without an explicit path, `$KILN_CONFIG` or `~/.config/kiln/config.toml` if it exists.
-    Keys are setting names (dashes or underscores); `[engines.<name>]` holds external-engine
-    args/env/command.
-    """
-    explicit = path is not None
-    if path is None:
-        env = os.environ.get("KILN_CONFIG")
-        path = Path(env) if env else default_config_path()
-        explicit = bool(env)
-    if not path.exists():
-        if explicit:
-            raise ConfigError(f"config file {path} does not exist",
-                              hint="create it with `kiln config set KEY VALUE` or fix the path")
-        return {}, {}, None
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    engines = data.pop("engines", {}) or {}
-    settings: dict[str, Any] = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in BY_NAME:
-            raise ConfigError(f"unknown key {key!r} in config file {path}",
-                              hint=f"known keys: {', '.join(sorted(BY_NAME))}")
-        settings[name] = value
-    return settings, engines, path
-
-
-def default_config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "kiln" / "config.toml"
 
 
 def _parse(s: Setting, raw: Any, where: str) -> Any:

@@ -48,7 +48,7 @@ class LLM:
         """`model`: an alias, owner/repo[:QUANT], a folder or a .gguf (None: the embedded
         default). `settings`: any setting of `kiln serve` by its table name (`dtype="float32"`,
         `max_num_seqs=8`, `kv_cache_memory="1GiB"`). `config`: a config file, as `--config`."""
-        from kiln.cli import startup
+        from kiln import startup
 
         args = startup.namespace_for(model, settings, Path(config) if config else None)
         self.plan = startup.plan(args)
@@ -64,7 +64,7 @@ class LLM:
 
     def effective_config(self) -> dict[str, Any]:
         """What `kiln serve --effective-config-json` writes for the same model and settings."""
-        from kiln.cli import startup
+        from kiln import startup
 
         return startup.effective_config(self.plan, "ok")
 

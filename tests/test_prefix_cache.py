@@ -151,7 +151,8 @@ def test_multi_turn_chats_match_with_prefix_caching_on_and_off(make_engine, smol
 
 
 def parse(*argv):
-    from kiln.config import add_setting_arguments, cli_values, resolve_settings
+    from kiln.config import resolve_settings
+    from kiln.setting_sources import add_setting_arguments, cli_values
 
     parser = argparse.ArgumentParser()
     add_setting_arguments(parser)

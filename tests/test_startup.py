@@ -9,20 +9,21 @@ import json
 import pytest
 
 from kiln import config as C
+from kiln import setting_sources as S
 from kiln.cli.main import main
 
 
 def _cli(*argv: str) -> dict:
     p = argparse.ArgumentParser()
-    C.add_setting_arguments(p)
-    return C.cli_values(p.parse_args(list(argv)))
+    S.add_setting_arguments(p)
+    return S.cli_values(p.parse_args(list(argv)))
 
 
 @pytest.mark.parametrize("top", ["cli", "env", "file", "preset", "registry", "auto"])
 def test_each_source_wins_over_the_ones_below_it(top):
     layers = {
         "cli": _cli("--max-num-seqs", "1"),
-        "env": C.env_values({"KILN_MAX_NUM_SEQS": "2"}),
+        "env": S.env_values({"KILN_MAX_NUM_SEQS": "2"}),
         "file": {"max_num_seqs": 3},
         "preset": {"max_num_seqs": 4},
         "registry": {"max_num_seqs": 5},
@@ -55,7 +56,7 @@ def test_conflicting_spellings_of_one_flag_are_rejected_by_name():
 
 def test_bad_values_name_the_flag():
     with pytest.raises(C.ConfigError, match="--max-num-seqs"):
-        C.resolve_settings(env=C.env_values({"KILN_MAX_NUM_SEQS": "-3"}))
+        C.resolve_settings(env=S.env_values({"KILN_MAX_NUM_SEQS": "-3"}))
     with pytest.raises(C.ConfigError, match="choose one of"):
         C.resolve_settings(file={"kv_cache_dtype": "int3"})
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from kiln import config as C
+from kiln import setting_sources as S
 from kiln.errors import KilnError
 
 
@@ -30,13 +32,13 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _path(args: argparse.Namespace) -> Path:
-    return args.config or C.default_config_path()
+    return args.config or S.default_config_path()
 
 
 def _resolve(args: argparse.Namespace) -> C.ResolvedSettings:
     path = _path(args)
-    file_settings, _, used = C.load_config_file(path if path.exists() else None)
-    return C.resolve_settings(env=C.env_values(), file=file_settings, file_path=used)
+    file_settings, _, used = S.load_config_file(path if path.exists() else None)
+    return C.resolve_settings(env=S.env_values(), file=file_settings, file_path=used)
 
 
 def main(args: argparse.Namespace) -> int:

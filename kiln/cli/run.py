@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from kiln.cli import startup
+from kiln import startup
 
 
 def add_parser(subparsers: Any) -> None:
@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
             print(startup.describe(sp))
             return 0
         chat = _Chat(sp, args)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         if isinstance(e, (SystemExit, KeyboardInterrupt)):
             raise
         return startup.fail(sp, e)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln.cli import startup
+from kiln import startup
 
 log = logging.getLogger("kiln.serve")
 
@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
         return _serve_kiln(sp)
     except KeyboardInterrupt:
         return 130
-    except BaseException as e:  # noqa: BLE001 - every failure is recorded, then reported
+    except BaseException as e:
         if isinstance(e, SystemExit):
             raise
         return startup.fail(sp, e)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import config as C
+from kiln import setting_sources as S
 from kiln.errors import KilnError, ModelNotFoundError
 
 
@@ -49,7 +50,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    "and the model identity")
     p.add_argument("--decision-trace-jsonl", type=Path, metavar="PATH",
                    help="write one JSON line per decision (candidates by source, chosen, why)")
-    C.add_setting_arguments(p)
+    S.add_setting_arguments(p)
 
 
 def namespace_for(model: str | None, settings: dict[str, Any], config: Path | None = None
@@ -75,9 +76,9 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
 
     sp = sp or StartupPlan(args)
     sp.phase = "config"
-    cli = C.cli_values(args)
-    env = C.env_values()
-    file_settings, sp.engines_cfg, sp.config_file = C.load_config_file(args.config)
+    cli = S.cli_values(args)
+    env = S.env_values()
+    file_settings, sp.engines_cfg, sp.config_file = S.load_config_file(args.config)
 
     sp.phase = "hardware"
     sp.hardware = hardware.probe_hardware()
@@ -255,6 +256,7 @@ def load_tokenizer(sp: StartupPlan) -> Any:
     from kiln.tokenizer import load_tokenizer as load
 
     assert sp.source is not None
+    sp.phase = "load"
     return load(sp.source.path, sp.source.gguf_file)
 
 
