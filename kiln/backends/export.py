@@ -38,6 +38,13 @@ def export_gguf_as_hf(gguf: Path, dtype: str = "bfloat16") -> Path:
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config  # the export is plain dense weights
     cfg.torch_dtype = dtype
+    if not getattr(cfg, "architectures", None):
+        # transformers' GGUF config names no architecture, and vLLM picks its model class from
+        # that list: name the causal-LM class transformers maps this model type to.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
+        cfg.architectures = [arch] if arch else None
     cfg.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     target = getattr(torch, dtype)
