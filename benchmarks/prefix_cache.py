@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else default_model_path()
-    base = dict(model=str(model), dtype="float32", device="cpu", max_model_len=2048,
-                kv_cache_memory=512 << 20, max_num_seqs=32, max_num_batched_tokens=512)
+    base = {"model": str(model), "dtype": "float32", "device": "cpu", "max_model_len": 2048,
+            "kv_cache_memory": 512 << 20, "max_num_seqs": 32, "max_num_batched_tokens": 512}
     t0 = time.perf_counter()
     runner = ModelRunner(EngineConfig(**base), open_checkpoint(model))
     load_s = time.perf_counter() - t0

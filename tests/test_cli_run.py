@@ -14,6 +14,6 @@ def test_kiln_run_one_shot_answers():
         [sys.executable, "-m", "kiln", "run", "smollm2", "--temperature", "0", "--system",
          "You are a helpful assistant.", "--kv-cache-memory", "64MiB",
          "What is the capital of France?"],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Paris" in r.stdout

@@ -4,8 +4,8 @@ prefill, abort, and the offline `kiln.LLM` API."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_to_completion
+
 from kiln.sampling_params import SamplingParams
 
 PROMPTS = [  # 8 to 17 tokens: with 8 new tokens most cross a 16-token block boundary

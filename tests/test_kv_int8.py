@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_model, run_to_completion
+
 from kiln.sampling_params import SamplingParams
 
 KV_MEMORY = 256 << 20  # the same as conftest's smollm2_runner

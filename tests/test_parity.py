@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_model
 
 

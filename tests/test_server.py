@@ -7,7 +7,6 @@ short so the whole module stays within a minute or two of CPU time.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import socket
@@ -20,16 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("kiln.engine.async_engine")
-if (
-    importlib.util.find_spec("kiln.cli.main") is None
-    or importlib.util.find_spec("kiln.cli.serve") is None
-):
-    pytest.skip("`kiln serve` has not landed yet", allow_module_level=True)
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow
 
@@ -197,8 +189,8 @@ def test_stop_string_is_cut_identically_in_stream_and_non_stream(
     client: Any, greedy_poem: Any
 ) -> None:
     text = greedy_poem.choices[0].message.content
-    if len(text) < 12:
-        pytest.skip(f"greedy answer too short to pick a stop string from: {text!r}")
+    # 24 greedy tokens of a poem: a shorter answer means the server stopped it early.
+    assert len(text) >= 12, f"greedy answer too short to pick a stop string from: {text!r}"
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     expected = text[: text.find(stop)]
     kw: dict[str, Any] = {

@@ -44,6 +44,13 @@ def export_gguf_as_hf(gguf: Path, dtype: str = "bfloat16") -> Path:
     ckpt = open_checkpoint(gguf)
     cfg = _hf_config(ckpt)
     cfg.torch_dtype = dtype
+    if not getattr(cfg, "architectures", None):
+        # transformers' GGUF config names no architecture, and vLLM picks its model class from
+        # that list: name the causal-LM class transformers maps this model type to.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
+        cfg.architectures = [arch] if arch else None
     cfg.save_pretrained(tmp)
     _gguf_tokenizer(gguf).save_pretrained(tmp)
     target = getattr(torch, dtype)
