@@ -251,9 +251,8 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
 
 
 def test_quantized_greedy_agrees_with_unquantized(quantized, smollm2_runner, smollm2_tokenizer):
-    from kiln.sampling_params import SamplingParams
-
     from kiln.layers import cpu_kernels
+    from kiln.sampling_params import SamplingParams
 
     mode, llm = quantized
     # bf16 pools: decode runs kiln's CPU kernel wherever it can (tests/test_cpu_kernels.py)

@@ -167,7 +167,7 @@ class AsyncEngine:
                     continue
                 self._deliver(eng.step())
                 self._stats = eng.metrics()
-        except BaseException as e:  # noqa: BLE001 - report to every waiter, then stop
+        except BaseException as e:
             log.exception("engine loop crashed")
             self._dead = e
             for q, loop in list(self._streams.values()):
