@@ -90,3 +90,13 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     with pytest.raises(ConfigError) as e:
         choose_kv_cache_dtype(EngineConfig(model="m", kv_cache_dtype="int3"), torch.device("cpu"))
     assert e.value.hint is not None and "int8" in e.value.hint
+
+
+@pytest.mark.parametrize(("dense", "value", "words"), [
+    (True, True, "9 of 9 quantized linears keep a dense copy"),  # 2 layers x 4, the head
+    (False, False, "dense_weights off: quantized weights only"),
+])
+def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, words):
+    r = runner(tiny, quantization="int8", dense_weights=dense)
+    d = r.decisions.dense_weights
+    assert d.value is value and words in d.reason, d.reason
