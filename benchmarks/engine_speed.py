@@ -69,14 +69,14 @@ class Bench:
         self.runner = ModelRunner(self.cfg, open_checkpoint(model))
         self.runner_seconds = time.monotonic() - t0 - self.runner.compile_seconds
         self.engine = Engine(self.cfg, runner=self.runner)
-        self._compiled = self.runner._compiled
+        self._graphs = self.runner.graphs
         self.ids = itertools.count()
         self.vocab = self.runner.model_config.vocab_size
         self.decode_steps = decode_steps
         self.results: dict[str, dict[str, list[float]]] = {}
 
     def use_compiled(self, on: bool) -> None:
-        self.runner._compiled = self._compiled if on else None
+        self.runner.graphs = self._graphs if on else None
 
     def _prompt(self, n: int) -> list[int]:
         g = torch.Generator().manual_seed(next(self.ids))

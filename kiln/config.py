@@ -208,6 +208,19 @@ def _auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
 
 
+# The model dtype's name -> the KV cache storing it as it is computed.
+_KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    # The model runner applies this rule too, for an EngineConfig built with "auto" (tests).
+    if v.get("engine") in ("vllm", "sglang"):
+        return "auto", "the external engine keeps its KV cache in the model dtype"
+    dtype = v["dtype"]
+    return _KV_DTYPE_OF[dtype], (f"the model dtype ({dtype}): keys and values are stored as "
+                                 "they are computed, no conversion per step")
+
+
 def _auto_threads(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
     return ctx.physical_cores, f"{ctx.physical_cores} physical core(s)"
 
@@ -305,7 +318,8 @@ SETTINGS: list[Setting] = [
     Setting("block_size", positive_int, 16, "tokens per KV cache block",
             ("--block-size", "--kv-block-size"), affects="memory"),
     Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype", ("--kv-cache-dtype",),
-            choices=("auto", "fp32", "bf16", "fp16", "int8"), affects="memory"),
+            choices=("auto", "fp32", "bf16", "fp16", "int8"), affects="memory",
+            auto=_auto_kv_cache_dtype),
     Setting("gpu_memory_utilization", fraction, 0.9,
             "fraction of GPU memory kiln may use (weights + activations + KV)",
             ("--gpu-memory-utilization",), affects="memory"),

@@ -237,20 +237,20 @@ def test_compiled_bf16_decode_calls_the_kernel_and_keeps_the_eager_tokens(tmp_pa
     runner = eng.runner
     assert all(layer.kv.kernel for layer in runner.model.attention_layers())
     compiled_steps = []
-    run_compiled = runner._run_compiled
+    run_compiled = runner.graphs.run
 
-    def spy(ids, positions, meta):
+    def spy(model, ids, positions, meta):
         compiled_steps.append(meta.decode_shared is not None)
-        return run_compiled(ids, positions, meta)
+        return run_compiled(model, ids, positions, meta)
 
-    monkeypatch.setattr(runner, "_run_compiled", spy)
+    monkeypatch.setattr(runner.graphs, "run", spy)
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(0, 256, (5 * 16,), generator=g).tolist()
     prompts = [prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20, 4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
-    graphs, outs = runner._compiled, {}
+    graphs, outs = runner.graphs, {}
     for compiled in (True, False):
-        runner._compiled = graphs if compiled else None
+        runner.graphs = graphs if compiled else None
         e = Engine(cfg, runner=runner)
         e.add_request("first", prompts[0], params)  # publishes the prefix
         e.step()
@@ -398,23 +398,23 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
                        max_num_batched_tokens=64, compile=True)
     kernel_engine = Engine(cfg)
     assert kernel_engine.runner.decode_kernel_rows == llama.DECODE_KERNEL_MAX_ROWS
-    assert kernel_engine.runner._compiled is None  # every decode batch runs the kernel
+    assert kernel_engine.runner.graphs is None  # every decode batch runs the kernel
     monkeypatch.setattr(llama, "DECODE_KERNEL_MAX_ROWS", 0)
     eng = Engine(cfg)  # the layer kernel off: graphs for every bucket
     runner = eng.runner
-    assert runner.decode_kernel_rows == 0 and runner._compiled is not None
+    assert runner.decode_kernel_rows == 0 and runner.graphs is not None
     layers = [m for m in runner.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert layers and all(m.kiln for m in layers)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
-    graphs, outs = runner._compiled, {}
+    graphs, outs = runner.graphs, {}
     n_layers = runner.model_config.num_hidden_layers
     for mode in ("kernel", "compiled", "eager"):
         if mode == "kernel":
             e = Engine(cfg, runner=kernel_engine.runner)
         else:
-            runner._compiled = graphs if mode == "compiled" else None
+            runner.graphs = graphs if mode == "compiled" else None
             e = Engine(cfg, runner=runner)
         for i, p in enumerate(prompts):
             e.add_request(str(i), p, params)
@@ -438,6 +438,44 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
                    for a, b in zip(outs[mode][rid], outs["eager"][rid]))
         assert all(outs[mode][rid][:first] == outs["eager"][rid][:first] for rid in outs["eager"])
         assert same / total >= 0.8, f"{mode}: {same}/{total}"
+
+
+def test_runner_decisions_record_the_kernel_decode_path_and_nothing_compiled(tmp_path):
+    """An int4 bf16 model with --compile on kiln's kernels: every decode batch runs the layer
+    kernel, so torch.compile compiles nothing, and runner.decisions says so (with the KV dtype it
+    used and the dense copies it kept), in the form the effective config records."""
+    import json
+
+    from conftest import make_tiny_model
+
+    from kiln.config import EngineConfig
+    from kiln.engine.model_runner import ModelRunner
+    from kiln.models import llama
+    from kiln.models.loader import open_checkpoint
+
+    folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
+    cfg = EngineConfig(model=str(folder), dtype="bfloat16", quantization="int4",
+                       dense_weights=True, kv_cache_memory=8 << 20, max_num_seqs=4,
+                       max_num_batched_tokens=64, compile=True)
+    runner = ModelRunner(cfg, open_checkpoint(folder))
+    d = runner.decisions
+    rows = llama.DECODE_KERNEL_MAX_ROWS
+    assert d.decode_kernel_rows == runner.decode_kernel_rows == rows
+    assert d.decode_path.value == "kernel"
+    assert f"up to {rows} rows run kiln's one-call decode-layer kernel" in d.decode_path.reason
+    assert d.compiled.value is False and d.compile_buckets == ()
+    assert d.compiled.reason == (f"decode steps of up to {rows} rows run kiln's layer kernel: "
+                                 "nothing to compile")
+    assert runner.graphs is None and runner.compile_seconds == 0.0
+    assert d.kv_cache_dtype.value == runner.kv_dtype_name == "bf16"
+    assert "model dtype (bfloat16)" in d.kv_cache_dtype.reason
+    assert "attention kernels read the pool" in d.kv_cache_dtype.reason
+    # Only the int8 head keeps a dense copy: the int4 layers on kiln's kernels keep none.
+    assert d.dense_weights.value is True
+    assert "int4 layers on kiln's kernels keep none" in d.dense_weights.reason
+    out = json.loads(json.dumps(d.to_dict()))
+    assert set(out) == {"kv_cache_dtype", "decode_path", "compiled", "dense_weights"}
+    assert out["compiled"] == {"value": False, "reason": d.compiled.reason}
 
 
 @pytest.mark.parametrize("shared", [0, 32])

@@ -78,19 +78,16 @@ def test_cpu_kv_pool_costs_memory_only_as_it_is_written():
     """CPU KV tensors come from anonymous mmaps: zeroed, resident only where written, and
     kept alive by the tensor itself."""
     import gc
-    import types
 
     import torch
 
-    from kiln.engine.model_runner import ModelRunner
+    from kiln.engine.memory import kv_zeros, rss_bytes
 
     def rss_kib() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return rss_bytes() // 1024
 
-    host = types.SimpleNamespace(device=torch.device("cpu"))
     before = rss_kib()
-    pool = ModelRunner._kv_zeros(host, (16384, 4, 64), torch.bfloat16)  # 8 MiB x 16 = 128 MiB
+    pool = kv_zeros((16384, 4, 64), torch.bfloat16, torch.device("cpu"))  # 8 MiB x 16 = 128 MiB
     assert pool.shape == (16384, 4, 64) and pool.dtype == torch.bfloat16
     gc.collect()  # no other reference to the map exists: the tensor's must keep it mapped
     assert rss_kib() - before < 16 * 1024  # nothing resident yet
@@ -98,3 +95,4 @@ def test_cpu_kv_pool_costs_memory_only_as_it_is_written():
     assert rss_kib() - before < 16 * 1024
     assert float(pool[:1024].float().mean()) == 1.5
     assert not bool(pool[1024:].any())  # the rest reads as zeros
+

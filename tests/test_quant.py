@@ -304,24 +304,24 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
                        max_num_seqs=4, max_num_batched_tokens=64, compile=True)
     eng = Engine(cfg)
     runner = eng.runner
-    assert runner._buckets == [1, 2, 4] and runner.compile_seconds > 0
+    assert runner.graphs.buckets == [1, 2, 4] and runner.compile_seconds > 0
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
     prefix = torch.randint(0, 256, (5 * 16,), generator=g).tolist()
     shared = [prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20, 4)]
     calls = []
-    run_compiled = runner._run_compiled
+    run_compiled = runner.graphs.run
 
-    def spy(ids, positions, meta):
+    def spy(model, ids, positions, meta):
         calls.append((ids.shape[0], meta.decode_shared is not None))
-        return run_compiled(ids, positions, meta)
+        return run_compiled(model, ids, positions, meta)
 
-    monkeypatch.setattr(runner, "_run_compiled", spy)
-    graphs = runner._compiled
+    monkeypatch.setattr(runner.graphs, "run", spy)
+    graphs = runner.graphs
     outs = {}
     for compiled in (True, False):
-        runner._compiled = graphs if compiled else None
+        runner.graphs = graphs if compiled else None
         e = Engine(cfg, runner=runner)
         for i, p in enumerate(prompts):
             e.add_request(str(i), p, params)

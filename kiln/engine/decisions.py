@@ -1,0 +1,153 @@
+"""What the model runner decided at startup, once, each with its reason: the KV cache dtype, the
+decode path (kiln's one-call decode-layer kernel, compiled graphs per batch bucket, or eager
+modules), whether torch.compile compiled anything, and whether dense bf16 weight copies were
+kept. Settings resolve before the weights load; these follow from the loaded model and the
+machine, so the startup code writes `RuntimeDecisions.to_dict()` back into the effective config.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from kiln.config import AutoContext, EngineConfig, _auto_kv_cache_dtype
+from kiln.engine.compile import decode_buckets
+from kiln.engine.memory import KV_DTYPES, gib
+from kiln.errors import ConfigError
+
+log = logging.getLogger("kiln.runner")
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class RuntimeDecisions:
+    kv_cache_dtype: Decision  # "fp32" | "bf16" | "fp16" | "int8"
+    decode_path: Decision  # "kernel" | "kernel+compiled" | "kernel+eager" | "compiled" | "eager"
+    compiled: Decision  # bool: torch.compile built graphs
+    dense_weights: Decision  # bool: quantized layers keep a dense copy of their weight
+    # What the runner's step reads: decode steps of up to this many rows run the layer kernel
+    # (0: none), and the batch buckets that have compiled graphs (empty: nothing compiled).
+    decode_kernel_rows: int
+    compile_buckets: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """{name: {"value": ..., "reason": ...}} for the effective-config JSON."""
+        return {f.name: {"value": d.value, "reason": d.reason} for f in fields(self)
+                if isinstance(d := getattr(self, f.name), Decision)}
+
+
+def choose_kv_cache_dtype(config: EngineConfig, device: torch.device) -> Decision:
+    """The KV pool's storage dtype. "auto" is resolved by the settings table; the same rule
+    serves an EngineConfig built directly with "auto"."""
+    name = config.kv_cache_dtype
+    if name == "auto":
+        value, reason = _auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
+        return Decision(value, reason)
+    if name not in KV_DTYPES:
+        raise ConfigError(f"unknown --kv-cache-dtype {name!r}",
+                          hint=f"choose one of: auto, {', '.join(KV_DTYPES)}")
+    reason = f"kv_cache_dtype {name} as configured"
+    if name == "int8":
+        reason += f"; an fp16 scale per (token, head), computed in {config.dtype}"
+    elif name == "fp16" and device.type == "cpu" and config.dtype != "float16":
+        log.info("fp16 KV on CPU: stored in fp16, computed in %s", config.dtype)
+        reason += f"; stored in fp16, computed in {config.dtype}"
+    return Decision(name, reason)
+
+
+def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
+           kv_cache_dtype: Decision) -> RuntimeDecisions:
+    """The decisions of a runner whose model is built and whose KV pool is attached (the layer
+    kernel needs a pool the kernels read). Nothing here runs per step."""
+    kernel_rows, kernel_why = _decode_kernel_rows(config, model, device)
+    buckets = decode_buckets(kernel_rows, config.max_num_seqs) if config.compile else []
+    reads = any(getattr(layer.kv, "kernel", False) for layer in model.attention_layers())
+    kv = Decision(kv_cache_dtype.value, kv_cache_dtype.reason + (
+        "; kiln's CPU attention kernels read the pool" if reads else ""))
+    return RuntimeDecisions(
+        kv_cache_dtype=kv,
+        decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device),
+        compiled=_compiled(config, kernel_rows, buckets, device),
+        dense_weights=_dense_weights(config, model),
+        decode_kernel_rows=kernel_rows,
+        compile_buckets=tuple(buckets))
+
+
+def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
+                        device: torch.device) -> tuple[int, str]:
+    """Up to how many rows every decoder layer can run a decode step as one kernel call (kiln's
+    CPU kernels, int4/int8 layers, a bf16 pool; see decode_kernel_rows in models/llama.py), and
+    why not when 0."""
+    if device.type != "cpu":
+        return 0, "kiln's decode-layer kernel is CPU-only"
+    if not config.cpu_kernels:
+        return 0, "--no-cpu-kernels"
+    layers = list(getattr(getattr(model, "model", None), "layers", []))
+    if not layers or not all(hasattr(layer, "decode_kernel_rows") for layer in layers):
+        return 0, "this model family has no one-call decode layer"
+    rows = min(layer.decode_kernel_rows() for layer in layers)
+    if rows:
+        return rows, ""
+    if config.quantization in (None, "none"):
+        return 0, "the layer kernel runs int4/int8 layers only, and nothing is quantized"
+    if config.dtype != "bfloat16":
+        return 0, f"the layer kernel runs bf16 only, the model runs {config.dtype}"
+    return 0, ("a layer cannot run it (q/k norms, biases, or a KV pool kiln's kernels do not "
+               "read: they need AVX512-BF16 and a 16-bit pool in the compute dtype)")
+
+
+def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, buckets: list[int],
+                 device: torch.device) -> Decision:
+    graphs = (f"compiled graphs for batch buckets {buckets} (padded up to the bucket"
+              + ("; cascade variants for shared prefixes)" if device.type == "cpu" else ")"))
+    if kernel_rows:
+        kernel = f"decode steps of up to {kernel_rows} rows run kiln's one-call decode-layer kernel"
+        if kernel_rows >= config.max_num_seqs:
+            return Decision("kernel", f"{kernel} (every batch: --max-num-seqs "
+                                      f"{config.max_num_seqs})")
+        if buckets:
+            return Decision("kernel+compiled", f"{kernel}; larger ones {graphs}")
+        return Decision("kernel+eager", f"{kernel}; larger ones eager modules (--compile is off)")
+    if buckets:
+        return Decision("compiled", f"decode steps run {graphs}; no layer kernel: {kernel_why}")
+    return Decision("eager", f"eager modules: --compile is off; no layer kernel: {kernel_why}")
+
+
+def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
+              device: torch.device) -> Decision:
+    if not config.compile:
+        return Decision(False, "--compile is off")
+    if not buckets:
+        return Decision(False, f"decode steps of up to {kernel_rows} rows run kiln's layer "
+                               "kernel: nothing to compile")
+    cascade = " and their cascade variants" if device.type == "cpu" else ""
+    return Decision(True, f"the decode layer for batch buckets {buckets}{cascade}, compiled "
+                          "at startup; prefill and mixed steps run eager")
+
+
+def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
+    from kiln.layers.quant import Int4Linear, Int8Linear
+
+    quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    if not quantized:
+        return Decision(False, "nothing is quantized: the weights are dense already")
+    if not config.dense_weights:
+        return Decision(False, "dense_weights off: quantized weights only")
+    kept = [m for m in quantized if m.dense is not None]
+    size = gib(sum(m.dense.numel() * m.dense.element_size() for m in kept))
+    skipped = sum(isinstance(m, Int4Linear) and m.kiln for m in quantized)
+    none_int4 = ("int4 layers on kiln's kernels keep none (their int8-activation kernel is "
+                 "faster at every size)")
+    if not kept:
+        return Decision(False, none_int4)
+    reason = (f"{len(kept)} of {len(quantized)} quantized linears keep a dense copy ({size}) "
+              "for steps of many rows")
+    return Decision(True, reason + (f"; {none_int4}" if skipped else ""))

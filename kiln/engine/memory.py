@@ -1,0 +1,220 @@
+"""Memory planning for the model runner: how big the KV pool may be (weights + measured
+activations + KV against the device's memory), the lazily backed CPU KV tensors, glibc malloc
+tuning, and the process RSS readers the activation measurement uses.
+
+Available RAM comes from the hardware probe (kiln/resolve/hardware.py), which honours cgroup
+limits: inside a container /proc/meminfo describes the host, not what may OOM-kill us.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kiln.config import EngineConfig, GiB
+from kiln.errors import MemoryFitError
+from kiln.layers.attention import INT8_SCALE_BYTES
+from kiln.models.config import ModelConfig
+
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+             "int8": torch.int8}
+# On CPU the KV pool is capped unless the user sizes it (--kv-cache-memory): at the larger of
+# this and the weights' own size. A small model's KV cache need not outweigh the model many
+# times (512 MiB is ~23k tokens of SmolLM2-135M in bf16, what llama-server's -c 32768 holds in
+# f16), and a big model's cap grows with it, up to the RAM fraction.
+CPU_KV_AUTO_CAP = 512 * 1024 * 1024
+
+
+@dataclass
+class MemoryPlan:
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    kv_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    max_model_len: int
+    reason: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def kv_bytes_per_token(mc: ModelConfig, kv_dtype_name: str) -> int:
+    """KV bytes one token takes over all layers (K and V; int8 adds its per-head scales)."""
+    per_head = mc.head_dim * KV_DTYPES[kv_dtype_name].itemsize
+    if kv_dtype_name == "int8":
+        per_head += INT8_SCALE_BYTES  # fp16 scale per (token, head)
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head
+
+
+def measure_activation_peak(device: torch.device, forward: Callable[[], object]) -> int:
+    """Bytes `forward` (the largest step the scheduler may produce) needed above what was in use
+    before it: CUDA's allocator peak on a GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = reset_rss_peak()
+    forward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = rss_peak_bytes() - base
+    return max(int(peak), 0)
+
+
+def plan_memory(c: EngineConfig, device: torch.device, per_token: int, weight_bytes: int,
+                activation_bytes: int, max_model_len: int) -> MemoryPlan:
+    """Sizes the KV pool from --kv-cache-memory, else from the device's memory left after the
+    weights and the activation peak; lowers an automatic max_model_len to what the pool holds
+    (an explicit one that does not fit is refused)."""
+    block_size = c.block_size
+    block_bytes = per_token * block_size
+    act = activation_bytes
+    warnings: list[str] = []
+    if c.kv_cache_memory:
+        budget = c.kv_cache_memory
+        reason = f"--kv-cache-memory {gib(budget)}"
+    elif device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        used_by_us = torch.cuda.memory_allocated(device)
+        budget = int(total * c.gpu_memory_utilization) - used_by_us - act
+        reason = (f"KV pool {gib(budget)} = {c.gpu_memory_utilization:.0%} of GPU memory "
+                  f"{gib(total)} - weights {gib(used_by_us)} - activations {gib(act)}")
+    else:
+        avail = ram_available_bytes()
+        frac = int(avail * c.cpu_memory_utilization) - act
+        need = c.max_num_seqs * max_model_len * per_token
+        cap = max(CPU_KV_AUTO_CAP, weight_bytes)
+        budget = min(frac, need, cap)
+        reason = (f"KV pool {gib(budget)} = min({c.cpu_memory_utilization:.0%} of available "
+                  f"RAM {gib(avail)} - activations {gib(act)}, {c.max_num_seqs} full "
+                  f"contexts {gib(need)}, CPU cap {gib(cap)} = max(0.50 GiB, weights))")
+    num_blocks = max(budget // block_bytes, 0)
+    if c.kv_max_blocks:
+        if c.kv_max_blocks < num_blocks:
+            reason += f"; capped at --kv-max-blocks {c.kv_max_blocks}"
+        num_blocks = min(num_blocks, c.kv_max_blocks)
+    fits = num_blocks * block_size
+    max_len = max_model_len
+    if fits < max_len:
+        if c.max_model_len_explicit or fits < block_size:
+            raise MemoryFitError(
+                f"--max-model-len {max_len} does not fit: the KV pool holds {fits} tokens "
+                f"({num_blocks} blocks; {reason})",
+                hint=f"use --max-model-len {fits} or less, or give the KV cache more memory "
+                f"(--kv-cache-memory, --gpu-memory-utilization)" if fits >= block_size
+                else "give the KV cache more memory (--kv-cache-memory)")
+        warnings.append(f"max_model_len lowered from {max_len} to {fits}: the KV pool holds "
+                        f"only {fits} tokens")
+        max_len = fits
+    return MemoryPlan(int(num_blocks), block_size, int(block_bytes),
+                      int(num_blocks * block_bytes), weight_bytes, act, max_len, reason, warnings)
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. On CPU it lives in its own anonymous mmap: the kernel hands out zero
+    pages as they are first written, so the pool costs RSS for the blocks in use, not for its
+    whole size up front (as llama.cpp's KV buffer does; torch.zeros would touch every page).
+    The tensor, and every view of it, holds a reference to its map."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+def ram_available_bytes() -> int:
+    """RAM available now, cgroup-aware. Probed afresh (the probe's cached figure predates the
+    weights' load) and without the GPU queries, which the CPU plan does not need."""
+    from kiln.resolve.hardware import probe_hardware_at
+
+    return probe_hardware_at(Path("/"), query_gpus=False).ram_available_bytes or 8 * GiB
+
+
+def _status_bytes(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS); 0 where /proc cannot tell."""
+    try:
+        return _status_bytes("VmRSS")
+    except OSError:
+        return 0
+
+
+def rss_peak_bytes() -> int:
+    """This process's peak RSS since start or the last `reset_rss_peak` (VmHWM); 0 if unknown."""
+    try:
+        return _status_bytes("VmHWM")
+    except OSError:
+        return 0
+
+
+def reset_rss_peak() -> int:
+    """Resets the process's peak-RSS mark (Linux clear_refs "5") and returns the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return 0
+    return rss_bytes()
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (whose malloc the two functions below tune), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def keep_freed_memory() -> None:
+    """Lets glibc's malloc keep freed memory for reuse instead of returning it to the kernel.
+
+    By default an allocation above 128 KiB (a threshold that adapts, up to 32 MiB) is its own
+    mmap, unmapped on free, so each step's large activations (gathered KV, MLP intermediates)
+    fault in fresh zeroed pages again: a bf16 copy of 3.5 MB measured 199 us that way and 116 us
+    from retained memory. This is PyTorch's CUDA caching allocator idea, done by glibc; vLLM's
+    CPU backend gets the same from tcmalloc. The cost is that RSS stays at the peak the steps
+    reached."""
+    libc = _glibc()
+    if libc is not None:
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's ceiling on 64-bit (HEAP_MAX / 2)
+        libc.mallopt(m_trim_threshold, 256 << 20)
+
+
+def release_freed_memory() -> None:
+    """Returns the heap's free memory to the kernel once (glibc malloc_trim): startup's
+    transients (GGUF dequantization, the profiling forward, inductor's compile) would otherwise
+    stay in RSS, since `keep_freed_memory` asks malloc to keep what is freed."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -1,0 +1,102 @@
+"""What the model runner decides once at startup (engine/decisions.py): the KV dtype, the decode
+path, whether torch.compile compiled anything, dense copies; each with the reason the effective
+config records. The layer-kernel path is checked for real in test_cpu_kernels.py (where the
+kernels run); here the decision logic runs on a tiny fp32 model on any machine."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("dec") / "llama"))
+
+
+def runner(model: str, **kw):
+    from kiln.config import EngineConfig
+    from kiln.engine.model_runner import ModelRunner
+    from kiln.models.loader import open_checkpoint
+
+    cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32,
+                       kv_cache_memory=80 << 10, **kw)
+    return ModelRunner(cfg, open_checkpoint(model))
+
+
+def test_an_fp32_runner_records_eager_decode_and_the_kv_dtype_of_its_model_dtype(tiny):
+    """Without --compile and nothing quantized: eager decode, each decision with its reason."""
+    r = runner(tiny)
+    d = r.decisions.to_dict()
+    assert d["kv_cache_dtype"]["value"] == r.kv_dtype_name == "fp32"
+    assert "model dtype (float32)" in d["kv_cache_dtype"]["reason"]
+    assert d["decode_path"]["value"] == "eager" and r.decode_kernel_rows == 0
+    assert "--compile is off" in d["decode_path"]["reason"]
+    assert d["compiled"] == {"value": False, "reason": "--compile is off"}
+    assert d["dense_weights"]["value"] is False
+    assert "nothing is quantized" in d["dense_weights"]["reason"]
+
+
+def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
+    from kiln.config import AutoContext, resolve_settings
+
+    for cpu_bf16, kv in ((True, "bf16"), (False, "fp32")):
+        s = resolve_settings(ctx=AutoContext(cpu_bf16=cpu_bf16))
+        assert s["kv_cache_dtype"] == kv and s.source("kv_cache_dtype") == "auto"
+        assert f"model dtype ({s['dtype']})" in s.values["kv_cache_dtype"].reason
+    cli = resolve_settings(cli={"dtype": ("float16", "--dtype")})
+    assert cli["kv_cache_dtype"] == "fp16"
+    explicit = resolve_settings(cli={"kv_cache_dtype": ("int8", "--kv-cache-dtype")})
+    assert explicit["kv_cache_dtype"] == "int8" and explicit.source("kv_cache_dtype") == "cli"
+    vllm = resolve_settings(cli={"engine": ("vllm", "--engine")})
+    assert vllm["kv_cache_dtype"] == "auto"  # the external engine keeps its own
+
+
+@pytest.mark.parametrize(("max_num_seqs", "compile_", "path", "buckets"), [
+    (4, True, "kernel", ()),
+    (256, True, "kernel+compiled", (128, 256)),
+    (256, False, "kernel+eager", ()),
+])
+def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
+        tiny, monkeypatch, max_num_seqs, compile_, path, buckets):
+    """decide() over layers that say they run kiln's decode-layer kernel up to 64 rows (as int4
+    bf16 layers on a kernel-read pool do): those batches need no graph."""
+    from kiln.config import EngineConfig
+    from kiln.engine.decisions import choose_kv_cache_dtype, decide
+    from kiln.models import llama
+
+    r = runner(tiny)
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "decode_kernel_rows", lambda self: 64)
+    cfg = EngineConfig(model=tiny, dtype="float32", max_num_seqs=max_num_seqs,
+                       compile=compile_)
+    d = decide(cfg, r.model, r.device, choose_kv_cache_dtype(cfg, r.device))
+    assert d.decode_path.value == path and d.decode_kernel_rows == 64
+    assert "up to 64 rows run kiln's one-call decode-layer kernel" in d.decode_path.reason
+    assert d.compile_buckets == buckets and d.compiled.value is bool(buckets)
+    if compile_ and not buckets:
+        assert d.compiled.reason == ("decode steps of up to 64 rows run kiln's layer kernel: "
+                                     "nothing to compile")
+    if buckets:
+        assert "[128, 256]" in d.decode_path.reason and "[128, 256]" in d.compiled.reason
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
+    import torch
+
+    from kiln.config import EngineConfig
+    from kiln.engine.decisions import choose_kv_cache_dtype
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        choose_kv_cache_dtype(EngineConfig(model="m", kv_cache_dtype="int3"), torch.device("cpu"))
+    assert e.value.hint is not None and "int8" in e.value.hint
+
+
+@pytest.mark.parametrize(("dense", "value", "words"), [
+    (True, True, "9 of 9 quantized linears keep a dense copy"),  # 2 layers x 4, the head
+    (False, False, "dense_weights off: quantized weights only"),
+])
+def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, words):
+    r = runner(tiny, quantization="int8", dense_weights=dense)
+    d = r.decisions.dense_weights
+    assert d.value is value and words in d.reason, d.reason
