@@ -21,7 +21,9 @@ from typing import Any
 
 from kiln.errors import ConfigError
 
-SOURCES = ("cli", "env", "file", "preset", "registry", "auto", "default")
+# "engine": decided while loading (the KV pool lowered the context, the layer kernel left nothing
+# to compile), written back over the resolved value so the record tells what actually runs.
+SOURCES = ("cli", "env", "file", "preset", "registry", "auto", "default", "engine")
 
 GiB = 1 << 30
 

@@ -283,16 +283,28 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
     plan = engine.runner.plan
     if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
         s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
-                   "lowered to fit the KV pool")
+                   "lowered to fit the KV pool", source="engine")
     s.warnings.extend(plan.warnings)
+    decisions = engine.runner.decisions.to_dict()
+    for name, setting in (("kv_cache_dtype", "kv_cache_dtype"), ("compiled", "compile"),
+                          ("dense_weights", "dense_weights")):
+        d, r = decisions[name], s.values[setting]
+        if d["value"] != r.value:
+            # What ran differs from what was resolved (compile on, but the layer kernel leaves
+            # nothing to compile; a dense copy asked for, but int4 kernel layers keep none).
+            s.override(setting, d["value"], f"{d['reason']} (resolved {r.value!r} from "
+                       f"{r.source})", source="engine")
     sp.extra = {"engine": {"name": "kiln", "load_seconds": round(load_seconds, 2),
+                           "decode_path": decisions["decode_path"]["value"],
                            "kv_blocks": plan.num_blocks, "kv_block_size": plan.block_size,
                            "kv_token_capacity": plan.token_capacity,
                            "kv_dtype": engine.runner.kv_dtype_name,
                            "kv_bytes": plan.kv_bytes, "weight_bytes": plan.weight_bytes,
                            "activation_bytes": plan.activation_bytes,
                            "max_model_len": engine.max_model_len},
-                "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason}}}
+                "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason},
+                              **{k: {"chosen": d["value"], "reason": d["reason"]}
+                                 for k, d in decisions.items()}}}
 
 
 # --------------------------------------------------------------------------- showing the work
