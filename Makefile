@@ -31,10 +31,11 @@ install: $(STAMP)
 serve: install
 	$(BIN)/kiln serve $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+# Lint first (seconds): a finding fails the run before the tests start.
+test: install lint
 	$(BIN)/python -m pytest -q
 
-lint:
+lint: install
 	$(BIN)/python -m ruff check kiln tests benchmarks
 
 clean:

@@ -4,7 +4,6 @@ an explicit one with the largest length that fits. A tiny random model, a tiny p
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_tiny_model
 
 # TINY in conftest: 2 layers, 2 KV heads, head_dim 16, fp32: 2 * 2 * 2 * 16 * 4 = 512 bytes a
@@ -81,7 +80,8 @@ def test_cpu_kv_pool_costs_memory_only_as_it_is_written():
 
     import torch
 
-    from kiln.engine.memory import kv_zeros, rss_bytes
+    from kiln.engine.memory import kv_zeros
+    from kiln.resolve.hardware import rss_bytes
 
     def rss_kib() -> int:
         return rss_bytes() // 1024

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from benchmarks.compare.common import HOST, REPO, PeerError, tail
 from benchmarks.compare.peers import Launch
+from kiln.resolve.hardware import rss_bytes
 
 
 def free_port() -> int:
@@ -43,15 +44,6 @@ def _proc_tree(root: int) -> list[int]:
     return out
 
 
-def _rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
 
 class RssSampler:
     """Peak resident memory of a process tree, sampled every `interval` seconds."""
@@ -65,7 +57,7 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, sum(_rss_bytes(p) for p in _proc_tree(self.pid)))
+            self.peak = max(self.peak, sum(rss_bytes(p) for p in _proc_tree(self.pid)))
             self._stop.wait(self.interval)
 
     def __enter__(self) -> RssSampler:  # noqa: PYI034 - final class

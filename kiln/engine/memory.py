@@ -14,7 +14,6 @@ import mmap
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -22,6 +21,7 @@ from kiln.config import EngineConfig, GiB
 from kiln.errors import MemoryFitError
 from kiln.layers.attention import INT8_SCALE_BYTES
 from kiln.models.config import ModelConfig
+from kiln.resolve import hardware
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
              "int8": torch.int8}
@@ -65,13 +65,13 @@ def measure_activation_peak(device: torch.device, forward: Callable[[], object])
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = reset_rss_peak()
+        base = hardware.reset_rss_peak()
     forward()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = rss_peak_bytes() - base
+        peak = hardware.rss_peak_bytes() - base
     return max(int(peak), 0)
 
 
@@ -144,45 +144,9 @@ def gib(n: float) -> str:
 
 
 def ram_available_bytes() -> int:
-    """RAM available now, cgroup-aware. Probed afresh (the probe's cached figure predates the
-    weights' load) and without the GPU queries, which the CPU plan does not need."""
-    from kiln.resolve.hardware import probe_hardware_at
-
-    return probe_hardware_at(Path("/"), query_gpus=False).ram_available_bytes or 8 * GiB
-
-
-def _status_bytes(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (VmRSS); 0 where /proc cannot tell."""
-    try:
-        return _status_bytes("VmRSS")
-    except OSError:
-        return 0
-
-
-def rss_peak_bytes() -> int:
-    """This process's peak RSS since start or the last `reset_rss_peak` (VmHWM); 0 if unknown."""
-    try:
-        return _status_bytes("VmHWM")
-    except OSError:
-        return 0
-
-
-def reset_rss_peak() -> int:
-    """Resets the process's peak-RSS mark (Linux clear_refs "5") and returns the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return 0
-    return rss_bytes()
+    """RAM available now, cgroup-aware (hardware.py's one reader, read afresh: the probe's cached
+    figure predates the weights' load); 8 GiB where /proc cannot tell."""
+    return hardware.ram_available_bytes() or 8 * GiB
 
 
 def _glibc() -> ctypes.CDLL | None:
