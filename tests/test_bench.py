@@ -440,13 +440,20 @@ def test_offline_bench_reports_prefill_and_decode_rates(gguf_path: Path) -> None
 
     # run_offline(None) serves the default model, the GGUF that gguf_path finds.
     # A small KV pool: sizing it from system memory is what makes a default LLM() slow to load.
-    small = {"kv_cache_memory": 128 * 2**20, "max_model_len": 1024}
+    # Eager decode: compiling the batch buckets at load is not what this test measures.
+    small = {"kv_cache_memory": 128 * 2**20, "max_model_len": 1024, "compile": False}
     result = run_offline(
         None, prefill_len=32, batch_sizes=[2], decode_tokens=4, repeats=1, engine_overrides=small
     )
     assert result.prefill_tok_s > 0 and len(result.prefill_seconds) == 1
     assert [d.batch for d in result.decode] == [2]
     assert all(d.tok_s > 0 for d in result.decode)
+    # It measured the served configuration: the same rule as `kiln serve` picks int4 for the
+    # Q4_1 GGUF, and the report names each value's source.
+    assert result.settings["quantization"]["value"] == "int4"
+    assert result.settings["quantization"]["source"] == "auto"
+    assert result.settings["compile"] == {**result.settings["compile"], "value": False,
+                                          "source": "cli"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
 def llm():
     from kiln import LLM
 
-    return LLM(dtype="float32", kv_cache_memory=32 << 20, max_model_len=512,
+    return LLM(dtype="float32", compile=False, kv_cache_memory=32 << 20, max_model_len=512,
                max_num_batched_tokens=256)
 
 

@@ -94,7 +94,12 @@ def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
 
     from kiln.layers.linear import pack_weight, packed_linear, packing_works
 
-    assert packing_works(torch.bfloat16), "this x86 torch build packs bf16 weights for oneDNN"
+    from kiln.resolve.hardware import cpu_flags
+
+    if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
+        assert packing_works(torch.bfloat16), "oneDNN packs bf16 weights on a CPU with bf16"
+    # Elsewhere pack_weight leaves the weight as it is and packed_linear is F.linear: the
+    # numbers below must hold either way.
     g = torch.Generator().manual_seed(5)
     w = torch.randn(96, 64, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype)
@@ -215,7 +220,7 @@ def quantized(request, gguf_path, smollm2_tokenizer):
     from kiln import LLM
 
     quant, _, dense = request.param.partition("+")
-    llm = LLM(str(gguf_path), tokenizer=smollm2_tokenizer, dtype="bfloat16",
+    llm = LLM(str(gguf_path), tokenizer=smollm2_tokenizer, dtype="bfloat16", compile=False,
               quantization=quant, dense_weights=bool(dense), max_model_len=1024,
               kv_cache_memory=64 << 20, max_num_seqs=8, max_num_batched_tokens=256)
     return request.param, llm
@@ -353,8 +358,9 @@ def test_dense_bf16_linear_packs_and_keeps_its_numbers():
     x = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16)
     want = model(x)
     assert pack_linears(model, torch.float32) == 0 and not lin.packed
-    assert pack_linears(model) == (1 if packing_works(torch.bfloat16) else 0)
-    assert lin.packed and "weight" not in dict(lin.named_parameters())
+    packs = packing_works(torch.bfloat16)
+    assert pack_linears(model) == (1 if packs else 0)
+    assert lin.packed == packs and ("weight" in dict(lin.named_parameters())) != packs
     got = model(x)
     assert got.shape == want.shape == (2, 5, 96)
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -65,7 +65,8 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
         # fp32, which also resolves quantization to none (the int4/int8 kernels compute in bf16):
         # the exact engine, whose batched tokens equal solo ones (the CPU default, int4 kernels,
         # is not batch-invariant yet; tests/test_bench.py serves that).
-        "--device", "cpu", "--dtype", "float32",
+        # Eager decode: the preset's compile would build graphs at every server start.
+        "--device", "cpu", "--dtype", "float32", "--no-compile",
         "--effective-config-json", str(tmp / f"effective-{port}.json"),
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
         *extra,
@@ -592,8 +593,8 @@ def test_server_llm_and_kiln_run_give_the_same_text(client: Any, gguf_path: Path
     served_text = served.choices[0].message.content
     assert served.choices[0].finish_reason == "stop" and stop not in served_text
 
-    settings = {"device": "cpu", "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-                "kv_cache_memory": "64MiB"}
+    settings = {"device": "cpu", "dtype": "float32", "compile": False,
+                "max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "64MiB"}
     llm = LLM(str(gguf_path), **settings)
     q = llm.settings.values["quantization"]
     assert (q.value, q.source) == ("none", "auto")
@@ -607,6 +608,7 @@ def test_server_llm_and_kiln_run_give_the_same_text(client: Any, gguf_path: Path
     run = subprocess.run(
         [sys.executable, "-m", "kiln", "run", str(gguf_path), question, "--temperature", "0",
          "--max-tokens", "32", "--stop", stop, "--device", "cpu", "--dtype", "float32",
+         "--no-compile",
          "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB"],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -618,7 +620,8 @@ def test_llm_stop_ends_text_and_tokens_at_the_stop(gguf_path: Path) -> None:
     completed it (the engine finished the request there, not at max_tokens)."""
     from kiln import LLM, SamplingParams
 
-    llm = LLM(str(gguf_path), kv_cache_memory="64MiB", max_model_len=MAX_MODEL_LEN)
+    llm = LLM(str(gguf_path), compile=False, kv_cache_memory="64MiB",
+              max_model_len=MAX_MODEL_LEN)
     # The default model on CPU: the same rule as `kiln serve` picks int4 for its Q4_1 blocks.
     q = llm.settings.values["quantization"]
     assert (q.value, q.source) == ("int4", "auto") and "Q4_1" in q.reason
