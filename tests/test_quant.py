@@ -93,7 +93,6 @@ def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
     import torch.nn.functional as F
 
     from kiln.layers.linear import pack_weight, packed_linear, packing_works
-
     from kiln.resolve.hardware import cpu_flags
 
     if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
