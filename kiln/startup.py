@@ -135,7 +135,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         gpu_memory_bytes=min((g.total_memory_bytes for g in hw.gpus), default=0),
         gpu_bf16=any((g.compute_capability or (0, 0))[0] >= 8 for g in hw.gpus),
         cpu_bf16=hw.cpu_native_bf16,
-        model_max_len=mc.max_position_embeddings if mc else (entry.context_length
+        model_max_len=mc.context_length if mc else (entry.context_length
                                                              if entry else None),
         weight_bytes=sp.source.total_bytes,
         model_max_tp=entry.max_tensor_parallel if entry else None,
@@ -154,7 +154,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
             s.values["runtime_preset"].source = "auto"
             s.values["runtime_preset"].reason = sp.preset_reason
     if mc is not None:
-        _check_model_limits(s, mc.max_position_embeddings)
+        _check_model_limits(s, mc.context_length)
     _auto_gpu_experts(s, entry, hw)
     sp.settings = s
 

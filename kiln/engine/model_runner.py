@@ -54,10 +54,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         mc = ckpt.config
         self.model_config = mc
-        model_len = mc.max_position_embeddings
-        if mc.sliding_window and mc.sliding_window < model_len:
-            # Sliding-window attention is not implemented: within the window it is exact.
-            model_len = mc.sliding_window
+        model_len = mc.context_length
         wanted = config.max_model_len or model_len
         if config.max_model_len_explicit and wanted > model_len:
             raise ConfigError(

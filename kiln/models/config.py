@@ -52,6 +52,16 @@ class ModelConfig:
     torch_dtype: str | None = None
     quantization: str | None = None  # e.g. "Q4_1" for a GGUF, from its file type
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence kiln runs exactly: the position limit, or the sliding window
+        where that is shorter (sliding-window attention is not implemented; within the window
+        full attention is the same thing). The one rule the settings table, the startup caps
+        and the runner read."""
+        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
