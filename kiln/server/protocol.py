@@ -335,11 +335,18 @@ class ChatCompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # vLLM extra: the stop string or token id that matched
 
 
-class ChatCompletionResponse(BaseModel):
+# The head of every completion response and chunk. A subclass narrows `object` and adds choices,
+# usage, system_fingerprint; pydantic keeps base fields first and an overridden one in its place,
+# so the JSON keeps OpenAI's order (comments here: docstrings would enter the OpenAPI schema).
+class _Envelope(BaseModel):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
@@ -363,11 +370,8 @@ class ChatCompletionStreamChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
@@ -388,24 +392,17 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
+# OpenAI streams completions as the same text_completion object, with usage only at the end.
+# (A comment, not a docstring: a docstring would become a description in the OpenAPI schema.)
+class CompletionChunk(CompletionResponse):
     usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
