@@ -20,7 +20,7 @@ Choices made here, documented for users:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -335,21 +335,26 @@ class ChatCompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # vLLM extra: the stop string or token id that matched
 
 
-# The head of every completion response and chunk. A subclass narrows `object` and adds choices,
-# usage, system_fingerprint; pydantic keeps base fields first and an overridden one in its place,
-# so the JSON keeps OpenAI's order (comments here: docstrings would enter the OpenAPI schema).
-class _Envelope(BaseModel):
+ChoiceT = TypeVar("ChoiceT")
+
+
+# What every completion response and chunk holds. A subclass names its choice type, narrows
+# `object`, and a response makes `usage` required; pydantic keeps an overridden field in its
+# place, so the JSON keeps OpenAI's order (comments here: docstrings would enter the OpenAPI
+# schema).
+class _Envelope(BaseModel, Generic[ChoiceT]):
     id: str
     object: str
     created: int
     model: str
-
-
-class ChatCompletionResponse(_Envelope):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
+    choices: list[ChoiceT]
+    usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(_Envelope[ChatCompletionChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+    usage: UsageInfo
 
 
 class DeltaMessage(BaseModel):
@@ -370,11 +375,8 @@ class ChatCompletionStreamChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(_Envelope):
+class ChatCompletionChunk(_Envelope[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -392,11 +394,9 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(_Envelope):
+class CompletionResponse(_Envelope[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
 
 
 # OpenAI streams completions as the same text_completion object, with usage only at the end.
