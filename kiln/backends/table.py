@@ -291,11 +291,14 @@ def speculative_tokens(model: str | None, ctx: PlanContext) -> int | None:
 
 
 # --------------------------------------------------------------------------- shared rows
-# Rows whose kiln setting reaches every engine the same way. They are functions, not constants,
-# where the engine supplies a part; each backend's TABLE splices them in where its order wants.
+# Rows whose settings reach every engine the same way (which settings fire them, the engine's
+# default); the engine passes in its flags or emitters, and its TABLE splices the rows in at its
+# own place (table order is argv order).
+
+Emit = Callable[[Any, PlanContext], list[Out]]
 
 
-def server_rows(names: Callable[[Any, PlanContext], list[Out]]) -> tuple[Map, ...]:
+def server_rows(names: Emit) -> tuple[Map, ...]:
     """--host, --port, the served name(s) (`names`: how many the engine takes) and --api-key,
     first on the line, as each engine's OpenAI server spells them."""
     return (Map("host", "--host", always=True),
@@ -312,8 +315,7 @@ def kv_cache_dtype_row(literals: Mapping[str, str], known: Iterable[str]) -> Map
     return Map("kv_cache_dtype", "--kv-cache-dtype", convert=convert)
 
 
-def switch(on: str | None = None,
-           off: str | None = None) -> Callable[[Any, PlanContext], list[Out]]:
+def switch(on: str | None = None, off: str | None = None) -> Emit:
     """An emitter for a boolean setting: the bare flag `on` when true, `off` when false."""
     def emit(value: bool, _: PlanContext) -> list[Out]:
         flag = on if value else off
@@ -322,8 +324,7 @@ def switch(on: str | None = None,
     return emit
 
 
-def parallel_rows(tp_flag: str, pp_flag: str,
-                  nodes: Callable[[Any, PlanContext], list[Out]]) -> tuple[Map, ...]:
+def parallel_rows(tp_flag: str, pp_flag: str, nodes: Emit) -> tuple[Map, ...]:
     """Tensor, pipeline and node parallelism. 1 is every engine's default, so only more is sent;
     `nodes` also reads where rank 0 is."""
     return (Map("tensor_parallel_size", tp_flag, engine_default=1),
@@ -331,11 +332,9 @@ def parallel_rows(tp_flag: str, pp_flag: str,
             Map("nnodes", emit=nodes, engine_default=1, also=("node_rank", "dist_init_addr")))
 
 
-def extension_rows(lora: Callable[[Any, PlanContext], list[Out]],
-                   speculative: Callable[[Any, PlanContext], list[Out]],
-                   offload: Callable[[Any, PlanContext], list[Out]]) -> tuple[Map, ...]:
-    """LoRA adapters, speculative decoding and CPU expert offload: the rows that read the
-    settings grouped under them (`also`), which every engine's emitter needs together."""
+def extension_rows(lora: Emit, speculative: Emit, offload: Emit) -> tuple[Map, ...]:
+    """LoRA adapters, speculative decoding and CPU expert offload, in that order. Each row also
+    fires on the settings that qualify it (`also`), so its emitter sees them together."""
     return (Map("lora_modules", emit=lora),
             Map("max_lora_rank", "--max-lora-rank"),
             Map("speculative_model", emit=speculative,
