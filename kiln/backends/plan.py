@@ -12,32 +12,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# What a table row is and emits as T.*; the types a plan is made of by name.
+from kiln.backends import table as T
 from kiln.backends.discovery import check_plan, find_engine, probe_engine
-from kiln.backends.table import (
-    ENGINE_DECIDES,
-    Arg,
-    BackendModel,
-    EngineCommand,
-    EngineHelp,
-    Env,
-    LaunchPlan,
-    Map,
-    Out,
-    PlanContext,
-    Untranslatable,
-    get_backend,
-)
+from kiln.backends.table import BackendModel, EngineCommand, EngineHelp, LaunchPlan
 from kiln.config import BY_NAME, SETTINGS, ResolvedSettings
 from kiln.errors import ConfigError, EngineNotFoundError
 
 
-def _fires(row: Map, ctx: PlanContext, name: str) -> bool:
+def _fires(row: T.Map, ctx: T.PlanContext, name: str) -> bool:
     value = ctx.value(name)
     if value is None:
         return False
     if ctx.explicit(name):
         return True
-    return row.engine_default is not ENGINE_DECIDES and value != row.engine_default
+    return row.engine_default is not T.ENGINE_DECIDES and value != row.engine_default
 
 
 def build_plan(
@@ -57,9 +46,9 @@ def build_plan(
     keeps the last value of a repeated flag, so a pass-through flag overrides kiln's.
     Raises ConfigError when a setting cannot be honoured and ignoring it would change results.
     """
-    backend = get_backend(engine)
+    backend = T.get_backend(engine)
     cfg = _engine_cfg(engine, engine_cfg)
-    ctx = PlanContext(backend, settings, model, help)
+    ctx = T.PlanContext(backend, settings, model, help)
     warnings: list[str] = []
     if command is None:
         try:
@@ -103,7 +92,7 @@ def build_plan(
             continue
         try:
             outs = _row_outputs(row, value, ctx)
-        except Untranslatable as u:
+        except T.Untranslatable as u:
             if u.severity == "error":
                 errors.append(f"{_flag_name(row.setting)}={_show(value)}: {u.message}")
             else:
@@ -111,7 +100,7 @@ def build_plan(
             continue
         for out in outs:
             name = out.setting or row.setting
-            if isinstance(out, Env):
+            if isinstance(out, T.Env):
                 env[out.name] = out.value
                 translated.append((name, out.name, out.value))
                 continue
@@ -165,12 +154,12 @@ def build_plan(
     )
 
 
-def _row_outputs(row: Map, value: Any, ctx: PlanContext) -> list[Out]:
+def _row_outputs(row: T.Map, value: Any, ctx: T.PlanContext) -> list[T.Out]:
     if row.emit is not None:
         return row.emit(value, ctx)
     assert row.flag is not None, f"row {row.setting} has neither flag nor emit"
     converted = row.convert(value, ctx) if row.convert is not None else value
-    return [] if converted is None else [Arg(row.flag, converted)]
+    return [] if converted is None else [T.Arg(row.flag, converted)]
 
 
 def _engine_cfg(engine: str, cfg: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -237,15 +226,10 @@ def plan_to_dry_run(plan: LaunchPlan, *, reveal_secrets: bool = False,
     return line
 
 
-def prepare_launch(
-    engine: str,
-    settings: ResolvedSettings | Mapping[str, Any],
-    model: BackendModel,
-    *,
-    passthrough: Sequence[str] = (),
-    engine_cfg: Mapping[str, Any] | None = None,
-    cache: Path | None = None,
-) -> LaunchPlan:
+def prepare_launch(engine: str, settings: ResolvedSettings | Mapping[str, Any],
+                   model: BackendModel, *, passthrough: Sequence[str] = (),
+                   engine_cfg: Mapping[str, Any] | None = None,
+                   cache: Path | None = None) -> LaunchPlan:
     """find_engine + probe_engine + build_plan + check_plan: a plan that this installed engine
     will accept, or EngineNotFoundError naming the install command."""
     cfg = _engine_cfg(engine, engine_cfg)

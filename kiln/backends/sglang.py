@@ -11,21 +11,10 @@ import importlib.util
 import sys
 from typing import Any
 
+# The converters and rows every engine shares, as T.*; the table machinery by name.
+from kiln.backends import table as T
 from kiln.backends.discovery import is_python, python_with_module
-from kiln.backends.table import (
-    KT_SETTINGS,
-    Arg,
-    Backend,
-    EngineCommand,
-    Env,
-    Map,
-    Out,
-    PlanContext,
-    Untranslatable,
-    kv_cache_dtype,
-    lora_pairs,
-    served_names,
-)
+from kiln.backends.table import Arg, Backend, EngineCommand, Map, Out, PlanContext, Untranslatable
 
 MODULE = "sglang.launch_server"
 
@@ -74,26 +63,13 @@ def from_user_command(parts: list[str], source: str) -> EngineCommand:
 
 
 def _names(_: Any, ctx: PlanContext) -> list[Out]:
-    names = served_names(ctx)
+    names = T.served_names(ctx)
     if not names:
         return []
     if len(names) > 1:
         ctx.warn(f"SGLang serves one model name: {names[0]!r} (aliases "
                  f"{', '.join(names[1:])} dropped)")
     return [Arg("--served-model-name", names[0])]
-
-
-def _kv(value: str, ctx: PlanContext) -> str | None:
-    return kv_cache_dtype(value, ctx, flag="--kv-cache-dtype", literals=KV_LITERALS,
-                          known=KV_CHOICES)
-
-
-def _prefix(value: bool, _: PlanContext) -> list[Out]:
-    return [] if value else [Arg("--disable-radix-cache")]
-
-
-def _compile(value: bool, _: PlanContext) -> list[Out]:
-    return [Arg("--enable-torch-compile")] if value else []
 
 
 def _quant(value: str, _: PlanContext) -> str | None:
@@ -116,21 +92,15 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
 
 
 def _lora(value: Any, _: PlanContext) -> list[Out]:
-    pairs = lora_pairs(value)
+    pairs = T.lora_pairs(value)
     return [Arg("--lora-paths", pairs)] if pairs else []
 
 
 def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
-    method = ctx.value("speculative_method")
-    k = ctx.value("num_speculative_tokens")
-    if model is None and method != "ngram":
-        if k is not None or method is not None:
-            raise Untranslatable("error", "speculative decoding needs --speculative-model "
-                                 "(or --speculative-method ngram)")
-        return []
+    k = T.speculative_tokens(model, ctx)
     if k is None:
-        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens")
-    k = int(k)
+        return []
+    method = ctx.value("speculative_method")
     algo = SPEC_ALGORITHMS.get(method)
     if algo is None:
         raise Untranslatable("error", f"SGLang has no speculative method {method!r}")
@@ -155,7 +125,7 @@ def _offload_active(ctx: PlanContext) -> bool:
 
 def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
     if not offload:
-        given = [n for n in KT_SETTINGS if ctx.explicit(n)]
+        given = [n for n in T.KT_SETTINGS if ctx.explicit(n)]
         if given:
             raise Untranslatable("warn", f"{', '.join('--' + n.replace('_', '-') for n in given)}"
                                  " apply only with --cpu-offload-experts; ignored")
@@ -203,15 +173,8 @@ def _threads(_: Any, ctx: PlanContext) -> list[Out]:
                          "--cpu-offload-experts it sets --kt-cpuinfer)")
 
 
-def _offline(value: bool, _: PlanContext) -> list[Out]:
-    return [Env("HF_HUB_OFFLINE", "1")] if value else []
-
-
 TABLE: tuple[Map, ...] = (
-    Map("host", "--host", always=True),
-    Map("port", "--port", always=True),
-    Map("served_model_name", emit=_names, always=True),
-    Map("api_key", "--api-key"),
+    *T.server_rows(_names),
     Map("device", "--device", convert=lambda v, _: None if v == "auto" else v),
     Map("dtype", "--dtype"),
     Map("seed", "--random-seed"),
@@ -221,22 +184,16 @@ TABLE: tuple[Map, ...] = (
     Map("max_queue", "--max-queued-requests"),
     Map("block_size", "--page-size"),
     Map("gpu_memory_utilization", "--mem-fraction-static"),
-    Map("kv_cache_dtype", "--kv-cache-dtype", convert=_kv),
+    T.kv_cache_dtype_row(KV_LITERALS, KV_CHOICES),
     Map("kv_max_blocks", "--max-total-tokens", convert=_total_tokens),
-    Map("enable_prefix_caching", emit=_prefix),
-    Map("compile", emit=_compile),
+    Map("enable_prefix_caching", emit=T.switch(off="--disable-radix-cache")),
+    Map("compile", emit=T.switch(on="--enable-torch-compile")),
     Map("quantization", "--torchao-config", convert=_quant),
-    Map("tensor_parallel_size", "--tp-size", engine_default=1),
-    Map("pipeline_parallel_size", "--pp-size", engine_default=1),
-    Map("nnodes", emit=_nodes, engine_default=1, also=("node_rank", "dist_init_addr")),
-    Map("lora_modules", emit=_lora),
-    Map("max_lora_rank", "--max-lora-rank"),
-    Map("speculative_model", emit=_speculative,
-        also=("num_speculative_tokens", "speculative_method")),
-    Map("cpu_offload_experts", emit=_kt, engine_default=False, also=KT_SETTINGS),
+    *T.parallel_rows("--tp-size", "--pp-size", _nodes),
+    *T.extension_rows(_lora, _speculative, _kt),
     Map("num_threads", emit=_threads),
     Map("log_level", "--log-level"),
-    Map("offline", emit=_offline),
+    Map("offline", emit=T.offline_env),
     Map("kv_cache_memory", unsupported="warn",
         note="SGLang sizes its KV pool by --mem-fraction-static or --max-total-tokens; use "
         "--gpu-memory-utilization or --kv-max-blocks"),
@@ -244,16 +201,8 @@ TABLE: tuple[Map, ...] = (
         note="SGLang sizes memory by --mem-fraction-static on the device"),
 )
 
-BACKEND = Backend(
-    name="sglang",
-    label="SGLang",
-    table=TABLE,
-    default_command=default_command,
-    discover=discover,
-    from_user_command=from_user_command,
-    help_args=(("--help",),),
-    install_hint=INSTALL,
-    upgrade_hint='pip install -U "sglang[all]"',
-    flag_hints={"--kt-": KT_INSTALL},
-    tokenizer_flag="--tokenizer-path",
-)
+# name, label, then this module's table and command functions, in Backend's field order
+BACKEND = Backend("sglang", "SGLang", TABLE, default_command, discover, from_user_command,
+                  help_args=(("--help",),), install_hint=INSTALL,
+                  upgrade_hint='pip install -U "sglang[all]"', flag_hints={"--kt-": KT_INSTALL},
+                  tokenizer_flag="--tokenizer-path")

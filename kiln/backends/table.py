@@ -268,3 +268,75 @@ def lora_pairs(value: Any) -> list[str]:
 def served_names(ctx: PlanContext) -> list[str]:
     names = ctx.value("served_model_name") or ctx.model.served_names
     return [str(n) for n in names] if names else []
+
+
+def offline_env(value: bool, _: PlanContext) -> list[Out]:
+    """Both engines download through huggingface_hub, so one variable keeps them offline."""
+    return [Env("HF_HUB_OFFLINE", "1")] if value else []
+
+
+def speculative_tokens(model: str | None, ctx: PlanContext) -> int | None:
+    """How many tokens to draft, or None when speculative decoding is off. Both engines need a
+    draft model (or the model-free n-gram method) and a token count; anything less is refused."""
+    method = ctx.value("speculative_method")
+    k = ctx.value("num_speculative_tokens")
+    if model is None and method != "ngram":
+        if k is not None or method is not None:
+            raise Untranslatable("error", "speculative decoding needs --speculative-model "
+                                 "(or --speculative-method ngram)")
+        return None
+    if k is None:
+        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens")
+    return int(k)
+
+
+# --------------------------------------------------------------------------- shared rows
+# Rows whose settings reach every engine the same way (which settings fire them, the engine's
+# default); the engine passes in its flags or emitters, and its TABLE splices the rows in at its
+# own place (table order is argv order).
+
+Emit = Callable[[Any, PlanContext], list[Out]]
+
+
+def server_rows(names: Emit) -> tuple[Map, ...]:
+    """--host, --port, the served name(s) (`names`: how many the engine takes) and --api-key,
+    first on the line, as each engine's OpenAI server spells them."""
+    return (Map("host", "--host", always=True),
+            Map("port", "--port", always=True),
+            Map("served_model_name", emit=names, always=True),
+            Map("api_key", "--api-key"))
+
+
+def kv_cache_dtype_row(literals: Mapping[str, str], known: Iterable[str]) -> Map:
+    """kv_cache_dtype as --kv-cache-dtype, through kv_cache_dtype() with the engine's literals."""
+    def convert(value: str, ctx: PlanContext) -> str | None:
+        return kv_cache_dtype(value, ctx, flag="--kv-cache-dtype", literals=literals, known=known)
+
+    return Map("kv_cache_dtype", "--kv-cache-dtype", convert=convert)
+
+
+def switch(on: str | None = None, off: str | None = None) -> Emit:
+    """An emitter for a boolean setting: the bare flag `on` when true, `off` when false."""
+    def emit(value: bool, _: PlanContext) -> list[Out]:
+        flag = on if value else off
+        return [Arg(flag)] if flag else []
+
+    return emit
+
+
+def parallel_rows(tp_flag: str, pp_flag: str, nodes: Emit) -> tuple[Map, ...]:
+    """Tensor, pipeline and node parallelism. 1 is every engine's default, so only more is sent;
+    `nodes` also reads where rank 0 is."""
+    return (Map("tensor_parallel_size", tp_flag, engine_default=1),
+            Map("pipeline_parallel_size", pp_flag, engine_default=1),
+            Map("nnodes", emit=nodes, engine_default=1, also=("node_rank", "dist_init_addr")))
+
+
+def extension_rows(lora: Emit, speculative: Emit, offload: Emit) -> tuple[Map, ...]:
+    """LoRA adapters, speculative decoding and CPU expert offload, in that order. Each row also
+    fires on the settings that qualify it (`also`), so its emitter sees them together."""
+    return (Map("lora_modules", emit=lora),
+            Map("max_lora_rank", "--max-lora-rank"),
+            Map("speculative_model", emit=speculative,
+                also=("num_speculative_tokens", "speculative_method")),
+            Map("cpu_offload_experts", emit=offload, engine_default=False, also=KT_SETTINGS))

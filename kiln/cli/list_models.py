@@ -7,20 +7,17 @@ import json
 import sys
 from typing import Any
 
+from kiln.cli import add_json_flag, add_model_dir_flag
 from kiln.errors import KilnError
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "list",
-        help="list local models (embedded default, HF cache, model folders)",
-        description="List models on this machine. Each NAME works as MODEL in other commands.",
-    )
-    p.add_argument(
-        "--model-dir", action="append", default=[], metavar="DIR", help="extra model folder"
-    )
+        "list", help="list local models (embedded default, HF cache, model folders)",
+        description="List models on this machine. Each NAME works as MODEL in other commands.")
+    add_model_dir_flag(p)
     p.add_argument("--registry", action="store_true", help="list kiln's model aliases instead")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_json_flag(p)
     p.set_defaults(func=main)
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from kiln.cli import add_json_flag, add_model_dir_flag
 from kiln.errors import KilnError
 
 
@@ -19,14 +20,8 @@ def add_parser(subparsers: Any) -> None:
         "file). Already-present models are not downloaded again.",
     )
     p.add_argument("model", metavar="MODEL", help="alias, owner/repo or owner/repo:QUANT")
-    p.add_argument(
-        "--model-dir",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="also look for MODEL in DIR before downloading (repeatable)",
-    )
-    p.add_argument("--json", action="store_true", help="print the resolved source as JSON")
+    add_model_dir_flag(p, "also look for MODEL in DIR before downloading (repeatable)")
+    add_json_flag(p, "print the resolved source as JSON")
     p.set_defaults(func=main)
 
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.server.errors import APIError, validation_error
-from kiln.server.routes import admin, chat, completions
+from kiln.server.errors import APIError, ClientGone, validation_error
+from kiln.server.routes import admin, generation
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
@@ -50,6 +50,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; never delivered
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
@@ -66,7 +70,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    for r in (chat.router(sv), completions.router(sv), admin.models_router(sv)):
+    for r in (generation.router(sv), admin.models_router(sv)):
         v1.include_router(r)
     app.include_router(v1)
     app.include_router(admin.router(sv))

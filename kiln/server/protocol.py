@@ -20,7 +20,7 @@ Choices made here, documented for users:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -335,14 +335,26 @@ class ChatCompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # vLLM extra: the stop string or token id that matched
 
 
-class ChatCompletionResponse(BaseModel):
+ChoiceT = TypeVar("ChoiceT")
+
+
+# What every completion response and chunk holds. A subclass names its choice type, narrows
+# `object`, and a response makes `usage` required; pydantic keeps an overridden field in its
+# place, so the JSON keeps OpenAI's order (comments here: docstrings would enter the OpenAPI
+# schema).
+class _Envelope(BaseModel, Generic[ChoiceT]):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
+    choices: list[ChoiceT]
+    usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(_Envelope[ChatCompletionChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+    usage: UsageInfo
 
 
 class DeltaMessage(BaseModel):
@@ -363,14 +375,8 @@ class ChatCompletionStreamChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -388,24 +394,15 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
+# OpenAI streams completions as the same text_completion object, with usage only at the end.
+# (A comment, not a docstring: a docstring would become a description in the OpenAPI schema.)
+class CompletionChunk(CompletionResponse):
     usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):

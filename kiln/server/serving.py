@@ -18,10 +18,11 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from kiln.sampling_params import SamplingParams, SamplingParamsError
 from kiln.server.errors import APIError, ClientGone, bad_param, engine_error
@@ -57,6 +58,14 @@ class ChoiceEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @staticmethod
+    def joined(evs: list[ChoiceEvent]) -> ChoiceEvent:
+        """A choice's events as one: all its text, logprobs and offsets (offsets already count
+        from the choice's start); reasons and token counts are the last event's, the totals."""
+        return replace(evs[-1], text="".join(e.text for e in evs),
+                       logprobs=[lp for e in evs for lp in e.logprobs],
+                       text_offsets=[o for e in evs for o in e.text_offsets])
 
 
 @dataclass
@@ -161,8 +170,9 @@ class Serving:
             watcher.cancel()
         return fan
 
-    async def collect(self, request: Request, fan: Fanout) -> dict[int, list[ChoiceEvent]]:
-        """Non-streaming: gather all events of all choices (abort on client disconnect)."""
+    async def collect(self, request: Request, fan: Fanout) -> dict[int, ChoiceEvent]:
+        """Non-streaming: gather all events of all choices (abort on client disconnect), each
+        choice's joined into one (`ChoiceEvent.joined`), in the order of `fan.specs`."""
         events: dict[int, list[ChoiceEvent]] = {s.index: [] for s in fan.specs}
         remaining = len(fan.specs)
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
@@ -180,13 +190,21 @@ class Serving:
         finally:
             watcher.cancel()
             fan.cancel()
-        return events
+        return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
+
+    def stream_response(self, request: Request, fan: Fanout,
+                        render: Callable[[ChoiceEvent], str], first: list[str],
+                        last: Callable[[list[ChoiceEvent]], str | None]) -> StreamingResponse:
+        """`stream` as the SSE response a streaming route returns."""
+        return StreamingResponse(self.stream(request, fan, render, first, last),
+                                 media_type="text/event-stream")
 
     async def stream(self, request: Request, fan: Fanout,
-                     render: Callable[[ChoiceEvent], str | None], first: list[str],
+                     render: Callable[[ChoiceEvent], str], first: list[str],
                      last: Callable[[list[ChoiceEvent]], str | None]) -> AsyncIterator[str]:
-        """Streaming: SSE lines for each event; `first` chunks go out before any event; `last`
-        gets every choice's final event (for the usage chunk)."""
+        """Streaming: SSE lines for each event that says something (`render` makes its chunk);
+        `first` chunks go out before any event; `last` gets every choice's final event (for the
+        usage chunk)."""
         # Starlette also cancels this generator on disconnect (ASGI spec < 2.4), but not on every
         # server; our own watcher makes the abort certain either way.
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
@@ -207,9 +225,9 @@ class Serving:
                         500, f"internal error: {type(err).__name__}: {err}")
                     yield f"data: {json.dumps(api_err.body())}\n\n"
                     break
-                line = render(item)
-                if line is not None:
-                    yield f"data: {line}\n\n"
+                # A step that added no text or logprobs and finished nothing has nothing to send.
+                if item.text or item.logprobs or item.finished:
+                    yield f"data: {render(item)}\n\n"
                 if item.finished:
                     finals.append(item)
                     remaining -= 1

@@ -6,11 +6,11 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from kiln.engine.request import TokenLogprob
-from kiln.server.errors import ClientGone, bad_param
+from kiln.server.errors import bad_param
 from kiln.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -59,7 +59,8 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
     specs = [ChoiceSpec(f"{rid}-{i}", i, prompt_ids, params.for_choice(i),
                         session_id=session if req.n == 1 else None, cache_salt=req.cache_salt)
              for i in range(req.n)]
-    created = int(time.time())
+    # Every response and chunk of this request carries the same id, time and model.
+    head: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
     k = params.logprobs or 0
     want_lp = params.logprobs is not None
     fan = await sv.start(request, specs)
@@ -72,28 +73,19 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     if not req.stream:
-        events = await sv.collect(request, fan)
-        choices = []
-        finals = []
-        for i in range(req.n):
-            evs = events[i]
-            finals.append(evs[-1])
-            lps = [lp for e in evs for lp in e.logprobs]
-            choices.append(ChatCompletionChoice(
-                index=i, message=ChatResponseMessage(content="".join(e.text for e in evs)),
-                logprobs=chat_logprobs(sv.tok, lps, k) if want_lp else None,
-                finish_reason=evs[-1].finish_reason, stop_reason=evs[-1].stop_reason))
-        resp = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=usage(finals))
+        outs = await sv.collect(request, fan)
+        choices = [ChatCompletionChoice(
+            index=i, message=ChatResponseMessage(content=out.text),
+            logprobs=chat_logprobs(sv.tok, out.logprobs, k) if want_lp else None,
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            for i, out in outs.items()]
+        resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())))
         return JSONResponse(resp.model_dump(mode="json"))
 
     def chunk(choices: list[ChatCompletionStreamChoice], u: UsageInfo | None = None) -> str:
-        return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
-                                   usage=u).model_dump_json()
+        return ChatCompletionChunk(**head, choices=choices, usage=u).model_dump_json()
 
-    def render(ev: ChoiceEvent) -> str | None:
-        if not ev.text and not ev.logprobs and not ev.finished:
-            return None
+    def render(ev: ChoiceEvent) -> str:
         return chunk([ChatCompletionStreamChoice(
             index=ev.index, delta=DeltaMessage(content=ev.text) if ev.text else DeltaMessage(),
             logprobs=chat_logprobs(sv.tok, ev.logprobs, k) if want_lp and ev.logprobs else None,
@@ -103,21 +95,5 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
                                                                            content=""))])
              for i in range(req.n)]
 
-    def last(finals: list[ChoiceEvent]) -> str | None:
-        return chunk([], usage(finals)) if req.include_usage else None
-
-    return StreamingResponse(sv.stream(request, fan, render, first, last),
-                             media_type="text/event-stream")
-
-
-def router(sv: Serving) -> APIRouter:
-    r = APIRouter()
-
-    @r.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-        try:
-            return await create_chat_completion(sv, req, request)
-        except ClientGone:
-            return Response(status_code=499)  # nginx's "client closed request"; never delivered
-
-    return r
+    return sv.stream_response(request, fan, render, first,
+                              lambda fin: chunk([], usage(fin)) if req.include_usage else None)

@@ -6,11 +6,11 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from kiln.engine.request import TokenLogprob
-from kiln.server.errors import APIError, ClientGone
+from kiln.server.errors import APIError
 from kiln.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -67,7 +67,8 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
                                     cache_salt=req.cache_salt))
     want_lp = req.logprobs is not None
     k = req.logprobs or 0
-    created = int(time.time())
+    # Every response and chunk of this request carries the same id, time and model.
+    head: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
     fan = await sv.start(request, specs)
 
     def usage(finals: list[ChoiceEvent]) -> UsageInfo:
@@ -85,31 +86,22 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
     echo_len = {s.index: len(s.prompt_text) if req.echo else 0 for s in specs}
 
     if not req.stream:
-        events = await sv.collect(request, fan)
+        outs = await sv.collect(request, fan)
         choices = []
-        finals = []
         for s in specs:
-            evs = events[s.index]
-            finals.append(evs[-1])
-            text = (s.prompt_text if req.echo else "") + "".join(e.text for e in evs)
-            lps = [lp for e in evs for lp in e.logprobs]
-            offs = [o for e in evs for o in e.text_offsets]
+            out = outs[s.index]
+            lps = (completion_logprobs(sv.tok, out.logprobs, out.text_offsets, k,
+                                       echo_len[s.index]) if want_lp else None)
             choices.append(CompletionChoice(
-                index=s.index, text=text,
-                logprobs=(completion_logprobs(sv.tok, lps, offs, k, echo_len[s.index])
-                          if want_lp else None),
-                finish_reason=evs[-1].finish_reason, stop_reason=evs[-1].stop_reason))
-        resp = CompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                  usage=usage(finals))
+                index=s.index, text=(s.prompt_text if req.echo else "") + out.text, logprobs=lps,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        resp = CompletionResponse(**head, choices=choices, usage=usage(list(outs.values())))
         return JSONResponse(resp.model_dump(mode="json"))
 
     def chunk(choices: list[CompletionChoice], u: UsageInfo | None = None) -> str:
-        return CompletionChunk(id=rid, created=created, model=model, choices=choices,
-                               usage=u).model_dump_json()
+        return CompletionChunk(**head, choices=choices, usage=u).model_dump_json()
 
-    def render(ev: ChoiceEvent) -> str | None:
-        if not ev.text and not ev.logprobs and not ev.finished:
-            return None
+    def render(ev: ChoiceEvent) -> str:
         lp = (completion_logprobs(sv.tok, ev.logprobs, ev.text_offsets, k, echo_len[ev.index])
               if want_lp and ev.logprobs else None)
         return chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=lp,
@@ -119,21 +111,5 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
     first = ([chunk([CompletionChoice(index=s.index, text=s.prompt_text)])
               for s in specs if s.prompt_text] if req.echo else [])
 
-    def last(finals: list[ChoiceEvent]) -> str | None:
-        return chunk([], usage(finals)) if req.include_usage else None
-
-    return StreamingResponse(sv.stream(request, fan, render, first, last),
-                             media_type="text/event-stream")
-
-
-def router(sv: Serving) -> APIRouter:
-    r = APIRouter()
-
-    @r.post("/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        try:
-            return await create_completion(sv, req, request)
-        except ClientGone:
-            return Response(status_code=499)
-
-    return r
+    return sv.stream_response(request, fan, render, first,
+                              lambda fin: chunk([], usage(fin)) if req.include_usage else None)
