@@ -219,7 +219,7 @@ def quantized(request, gguf_path, smollm2_tokenizer):
     from kiln import LLM
 
     quant, _, dense = request.param.partition("+")
-    llm = LLM(str(gguf_path), tokenizer=smollm2_tokenizer, dtype="bfloat16", compile=False,
+    llm = LLM(str(gguf_path), tokenizer=smollm2_tokenizer, dtype="bfloat16",
               quantization=quant, dense_weights=bool(dense), max_model_len=1024,
               kv_cache_memory=64 << 20, max_num_seqs=8, max_num_batched_tokens=256)
     return request.param, llm
