@@ -19,14 +19,27 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kiln.auto_rules import (
+    AutoContext,
+    AutoRule,
+    GiB,  # noqa: F401 - re-exported: the unit kiln's modules size memory in
+    auto_batched_tokens,
+    auto_dense_weights,
+    auto_device,
+    auto_dtype,
+    auto_engine,
+    auto_kv_cache_dtype,
+    auto_max_model_len,
+    auto_max_num_seqs,
+    auto_quantization,
+    auto_threads,
+    auto_tp,
+)
 from kiln.errors import ConfigError
 
 # "engine": decided while loading (the KV pool lowered the context, the layer kernel left nothing
 # to compile), written back over the resolved value so the record tells what actually runs.
 SOURCES = ("cli", "env", "file", "preset", "registry", "auto", "default", "engine")
-
-GiB = 1 << 30
-
 
 # --------------------------------------------------------------------------- parsers
 
@@ -106,30 +119,6 @@ def positive_wait_ms(value: Any) -> int:
 # --------------------------------------------------------------------------- the table
 
 
-@dataclass
-class AutoContext:
-    """What auto rules may look at: filled from the hardware probe and the model source."""
-
-    device: str = "cpu"  # already resolved device type: "cpu" or "cuda"
-    physical_cores: int = 1
-    ram_available_bytes: int = 8 * GiB
-    gpu_count: int = 0
-    gpu_memory_bytes: int = 0  # per GPU
-    gpu_bf16: bool = False
-    cpu_bf16: bool = False  # AVX-512 BF16 / AMX: bf16 matmuls are fast
-    model_max_len: int | None = None  # from the model config
-    weight_bytes: int = 0  # weight bytes on disk
-    model_max_tp: int | None = None  # from the registry
-    is_moe: bool = False
-    model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
-    # Settings resolved so far from an explicit source (cli, env, file): filled by
-    # resolve_settings as it walks the table, so a rule can tell "asked for" from "defaulted".
-    explicit: set[str] = field(default_factory=set)
-
-
-AutoRule = Callable[[AutoContext, dict[str, Any]], tuple[Any, str]]
-
-
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -158,108 +147,6 @@ class Setting:
         return self.parse is parse_bool
 
 
-def _auto_device(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
-    if ctx.gpu_count:
-        return "cuda", f"{ctx.gpu_count} CUDA GPU(s) found"
-    return "cpu", "no CUDA GPU found"
-
-
-def _auto_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if v.get("device") == "cuda":
-        if ctx.gpu_bf16:
-            return "bfloat16", "GPU supports bf16 (compute capability >= 8.0)"
-        return "float16", "GPU lacks fast bf16"
-    if ctx.cpu_bf16:
-        return "bfloat16", "CPU has AVX-512 BF16/AMX: bf16 matmuls are faster than fp32"
-    return "float32", "CPU has no native bf16: fp32 is faster and exact"
-
-
-def _auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    quant = (ctx.model_quant or "").upper()
-    if v.get("engine") in ("vllm", "sglang"):
-        return "none", "the external engine serves the checkpoint as it is"
-    if v.get("device") == "cuda":
-        return "none", "GPU: dense weights in the model dtype"
-    if "dtype" in ctx.explicit and v.get("dtype") == "float32":
-        # The quantized kernels compute with bf16 activations: not what float32 asks for.
-        return "none", ("--dtype float32 asks for float32 math: the weights are dequantized to "
-                        "float32 (the int4/int8 kernels compute in bf16)")
-    if not quant or quant in ("F32", "F16", "BF16", "FP32", "FP16"):
-        return "none", "the checkpoint is not quantized"
-    if quant.startswith(("Q4_0", "Q4_1")):
-        return "int4", (f"CPU and a {quant} GGUF: its 4-bit blocks feed the int4 kernels as they "
-                        "are (no requantization); decode reads 4x fewer weight bytes than bf16")
-    if quant.startswith(("Q2", "Q3", "Q4", "IQ")):
-        return "int4", f"CPU and a {quant} GGUF: re-quantized to int4 groups of 32 at load"
-    return "int8", f"CPU and a {quant} GGUF: re-quantized to int8 per channel at load"
-
-
-def _auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if v.get("quantization") in (None, "none"):
-        return False, "nothing is quantized"
-    if v.get("device") == "cuda":
-        return False, "GPU: quantized weights only"
-    # Upper bound of the bf16 copy: 4-bit weights on disk grow ~4x (int8: 2x).
-    copy = ctx.weight_bytes * (4 if v.get("quantization") == "int4" else 2)
-    if copy and copy <= ctx.ram_available_bytes // 4:
-        return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB at most) fits in a quarter of the "
-                      "available RAM: prefill (and, without kiln's CPU kernels, steps of >= 4 "
-                      "rows) runs dense (oneDNN-packed) GEMMs, faster there than the quantized "
-                      "kernels; int4 layers on kiln's kernels keep none (their int8-activation "
-                      "kernel is faster)")
-    return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
-
-
-# The model dtype's name -> the KV cache storing it as it is computed.
-_KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def _auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    # The model runner applies this rule too, for an EngineConfig built with "auto" (tests).
-    if v.get("engine") in ("vllm", "sglang"):
-        return "auto", "the external engine keeps its KV cache in the model dtype"
-    dtype = v["dtype"]
-    return _KV_DTYPE_OF[dtype], (f"the model dtype ({dtype}): keys and values are stored as "
-                                 "they are computed, no conversion per step")
-
-
-def _auto_threads(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
-    return ctx.physical_cores, f"{ctx.physical_cores} physical core(s)"
-
-
-def _auto_max_model_len(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
-    if ctx.model_max_len:
-        return ctx.model_max_len, "the model's max_position_embeddings / context_length"
-    return 4096, "the model does not say; 4096"
-
-
-def _auto_max_num_seqs(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if v.get("device") == "cuda":
-        return 256, "GPU: vLLM's default"
-    return 32, "CPU: batches past ~32 sequences stop raising throughput on few cores"
-
-
-def _auto_batched_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if v.get("device") == "cuda":
-        return 8192, "GPU: large prefill chunks keep the GPU busy"
-    return 512, "CPU: 512-token chunks keep decode latency low while prefilling"
-
-
-def _auto_tp(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
-    if ctx.gpu_count <= 1:
-        return 1, f"{ctx.gpu_count} GPU(s)"
-    tp = ctx.gpu_count
-    while tp & (tp - 1):  # tensor parallel sizes are powers of two in practice
-        tp -= 1
-    if ctx.model_max_tp and tp > ctx.model_max_tp:
-        return ctx.model_max_tp, f"{ctx.gpu_count} GPUs, capped by the model's maximum TP"
-    return tp, f"{ctx.gpu_count} GPUs"
-
-
-def _auto_engine(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    return "kiln", "kiln's own engine serves one machine"
-
-
 SETTINGS: list[Setting] = [
     # -- server
     Setting("host", str, "127.0.0.1", "address to bind (default loopback only)", ("--host",),
@@ -286,42 +173,42 @@ SETTINGS: list[Setting] = [
     # -- engine
     Setting("engine", str, "kiln", "which engine runs the model", ("--engine",),
             choices=("kiln", "vllm", "sglang", "auto"), affects="correctness",
-            auto=_auto_engine, engines=("kiln",)),
+            auto=auto_engine, engines=("kiln",)),
     Setting("engine_command", str, None, "command that starts the external engine",
             ("--engine-command",), affects="correctness", engines=("kiln",)),
     Setting("runtime_preset", str, None, "a named bundle of settings", ("--runtime-preset",),
             affects="performance", engines=("kiln",)),
     Setting("device", str, "auto", "device to run on: auto, cpu, cuda or cuda:N", ("--device",),
-            affects="correctness", auto=_auto_device),
+            affects="correctness", auto=auto_device),
     Setting("dtype", str, "auto", "weight and activation dtype", ("--dtype",),
             choices=("auto", "float32", "bfloat16", "float16"), affects="correctness",
-            auto=_auto_dtype),
+            auto=auto_dtype),
     Setting("quantization", str, "auto",
             "weight-only quantization of linear layers at load (auto: on CPU, follow the "
             "GGUF's own: Q4 -> int4, Q5-Q8 -> int8)", ("--quantization", "-q"),
             choices=("auto", "none", "int8", "int4"), affects="correctness",
-            auto=_auto_quantization, engines=("kiln", "sglang")),
+            auto=auto_quantization, engines=("kiln", "sglang")),
     Setting("dense_weights", parse_bool, None,
             "with --quantization, also keep a bf16 copy of the weights for prefill and large "
             "batches (auto: on CPU when it fits in 1/4 of available RAM)",
             ("--dense-weights",), neg_flags=("--no-dense-weights",), affects="memory",
-            auto=_auto_dense_weights, engines=("kiln",)),
+            auto=auto_dense_weights, engines=("kiln",)),
     Setting("num_threads", positive_int, None, "CPU threads for compute",
-            ("--threads", "--num-threads"), affects="performance", auto=_auto_threads,
+            ("--threads", "--num-threads"), affects="performance", auto=auto_threads,
             engines=("kiln", "sglang")),
     Setting("seed", int, 0, "random seed for requests without their own", ("--seed",),
             affects="correctness"),
     Setting("max_model_len", positive_int, None, "context length (prompt + output)",
-            ("--max-model-len",), affects="memory", auto=_auto_max_model_len),
+            ("--max-model-len",), affects="memory", auto=auto_max_model_len),
     Setting("max_num_seqs", positive_int, None, "most sequences in one step",
-            ("--max-num-seqs",), affects="performance", auto=_auto_max_num_seqs),
+            ("--max-num-seqs",), affects="performance", auto=auto_max_num_seqs),
     Setting("max_num_batched_tokens", positive_int, None, "token budget of one step",
-            ("--max-num-batched-tokens",), affects="performance", auto=_auto_batched_tokens),
+            ("--max-num-batched-tokens",), affects="performance", auto=auto_batched_tokens),
     Setting("block_size", positive_int, 16, "tokens per KV cache block",
             ("--block-size", "--kv-block-size"), affects="memory"),
     Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype", ("--kv-cache-dtype",),
             choices=("auto", "fp32", "bf16", "fp16", "int8"), affects="memory",
-            auto=_auto_kv_cache_dtype),
+            auto=auto_kv_cache_dtype),
     Setting("gpu_memory_utilization", fraction, 0.9,
             "fraction of GPU memory kiln may use (weights + activations + KV)",
             ("--gpu-memory-utilization",), affects="memory"),
@@ -344,7 +231,7 @@ SETTINGS: list[Setting] = [
             ("--cpu-kernels",), neg_flags=("--no-cpu-kernels",), affects="performance",
             engines=("kiln",)),
     Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",
-            ("--tensor-parallel-size", "-tp"), affects="performance", auto=_auto_tp),
+            ("--tensor-parallel-size", "-tp"), affects="performance", auto=auto_tp),
     Setting("pipeline_parallel_size", positive_int, 1, "pipeline stages (external engines)",
             ("--pipeline-parallel-size", "-pp"), affects="performance"),
     Setting("nnodes", positive_int, 1, "machines the external engine spans (Ray for vLLM)",

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from kiln.config import AutoContext, EngineConfig, _auto_kv_cache_dtype
+from kiln.auto_rules import AutoContext, auto_kv_cache_dtype
+from kiln.config import EngineConfig
 from kiln.engine.compile import decode_buckets
 from kiln.engine.memory import KV_DTYPES, gib
 from kiln.errors import ConfigError
@@ -49,7 +50,7 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device) -> Decisio
     serves an EngineConfig built directly with "auto"."""
     name = config.kv_cache_dtype
     if name == "auto":
-        value, reason = _auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
+        value, reason = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
         return Decision(value, reason)
     if name not in KV_DTYPES:
         raise ConfigError(f"unknown --kv-cache-dtype {name!r}",

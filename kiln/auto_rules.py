@@ -1,0 +1,140 @@
+"""What kiln picks when nobody chose: the auto rules of the settings table (kiln/config.py).
+
+Each rule reads the `AutoContext` (hardware probe, model source, what was set explicitly) and the
+values of the settings resolved before it (table order: dtype reads device), and returns
+(value, reason); the reason is what --dry-run and the effective config show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+
+
+@dataclass
+class AutoContext:
+    """What auto rules may look at: filled from the hardware probe and the model source."""
+
+    device: str = "cpu"  # already resolved device type: "cpu" or "cuda"
+    physical_cores: int = 1
+    ram_available_bytes: int = 8 * GiB
+    gpu_count: int = 0
+    gpu_memory_bytes: int = 0  # per GPU
+    gpu_bf16: bool = False
+    cpu_bf16: bool = False  # AVX-512 BF16 / AMX: bf16 matmuls are fast
+    model_max_len: int | None = None  # from the model config
+    weight_bytes: int = 0  # weight bytes on disk
+    model_max_tp: int | None = None  # from the registry
+    is_moe: bool = False
+    model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
+    # Settings resolved so far from an explicit source (cli, env, file): filled by
+    # resolve_settings as it walks the table, so a rule can tell "asked for" from "defaulted".
+    explicit: set[str] = field(default_factory=set)
+
+
+AutoRule = Callable[[AutoContext, dict[str, Any]], tuple[Any, str]]
+
+
+def auto_device(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.gpu_count:
+        return "cuda", f"{ctx.gpu_count} CUDA GPU(s) found"
+    return "cpu", "no CUDA GPU found"
+
+
+def auto_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("device") == "cuda":
+        if ctx.gpu_bf16:
+            return "bfloat16", "GPU supports bf16 (compute capability >= 8.0)"
+        return "float16", "GPU lacks fast bf16"
+    if ctx.cpu_bf16:
+        return "bfloat16", "CPU has AVX-512 BF16/AMX: bf16 matmuls are faster than fp32"
+    return "float32", "CPU has no native bf16: fp32 is faster and exact"
+
+
+def auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    quant = (ctx.model_quant or "").upper()
+    if v.get("engine") in ("vllm", "sglang"):
+        return "none", "the external engine serves the checkpoint as it is"
+    if v.get("device") == "cuda":
+        return "none", "GPU: dense weights in the model dtype"
+    if "dtype" in ctx.explicit and v.get("dtype") == "float32":
+        # The quantized kernels compute with bf16 activations: not what float32 asks for.
+        return "none", ("--dtype float32 asks for float32 math: the weights are dequantized to "
+                        "float32 (the int4/int8 kernels compute in bf16)")
+    if not quant or quant in ("F32", "F16", "BF16", "FP32", "FP16"):
+        return "none", "the checkpoint is not quantized"
+    if quant.startswith(("Q4_0", "Q4_1")):
+        return "int4", (f"CPU and a {quant} GGUF: its 4-bit blocks feed the int4 kernels as they "
+                        "are (no requantization); decode reads 4x fewer weight bytes than bf16")
+    if quant.startswith(("Q2", "Q3", "Q4", "IQ")):
+        return "int4", f"CPU and a {quant} GGUF: re-quantized to int4 groups of 32 at load"
+    return "int8", f"CPU and a {quant} GGUF: re-quantized to int8 per channel at load"
+
+
+def auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("quantization") in (None, "none"):
+        return False, "nothing is quantized"
+    if v.get("device") == "cuda":
+        return False, "GPU: quantized weights only"
+    # Upper bound of the bf16 copy: 4-bit weights on disk grow ~4x (int8: 2x).
+    copy = ctx.weight_bytes * (4 if v.get("quantization") == "int4" else 2)
+    if copy and copy <= ctx.ram_available_bytes // 4:
+        return True, (f"the bf16 copy (~{copy / GiB:.2f} GiB at most) fits in a quarter of the "
+                      "available RAM: prefill (and, without kiln's CPU kernels, steps of >= 4 "
+                      "rows) runs dense (oneDNN-packed) GEMMs, faster there than the quantized "
+                      "kernels; int4 layers on kiln's kernels keep none (their int8-activation "
+                      "kernel is faster)")
+    return False, "a bf16 copy of the weights would take over a quarter of the available RAM"
+
+
+# The model dtype's name -> the KV cache storing it as it is computed.
+_KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    # The model runner applies this rule too, for an EngineConfig built with "auto" (tests).
+    if v.get("engine") in ("vllm", "sglang"):
+        return "auto", "the external engine keeps its KV cache in the model dtype"
+    dtype = v["dtype"]
+    return _KV_DTYPE_OF[dtype], (f"the model dtype ({dtype}): keys and values are stored as "
+                                 "they are computed, no conversion per step")
+
+
+def auto_threads(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    return ctx.physical_cores, f"{ctx.physical_cores} physical core(s)"
+
+
+def auto_max_model_len(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.model_max_len:
+        return ctx.model_max_len, "the model's max_position_embeddings / context_length"
+    return 4096, "the model does not say; 4096"
+
+
+def auto_max_num_seqs(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("device") == "cuda":
+        return 256, "GPU: vLLM's default"
+    return 32, "CPU: batches past ~32 sequences stop raising throughput on few cores"
+
+
+def auto_batched_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("device") == "cuda":
+        return 8192, "GPU: large prefill chunks keep the GPU busy"
+    return 512, "CPU: 512-token chunks keep decode latency low while prefilling"
+
+
+def auto_tp(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.gpu_count <= 1:
+        return 1, f"{ctx.gpu_count} GPU(s)"
+    tp = ctx.gpu_count
+    while tp & (tp - 1):  # tensor parallel sizes are powers of two in practice
+        tp -= 1
+    if ctx.model_max_tp and tp > ctx.model_max_tp:
+        return ctx.model_max_tp, f"{ctx.gpu_count} GPUs, capped by the model's maximum TP"
+    return tp, f"{ctx.gpu_count} GPUs"
+
+
+def auto_engine(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    return "kiln", "kiln's own engine serves one machine"
