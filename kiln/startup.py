@@ -1,4 +1,5 @@
-"""What `kiln serve` / `kiln run` decide before loading anything, and the record of it.
+"""What `kiln serve`, `kiln run`, the offline `LLM` and `kiln bench --offline` decide before
+loading anything, the one way they build the engine, and the record of both.
 
     probe hardware -> resolve MODEL to files -> read the model's config (no weights)
       -> pick a preset -> resolve every setting (cli > env > file > preset > registry > auto)

@@ -50,10 +50,10 @@ class Engine:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint | None = None,
                  progress: ProgressFn | None = None, runner: ModelRunner | None = None, *,
                  tokenizer: Tokenizer | None = None, kv_hash_fn: HashFn | None = None) -> None:
-        """`tokenizer` turns tokens into text and enables stop strings (the front-ends pass
-        it; tests that drive token ids need none). `runner` reuses an already loaded model and KV pool (tests build several engines with
-        different scheduler limits over one model); `config.kv_max_blocks` may then use fewer
-        blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
+        """`tokenizer` turns tokens into text and enables stop strings (the front-ends pass it;
+        tests that drive token ids need none). `runner` reuses an already loaded model and KV
+        pool (tests build several engines with different scheduler limits over one model);
+        `config.kv_max_blocks` may then use fewer blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
         collisions with it)."""
         self.config = config
         self.ckpt = runner.ckpt if runner else (ckpt or open_checkpoint(config.model,
@@ -82,7 +82,6 @@ class Engine:
         # the tokenizer's (e.g. ChatML's <|im_end|>), merged here once for every front-end.
         self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else ())
-        self.tokenizer = tokenizer
         self.output = OutputProcessor(tokenizer)
         self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
