@@ -1,6 +1,9 @@
 """ModelConfig: the architecture facts the model code needs, read from an HF `config.json` or from
 GGUF metadata. Both the old (`rope_theta` + `rope_scaling`) and the transformers-5 style
 (`rope_parameters`) config layouts are accepted.
+
+Mixture-of-experts and multi-head latent attention (MLA) facts live here too, under the HF names
+(`num_experts`, `moe_intermediate_size`, `kv_lora_rank`, ...): a dense model leaves them at 0.
 """
 
 from __future__ import annotations
@@ -10,21 +13,32 @@ from typing import Any
 
 from kiln.errors import ModelLoadError
 
-# HF architectures the Llama-family code runs, and the knobs that distinguish them.
-LLAMA_FAMILY = {
+# HF architectures kiln's engine runs, and the knobs that distinguish them.
+ARCHITECTURES = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Qwen2MoeForCausalLM": {"attention_bias": True, "shared_expert_gate": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {"norm_topk_prob": True},  # softmax over the selected logits
+    "DeepseekV2ForCausalLM": {},
+    "DeepseekV3ForCausalLM": {},
 }
 
-# GGUF general.architecture -> HF architecture
+# GGUF general.architecture -> HF architecture. llama.cpp writes Mixtral as "llama" with experts,
+# and DeepSeek-V2 and V3 both as "deepseek2" (V3 is told apart by its sigmoid gating).
 GGUF_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
+# llama.cpp's `expert_gating_func` values
+GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
 
 @dataclass
@@ -51,6 +65,27 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     quantization: str | None = None  # e.g. "Q4_1" for a GGUF, from its file type
+    # Mixture of experts (num_experts == 0: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: none; DeepSeek: n_shared * moe_intermediate
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+    norm_topk_prob: bool = False  # renormalise the selected experts' weights to sum to 1
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" (V2) | "noaux_tc" (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Which layers are MoE: the dense ones are listed (Qwen's mlp_only_layers, decoder_sparse_step,
+    # DeepSeek's first_k_dense_replace and moe_layer_freq, all folded into one set).
+    dense_layers: frozenset[int] = frozenset()
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank == 0: ordinary attention.
+    q_lora_rank: int = 0  # 0: q_proj is one matrix (V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def context_length(self) -> int:
@@ -62,16 +97,27 @@ class ModelConfig:
             return self.sliding_window
         return self.max_position_embeddings
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in LLAMA_FAMILY), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
                 f"architecture {archs or d.get('model_type')!r} is not supported by kiln's engine",
-                hint=f"supported: {', '.join(LLAMA_FAMILY)}; or serve it with --engine vllm",
+                hint=f"supported: {', '.join(ARCHITECTURES)}; or serve it with --engine vllm",
             )
-        extra = LLAMA_FAMILY[arch]
+        extra = ARCHITECTURES[arch]
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
@@ -105,6 +151,7 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
+            **_moe_from_hf(d, extra),
         )
 
     @classmethod
@@ -119,6 +166,12 @@ class ModelConfig:
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch_name}.{key}", default)
+
+        if arch == "LlamaForCausalLM" and get("expert_count"):
+            arch = "MixtralForCausalLM"
+        if arch == "DeepseekV2ForCausalLM" and GGUF_GATING.get(
+                int(get("expert_gating_func", 0) or 0)) == "sigmoid":
+            arch = "DeepseekV3ForCausalLM"
 
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
@@ -135,7 +188,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=int(get("feed_forward_length", 0) or 0),
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -149,8 +202,106 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
+            **_moe_from_gguf(get, arch, tensor_names),
         )
 
     def kv_bytes_per_token(self, bytes_per_elem: float) -> float:
+        if self.is_mla:  # one latent row per token: the compressed KV plus the RoPE key
+            return self.num_hidden_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * \
+                bytes_per_elem
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * \
             bytes_per_elem
+
+
+def _moe_from_hf(d: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """The MoE and MLA fields of an HF config (nothing for a dense model)."""
+    out: dict[str, Any] = {}
+    experts = next((int(d[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if d.get(k)), 0)
+    layers = int(d["num_hidden_layers"])
+    if experts:
+        deepseek = "n_routed_experts" in d
+        if deepseek:
+            first = int(d.get("first_k_dense_replace") or 0)
+            freq = int(d.get("moe_layer_freq") or 1)
+            dense = {i for i in range(layers) if i < first or i % freq}
+            shared = int(d.get("n_shared_experts") or 0) * int(d["moe_intermediate_size"])
+        else:
+            step = int(d.get("decoder_sparse_step") or 1)
+            dense = set(d.get("mlp_only_layers") or []) | {
+                i for i in range(layers) if (i + 1) % step}
+            shared = int(d.get("shared_expert_intermediate_size") or 0)
+        method = d.get("topk_method") or ("noaux_tc" if arch_is_v3(d) else "greedy")
+        out.update(
+            num_experts=experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 2),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+            shared_expert_intermediate_size=shared,
+            shared_expert_gate=bool(extra.get("shared_expert_gate", False)) and shared > 0,
+            norm_topk_prob=bool(d.get("norm_topk_prob", extra.get("norm_topk_prob", False))),
+            scoring_func=str(d.get("scoring_func") or
+                             ("sigmoid" if arch_is_v3(d) else "softmax")),
+            topk_method=str(method),
+            n_group=int(d.get("n_group") or 1),
+            topk_group=int(d.get("topk_group") or 1),
+            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            dense_layers=frozenset(dense),
+        )
+    if d.get("kv_lora_rank"):
+        out.update(
+            q_lora_rank=int(d.get("q_lora_rank") or 0),
+            kv_lora_rank=int(d["kv_lora_rank"]),
+            qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+            v_head_dim=int(d["v_head_dim"]),
+        )
+    return out
+
+
+def arch_is_v3(d: dict[str, Any]) -> bool:
+    return "DeepseekV3ForCausalLM" in (d.get("architectures") or []) or \
+        d.get("model_type") == "deepseek_v3"
+
+
+def _moe_from_gguf(get: Any, arch: str, names: set[str]) -> dict[str, Any]:
+    """The MoE and MLA fields from llama.cpp's metadata keys (nothing for a dense model)."""
+    out: dict[str, Any] = {}
+    experts = int(get("expert_count", 0) or 0)
+    layers = int(get("block_count"))
+    if experts:
+        first = int(get("leading_dense_block_count", 0) or 0)
+        dense = {i for i in range(layers) if i < first or f"blk.{i}.ffn_gate_inp.weight" not in names}
+        shared_len = int(get("expert_shared_feed_forward_length", 0) or 0)
+        expert_len = int(get("expert_feed_forward_length", 0) or 0)
+        if arch.startswith("Deepseek"):
+            shared_len = int(get("expert_shared_count", 0) or 0) * expert_len
+        gating = GGUF_GATING.get(int(get("expert_gating_func", 0) or 0), "softmax")
+        groups = int(get("expert_group_count", 0) or 0)
+        out.update(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=expert_len or int(get("feed_forward_length")),
+            shared_expert_intermediate_size=shared_len,
+            shared_expert_gate="blk.%d.ffn_gate_inp_shexp.weight" % min(
+                set(range(layers)) - dense, default=0) in names,
+            # llama.cpp always renormalises for Mixtral and Qwen3-MoE, never for Qwen2-MoE.
+            norm_topk_prob=bool(get("expert_weights_norm", arch in (
+                "MixtralForCausalLM", "Qwen3MoeForCausalLM"))),
+            scoring_func=gating,
+            topk_method=("noaux_tc" if gating == "sigmoid" and groups else
+                         "group_limited_greedy" if groups > 1 else "greedy"),
+            n_group=groups or 1,
+            topk_group=int(get("expert_group_used_count", 0) or 0) or 1,
+            routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0),
+            dense_layers=frozenset(dense),
+        )
+    if get("attention.kv_lora_rank"):
+        rope = int(get("rope.dimension_count"))
+        out.update(
+            q_lora_rank=int(get("attention.q_lora_rank", 0) or 0),
+            kv_lora_rank=int(get("attention.kv_lora_rank")),
+            qk_nope_head_dim=int(get("attention.key_length")) - rope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(get("attention.value_length")),
+        )
+    return out
