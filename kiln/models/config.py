@@ -282,8 +282,7 @@ def _moe_from_gguf(get: Any, arch: str, names: set[str]) -> dict[str, Any]:
             num_experts_per_tok=int(get("expert_used_count")),
             moe_intermediate_size=expert_len or int(get("feed_forward_length")),
             shared_expert_intermediate_size=shared_len,
-            shared_expert_gate="blk.%d.ffn_gate_inp_shexp.weight" % min(
-                set(range(layers)) - dense, default=0) in names,
+            shared_expert_gate=any(n.endswith(".ffn_gate_inp_shexp.weight") for n in names),
             # llama.cpp always renormalises for Mixtral and Qwen3-MoE, never for Qwen2-MoE.
             norm_topk_prob=bool(get("expert_weights_norm", arch in (
                 "MixtralForCausalLM", "Qwen3MoeForCausalLM"))),
