@@ -74,6 +74,16 @@ TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hid
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
+# Small MoE shapes with enough experts that routing varies between tokens; some layers dense.
+TINY_MOE = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "num_hidden_layers": 3, "mlp_only_layers": [1]},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 96, "num_hidden_layers": 2},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+}
+
+
 def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
     """A random-weight HF model of `family`, saved as safetensors: the transformers reference."""
     import transformers
@@ -82,9 +92,12 @@ def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
-    kw = {**TINY, **overrides}
-    if family == "qwen3":
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[family]
+    kw = {**TINY, **TINY_MOE.get(family, {}), **overrides}
+    if family.startswith("qwen3"):
         kw.setdefault("head_dim", 16)
     cfg = cls[0](**kw)
     model = cls[1](cfg).eval()

@@ -487,8 +487,14 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
         return model
     if mode not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {mode!r}: choose none, int8 or int4")
+    from kiln.layers.moe import Experts
+
     n = 0
     for parent in list(model.modules()):
+        if isinstance(parent, Experts):  # each expert becomes two quantized linears
+            parent.quantize(mode, use_kernels)
+            n += 2 * parent.num_experts
+            continue
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and name != "lm_head":
                 setattr(parent, name, quantize_linear(child, mode, use_kernels))
@@ -498,8 +504,12 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
         if isinstance(m, Linear) and m.stash:
             m.materialize_stash()
     if keep_dense:
+        # Experts keep no dense copy: all of a layer's experts in bf16 would cost more memory
+        # than the quantization saves, and an expert's rows per step are few.
+        expert_layers = {id(q) for m in model.modules() if isinstance(m, Experts)
+                         and m.quantized is not None for q in m.quantized}
         for m in model.modules():
-            if isinstance(m, _QuantizedLinear):
+            if isinstance(m, _QuantizedLinear) and id(m) not in expert_layers:
                 m.keep_dense()
     log.info("quantized %d linear layers to %s, lm_head to int8%s", n, mode,
              " (dense copies kept for large steps)" if keep_dense else "")

@@ -297,12 +297,14 @@ def dequantize_blocks(raw: torch.Tensor, type_name: str) -> torch.Tensor | None:
 def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False
                 ) -> torch.Tensor | GroupQuant:
     """One GGUF tensor as a fp32 tensor in torch layout ([out, in] for weights), or as a
-    `GroupQuant` when `keep_4bit` and its blocks are Q4_0/Q4_1."""
+    `GroupQuant` when `keep_4bit` and its blocks are Q4_0/Q4_1 (stacked experts [E, out, in]
+    come as one GroupQuant of E * out rows)."""
     shape = t.torch_shape
     raw = gf.raw(t)
-    if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) == 2:
+    if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) in (2, 3):
         g = _group_q4(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
-        n, k = shape
+        k = shape[-1]
+        n = raw.numel() // (k // 32 * GGML_TYPES[t.type_id][2])  # stacked experts: E * rows
         return GroupQuant(g.q.reshape(n, k), g.scale.reshape(n, k // 32),
                           g.min.reshape(n, k // 32), 32)
     flat = dequantize_blocks(raw, t.type_name)

@@ -87,9 +87,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        i = cfg.intermediate_size
+        i = intermediate_size or cfg.intermediate_size
         self.intermediate_size = i
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -105,12 +105,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg)  # a MoE block in MoE families
         # (weights, w8 scales) for forward_decode_kernel, gathered on its first call.
         self._kernel_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -125,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         linear's dense-copy threshold its dense GEMM is faster, so the kernel stops there."""
         attn, mlp = self.self_attn, self.mlp
         kv = attn.attn.kv
-        if attn.qk_norm or kv is None or not kv.kernel:
+        if attn.qk_norm or kv is None or not kv.kernel or not isinstance(mlp, LlamaMLP):
             return 0
         if self.input_layernorm.weight.dtype != torch.bfloat16:
             return 0
@@ -160,7 +161,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int,
+                 make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
         super().__init__()
         # `_weight` skips the random init: on the meta device that init alone imports
         # torch._dynamo (~2 s of startup).
@@ -171,8 +173,9 @@ class LlamaModel(nn.Module):
                                  cfg.max_position_embeddings)
         # Kept outside the layers' module tree: one table for all layers.
         self._rotary = [rotary]
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -190,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
+        self.model = LlamaModel(cfg, max_positions, self.make_mlp)
         self.lm_head: nn.Module = (TiedLMHead(self.model.embed_tokens) if cfg.tie_word_embeddings
                                    else Linear(cfg.hidden_size, cfg.vocab_size))
 
@@ -199,6 +202,10 @@ class LlamaForCausalLM(nn.Module):
         """`layer_call(layer, cos, sin, x)` runs each decoder layer instead of calling it
         (the model runner passes a torch.compile'd one for decode steps)."""
         return self.model(input_ids, positions, layer_call)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP; None: the dense LlamaMLP (MoE families return their block)."""
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.layers.moe import Experts
 from kiln.layers.quant import GroupQuant
 from kiln.models.config import ModelConfig
 from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
@@ -46,6 +47,19 @@ _GGUF_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Mixture-of-experts tensors (llama.cpp stacks each layer's experts in one `*_exps` tensor).
+_GGUF_MOE = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_GGUF_LAYER.update(_GGUF_MOE)
 _GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -53,6 +67,13 @@ _GGUF_TOP = {
 }
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted (interleaved RoPE).
 _GGUF_PERMUTED_QK = {"llama", "mistral"}
+
+# A checkpoint's expert tensor: per expert (`experts.3.gate_proj.weight`, Mixtral's `w1`) or
+# stacked (GGUF's `*_exps` mapped above, transformers-5's fused `experts.gate_up_proj`).
+_EXPERT = re.compile(r"(?P<module>.+\.experts)\.(?:(?P<expert>\d+)\.)?"
+                     r"(?P<proj>gate_proj|up_proj|down_proj|gate_up_proj|w1|w2|w3)(?:\.weight)?")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down", "gate_up_proj": "gate_up"}
 
 
 # --------------------------------------------------------------------------- opening
@@ -250,8 +271,14 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             expected.update((pname, s) for s in shards)
         else:
             expected.add((pname, None))
+    for mod_name, module in modules.items():
+        if isinstance(module, Experts):  # completeness per expert and part
+            expected -= {(f"{mod_name}.gate_up_proj", None), (f"{mod_name}.down_proj", None)}
+            expected.update((mod_name, key) for key in module.expected_parts())
     loaded: set[tuple[str, str | None]] = set()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # checkpoint name fragment -> ours, for families whose HF names differ from our modules'
+    renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
     names_total = _count_tensors(ckpt) if progress is not None else 0
     for i, (name, tensor) in enumerate(iter_tensors(ckpt, keep_4bit=keep_4bit)):
         if progress is not None:
@@ -262,6 +289,20 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
                 rotary.build(freq_factors=tensor)
             continue
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        for old, new in renames:
+            name = name.replace(old, new)
+        m = _EXPERT.fullmatch(name)
+        if m and isinstance(modules.get(m["module"]), Experts):
+            experts: Experts = modules[m["module"]]
+            part = _EXPERT_PART[m["proj"]]
+            expert = int(m["expert"]) if m["expert"] is not None else None
+            with torch.no_grad():
+                if isinstance(tensor, GroupQuant):
+                    experts.stash_quantized(part, expert, tensor)
+                else:
+                    experts.load(part, expert, tensor)
+            loaded.update((m["module"], key) for key in experts.parts_loaded(part, expert))
             continue
         mod_name, _, leaf = name.rpartition(".")
         parent, _, child = mod_name.rpartition(".")
@@ -285,6 +326,9 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
                 if shard is not None:
                     module.load_shard(param, shard, tensor.to(param.dtype))
                 else:
+                    if tuple(param.shape) != tuple(tensor.shape) and \
+                            param.numel() == tensor.numel() and param.dim() <= 2:
+                        tensor = tensor.reshape(param.shape)  # GGUF's [H] for HF's [1, H]
                     if tuple(param.shape) != tuple(tensor.shape):
                         raise ModelLoadError(
                             f"tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -11,6 +11,9 @@ _MODELS = {
     "MistralForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kiln.models.qwen_moe", "QwenMoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kiln.models.qwen_moe", "QwenMoeForCausalLM"),
+    "MixtralForCausalLM": ("kiln.models.mixtral", "MixtralForCausalLM"),
 }
 
 

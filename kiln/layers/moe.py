@@ -1,0 +1,279 @@
+"""Mixture of experts: a router picks each token's experts, then each active expert runs once.
+
+    route:   logits = x @ W_gate^T           (fp32: near-ties between experts decide routing)
+             weights, ids = softmax_topk(...) | grouped_topk(...)      one function per scheme
+    experts: the step's (token, expert) pairs are sorted by expert, and each expert that got rows
+             runs one SwiGLU over all of them (vLLM's fused_moe and llama.cpp's mul_mat_id do the
+             same); the outputs, scaled by their weights, are added back to their tokens.
+
+A decode step therefore reads only the selected experts' weights, and a prefill chunk runs each
+expert as one matrix product over its rows, never a loop over tokens.
+
+Expert weights are stacked per layer as GGUF stores them: `gate_up_proj` [E, 2I, H] (gate rows,
+then up rows) and `down_proj` [E, H, I]. The loader fills them per expert (Hugging Face's
+`experts.N.gate_proj.weight`, Mixtral's `w1/w3/w2`) or whole (GGUF's `ffn_*_exps`, a
+transformers-5 fused tensor). With --quantization, `quantize` turns each expert into kiln's
+Int4Linear/Int8Linear modules (kiln/layers/quant.py), so experts run the same kernels as dense
+layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`).
+
+Routing is counted (`tokens_per_expert`, per layer) for /metrics and the benchmark report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# What a loader may hand `Experts.load`: gate/up/down per expert, or stacked.
+EXPERT_PARTS = ("gate", "up", "down", "gate_up")
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2/3-MoE and Mixtral: softmax over all experts, keep the top k, optionally
+    renormalised to sum to 1 (which equals Mixtral's softmax over the selected logits).
+    Returns (weights fp32 [T, k], ids int64 [T, k])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_topk(logits: torch.Tensor, k: int, *, n_group: int, topk_group: int,
+                 scoring: str = "sigmoid", bias: torch.Tensor | None = None,
+                 renormalize: bool = True, scale: float = 1.0, method: str = "noaux_tc"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing. Experts are split into `n_group` groups; only the best `topk_group`
+    groups may be chosen from, then the top k experts of those. V3 (`noaux_tc`): sigmoid scores,
+    the selection (not the weights) shifted by `e_score_correction_bias`, a group scored by the
+    sum of its two best. V2 (`group_limited_greedy`): softmax scores, a group scored by its best.
+    `greedy` (V2-Lite): plain top k. The chosen weights are optionally renormalised, then scaled
+    by `routed_scaling_factor`."""
+    logits = logits.float()
+    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    t, e = choice.shape
+    if method != "greedy" and n_group > 1:
+        grouped = choice.view(t, n_group, e // n_group)
+        if method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+class Router(nn.Module):
+    """The gate: `weight` [E, H]; logits in fp32 whatever the model's dtype (kept dense by the
+    quantization pass, which only swaps kiln's `Linear` modules). DeepSeek-V3's selection bias,
+    where present, is `e_score_correction_bias` [E]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias
+            else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+# --------------------------------------------------------------------------- experts
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts of one layer, stacked; `forward(x, weights, ids)` runs the routed rows."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 layer: int = 0) -> None:
+        super().__init__()
+        self.layer = layer  # the decoder layer's index, for the routing statistics
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        # (part, expert or None for all) -> GroupQuant, until `quantize` applies them
+        self.stash: dict[tuple[str, int | None], Any] = {}
+        # Set by `quantize`: per expert, a module for gate_up and one for down.
+        self.quantized: nn.ModuleList | None = None
+        # Tokens routed to each expert since startup (cumulative; read by /metrics).
+        self.tokens_per_expert = torch.zeros(e, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ loading
+
+    def _rows(self, part: str) -> tuple[nn.Parameter, int, int]:
+        """(stacked parameter, first row, rows) of one part in every expert."""
+        i = self.intermediate_size
+        return {"gate": (self.gate_up_proj, 0, i), "up": (self.gate_up_proj, i, i),
+                "gate_up": (self.gate_up_proj, 0, 2 * i),
+                "down": (self.down_proj, 0, self.hidden_size)}[part]
+
+    def parts_loaded(self, part: str, expert: int | None) -> list[str]:
+        """The completeness keys a load of (part, expert) covers: "gate:3", "down:0", ..."""
+        names = ("gate", "up") if part == "gate_up" else (part,)
+        experts = range(self.num_experts) if expert is None else (expert,)
+        return [f"{n}:{e}" for n in names for e in experts]
+
+    def expected_parts(self) -> set[str]:
+        return {f"{n}:{e}" for n in ("gate", "up", "down") for e in range(self.num_experts)}
+
+    def load(self, part: str, expert: int | None, tensor: torch.Tensor) -> None:
+        """Copies one expert's part ([rows, in]) or all experts' ([E, rows, in] or, as GGUF
+        hands it, [E * rows, in]) into the stacked weights."""
+        param, start, size = self._rows(part)
+        dst = param.data[:, start:start + size] if expert is None else \
+            param.data[expert, start:start + size]
+        if expert is None and tensor.dim() == 2:
+            tensor = tensor.view(self.num_experts, -1, tensor.shape[-1])
+        if tuple(dst.shape) != tuple(tensor.shape):
+            from kiln.errors import ModelLoadError
+
+            raise ModelLoadError(f"expert tensor {part} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dst.shape)}")
+        dst.copy_(tensor.to(dst.dtype))
+
+    def stash_quantized(self, part: str, expert: int | None, gq: Any) -> None:
+        """Keeps 4-bit GGUF blocks (a GroupQuant of [E * rows, in] or one expert's [rows, in])
+        for `quantize`, which repacks them as they are."""
+        _, _, size = self._rows(part)
+        n = size * (self.num_experts if expert is None else 1)
+        in_features = self.down_proj.shape[2] if part == "down" else self.hidden_size
+        if tuple(gq.shape) != (n, in_features):
+            from kiln.errors import ModelLoadError
+
+            raise ModelLoadError(f"expert blocks {part} have shape {tuple(gq.shape)}, "
+                                 f"the model expects {(n, in_features)}")
+        self.stash[(part, expert)] = gq
+
+    def _expert_groups(self, part: str, e: int) -> Any:
+        """Expert e's stashed blocks for `part`, or None where they were loaded dense."""
+        from kiln.layers.quant import GroupQuant
+
+        _, _, size = self._rows(part)
+        if (part, e) in self.stash:
+            return self.stash[(part, e)]
+        whole = self.stash.get((part, None))
+        if whole is None:
+            return None
+        sl = slice(e * size, (e + 1) * size)
+        return GroupQuant(whole.q[sl], whole.scale[sl], whole.min[sl], whole.group_size)
+
+    def materialize_stash(self) -> None:
+        """Writes stashed 4-bit blocks into the dense stacked weights (no quantization pass)."""
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                for part in ("gate", "up", "gate_up", "down"):
+                    gq = self._expert_groups(part, e)
+                    if gq is not None:
+                        param, start, size = self._rows(part)
+                        param.data[e, start:start + size].copy_(gq.dequantize(param.dtype))
+        self.stash = {}
+
+    # ------------------------------------------------------------------ quantization
+
+    def quantize(self, mode: str, use_kernels: bool = True) -> None:
+        """Each expert's gate_up and down become kiln's quantized linears (int4 groups of 32,
+        or int8 rows); the stacked dense weights are dropped. GGUF 4-bit blocks are repacked
+        as they are; anything loaded dense is quantized here."""
+        from kiln.layers.quant import (
+            GroupQuant,
+            Int4Linear,
+            Int8Linear,
+            quantize_int4_groups,
+        )
+
+        dtype = self.gate_up_proj.dtype
+        mods: list[nn.Module] = []
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                for part, param in (("gate_up", self.gate_up_proj), ("down", self.down_proj)):
+                    w = param.data[e]
+                    if mode == "int4" and w.shape[1] % 32 == 0:
+                        pieces = []
+                        names = ("gate", "up") if part == "gate_up" else ("down",)
+                        for name in names:
+                            gq = self._expert_groups(name, e)
+                            if gq is None and part == "gate_up":
+                                whole = self._expert_groups("gate_up", e)
+                                if whole is not None:
+                                    _, start, size = self._rows(name)
+                                    gq = GroupQuant(whole.q[start:start + size],
+                                                    whole.scale[start:start + size],
+                                                    whole.min[start:start + size], 32)
+                            if gq is None:
+                                _, start, size = self._rows(name)
+                                gq = quantize_int4_groups(w[start:start + size])
+                            pieces.append(gq)
+                        gq = GroupQuant(torch.cat([p.q for p in pieces]),
+                                        torch.cat([p.scale for p in pieces]),
+                                        torch.cat([p.min for p in pieces]), 32)
+                        mods.append(Int4Linear(gq, None, dtype, use_kernels))
+                    else:
+                        self._materialize_expert(e)
+                        mods.append(Int8Linear.from_float(w.float(), None, dtype, use_kernels))
+        self.quantized = nn.ModuleList(mods)
+        self.stash = {}
+        # The stacked dense weights are not needed any more: empty placeholders keep the
+        # parameter names (and nothing else) for code that lists them.
+        self.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def _materialize_expert(self, e: int) -> None:
+        for part in ("gate", "up", "gate_up", "down"):
+            gq = self._expert_groups(part, e)
+            if gq is not None:
+                param, start, size = self._rows(part)
+                param.data[e, start:start + size].copy_(gq.dequantize(param.dtype))
+
+    # ------------------------------------------------------------------ running
+
+    @torch.compiler.disable  # data-dependent: which experts run depends on the routing
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, ids [T, k] from a router. Returns sum_j weights[t, j] *
+        expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts_cpu = counts.cpu()
+        self.tokens_per_expert += counts_cpu
+        token_of = order // k
+        xs = x.index_select(0, token_of)  # [T * k, H], grouped by expert
+        out = torch.empty_like(xs)
+        i = self.intermediate_size
+        start = 0
+        for e, n in enumerate(counts_cpu.tolist()):
+            if n == 0:
+                continue
+            rows = xs[start:start + n]
+            if self.quantized is not None:
+                gu = self.quantized[2 * e](rows)
+                out[start:start + n] = self.quantized[2 * e + 1](F.silu(gu[:, :i]) * gu[:, i:])
+            else:
+                gu = F.linear(rows, self.gate_up_proj[e])
+                out[start:start + n] = F.linear(F.silu(gu[:, :i]) * gu[:, i:],
+                                                self.down_proj[e])
+            start += n
+        out = out * weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def extra_repr(self) -> str:
+        form = "quantized" if self.quantized is not None else "dense"
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, {form}")
