@@ -28,6 +28,9 @@ FAMILIES = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "qwen3_moe": {},
+    "qwen2_moe": {},
+    "mixtral": {},
 }
 
 
@@ -35,7 +38,7 @@ FAMILIES = {
 def test_tiny_model_logits_match_transformers(tmp_path, name):
     import transformers
 
-    family = name.split("-")[0]
+    family = name.split("-")[0]  # "qwen3_moe" stays whole
     overrides = dict(FAMILIES[name])
     if family == "llama" and "tie_word_embeddings" not in overrides:
         overrides["tie_word_embeddings"] = True
@@ -50,9 +53,11 @@ def test_tiny_model_logits_match_transformers(tmp_path, name):
     assert diff < 1e-3, f"{name}: max abs logit diff {diff}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
+                                    "mixtral"])
 def test_tiny_model_greedy_decode_matches_transformers(tmp_path, family):
-    """The decode path (paged KV gather, batched) gives transformers' greedy tokens."""
+    """The decode path (paged KV gather, batched, the 40-token prompt prefilled in chunks)
+    gives transformers' greedy tokens."""
     import transformers
 
     from kiln.config import EngineConfig

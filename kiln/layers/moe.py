@@ -112,8 +112,9 @@ class Experts(nn.Module):
         self.stash: dict[tuple[str, int | None], Any] = {}
         # Set by `quantize`: per expert, a module for gate_up and one for down.
         self.quantized: nn.ModuleList | None = None
-        # Tokens routed to each expert since startup (cumulative; read by /metrics).
-        self.tokens_per_expert = torch.zeros(e, dtype=torch.int64)
+        # Tokens routed to each expert since startup (cumulative; read by /metrics). Always on
+        # the CPU (explicitly: the model is built under a meta-device context).
+        self.tokens_per_expert = torch.zeros(e, dtype=torch.int64, device="cpu")
 
     # ------------------------------------------------------------------ loading
 

@@ -1,0 +1,180 @@
+"""Hugging Face-named tensors -> one GGUF file with llama.cpp's tensor names and metadata keys.
+
+The inverse of the loader's name tables (kiln/models/loader.py), so there is one list of names:
+tests write the GGUF twins of their tiny transformers models with it, and benchmarks/moe_model.py
+writes its benchmark model, which llama-server must load (the check that the names, shapes and
+keys are llama.cpp's). Per-expert tensors are stacked into `ffn_*_exps` [E, rows, in]; Llama and
+Mixtral's Q/K rows are permuted the way llama.cpp's converter does; matrices are stored as
+`qtype` (F32, F16, Q8_0, Q4_0, Q4_1: the `gguf` package quantizes), norms, biases and routers
+as F32, as llama-quantize leaves them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.models.config import GGUF_ARCH, ModelConfig
+
+# HF architecture -> GGUF general.architecture
+GGUF_ARCH_OF = {hf: name for name, hf in GGUF_ARCH.items()}
+GGUF_ARCH_OF.update({"MixtralForCausalLM": "llama", "DeepseekV3ForCausalLM": "deepseek2"})
+# Tensors llama-quantize keeps in F32 whatever the file type (routers, norms, biases).
+_KEEP_F32 = ("ffn_gate_inp", "norm", "exp_probs_b")
+
+
+def _file_types() -> dict[str, int]:
+    import gguf
+
+    t = gguf.LlamaFileType
+    return {"F32": t.ALL_F32, "F16": t.MOSTLY_F16, "Q8_0": t.MOSTLY_Q8_0, "Q4_0": t.MOSTLY_Q4_0,
+            "Q4_1": t.MOSTLY_Q4_1}
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The llama.cpp name of an HF tensor name (None: not a tensor llama.cpp stores)."""
+    from kiln.models.loader import _GGUF_LAYER, _GGUF_TOP
+
+    top = {v: k for k, v in _GGUF_TOP.items()}
+    if hf_name in top:
+        return top[hf_name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if not m:
+        return None
+    layer = {v: k for k, v in _GGUF_LAYER.items()}
+    rest = m.group(2).replace("block_sparse_moe.", "mlp.").replace("shared_experts.",
+                                                                    "shared_expert.")
+    name = layer.get(rest)
+    return f"blk.{m.group(1)}.{name}" if name else None
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert permute for Llama's Q/K rows: (head, half, pair) -> (head, pair, half)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path: str | Path, cfg: ModelConfig,
+               tensors: Iterable[tuple[str, torch.Tensor]], *, qtype: str = "F32",
+               tokenizer_from: str | Path | None = None, name: str = "kiln-test") -> Path:
+    """Writes `tensors` (HF names, torch layout) as a GGUF of `cfg`'s architecture.
+    `tokenizer_from`: a GGUF whose `tokenizer.*` keys (vocabulary, merges, chat template) are
+    copied, so the file can be served; without it the file has no tokenizer."""
+    import gguf
+
+    path = Path(path)
+    arch = GGUF_ARCH_OF[cfg.architecture]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer, cfg, arch, name)
+    writer.add_file_type(_file_types()[qtype])
+    if tokenizer_from is not None:
+        _copy_tokenizer(writer, Path(tokenizer_from))
+    qt = gguf.GGMLQuantizationType[qtype]
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+
+    def add(gname: str, t: torch.Tensor) -> None:
+        arr = t.detach().float().contiguous().numpy()
+        keep = gname.endswith(".bias") or any(k in gname for k in _KEEP_F32) or arr.ndim == 1
+        if keep or qt == gguf.GGMLQuantizationType.F32 or arr.shape[-1] % 32:
+            writer.add_tensor(gname, arr.astype(np.float32))
+        elif qt == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gname, arr.astype(np.float16))
+        else:
+            writer.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    for hf, t in tensors:
+        m = _EXPERT.fullmatch(hf)
+        if m:
+            experts.setdefault((int(m.group(1)), _EXPERT_GGUF[m.group(3)]), {})[
+                int(m.group(2))] = t
+            continue
+        gname = gguf_name(hf)
+        if gname is None:
+            if hf.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ValueError(f"no GGUF name for {hf!r}")
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
+            t = _permute(t, heads)
+        if gname == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            t = t.reshape(-1)  # HF's [1, H] is llama.cpp's {n_embd}
+        add(gname, t)
+    for (layer, part), per_expert in sorted(experts.items()):
+        stacked = torch.stack([per_expert[e] for e in range(len(per_expert))])
+        add(f"blk.{layer}.ffn_{part}_exps.weight", stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str) -> None:
+    import gguf
+
+    assert isinstance(w, gguf.GGUFWriter)
+    w.add_name(name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    if not cfg.is_mla:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.is_moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size and arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        if arch == "deepseek2":
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+            w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.bos_token_id is not None:
+        w.add_bos_token_id(cfg.bos_token_id)
+    if cfg.eos_token_ids:
+        w.add_eos_token_id(cfg.eos_token_ids[0])
+
+
+def _copy_tokenizer(w: object, source: Path) -> None:
+    """Copies every `tokenizer.*` key of `source` (the `gguf` package's reader: this runs once
+    per written file, and it keeps the arrays' element types)."""
+    import gguf
+
+    assert isinstance(w, gguf.GGUFWriter)
+    reader = gguf.GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            if sub == gguf.GGUFValueType.STRING:
+                vals = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+            else:
+                vals = [field.parts[i][0].item() for i in field.data]
+            w.add_key_value(key, vals, vtype, sub_type=sub)
+        elif vtype == gguf.GGUFValueType.STRING:
+            w.add_key_value(key, bytes(field.parts[-1]).decode("utf-8", "replace"), vtype)
+        else:
+            w.add_key_value(key, field.parts[-1][0].item(), vtype)
