@@ -492,7 +492,8 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
     n = 0
     for parent in list(model.modules()):
         if isinstance(parent, Experts):  # each expert becomes two quantized linears
-            parent.quantize(mode, use_kernels)
+            if parent.quantized is None:  # (the loader may have done it, layer by layer)
+                parent.quantize(mode, use_kernels)
             n += 2 * parent.num_experts
             continue
         for name, child in list(parent.named_children()):

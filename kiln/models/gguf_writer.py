@@ -66,9 +66,10 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def write_gguf(path: str | Path, cfg: ModelConfig,
-               tensors: Iterable[tuple[str, torch.Tensor]], *, qtype: str = "F32",
+               tensors: Iterable[tuple[str, torch.Tensor | np.ndarray]], *, qtype: str = "F32",
                tokenizer_from: str | Path | None = None, name: str = "kiln-test") -> Path:
-    """Writes `tensors` (HF names, torch layout) as a GGUF of `cfg`'s architecture.
+    """Writes `tensors` (HF names, or llama.cpp's own `blk.N...` names; torch layout) as a GGUF
+    of `cfg`'s architecture. A uint8 numpy array is taken as blocks already in `qtype`.
     `tokenizer_from`: a GGUF whose `tokenizer.*` keys (vocabulary, merges, chat template) are
     copied, so the file can be served; without it the file has no tokenizer."""
     import gguf
@@ -76,15 +77,19 @@ def write_gguf(path: str | Path, cfg: ModelConfig,
     path = Path(path)
     arch = GGUF_ARCH_OF[cfg.architecture]
     writer = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(writer, cfg, arch, name)
+    # The copied tokenizer brings its own special token ids.
+    _write_metadata(writer, cfg, arch, name, special_ids=tokenizer_from is None)
     writer.add_file_type(_file_types()[qtype])
     if tokenizer_from is not None:
         _copy_tokenizer(writer, Path(tokenizer_from))
     qt = gguf.GGMLQuantizationType[qtype]
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
 
-    def add(gname: str, t: torch.Tensor) -> None:
-        arr = t.detach().float().contiguous().numpy()
+    def add(gname: str, t: torch.Tensor | np.ndarray) -> None:
+        if isinstance(t, np.ndarray) and t.dtype == np.uint8:
+            writer.add_tensor(gname, t, raw_dtype=qt)
+            return
+        arr = torch.as_tensor(t).detach().float().contiguous().numpy()
         keep = gname.endswith(".bias") or any(k in gname for k in _KEEP_F32) or arr.ndim == 1
         if keep or qt == gguf.GGMLQuantizationType.F32 or arr.shape[-1] % 32:
             writer.add_tensor(gname, arr.astype(np.float32))
@@ -94,6 +99,10 @@ def write_gguf(path: str | Path, cfg: ModelConfig,
             writer.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
 
     for hf, t in tensors:
+        if hf.startswith("blk.") or hf in ("token_embd.weight", "output_norm.weight",
+                                           "output.weight"):
+            add(hf, t)  # already llama.cpp's name
+            continue
         m = _EXPERT.fullmatch(hf)
         if m:
             experts.setdefault((int(m.group(1)), _EXPERT_GGUF[m.group(3)]), {})[
@@ -122,7 +131,8 @@ def write_gguf(path: str | Path, cfg: ModelConfig,
     return path
 
 
-def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str) -> None:
+def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str,
+                    special_ids: bool) -> None:
     import gguf
 
     assert isinstance(w, gguf.GGUFWriter)
@@ -150,9 +160,9 @@ def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str) -> None:
         if arch == "deepseek2":
             w.add_expert_weights_norm(cfg.norm_topk_prob)
             w.add_expert_weights_scale(cfg.routed_scaling_factor)
-    if cfg.bos_token_id is not None:
+    if special_ids and cfg.bos_token_id is not None:
         w.add_bos_token_id(cfg.bos_token_id)
-    if cfg.eos_token_ids:
+    if special_ids and cfg.eos_token_ids:
         w.add_eos_token_id(cfg.eos_token_ids[0])
 
 

@@ -224,7 +224,8 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     _materialize(model, device)
     for rotary in model.rotary_embeddings():
         rotary.build(device=device)
-    load_weights(model, ckpt, progress=progress, keep_4bit=quantization != "none")
+    load_weights(model, ckpt, progress=progress, keep_4bit=quantization != "none",
+                 quantize_experts=(quantization, cpu_kernels) if quantization != "none" else None)
     if quantization != "none":
         from kiln.layers.quant import quantize_model
 
@@ -256,10 +257,14 @@ def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
 
 
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
-                 progress: ProgressFn | None = None, keep_4bit: bool = False) -> None:
+                 progress: ProgressFn | None = None, keep_4bit: bool = False,
+                 quantize_experts: tuple[str, bool] | None = None) -> None:
     """Fills every parameter from the checkpoint. With `keep_4bit`, GGUF 4-bit matrices are
     handed to their module's `stash_quantized` (a quantization pass must follow: see
-    `kiln.layers.linear.Linear`)."""
+    `kiln.layers.linear.Linear`). With `quantize_experts` (mode, use CPU kernels), each layer's
+    experts are quantized as soon as all their tensors are in: the experts are most of a MoE
+    model, and holding every layer's stashed blocks (one byte per 4-bit code) or dense weights
+    until the end would need several times the quantized model's memory."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
@@ -276,6 +281,7 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             expected -= {(f"{mod_name}.gate_up_proj", None), (f"{mod_name}.down_proj", None)}
             expected.update((mod_name, key) for key in module.expected_parts())
     loaded: set[tuple[str, str | None]] = set()
+    experts_loaded: dict[str, set[str]] = {}  # Experts module -> its parts loaded so far
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # checkpoint name fragment -> ours, for families whose HF names differ from our modules'
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
@@ -302,7 +308,13 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
                     experts.stash_quantized(part, expert, tensor)
                 else:
                     experts.load(part, expert, tensor)
-            loaded.update((m["module"], key) for key in experts.parts_loaded(part, expert))
+            keys = experts.parts_loaded(part, expert)
+            loaded.update((m["module"], key) for key in keys)
+            done = experts_loaded.setdefault(m["module"], set())
+            done.update(keys)
+            if quantize_experts is not None and experts.quantized is None and \
+                    len(done) == len(experts.expected_parts()):
+                experts.quantize(*quantize_experts)
             continue
         mod_name, _, leaf = name.rpartition(".")
         parent, _, child = mod_name.rpartition(".")
