@@ -4,6 +4,8 @@ the quantized expert path, on tiny random-weight Qwen3-MoE / Qwen2-MoE / Mixtral
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -149,3 +151,33 @@ def test_routing_counts_every_token_of_a_step(tiny):
         [60 * k] * len(experts)
     # mlp_only_layers=[1] in the tiny Qwen3-MoE: layers 0 and 2 route, layer 1 is dense
     assert [m.layer for m in experts] == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory, gguf_path):
+    """`kiln serve` on a tiny Qwen3-MoE GGUF in Q4_0 (SmolLM2's tokenizer copied in, so it
+    chats), with the CPU default int4 path: the experts' 4-bit blocks are served as they are."""
+    from test_server import _serve
+
+    tmp = tmp_path_factory.mktemp("moe-serve")
+    folder = make_tiny_model("qwen3_moe", tmp / "hf", vocab_size=49152,
+                             max_position_embeddings=2048)
+    ck = open_checkpoint(folder)
+    gguf = write_gguf(tmp / "tiny-qwen3moe-q4_0.gguf", ck.config, iter_tensors(ck),
+                      qtype="Q4_0", tokenizer_from=gguf_path)
+    yield from _serve(tmp, gguf, "--quantization", "int4")
+
+
+@pytest.mark.slow
+def test_moe_gguf_served_through_the_openai_client(moe_server):
+    client = moe_server.client()
+    msgs = [{"role": "user", "content": "Hello"}]
+    r = client.chat.completions.create(model="smol", messages=msgs, max_tokens=12,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smol", messages=msgs, max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert text == r.choices[0].message.content
+    effective = json.loads(moe_server.effective_config.read_text())
+    assert effective["settings"]["quantization"]["value"] == "int4"
