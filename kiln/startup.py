@@ -118,13 +118,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     elif external or mc is None:
         sp.preset_reason = "none inferred: the external engine picks its own defaults"
     else:
-        info = {"architectures": [mc.architecture], "hidden_size": mc.hidden_size,
-                "num_hidden_layers": mc.num_hidden_layers,
-                "num_key_value_heads": mc.num_key_value_heads,
-                "intermediate_size": mc.intermediate_size, "vocab_size": mc.vocab_size,
-                "quantization": sp.source.quant or mc.quantization,
-                "total_bytes": sp.source.total_bytes}
-        sp.preset, sp.preset_reason = presets.infer_preset(info, sp.hardware)
+        sp.preset, sp.preset_reason = presets.infer_preset(_preset_info(sp, mc), sp.hardware)
     if sp.preset:
         preset_vals = dict(presets.get_preset(sp.preset).settings)
     hw = sp.hardware
@@ -140,7 +134,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
                                                              if entry else None),
         weight_bytes=sp.source.total_bytes,
         model_max_tp=entry.max_tensor_parallel if entry else None,
-        is_moe=bool(entry and entry.kind == "moe"),
+        is_moe=bool(entry and entry.kind == "moe") or bool(mc and mc.is_moe),
         model_quant=sp.source.quant or (mc.quantization if mc else None),
     )
     registry_vals = dict(entry.recommended) if entry else {}
@@ -167,6 +161,31 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
     return sp
+
+
+def _preset_info(sp: StartupPlan, mc: Any) -> dict[str, Any]:
+    """What infer_preset reads, in HF config names, from the checkpoint's config (HF or GGUF):
+    an MoE's experts too, so the preset sees its total and its active parameters."""
+    assert sp.source is not None
+    info = {"architectures": [mc.architecture], "hidden_size": mc.hidden_size,
+            "num_hidden_layers": mc.num_hidden_layers,
+            "num_attention_heads": mc.num_attention_heads,
+            "num_key_value_heads": mc.num_key_value_heads, "head_dim": mc.head_dim,
+            "intermediate_size": mc.intermediate_size, "vocab_size": mc.vocab_size,
+            "tie_word_embeddings": mc.tie_word_embeddings,
+            "quantization": sp.source.quant or mc.quantization,
+            "total_bytes": sp.source.total_bytes}
+    entry = sp.source.registry_entry
+    if entry is not None:
+        # The published counts beat the estimate from the config (MLA, routers, rounding).
+        total, active = entry.param_counts
+        info.update({k: v for k, v in (("num_params", total), ("active_params", active)) if v})
+    if mc.is_moe:
+        info.update(num_experts=mc.num_experts, num_experts_per_tok=mc.num_experts_per_tok,
+                    moe_intermediate_size=mc.moe_intermediate_size,
+                    shared_expert_intermediate_size=mc.shared_expert_intermediate_size,
+                    mlp_only_layers=sorted(mc.dense_layers))
+    return info
 
 
 def _auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any) -> None:
@@ -331,6 +350,13 @@ def describe(sp: StartupPlan) -> str:
             mc = sp.checkpoint.config
             lines.append(f"  arch     {mc.architecture}, {mc.num_hidden_layers} layers, hidden "
                          f"{mc.hidden_size}, context {mc.max_position_embeddings}")
+            if mc.is_moe:
+                moe_layers = sum(map(mc.is_moe_layer, range(mc.num_hidden_layers)))
+                shared = (f", + shared experts {mc.shared_expert_intermediate_size} wide"
+                          if mc.shared_expert_intermediate_size else "")
+                lines.append(f"  experts  {mc.num_experts} per MoE layer ({moe_layers} of "
+                             f"{mc.num_hidden_layers} layers), {mc.num_experts_per_tok} active "
+                             f"per token{shared}")
     if sp.preset:
         lines.append(f"preset: {sp.preset} ({sp.preset_reason})")
     if s is not None:

@@ -121,6 +121,11 @@ def test_list_registry(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "smollm2" in out and "HuggingFaceTB/SmolLM2-135M-Instruct" in out
     assert "deepseek-v3" in out
+    # MoE rows: total and active parameters, routed experts and how many a token uses.
+    qwen = next(line for line in out.splitlines() if line.startswith("qwen3-30b-a3b "))
+    assert "30.5B (3.3B active)" in qwen and "128 experts, 8 per token" in qwen
+    deepseek = next(line for line in out.splitlines() if line.startswith("deepseek-v3 "))
+    assert "256 experts, 8 per token + 1 shared" in deepseek
 
 
 def test_pull_embedded_prints_where_it_is(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,7 @@ from kiln.errors import ConfigError
 from kiln.resolve.hardware import GPUInfo, HardwareInfo
 from kiln.resolve.presets import (
     PRESETS,
+    estimate_active_params,
     estimate_params,
     get_preset,
     infer_preset,
@@ -22,6 +23,7 @@ from kiln.resolve.registry import (
     infer_entry,
     load_registry,
     lookup,
+    parse_param_count,
 )
 
 GIB = 1024**3
@@ -187,7 +189,54 @@ QWEN3_30B_A3B = {
     "num_key_value_heads": 4,
     "head_dim": 128,
     "num_experts": 128,
+    "num_experts_per_tok": 8,
     "vocab_size": 151936,
+}
+MIXTRAL_8X7B = {
+    **LLAMA_8B,
+    "architectures": ["MixtralForCausalLM"],
+    "vocab_size": 32000,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+QWEN15_MOE_A27B = {  # a gated shared expert 4 experts wide, every layer MoE
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "decoder_sparse_step": 1,
+    "vocab_size": 151936,
+}
+DEEPSEEK_V3 = {  # MLA is estimated as plain attention: close enough at this size
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "vocab_size": 129280,
+}
+OLMOE_1B_7B = {  # 1.3B active: a small model to decode
+    "architectures": ["OlmoeForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "vocab_size": 50304,
 }
 
 
@@ -195,6 +244,86 @@ def test_estimate_params_is_close_to_the_real_counts() -> None:
     assert estimate_params(SMOLLM2_135M) == pytest.approx(134.5e6, rel=0.05)
     assert estimate_params(LLAMA_8B) == pytest.approx(8.03e9, rel=0.05)
     assert estimate_params(QWEN3_30B_A3B) == pytest.approx(30.5e9, rel=0.05)
+
+
+@pytest.mark.parametrize(("config", "total", "active"), [
+    (QWEN3_30B_A3B, 30.5e9, 3.3e9),
+    (MIXTRAL_8X7B, 46.7e9, 12.9e9),
+    (QWEN15_MOE_A27B, 14.3e9, 2.7e9),
+    (DEEPSEEK_V3, 671e9, 37e9),  # 3 dense layers, a shared expert in the other 58
+    (OLMOE_1B_7B, 6.9e9, 1.3e9),
+])
+def test_moe_total_and_active_params_are_close_to_the_published_ones(
+        config: dict, total: float, active: float) -> None:
+    assert estimate_params(config) == pytest.approx(total, rel=0.05)
+    assert estimate_active_params(config) == pytest.approx(active, rel=0.05)
+
+
+def test_a_dense_model_is_all_active() -> None:
+    assert estimate_active_params(LLAMA_8B) == estimate_params(LLAMA_8B)
+
+
+def test_a_moe_on_cpu_fits_by_total_and_decodes_by_active_params() -> None:
+    """Qwen3-30B-A3B in Q4_K_M (~18 GiB) fits the 200 GiB of RAM; its 3.3B active params
+    decode like a dense 3B (cpu-large); OLMoE's 1.3B active like a small one (cpu-small)."""
+    # The registry's published counts, as startup passes them for a model it knows.
+    q4 = {**QWEN3_30B_A3B, "quantization": "Q4_K_M", "total_bytes": 18_600_000_000,
+          "num_params": 30.5e9, "active_params": 3.3e9}
+    name, reason = infer_preset(q4, hw_with([]))
+    assert name == "cpu-large"
+    assert "~30.5B total (17.3 GiB weights, fits in RAM), ~3.3B active" in reason, reason
+    assert "128 experts, 8 per token" in reason
+    name, reason = infer_preset(OLMOE_1B_7B, hw_with([]))
+    assert name == "cpu-small" and "1.3B active" in reason and "small dense model" in reason
+    small_ram = hw_with([])
+    small_ram.ram_available_bytes = 8 * GIB
+    name, reason = infer_preset(q4, small_ram)
+    assert name == "cpu-large" and "more than the available RAM!" in reason
+
+
+def test_a_moe_on_gpu_needs_its_total_in_vram() -> None:
+    """3.3B active does not make Qwen3-30B-A3B fit a 24 GiB GPU: all 30.5B must be there."""
+    name, reason = infer_preset(QWEN3_30B_A3B, hw_with([24]))
+    assert name == "moe-hybrid" and "~3.4B active" in reason  # estimated from the config
+
+
+@pytest.mark.parametrize(("name", "experts", "per_token", "shared", "family"), [
+    ("qwen3-30b-a3b", 128, 8, 0, "qwen3_moe"),
+    ("qwen3-235b-a22b", 128, 8, 0, "qwen3_moe"),
+    ("qwen2-moe", 60, 4, 1, "qwen2_moe"),
+    ("qwen1.5-moe-a2.7b", 60, 4, 1, "qwen2_moe"),
+    ("deepseek-v2-lite", 64, 6, 2, "deepseek_v2"),
+    ("deepseek-v3", 256, 8, 1, "deepseek_v3"),
+    ("mixtral-8x7b", 8, 2, 0, "mixtral"),
+])
+def test_moe_aliases_resolve_with_their_expert_counts(
+        name: str, experts: int, per_token: int, shared: int, family: str) -> None:
+    entry = lookup(name)
+    assert entry is not None and entry.kind == "moe" and entry.family == family
+    rule = entry.gpu_experts_rule
+    assert rule is not None
+    assert (rule.experts_per_layer, rule.experts_per_token, rule.shared_experts) == (
+        experts, per_token, shared)
+    assert entry.active_params and entry.experts is not None
+    assert entry.experts.startswith(f"{experts} experts, {per_token} per token")
+    # The registry's own numbers agree: total from the rule within 5% of `params`.
+    total = rule.dense_params + rule.moe_layers * rule.experts_per_layer * rule.params_per_expert
+    active = rule.dense_params + rule.moe_layers * per_token * rule.params_per_expert
+    assert total == pytest.approx(_billions(entry.params), rel=0.05)
+    assert active == pytest.approx(_billions(entry.active_params), rel=0.15)
+
+
+def _billions(text: str) -> float:
+    value = parse_param_count(text)
+    assert value is not None
+    return value
+
+
+def test_param_counts_parse_the_registry_text() -> None:
+    assert parse_param_count("135M") == 135e6 and parse_param_count("30.5B") == 30.5e9
+    assert parse_param_count("many") is None and parse_param_count(None) is None
+    entry = lookup("qwen3-30b-a3b")
+    assert entry is not None and entry.param_counts == (30.5e9, 3.3e9)
 
 
 @pytest.mark.parametrize(

@@ -100,3 +100,17 @@ def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, words):
     r = runner(tiny, quantization="int8", dense_weights=dense)
     d = r.decisions.dense_weights
     assert d.value is value and words in d.reason, d.reason
+
+
+def test_a_moe_model_asked_to_compile_decodes_eagerly_and_says_why(tmp_path):
+    """The experts' forward is data-dependent (which experts run depends on the routing), so
+    an MoE runner turns --compile off with the reason, which the effective config records."""
+    moe = str(make_tiny_model("mixtral", tmp_path / "mixtral"))
+    r = runner(moe, compile=True)
+    d = r.decisions
+    assert d.compiled.value is False and d.compile_buckets == () and r.graphs is None
+    assert d.compiled.reason.startswith("MoE experts run eagerly: which of the 8 experts of "
+                                        "each of the 2 MoE layers run")
+    assert d.decode_path.value == "eager" and "MoE experts run eagerly" in d.decode_path.reason
+    # Without --compile nothing is turned off: the usual reason.
+    assert runner(moe).decisions.compiled.reason == "--compile is off"

@@ -199,3 +199,22 @@ def test_kiln_engine_rejects_settings_only_external_engines_honour(capsys):
     assert "--cpu-offload-experts" in err and "--engine sglang, which supports it" in err
     # Off is what kiln's engine does anyway: no error.
     assert main(["serve", "--dry-run", "--no-cpu-offload-experts"]) == 0
+
+
+def test_dry_run_of_a_moe_shows_its_experts_and_the_active_params_preset(tmp_path, capsys):
+    """An MoE folder kiln has no registry entry for: the experts come from its config, and the
+    preset's reason gives total and active parameters (a tiny model: cpu-small on a machine
+    without a GPU, gpu-single with one)."""
+    from conftest import make_tiny_model
+
+    moe = make_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
+    capsys.readouterr()
+    eff_path = tmp_path / "eff.json"
+    assert main(["serve", "--dry-run", str(moe), "--device", "cpu",
+                 "--effective-config-json", str(eff_path)]) == 0
+    text = capsys.readouterr().out
+    assert "experts  8 per MoE layer (2 of 3 layers), 2 active per token" in text
+    eff = json.loads(eff_path.read_text())
+    assert eff["preset"]["name"] in ("cpu-small", "gpu-single")
+    assert "B total (" in eff["preset"]["reason"]
+    assert "B active (8 experts, 2 per token)" in eff["preset"]["reason"]

@@ -51,6 +51,9 @@ class OfflineResult:
     decode: list[DecodeResult] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: value, source...}
+    # MoE models: per MoE layer, the tokens routed to its experts during the benchmark:
+    # {"layer", "experts", "tokens", "min", "mean", "max", "imbalance", "idle"}; [] if dense.
+    moe_routing: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kiln-bench-offline", "version": 1, **asdict(self)}
@@ -125,6 +128,7 @@ def run_offline(
         llm = LLM(model=model, **(engine_overrides or {}))
     load_seconds = time.perf_counter() - t0
     rng = random.Random(f"seed{seed}" if seed is not None else new_salt())
+    routing_before = _routing_stats(llm)
     pool = word_token_pool(llm)
 
     prefill_times: list[float] = []
@@ -155,7 +159,28 @@ def run_offline(
                               "engine_overrides": engine_overrides or {}}
     return OfflineResult(model=name, load_seconds=load_seconds, prefill_tokens=prefill_len,
                          prefill_seconds=prefill_times, prefill_tok_s=prefill_len / prefill_s,
-                         decode=decode, config=config, settings=served_settings(llm))
+                         decode=decode, config=config, settings=served_settings(llm),
+                         moe_routing=moe_routing(routing_before, _routing_stats(llm)))
+
+
+def _routing_stats(llm: Any) -> dict[int, list[int]]:
+    engine = getattr(llm, "engine", None)
+    return engine.routing_stats() if hasattr(engine, "routing_stats") else {}
+
+
+def moe_routing(before: dict[int, list[int]], after: dict[int, list[int]]
+                ) -> list[dict[str, Any]]:
+    """Per MoE layer, how the tokens routed between the two snapshots spread over the experts
+    (the summary /metrics gives operators: min/mean/max per expert, max over mean, idle)."""
+    from kiln.server.metrics import moe_layer_summary
+
+    rows = []
+    for layer, counts in sorted(after.items()):
+        prior = before.get(layer, [0] * len(counts))
+        delta = [a - b for a, b in zip(counts, prior)]
+        rows.append({"layer": layer, "experts": len(delta), "tokens": sum(delta),
+                     **moe_layer_summary(delta)})
+    return rows
 
 
 # What the offline report names: the settings that decide the engine's speed.

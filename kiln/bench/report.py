@@ -101,7 +101,15 @@ def format_offline(result: OfflineResult) -> str:
     if measured:
         head += ("configuration measured (resolved as kiln serve resolves it):\n"
                  + table(["setting", "value", "source"], measured, left=2) + "\n\n")
-    return head + table(["phase", "shape", "tok/s"], rows, left=2)
+    out = head + table(["phase", "shape", "tok/s"], rows, left=2)
+    if result.moe_routing:
+        routing = [[str(r["layer"]), str(r["tokens"]), fmt(r["min"], 0), fmt(r["mean"]),
+                    fmt(r["max"], 0), fmt(r["imbalance"], 2), f"{r['idle']:.0f}/{r['experts']}"]
+                   for r in result.moe_routing]
+        out += ("\n\nMoE routing during the benchmark (tokens per expert; a token counts once "
+                "per selected expert):\n"
+                + table(["layer", "routed", "min", "mean", "max", "imbalance", "idle"], routing))
+    return out
 
 
 def _clean(obj: Any) -> Any:

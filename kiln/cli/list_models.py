@@ -38,11 +38,14 @@ def main(args: argparse.Namespace) -> int:
         if as_json:
             print(json.dumps([e.to_dict() for e in entries], indent=2))
             return 0
+        # An MoE model's speed follows its active parameters, its memory its total.
         rows = [
-            [e.name, e.params, e.kind, e.hf_repo, ", ".join(e.aliases), e.description]
+            [e.name, e.params + (f" ({e.active_params} active)" if e.active_params else ""),
+             e.kind, e.experts or "-", e.hf_repo, ", ".join(e.aliases), e.description]
             for e in entries
         ]
-        print(_table(rows, ["NAME", "PARAMS", "KIND", "HF REPO", "ALIASES", "DESCRIPTION"]))
+        print(_table(rows, ["NAME", "PARAMS", "KIND", "EXPERTS", "HF REPO", "ALIASES",
+                            "DESCRIPTION"]))
         return 0
     try:
         models = list_local_models(configured_model_dirs(getattr(args, "model_dir", None)))

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kiln.engine.engine import Engine, RequestOutput
 from kiln.errors import KilnError
 from kiln.sampling_params import SamplingParams
@@ -63,6 +65,9 @@ class AsyncEngine:
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stats: dict[str, float] = {}
+        # MoE routing counters as of the last step ([layers, E]; None: a dense model), copied on
+        # the engine thread like _stats, so /metrics never reads counters a step is adding to.
+        self._routing: torch.Tensor | None = None
         self._stop = threading.Event()
         self._built = threading.Event()
         self._dead: BaseException | None = None
@@ -140,6 +145,14 @@ class AsyncEngine:
         s["num_inflight"] = self.num_inflight
         return s
 
+    def routing_stats(self) -> dict[int, list[int]]:
+        """{MoE layer: tokens routed to each expert} as of the last step ({} for a dense
+        model); see Engine.routing_stats."""
+        counts, engine = self._routing, self.engine
+        if counts is None or engine is None:
+            return {}
+        return dict(zip(engine.moe_layers, counts.tolist()))
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
@@ -147,7 +160,7 @@ class AsyncEngine:
             if self.engine is None:
                 assert self._factory is not None
                 self.engine = self._factory()
-            self._stats = self.engine.metrics()
+            self._snapshot(self.engine)
         except BaseException as e:  # noqa: BLE001 - wait_built() re-raises it on its thread
             self._dead = e
             return
@@ -163,10 +176,12 @@ class AsyncEngine:
                 block = not eng.has_unfinished
                 self._drain(block)
                 if not eng.has_unfinished and not eng._outputs_pending:
-                    self._stats = eng.metrics()
+                    self._snapshot(eng)
                     continue
-                self._deliver(eng.step())
-                self._stats = eng.metrics()
+                outputs = eng.step()
+                # Stats first: a client that saw its request finish then finds it in /metrics.
+                self._snapshot(eng)
+                self._deliver(outputs)
         except BaseException as e:
             log.exception("engine loop crashed")
             self._dead = e
@@ -202,7 +217,11 @@ class AsyncEngine:
             if self.engine.abort(rid):
                 log.debug("aborted %s", rid)
             self._streams.pop(rid, None)
-        self._stats = self.engine.metrics()
+        self._snapshot(self.engine)
+
+    def _snapshot(self, eng: Engine) -> None:
+        self._stats = eng.metrics()
+        self._routing = eng.routing_counts()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hands a step's outputs to their streams: one wake-up of each event loop per step,

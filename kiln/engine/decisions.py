@@ -69,14 +69,16 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
     """The decisions of a runner whose model is built and whose KV pool is attached (the layer
     kernel needs a pool the kernels read). Nothing here runs per step."""
     kernel_rows, kernel_why = _decode_kernel_rows(config, model, device)
-    buckets = decode_buckets(kernel_rows, config.max_num_seqs) if config.compile else []
+    moe = _moe_eager(model)
+    buckets = (decode_buckets(kernel_rows, config.max_num_seqs)
+               if config.compile and not moe else [])
     reads = any(getattr(layer.kv, "kernel", False) for layer in model.attention_layers())
     kv = Decision(kv_cache_dtype.value, kv_cache_dtype.reason + (
         "; kiln's CPU attention kernels read the pool" if reads else ""))
     return RuntimeDecisions(
         kv_cache_dtype=kv,
-        decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device),
-        compiled=_compiled(config, kernel_rows, buckets, device),
+        decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device, moe),
+        compiled=_compiled(config, kernel_rows, buckets, device, moe),
         dense_weights=_dense_weights(config, model),
         decode_kernel_rows=kernel_rows,
         compile_buckets=tuple(buckets))
@@ -105,8 +107,21 @@ def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
                "read: they need AVX512-BF16 and a 16-bit pool in the compute dtype)")
 
 
+def _moe_eager(model: torch.nn.Module) -> str:
+    """Why an MoE model's decode is not compiled ("" for a dense model)."""
+    from kiln.layers.moe import experts_of
+
+    experts = experts_of(model)
+    if not experts:
+        return ""
+    return (f"MoE experts run eagerly: which of the {experts[0].num_experts} experts of each of "
+            f"the {len(experts)} MoE layers run depends on each step's routing (data-dependent "
+            "shapes break a compiled graph), and the padded rows of a batch bucket would be "
+            "routed and counted too")
+
+
 def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, buckets: list[int],
-                 device: torch.device) -> Decision:
+                 device: torch.device, moe: str = "") -> Decision:
     graphs = (f"compiled graphs for batch buckets {buckets} (padded up to the bucket"
               + ("; cascade variants for shared prefixes)" if device.type == "cpu" else ")"))
     if kernel_rows:
@@ -119,13 +134,16 @@ def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, bucket
         return Decision("kernel+eager", f"{kernel}; larger ones eager modules (--compile is off)")
     if buckets:
         return Decision("compiled", f"decode steps run {graphs}; no layer kernel: {kernel_why}")
-    return Decision("eager", f"eager modules: --compile is off; no layer kernel: {kernel_why}")
+    why = moe if config.compile and moe else "--compile is off"
+    return Decision("eager", f"eager modules: {why}; no layer kernel: {kernel_why}")
 
 
 def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
-              device: torch.device) -> Decision:
+              device: torch.device, moe: str = "") -> Decision:
     if not config.compile:
         return Decision(False, "--compile is off")
+    if moe:
+        return Decision(False, moe)
     if not buckets:
         return Decision(False, f"decode steps of up to {kernel_rows} rows run kiln's layer "
                                "kernel: nothing to compile")

@@ -11,6 +11,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.model_runner import ModelRunner
@@ -18,6 +20,7 @@ from kiln.engine.output import OutputProcessor, RequestOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig
 from kiln.errors import KilnError
+from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
 from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import Tokenizer
@@ -85,6 +88,11 @@ class Engine:
         self.output = OutputProcessor(tokenizer)
         self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
+        # MoE routing counters ([] for a dense model), zeroed here: the runner's memory profile
+        # ran a dummy prefill through the router, and a reused runner counted earlier engines.
+        self._experts = experts_of(self.runner.model)
+        reset_routing_counts(self._experts)
+        self.moe_layers: list[int] = [m.layer for m in self._experts]
 
     # ------------------------------------------------------------------ requests
 
@@ -175,3 +183,14 @@ class Engine:
             "session_cache_pinned_blocks": sessions.num_pinned_blocks if sessions else 0,
             "session_cache_released": sessions.stats.released if sessions is not None else 0,
         }
+
+    def routing_counts(self) -> torch.Tensor | None:
+        """Tokens routed to each expert since this engine started, [len(moe_layers), E] int64
+        (a copy); None for a dense model."""
+        return routing_counts(self._experts) if self._experts else None
+
+    def routing_stats(self) -> dict[int, list[int]]:
+        """{MoE layer index: tokens routed to each expert} ({} for a dense model): what
+        /metrics and `kiln bench --offline` report."""
+        counts = self.routing_counts()
+        return {} if counts is None else dict(zip(self.moe_layers, counts.tolist()))

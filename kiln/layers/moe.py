@@ -278,3 +278,27 @@ class Experts(nn.Module):
         form = "quantized" if self.quantized is not None else "dense"
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, {form}")
+
+
+# --------------------------------------------------------------------------- routing statistics
+
+
+def experts_of(model: nn.Module) -> list[Experts]:
+    """The model's Experts modules in layer order ([] for a dense model): found once, so reading
+    the counters each step does not walk the module tree."""
+    return sorted((m for m in model.modules() if isinstance(m, Experts)), key=lambda m: m.layer)
+
+
+def reset_routing_counts(experts: list[Experts]) -> None:
+    """Zeroes the counters in fresh CPU tensors: a model built on the meta device got meta
+    ones (torch.zeros in __init__ follows the device context), which count nothing."""
+    for m in experts:
+        m.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.int64)
+
+
+def routing_counts(experts: list[Experts]) -> torch.Tensor:
+    """A copy of the cumulative tokens per expert, [moe layers, E] int64 (rows in `experts`'
+    order): one stack, cheap enough to snapshot after every step for /metrics."""
+    if not experts:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    return torch.stack([m.tokens_per_expert for m in experts])

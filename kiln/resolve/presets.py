@@ -142,8 +142,27 @@ def num_experts(config: dict[str, Any]) -> int:
     return 0
 
 
-def estimate_params(config: dict[str, Any]) -> float | None:
-    """Rough parameter count from an HF config (embeddings + attention + MLP/experts)."""
+def experts_per_token(config: dict[str, Any]) -> int:
+    """Routed experts each token runs (HF `num_experts_per_tok`; 2, kiln's default, if absent)."""
+    value = config.get("num_experts_per_tok") or config.get("moe_topk")
+    return int(value) if isinstance(value, int) and value > 0 else 2
+
+
+def _moe_layer_count(config: dict[str, Any], layers: int) -> int:
+    """Layers with experts: not Qwen's `mlp_only_layers`, on its `decoder_sparse_step`, past
+    DeepSeek's `first_k_dense_replace` dense layers, on its `moe_layer_freq`."""
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    first = int(config.get("first_k_dense_replace") or 0)
+    freq = int(config.get("moe_layer_freq") or 1)
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0
+               and i >= first and (i - first) % freq == 0)
+
+
+def _param_counts(config: dict[str, Any]) -> tuple[float, float] | None:
+    """(total, active per token) parameters from an HF config: embeddings + attention + MLPs;
+    an MoE layer holds every routed expert, a token runs `experts_per_token` of them plus the
+    shared experts. Equal for a dense model. None without hidden_size/num_hidden_layers."""
     try:
         h = int(config["hidden_size"])
         layers = int(config["num_hidden_layers"])
@@ -154,15 +173,34 @@ def estimate_params(config: dict[str, Any]) -> float | None:
     head_dim = int(config.get("head_dim") or h // heads)
     vocab = int(config.get("vocab_size") or 32000)
     attn = h * head_dim * (2 * heads + 2 * kv)
-    experts = num_experts(config)
-    if experts:
-        inter = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * h)
-        shared = int(config.get("n_shared_experts") or 0)
-        mlp = 3 * h * inter * (experts + shared)
-    else:
-        mlp = 3 * h * int(config.get("intermediate_size") or 4 * h)
     embed = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    return float(embed + layers * (attn + mlp))
+    dense_mlp = 3 * h * int(config.get("intermediate_size") or 4 * h)
+    experts = num_experts(config)
+    if not experts:
+        total = float(embed + layers * (attn + dense_mlp))
+        return total, total
+    inter = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * h)
+    shared = int(config.get("shared_expert_intermediate_size") or 0) or (
+        int(config.get("n_shared_experts") or 0) * inter)
+    moe_layers = _moe_layer_count(config, layers)
+    always = (embed + layers * attn + (layers - moe_layers) * dense_mlp
+              + moe_layers * (3 * h * shared + h * experts))  # shared experts, routers
+    expert = 3 * h * inter
+    return (float(always + moe_layers * expert * experts),
+            float(always + moe_layers * expert * min(experts_per_token(config), experts)))
+
+
+def estimate_params(config: dict[str, Any]) -> float | None:
+    """Rough total parameter count from an HF config (what must fit in memory)."""
+    counts = _param_counts(config)
+    return counts[0] if counts else None
+
+
+def estimate_active_params(config: dict[str, Any]) -> float | None:
+    """Rough parameters one token runs through (what decode speed follows): the total for a
+    dense model; for an MoE, all but the experts a token is not routed to."""
+    counts = _param_counts(config)
+    return counts[1] if counts else None
 
 
 def _bytes_per_param(model_info: dict[str, Any]) -> float:
@@ -191,8 +229,10 @@ def infer_preset(model_info: dict[str, Any], hw: HardwareInfo) -> tuple[str | No
     """Pick a preset for this model on this machine, and say why.
 
     `model_info` is the model's HF config.json dict, optionally with "quantization" (e.g. a
-    GGUF quant such as "Q4_K_M"), "num_params" and/or "total_bytes" (weights on disk), which beat
-    the estimate from the config. Returns (None, reason) when there is too little to go on.
+    GGUF quant such as "Q4_K_M"), "num_params", "active_params" (an MoE's per token) and/or
+    "total_bytes" (weights on disk), which beat the estimates from the config. An MoE must fit
+    by its total parameters and is classed for speed by its active ones. Returns (None, reason)
+    when there is too little to go on.
     """
     total_bytes = model_info.get("total_bytes")
     params = model_info.get("num_params") or estimate_params(model_info)
@@ -204,14 +244,27 @@ def infer_preset(model_info: dict[str, Any], hw: HardwareInfo) -> tuple[str | No
         params = total_bytes / _bytes_per_param(model_info)
     experts = num_experts(model_info)
     arch = (model_info.get("architectures") or [model_info.get("model_type", "model")])[0]
-    size = f"{arch} ~{params / 1e9:.1f}B params, {total_bytes / 1024**3:.1f} GiB weights"
+    gib = total_bytes / 1024**3
+    size = f"{arch} ~{params / 1e9:.1f}B params, {gib:.1f} GiB weights"
+    ram = hw.ram_available_bytes or hw.ram_total_bytes
     if experts:
-        size += f", {experts} experts"
+        # Memory needs every expert (the total); a decode step reads only the routed ones, so
+        # its speed follows the active parameters, like a dense model of that size.
+        active = (model_info.get("active_params") or estimate_active_params(model_info)
+                  or params)
+        fits = "" if hw.has_usable_cuda else (
+            ", fits in RAM" if not ram or total_bytes < ram else ", more than the available RAM!")
+        size = (f"{arch} ~{params / 1e9:.1f}B total ({gib:.1f} GiB weights{fits}), "
+                f"~{active / 1e9:.1f}B active ({experts} experts, "
+                f"{experts_per_token(model_info)} per token)")
 
     if not hw.has_usable_cuda:
-        ram = hw.ram_available_bytes or hw.ram_total_bytes
         if experts:
-            return "cpu-large", f"{size}; no usable GPU, so the whole MoE runs on CPU"
+            if active <= CPU_SMALL_MAX_PARAMS:
+                return "cpu-small", (f"{size}; no usable GPU: the MoE runs on CPU and decodes "
+                                     "like a small dense model (<= 2B active)")
+            return "cpu-large", (f"{size}; no usable GPU: the MoE runs on CPU and decodes like "
+                                 "a dense model of over 2B (active)")
         if params <= CPU_SMALL_MAX_PARAMS:
             return "cpu-small", f"{size}; no usable GPU and the model is small (<= 2B)"
         fit = "" if not ram or total_bytes < ram else " (more than the available RAM!)"

@@ -55,6 +55,7 @@ class GpuExpertsRule:
     bytes_per_param: float = 2.0
     reserve_bytes: int = 4 * 1024**3
     vram_fraction: float = 0.9
+    shared_experts: int = 0  # run for every token; their weights are in dense_params
 
 
 @dataclass
@@ -81,8 +82,31 @@ class RegistryEntry:
     def names(self) -> list[str]:
         return [self.name, *self.aliases]
 
+    @property
+    def param_counts(self) -> tuple[float | None, float | None]:
+        """(total, active per token) parameters as numbers ("30.5B" -> 30.5e9); active is None
+        for a dense entry (all of them run), either is None where the text is not a count."""
+        return parse_param_count(self.params), parse_param_count(self.active_params)
+
+    @property
+    def experts(self) -> str | None:
+        """"128 experts, 8 per token" (", + 1 shared") for an MoE entry; None for a dense one."""
+        rule = self.gpu_experts_rule
+        if rule is None:
+            return None
+        shared = f" + {rule.shared_experts} shared" if rule.shared_experts else ""
+        return f"{rule.experts_per_layer} experts, {rule.experts_per_token} per token{shared}"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def parse_param_count(text: str | None) -> float | None:
+    """"135M" -> 1.35e8, "30.5B" -> 3.05e10; None for anything else."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMBT])\s*", text or "", re.IGNORECASE)
+    if m is None:
+        return None
+    return float(m.group(1)) * {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]
 
 
 _REQUIRED = ("name", "hf_repo", "family", "kind", "params", "description")

@@ -6,7 +6,7 @@ Names follow vLLM's where the meaning is the same (`kiln:num_requests_running` ~
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # stats key -> (metric name, type, help)
 METRICS: dict[str, tuple[str, str, str]] = {
@@ -49,7 +49,25 @@ METRICS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def render(stats: Mapping[str, float], model_name: str) -> str:
+# MoE routing (labelled by layer, and by expert for the counter), only for an MoE model. The
+# counter is the data; the gauges summarise it per layer for operators who do not want one
+# series per expert on a dashboard (128 experts x 48 layers is 6144 series).
+MOE_EXPERT_TOKENS = ("kiln:moe_expert_tokens_total", "counter",
+                     ("Tokens routed to each expert of an MoE layer (a token counts once for "
+                      "each of its top-k experts)."))
+MOE_METRICS: dict[str, tuple[str, str, str]] = {
+    "imbalance": ("kiln:moe_expert_load_imbalance", "gauge",
+                  ("Tokens of the busiest expert of an MoE layer over the mean per expert, "
+                   "since startup (1: even; the expert count: one expert takes all).")),
+    "idle": ("kiln:moe_experts_idle", "gauge",
+             "Experts of an MoE layer that no token has been routed to since startup."),
+}
+
+
+def render(stats: Mapping[str, float], model_name: str,
+           routing: Mapping[int, Sequence[int]] | None = None) -> str:
+    """The Prometheus text of `stats` (engine metrics by METRICS key) and, for an MoE model,
+    `routing` ({layer: tokens routed to each expert}, as Engine.routing_stats gives it)."""
     lines: list[str] = []
     label = f'{{model_name="{model_name}"}}'
     for key, (name, kind, help_text) in METRICS.items():
@@ -58,4 +76,33 @@ def render(stats: Mapping[str, float], model_name: str) -> str:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} {kind}")
         lines.append(f"{name}{label} {float(stats[key])!r}")
+    if routing:
+        lines.extend(_render_routing(routing, model_name))
     return "\n".join(lines) + "\n"
+
+
+def moe_layer_summary(counts: Sequence[int]) -> dict[str, float]:
+    """One MoE layer's routing at a glance: tokens per expert min/mean/max, max over mean
+    (NaN before any token), and the experts no token reached (`kiln bench` reports it too)."""
+    n = len(counts)
+    mean = sum(counts) / n if n else 0.0
+    top = max(counts, default=0)
+    return {"min": float(min(counts, default=0)), "mean": mean, "max": float(top),
+            "imbalance": top / mean if mean else float("nan"),
+            "idle": float(sum(1 for c in counts if c == 0))}
+
+
+def _render_routing(routing: Mapping[int, Sequence[int]], model_name: str) -> list[str]:
+    name, kind, help_text = MOE_EXPERT_TOKENS
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    for layer, counts in sorted(routing.items()):
+        lines.extend(f'{name}{{model_name="{model_name}",layer="{layer}",expert="{e}"}} '
+                     f"{float(c)!r}" for e, c in enumerate(counts))
+    summaries = {layer: moe_layer_summary(c) for layer, c in sorted(routing.items())}
+    for key, (name, kind, help_text) in MOE_METRICS.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for layer, summary in summaries.items():
+            if summary[key] == summary[key]:  # no imbalance before the first routed token
+                lines.append(f'{name}{{model_name="{model_name}",layer="{layer}"}} '
+                             f"{summary[key]!r}")
+    return lines

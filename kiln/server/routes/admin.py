@@ -44,7 +44,7 @@ def router(sv: Serving) -> APIRouter:
     async def metrics() -> Any:
         from kiln.server.metrics import render
 
-        return Response(render(sv.engine.stats(), sv.names[0]),
+        return Response(render(sv.engine.stats(), sv.names[0], sv.engine.routing_stats()),
                         media_type="text/plain; version=0.0.4")
 
     return r
