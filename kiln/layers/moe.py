@@ -290,8 +290,8 @@ def experts_of(model: nn.Module) -> list[Experts]:
 
 
 def reset_routing_counts(experts: list[Experts]) -> None:
-    """Zeroes the counters in fresh CPU tensors: a model built on the meta device got meta
-    ones (torch.zeros in __init__ follows the device context), which count nothing."""
+    """Zeroes the counters when the engine starts: the tokens of startup's memory-profiling
+    prefill went through the routers too, and are no user's."""
     for m in experts:
         m.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.int64)
 
