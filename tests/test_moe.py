@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -181,3 +182,13 @@ def test_moe_gguf_served_through_the_openai_client(moe_server):
     assert text == r.choices[0].message.content
     effective = json.loads(moe_server.effective_config.read_text())
     assert effective["settings"]["quantization"]["value"] == "int4"
+    # /metrics counts the routing per layer and expert: both MoE layers saw every token twice
+    # (top-2); layer 1 is dense and has no series.
+    text = httpx.get(f"{moe_server.base_url}/metrics", timeout=10).text
+    per_layer: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("kiln:moe_expert_tokens_total{"):
+            layer = line.split('layer="')[1].split('"')[0]
+            per_layer[layer] = per_layer.get(layer, 0) + int(float(line.rsplit(" ", 1)[1]))
+    assert set(per_layer) == {"0", "2"}
+    assert per_layer["0"] == per_layer["2"] > 0 and per_layer["0"] % 2 == 0
