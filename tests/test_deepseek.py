@@ -139,7 +139,7 @@ def test_kv_pool_stores_one_latent_row_per_token(tiny):
 
 
 def test_int8_kv_falls_back_to_the_model_dtype_with_a_reason(tiny):
-    family, folder, ref = tiny
+    _, folder, ref = tiny
     r = _runner(folder, kv_cache_dtype="int8")
     d = r.decisions.kv_cache_dtype
     assert d.value == "fp32" and "latent" in d.reason
@@ -153,7 +153,7 @@ def test_int8_weights_run_close_to_fp32(tiny):
     """quantize_model swaps MLA's linears (not kv_b_proj, used per head) and the experts."""
     from kiln.layers.quant import Int8Linear
 
-    family, folder, ref = tiny
+    _, folder, ref = tiny
     r = _runner(folder, quantization="int8")
     attn = r.model.model.layers[1].self_attn
     assert isinstance(attn.kv_a_proj_with_mqa, Int8Linear)
@@ -275,3 +275,71 @@ def test_gguf_gives_the_safetensors_logits(tiny, tmp_path, split_kv_b):
     diff = (from_gguf - from_st).abs().max().item()
     assert diff < 1e-5, f"{family} GGUF vs safetensors: max abs logit diff {diff}"
     assert (from_gguf - _reference_logits(ref, ids)).abs().max().item() < 1e-3
+
+
+# --------------------------------------------------------------------------- attention forms
+
+
+def test_mla_decode_forms_match_a_reference():
+    """MQA over a latent row whose values are its first columns: the eager decode forms (SDPA,
+    bf16 matmuls), the fused ones torch.compile traces, and cascade over shared rows all give
+    softmax(q . k) @ k[:, :r]."""
+    from kiln.layers.attention import Attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, r, p, length, shared = 5, 4, 32, 8, 37, 16
+    attn = Attention(h, 1, r + p, scale=0.2, v_head_dim=r, v_in_k=True)
+    q = torch.randn(b, h, r + p, generator=g)
+    rows = torch.randn(shared + length, 1, r + p, generator=g)
+    lens = torch.tensor([37, 20, 5, 30, 1])
+    mask = torch.arange(length)[None] < lens[:, None]  # [B, L] over each row's own part
+    own = rows[shared:].expand(b, -1, -1, -1)  # [B, L, 1, D]
+
+    def reference(with_shared: bool) -> torch.Tensor:
+        keys = torch.cat([rows[:shared].expand(b, -1, -1, -1), own], 1) if with_shared else own
+        full = torch.cat([torch.ones(b, shared, dtype=torch.bool), mask], 1) if with_shared \
+            else mask
+        s = torch.einsum("bhd,bld->bhl", q, keys[:, :, 0]) * 0.2
+        probs = torch.softmax(s.masked_fill(~full[:, None], float("-inf")), -1)
+        return probs @ keys[:, :, 0, :r]
+
+    m4 = mask[:, None, None, :]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
+        qd, ck, sk = q.to(dtype), own.to(dtype).contiguous(), rows[:shared].to(dtype)
+        want, want_c = reference(False), reference(True)
+        forms = {"decode": attn._decode(qd, ck, ck[..., :r], m4),
+                 "decode_fused": attn._decode_fused(qd, ck, ck[..., :r], m4)}
+        cascade = {"cascade": attn._cascade(qd, sk, sk[..., :r], ck, ck[..., :r], m4),
+                   "cascade_fused": attn._cascade_fused(qd, sk, sk[..., :r], ck, ck[..., :r],
+                                                        m4)}
+        for name, got in forms.items():
+            assert got.shape == (b, h, r)
+            assert (got.float() - want).abs().max().item() < tol, (name, dtype)
+        for name, got in cascade.items():
+            assert got.shape == (b, h, r)
+            assert (got.float() - want_c).abs().max().item() < tol, (name, dtype)
+
+
+def test_bf16_engine_runs_batched_and_stays_close_to_fp32(tiny):
+    """bf16 (the CPU default): batched decode takes the matmul forms; logits stay near fp32's."""
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+
+    _, folder, ref = tiny
+    eng = Engine(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_memory=8 << 20,
+                              max_num_batched_tokens=32, compile=False))
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    for i in range(5):
+        eng.add_request(str(i), _ids(9 + 7 * i, 30 + i), params)
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert all(len(out[str(i)]) == 6 for i in range(5))
+    assert eng.runner.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    ids = _ids(60, 6)
+    got = eng.runner.prompt_logits(ids)
+    want = _reference_logits(ref, ids)
+    # (an occasional routing flip moves one token's logits a lot: bound the typical error)
+    assert (got - want).abs().mean().item() < 0.01
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9

@@ -149,7 +149,7 @@ class DeepseekMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.cfg = cfg
         self.gate = Router(cfg.hidden_size, cfg.num_experts,
-                           correction_bias=cfg.topk_method == "noaux_tc")
+                           correction_bias=cfg.topk_method == "noaux_tc", keep_fp32=True)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                layer)
         self.shared_experts = (LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
@@ -181,9 +181,12 @@ class DeepseekDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# Only gate/up are packed: q_proj (V2-Lite) is MLA's own, not part of a qkv_proj.
+_PACKED = {k: v for k, v in PACKED.items() if k in ("gate_proj", "up_proj")}
+
+
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
-    # Only gate/up are packed: q_proj (V2-Lite) is MLA's own, not part of a qkv_proj.
-    packed_modules = {k: v for k, v in PACKED.items() if k in ("gate_proj", "up_proj")}
+    packed_modules = _PACKED
     # GGUF's ffn_*_shexp map to Qwen2-MoE's singular name; DeepSeek's is plural.
     checkpoint_renames = ((".mlp.shared_expert.", ".mlp.shared_experts."),)
 
