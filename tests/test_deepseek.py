@@ -343,3 +343,22 @@ def test_bf16_engine_runs_batched_and_stays_close_to_fp32(tiny):
     # (an occasional routing flip moves one token's logits a lot: bound the typical error)
     assert (got - want).abs().mean().item() < 0.01
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_mtp_layer_tensors_are_skipped(tiny, tmp_path):
+    """DeepSeek-V3 checkpoints ship the multi-token-prediction module as one more layer
+    (`model.layers.{num_hidden_layers}.*`); loading skips it and the logits do not change."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, folder, ref = tiny
+    copy = tmp_path / "with_mtp"
+    shutil.copytree(folder, copy)
+    n = TINY_MOE["deepseek_v3"]["num_hidden_layers"]
+    save_file({f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128),
+               f"model.layers.{n}.self_attn.kv_b_proj.weight": torch.zeros(128, 32)},
+              str(copy / "model-mtp.safetensors"))
+    ids = _ids(30, 7)
+    diff = (_runner(copy).prompt_logits(ids) - _reference_logits(ref, ids)).abs().max().item()
+    assert diff < 1e-3

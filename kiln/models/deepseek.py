@@ -36,6 +36,7 @@ added to every token.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ from kiln.models.llama import PACKED, LlamaForCausalLM, LlamaMLP
 # HF (and DeepSeek's reference) build q_a_layernorm and kv_a_layernorm with RMSNorm's default
 # eps, not the config's rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -192,6 +194,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:  # type: ignore[override]
         return DeepseekDecoderLayer(self.config, rotary, layer)
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """V3 checkpoints carry the multi-token-prediction module as layers past
+        num_hidden_layers (`model.layers.61.*`); kiln does not draft with it."""
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m[1]) >= self.config.num_hidden_layers
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -310,6 +310,8 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # checkpoint name fragment -> ours, for families whose HF names differ from our modules'
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
+    # name -> True for checkpoint tensors the family does not run (DeepSeek-V3's MTP layer)
+    skip: Callable[[str], bool] | None = getattr(model, "skip_checkpoint_tensor", None)
     names_total = _count_tensors(ckpt) if progress is not None else 0
     for i, (name, tensor) in enumerate(iter_tensors(ckpt, keep_4bit=keep_4bit)):
         if progress is not None:
@@ -319,7 +321,8 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             for rotary in model.rotary_embeddings():
                 rotary.build(freq_factors=tensor)
             continue
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight") or \
+                (skip is not None and skip(name)):
             continue
         for old, new in renames:
             name = name.replace(old, new)
