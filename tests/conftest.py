@@ -82,6 +82,16 @@ TINY_MOE = {
                   "shared_expert_intermediate_size": 96, "num_hidden_layers": 2},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
 }
+# MLA shapes (kv_lora_rank 32, nope 16, rope 8, v 16), 8 routed experts + 1 shared, first layer
+# dense. V2: no q LoRA, softmax group-limited routing; V3: q LoRA, sigmoid + correction bias.
+_TINY_MLA = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+             "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 4, "topk_group": 2}
+TINY_MOE["deepseek_v2"] = {**_TINY_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+                           "routed_scaling_factor": 1.5}
+TINY_MOE["deepseek_v3"] = {**_TINY_MLA, "q_lora_rank": 32, "routed_scaling_factor": 2.5,
+                           "norm_topk_prob": True}
 
 
 def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
@@ -95,7 +105,10 @@ def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[family]
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+           }[family]
     kw = {**TINY, **TINY_MOE.get(family, {}), **overrides}
     if family.startswith("qwen3"):
         kw.setdefault("head_dim", 16)
@@ -108,5 +121,9 @@ def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0, 0.02)
+        # DeepSeek-V3's selection bias is a buffer (zeros): random, so that it matters.
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder

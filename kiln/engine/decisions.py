@@ -45,16 +45,30 @@ class RuntimeDecisions:
                 if isinstance(d := getattr(self, f.name), Decision)}
 
 
-def choose_kv_cache_dtype(config: EngineConfig, device: torch.device) -> Decision:
+def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
+                          mla: bool = False) -> Decision:
     """The KV pool's storage dtype. "auto" is resolved by the settings table; the same rule
-    serves an EngineConfig built directly with "auto"."""
+    serves an EngineConfig built directly with "auto". `mla`: the model keeps a latent row per
+    token (DeepSeek), which int8 storage does not support (its keys are stored rotated, and
+    MLA's values are the keys' first columns): it falls back to the model dtype, saying so."""
     name = config.kv_cache_dtype
     if name == "auto":
         value, reason = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
-        return Decision(value, reason)
+        name, decided = value, Decision(value, reason)
+    else:
+        decided = None
     if name not in KV_DTYPES:
         raise ConfigError(f"unknown --kv-cache-dtype {name!r}",
                           hint=f"choose one of: auto, {', '.join(KV_DTYPES)}")
+    if mla and name == "int8":
+        fallback, _ = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
+        log.warning("int8 KV is not supported for multi-head latent attention: using %s",
+                    fallback)
+        return Decision(fallback, "int8 KV is not supported for multi-head latent attention "
+                                  f"(the latent rows are kept unrotated): the model dtype "
+                                  f"{config.dtype}, as {fallback}")
+    if decided is not None:
+        return decided
     reason = f"kv_cache_dtype {name} as configured"
     if name == "int8":
         reason += f"; an fp16 scale per (token, head), computed in {config.dtype}"

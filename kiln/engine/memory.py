@@ -50,7 +50,12 @@ class MemoryPlan:
 
 
 def kv_bytes_per_token(mc: ModelConfig, kv_dtype_name: str) -> int:
-    """KV bytes one token takes over all layers (K and V; int8 adds its per-head scales)."""
+    """KV bytes one token takes over all layers (K and V; int8 adds its per-head scales; MLA
+    keeps one latent row per layer, see ModelConfig.kv_bytes_per_token)."""
+    if mc.is_mla:
+        if kv_dtype_name == "int8":  # engine/decisions.py never picks it for MLA
+            raise ValueError("int8 KV is not supported for multi-head latent attention")
+        return int(mc.kv_bytes_per_token(KV_DTYPES[kv_dtype_name].itemsize))
     per_head = mc.head_dim * KV_DTYPES[kv_dtype_name].itemsize
     if kv_dtype_name == "int8":
         per_head += INT8_SCALE_BYTES  # fp16 scale per (token, head)

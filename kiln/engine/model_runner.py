@@ -80,7 +80,7 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 [*self.model.parameters(), *self.model.buffers()])
         self.block_size = config.block_size
-        kv_dtype = choose_kv_cache_dtype(config, self.device)
+        kv_dtype = choose_kv_cache_dtype(config, self.device, mla=mc.is_mla)
         self.kv_dtype_name: str = kv_dtype.value
         act = memory.measure_activation_peak(self.device, self._largest_step)
         # Logits and sampler temporaries for max_num_seqs rows come on top.
@@ -145,17 +145,19 @@ class ModelRunner:
         self._scratch_forward(torch.zeros(n, dtype=torch.long, device=self.device), None)
 
     def _allocate_kv_slots(self, num_slots: int, dtype: torch.dtype) -> None:
-        mc = self.model_config
-        shape = (num_slots, mc.num_key_value_heads, mc.head_dim)
+        """Each attention layer's pool, [num_slots, *row] for the rows it says it keeps
+        (`Attention.kv_shapes`: K and V, or MLA's one latent row whose first columns are V)."""
         quant = dtype == torch.int8
         for layer in self.model.attention_layers():
-            k = memory.kv_zeros(shape, dtype, self.device)
-            v = memory.kv_zeros(shape, dtype, self.device)
+            k_row, v_row = layer.kv_shapes()
+            k = memory.kv_zeros((num_slots, *k_row), dtype, self.device)
+            v = memory.kv_zeros((num_slots, *v_row), dtype, self.device) if v_row else None
             ks = vs = None
             if quant:
-                ks = memory.kv_zeros(shape[:2], INT8_SCALE_DTYPE, self.device)
-                vs = memory.kv_zeros(shape[:2], INT8_SCALE_DTYPE, self.device)
-            layer.attach(KVStore(k, v, ks, vs, compute_dtype=self.dtype),
+                ks = memory.kv_zeros((num_slots, k_row[0]), INT8_SCALE_DTYPE, self.device)
+                if v_row:
+                    vs = memory.kv_zeros((num_slots, v_row[0]), INT8_SCALE_DTYPE, self.device)
+            layer.attach(KVStore(k, v, ks, vs, compute_dtype=self.dtype, v_dim=layer.v_head_dim),
                          use_kernels=self.config.cpu_kernels)
 
     def _allocate_kv(self, num_blocks: int) -> None:

@@ -22,7 +22,8 @@ flash-attention kernel over the pool (`cpu_kernels.prefill_attention`: 512 causa
 runner (`AttentionMetadata`) and shared by every layer through `get_context()`, so a model's
 forward stays `(input_ids, positions)`.
 
-KV storage is [num_slots, kv_heads, head_dim] per layer; with int8 storage each (slot, head) row
+KV storage is [num_slots, kv_heads, head_dim] per layer (each layer says its row shapes:
+`Attention.kv_shapes`); with int8 storage each (slot, head) row
 keeps an fp16 scale (absmax / 127), quantized on write and dequantized as it is gathered. The
 scale is fp16, not fp32, so that int8 KV holds >= 1.9x the tokens of 16-bit KV even at
 head_dim 64 (2*64 / (64 + 2) = 1.94; an fp32 scale would give 1.88); its rounding (2^-11
@@ -38,6 +39,13 @@ are flatter, and rotating them changed nothing in that test.
 
     write : pool_k = int8(k @ R), pool_v = int8(v)
     read  : scores = (q @ R) . dequant(pool_k),  out = softmax(scores) @ dequant(pool_v)
+
+Multi-head latent attention (DeepSeek-V2/V3, kiln/models/deepseek.py) is run as MQA over one
+latent row per token, and its values are the row's first `v_head_dim` columns (`v_in_k`): the
+pool keeps K only, and V is a view of it, never a copy.
+
+    pool_k row : [ c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim) ]     one KV head
+    V          : [ c_kv ]                                                the same memory
 """
 
 from __future__ import annotations
@@ -114,9 +122,19 @@ class KVStore:
     """One layer's slice of the KV pool. int8 keys are kept rotated (see the module notes):
     `gather` returns them in that basis, and `query` puts queries in the same one."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor,
+    def __init__(self, k: torch.Tensor, v: torch.Tensor | None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, v_dim: int | None = None) -> None:
+        """`v` None: values are the first `v_dim` columns of the keys (MLA's latent row), kept
+        once; `self.v` is then a view of `k`."""
+        self.v_in_k = v is None
+        if self.v_in_k:
+            if k_scale is not None:
+                # The int8 keys are stored rotated (k R): their columns are no values any more.
+                raise ValueError("int8 KV is not supported when values live in the keys (MLA)")
+            assert v_dim is not None and v_dim <= k.shape[-1]
+            v = k[..., :v_dim]
+        assert v is not None
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
         self.compute_dtype = compute_dtype
@@ -135,8 +153,11 @@ class KVStore:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.quantized:
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Stores the step's keys and values at `slots` (`v` is ignored where it lives in k)."""
+        if self.v_in_k:
+            self.k.index_copy_(0, slots, k.to(self.k.dtype))
+        elif self.quantized:
             assert self.k_scale is not None and self.v_scale is not None
             assert self.rotation is not None
             qk, sk = quantize_int8(k.float() @ self.rotation)
@@ -146,6 +167,7 @@ class KVStore:
             self.k_scale.index_copy_(0, slots, sk.to(self.k_scale.dtype))
             self.v_scale.index_copy_(0, slots, sv.to(self.v_scale.dtype))
         else:
+            assert v is not None
             self.k.index_copy_(0, slots, k.to(self.k.dtype))
             self.v.index_copy_(0, slots, v.to(self.v.dtype))
 
@@ -155,6 +177,9 @@ class KVStore:
         # index_select over flat slots: 4-5x faster on CPU than advanced indexing (self.k[slots]).
         flat, shape = slots.reshape(-1), (*slots.shape, *self.k.shape[1:])
         k = self.k.index_select(0, flat).view(shape)
+        if self.v_in_k:  # one gather; V is a view of the gathered rows
+            k = k.to(self.compute_dtype)
+            return k, k[..., :self.v.shape[-1]]
         v = self.v.index_select(0, flat).view(shape)
         if self.quantized:
             assert self.k_scale is not None and self.v_scale is not None
@@ -174,35 +199,55 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Paged attention of one layer. `head_dim` is the query/key width; values are
+    `v_head_dim` wide (default: the same). With `v_in_k` the values are the first `v_head_dim`
+    columns of the keys (MLA's latent row), so the pool stores keys only. `scale` defaults to
+    head_dim ** -0.5."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 scale: float | None = None, v_head_dim: int | None = None,
+                 v_in_k: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.v_head_dim = v_head_dim or head_dim
+        self.v_in_k = v_in_k
+        self.scale = scale if scale is not None else head_dim ** -0.5
         self.kv: KVStore | None = None  # attached by the model runner
+
+    def kv_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """The per-token pool rows this layer keeps: (K row, V row or None when V is part of
+        K). The model runner allocates the pool from these."""
+        v = None if self.v_in_k else (self.num_kv_heads, self.v_head_dim)
+        return (self.num_kv_heads, self.head_dim), v
 
     def attach(self, kv: KVStore, use_kernels: bool = True) -> None:
         """Give the layer its slice of the KV pool; decode and prefill with kiln's CPU
         kernels where they run (a bf16 pool on a CPU with AVX512-BF16: see
         kiln.layers.cpu_kernels) unless `use_kernels` (--no-cpu-kernels) is off. The kernels
         read queries and pool in one dtype, so the pool must be kept in the compute dtype."""
-        kv.kernel = (use_kernels and not kv.quantized and kv.k.dtype == kv.compute_dtype
+        # kiln's kernels take K and V of one width, in separate tensors.
+        kv.kernel = (use_kernels and not kv.quantized and not kv.v_in_k
+                     and kv.k.dtype == kv.compute_dtype
                      and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
         self.kv = kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
                 ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]. k and v None: the step's keys and
-        values are already in a kernel-read pool (`rope_write`)."""
+        """q: [T, Hq, D], k: [T, Hk, D], v: [T, Hk, Dv] -> [T, Hq * Dv]. k and v None: the
+        step's keys and values are already in a kernel-read pool (`rope_write`). With `v_in_k`,
+        v is None and the values are k[..., :Dv]."""
         meta = get_context()
         kv = self.kv
         assert kv is not None, "no KV cache attached"
+        if self.v_in_k and k is not None:
+            v = k[..., :self.v_head_dim]
         if k is None or v is None:
             assert kv.kernel, "k/v already written: only the kernels' paths read the pool alone"
         else:
             kv.write(meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:-1], self.v_head_dim))
         nd = meta.num_decodes
         if nd and kv.kernel:
             out[:nd] = self._decode_kernel(q[:nd], kv, meta).to(q.dtype)
@@ -234,7 +279,7 @@ class Attention(nn.Module):
                     kv.query(qc), ck.transpose(0, 1).unsqueeze(0), cv.transpose(0, 1).unsqueeze(0),
                     attn_mask=c.mask, scale=self.scale, enable_gqa=True)
             out[c.start:c.end] = o.squeeze(0).transpose(0, 1)
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates q and k of a fused qkv [T, (Hq + 2 Hk) * D] and writes k and v to the pool in
@@ -296,7 +341,8 @@ class Attention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask.view(b, 1, length), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(cv.dtype)  # [B, Hq, L]
-        return _own_blocks(probs @ cv.view(b, length, hk * d), hk)
+        # reshape, not view: an MLA value is a strided view of the gathered keys
+        return _own_blocks(probs @ cv.reshape(b, length, hk * cv.shape[-1]), hk)
 
     def _decode_fused(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
@@ -313,8 +359,9 @@ class Attention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask.view(b, length, 1, 1), float("-inf"))
         probs = torch.softmax(scores, dim=1)
-        o = (probs.unsqueeze(-1) * cv.view(b, length, hk, 1, d).float()).sum(1)  # [B,Hk,G,D]
-        return o.reshape(b, hq, d).to(q.dtype)
+        dv = cv.shape[-1]
+        o = (probs.unsqueeze(-1) * cv.reshape(b, length, hk, 1, dv).float()).sum(1)  # [B,Hk,G,Dv]
+        return o.reshape(b, hq, dv).to(q.dtype)
 
     def _cascade(self, q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, ck: torch.Tensor,
                  cv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -335,8 +382,9 @@ class Attention(nn.Module):
             own = own.masked_fill(~mask.view(b, 1, length), float("-inf"))
         scores = torch.cat([shared, own], dim=-1).float() * self.scale
         probs = torch.softmax(scores, dim=-1).to(cv.dtype)
-        o = ((probs[..., :p].reshape(b * hq, p) @ sv.view(p, hk * d)).view(b, hq, hk * d)
-             + probs[..., p:] @ cv.view(b, length, hk * d))
+        dv = cv.shape[-1]
+        o = ((probs[..., :p].reshape(b * hq, p) @ sv.reshape(p, hk * dv)).view(b, hq, hk * dv)
+             + probs[..., p:] @ cv.reshape(b, length, hk * dv))
         return _own_blocks(o, hk)
 
     def _cascade_fused(self, q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
@@ -363,9 +411,10 @@ class Attention(nn.Module):
         e_own = torch.exp(own - top.unsqueeze(1))
         denom = e_shared.sum(-1).view(hk, b, g).permute(1, 0, 2) + e_own.sum(1)  # [B, Hk, G]
         o_shared = torch.bmm(e_shared.to(sv.dtype), sv.permute(1, 0, 2))  # [Hk, B*G, D]
-        o_own = (e_own.unsqueeze(-1) * cv.view(b, length, hk, 1, d).float()).sum(1)
-        o = (o_shared.float().view(hk, b, g, d).permute(1, 0, 2, 3) + o_own) / denom[..., None]
-        return o.reshape(b, hq, d).to(q.dtype)
+        dv = cv.shape[-1]
+        o_own = (e_own.unsqueeze(-1) * cv.reshape(b, length, hk, 1, dv).float()).sum(1)
+        o = (o_shared.float().view(hk, b, g, dv).permute(1, 0, 2, 3) + o_own) / denom[..., None]
+        return o.reshape(b, hq, dv).to(q.dtype)
 
 
 def _spread_heads(q: torch.Tensor, hk: int) -> torch.Tensor:

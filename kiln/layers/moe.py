@@ -81,12 +81,26 @@ class Router(nn.Module):
     quantization pass, which only swaps kiln's `Linear` modules). DeepSeek-V3's selection bias,
     where present, is `e_score_correction_bias` [E]."""
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False,
+                 keep_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias
             else None)
+        # DeepSeek: the weight and bias stay fp32 in a bf16 model, as HF keeps them
+        # (`_keep_in_fp32_modules`) and vLLM keeps the bias: the bias separates experts whose
+        # sigmoid scores differ by less than bf16's step, and routing flips change a token's
+        # whole MoE output.
+        self.keep_fp32 = keep_fp32
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Router:
+        super()._apply(fn, recurse)
+        if self.keep_fp32:  # undo the model-wide dtype cast (.to(bf16)) for our parameters
+            for name, p in self._parameters.items():
+                if p is not None and p.is_floating_point() and p.dtype != torch.float32:
+                    self._parameters[name] = nn.Parameter(p.data.float(), requires_grad=False)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())

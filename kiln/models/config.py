@@ -86,6 +86,10 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # RoPE over interleaved pairs (x0, x1), (x2, x3), ... instead of the two halves: DeepSeek's
+    # checkpoints (HF `rope_interleave`, V2 always) and llama.cpp's deepseek2 lay the rope dims
+    # out that way.
+    rope_interleave: bool = False
 
     @property
     def context_length(self) -> int:
@@ -104,6 +108,11 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims RoPE rotates per head: MLA rotates only its `qk_rope_head_dim` part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -183,6 +192,12 @@ class ModelConfig:
             if get("rope.scaling.original_context_length"):
                 scaling["original_max_position_embeddings"] = get(
                     "rope.scaling.original_context_length")
+            if stype == "yarn" and get("rope.scaling.yarn_log_multiplier"):
+                # deepseek2: llama.cpp stores 0.1 * mscale_all_dim. DeepSeek's published configs
+                # have mscale == mscale_all_dim (V2 0.707, V3 1.0), which HF turns into
+                # attention_factor 1 and a softmax scale of mscale(factor, mscale_all_dim)^2.
+                m = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
+                scaling.update(mscale=m, mscale_all_dim=m)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=arch,
@@ -254,6 +269,7 @@ def _moe_from_hf(d: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
             qk_nope_head_dim=int(d["qk_nope_head_dim"]),
             qk_rope_head_dim=int(d["qk_rope_head_dim"]),
             v_head_dim=int(d["v_head_dim"]),
+            rope_interleave=bool(d.get("rope_interleave", True)),
         )
     return out
 
@@ -302,5 +318,12 @@ def _moe_from_gguf(get: Any, arch: str, names: set[str]) -> dict[str, Any]:
             qk_nope_head_dim=int(get("attention.key_length")) - rope,
             qk_rope_head_dim=rope,
             v_head_dim=int(get("attention.value_length")),
+            rope_interleave=True,  # llama.cpp's deepseek2 rotates adjacent pairs (ROPE_TYPE_NORM)
         )
+        # Newer converters write the MQA form (key_length = kv_lora_rank + rope, value_length =
+        # kv_lora_rank, one KV head) and the per-head sizes under *_mla.
+        if get("attention.key_length_mla"):
+            out["qk_nope_head_dim"] = int(get("attention.key_length_mla")) - rope
+        if get("attention.value_length_mla"):
+            out["v_head_dim"] = int(get("attention.value_length_mla"))
     return out

@@ -162,18 +162,22 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int,
-                 make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
+                 make_mlp: Callable[[int], nn.Module | None] | None = None,
+                 make_layer: Callable[[int, RotaryEmbedding], nn.Module] | None = None) -> None:
+        """`make_mlp(i)`: layer i's MLP (None: dense); `make_layer(i, rotary)`: the whole
+        decoder layer, for families whose attention differs (DeepSeek's MLA)."""
         super().__init__()
         # `_weight` skips the random init: on the meta device that init alone imports
         # torch._dynamo (~2 s of startup).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling,
-                                 cfg.max_position_embeddings)
+        rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max_positions,
+                                 cfg.rope_scaling, cfg.max_position_embeddings)
         # Kept outside the layers' module tree: one table for all layers.
         self._rotary = [rotary]
         self.layers = nn.ModuleList(
+            make_layer(i, rotary) if make_layer is not None else
             LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -193,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, self.make_mlp)
+        self.model = LlamaModel(cfg, max_positions, self.make_mlp, self.make_layer)
         self.lm_head: nn.Module = (TiedLMHead(self.model.embed_tokens) if cfg.tie_word_embeddings
                                    else Linear(cfg.hidden_size, cfg.vocab_size))
 
@@ -206,6 +210,9 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP; None: the dense LlamaMLP (MoE families return their block)."""
         return None
+
+    # A family with its own decoder layer sets this to a method (layer, rotary) -> module.
+    make_layer: Callable[[int, RotaryEmbedding], nn.Module] | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

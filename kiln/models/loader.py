@@ -59,7 +59,20 @@ _GGUF_MOE = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# Multi-head latent attention (llama.cpp's deepseek2). Newer converters split kv_b_proj into
+# attn_k_b [H, r, nope] (each head's block transposed) and attn_v_b [H, v, r]; `_iter_gguf` joins
+# them back into kv_b_proj.
+_GGUF_MLA = {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+}
 _GGUF_LAYER.update(_GGUF_MOE)
+_GGUF_LAYER.update(_GGUF_MLA)
+_GGUF_KV_B_SPLIT = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 _GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -166,7 +179,19 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
     arch = ckpt.gguf_meta["general.architecture"]
     cfg = ckpt.config
     gf = ckpt.gguf_reader()
+    kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}  # layer -> "k"/"v" -> tensor
     for t in gf.tensors:
+        split = _GGUF_KV_B_SPLIT.fullmatch(t.name)
+        if split:
+            halves = kv_b_halves.setdefault(split[1], {})
+            half = gguf_tensor(gf, t)
+            assert isinstance(half, torch.Tensor)
+            halves[split[2]] = half
+            if len(halves) == 2:
+                yield (f"model.layers.{split[1]}.self_attn.kv_b_proj.weight",
+                       _join_kv_b(halves["k"], halves["v"]))
+                del kv_b_halves[split[1]]
+            continue
         name = _gguf_to_hf(t.name)
         if name is None:
             raise ModelLoadError(f"unknown GGUF tensor {t.name!r} in {ckpt.path}",
@@ -195,6 +220,12 @@ def _gguf_to_hf(name: str) -> str | None:
     if m and m.group(2) in _GGUF_LAYER:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
     return None
+
+
+def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's attn_k_b [H, r, nope] and attn_v_b [H, v, r] -> HF's kv_b_proj weight
+    [H * (nope + v), r] (per head: the nope rows, then the v rows)."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -285,6 +316,8 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # checkpoint name fragment -> ours, for families whose HF names differ from our modules'
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
+    # name -> True for checkpoint tensors the family does not run (DeepSeek-V3's MTP layer)
+    skip: Callable[[str], bool] | None = getattr(model, "skip_checkpoint_tensor", None)
     names_total = _count_tensors(ckpt) if progress is not None else 0
     for i, (name, tensor) in enumerate(iter_tensors(ckpt, keep_4bit=keep_4bit)):
         if progress is not None:
@@ -294,7 +327,8 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             for rotary in model.rotary_embeddings():
                 rotary.build(freq_factors=tensor)
             continue
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight") or \
+                (skip is not None and skip(name)):
             continue
         for old, new in renames:
             name = name.replace(old, new)

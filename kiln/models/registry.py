@@ -14,6 +14,8 @@ _MODELS = {
     "Qwen2MoeForCausalLM": ("kiln.models.qwen_moe", "QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("kiln.models.qwen_moe", "QwenMoeForCausalLM"),
     "MixtralForCausalLM": ("kiln.models.mixtral", "MixtralForCausalLM"),
+    "DeepseekV2ForCausalLM": ("kiln.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("kiln.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -1,0 +1,207 @@
+"""DeepSeek-V2 and V3: multi-head latent attention (MLA) with the latent in the paged KV cache,
+and a MoE block of routed plus shared experts after the first `first_k_dense_replace` layers.
+
+Attention, per token (H heads; r = kv_lora_rank, n = qk_nope_head_dim, p = qk_rope_head_dim,
+v = v_head_dim):
+
+    q          = q_b_proj(q_a_layernorm(q_a_proj(x)))  (or q_proj(x))      [H, n + p]
+    c, k_pe    = kv_a_proj_with_mqa(x) split [r | p];  c = kv_a_layernorm(c)
+    q_pe, k_pe = RoPE(q_pe), RoPE(k_pe)         (interleaved pairs: `rope_interleave`)
+    kv_b_proj  = [H, n + v, r] = per head [W_uk (n x r); W_uv (v x r)]
+
+HF expands every cached c into per-head keys and values (k_nope = W_uk c, v = W_uv c). kiln
+keeps the weights absorbed instead, as DeepSeek's paper and vLLM's MLA backend do:
+
+    q_lat[h]   = q_nope[h] W_uk[h]                                          [H, r]
+    score      = q_lat[h] . c + q_pe[h] . k_pe   = q_nope[h] . k_nope[h] + q_pe[h] . k_pe
+    o_lat[h]   = sum_j softmax(score)_j c_j                                 [H, r]
+    o[h]       = W_uv[h] o_lat[h]                                           [H, v]  -> o_proj
+
+So attention is MQA with one KV head over the latent row [c | k_pe] (r + p wide), whose values are
+its first r columns: the KV pool stores that one row per token and layer, and V is a view of it
+(`Attention(v_in_k=True)`). The softmax scale is HF's: (n + p) ** -0.5, times yarn's
+mscale(factor, mscale_all_dim) ** 2 under yarn scaling.
+
+`kv_b_proj` is only ever used through its per-head blocks, so it is a plain weight holder (not a
+`Linear`): the quantization pass leaves it dense, like the router. Everything else quantizes
+as in the Llama family.
+
+Routing (`kiln.layers.moe.grouped_topk`): V2 softmax scores with `greedy` or
+`group_limited_greedy` top-k; V3 sigmoid scores with `e_score_correction_bias` shifting the
+selection (`noaux_tc`), renormalised (`norm_topk_prob`); both scaled by `routed_scaling_factor`.
+The shared experts (`mlp.shared_experts`, n_shared * moe_intermediate_size wide) are one SwiGLU
+added to every token.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from kiln.layers.attention import Attention
+from kiln.layers.linear import Linear
+from kiln.layers.moe import Experts, Router, grouped_topk
+from kiln.layers.norm import RMSNorm
+from kiln.layers.rotary import RotaryEmbedding, apply_rotary
+from kiln.models.config import ModelConfig
+from kiln.models.llama import PACKED, LlamaForCausalLM, LlamaMLP
+
+# HF (and DeepSeek's reference) build q_a_layernorm and kv_a_layernorm with RMSNorm's default
+# eps, not the config's rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """HF's `yarn_apply_mscale`: qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2
+    when the rope is scaled and mscale_all_dim is set."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    m_all = float(rs.get("mscale_all_dim") or 0)
+    factor = float(rs.get("factor") or 1.0)
+    if kind != "default" and m_all and factor > 1:
+        m = 0.1 * m_all * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor,
+                             sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE over adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's layout), with the tables of
+    `RotaryEmbedding.lookup` (whose first half holds each pair's angle, sin negated). The result
+    comes out de-interleaved ([rotated evens | rotated odds], as HF's
+    apply_rotary_pos_emb_interleave returns it): q and k get the same permutation, so their dot
+    products are those of the interleaved form."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], -sin_signed[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class LatentUpProj(nn.Module):
+    """kv_b_proj's weight [H * (n + v), r], read per head as W_uk [H, n, r] and W_uv [H, v, r]
+    (views, no copies)."""
+
+    def __init__(self, num_heads: int, nope_dim: int, v_dim: int, rank: int) -> None:
+        super().__init__()
+        self.num_heads, self.nope_dim, self.v_dim, self.rank = num_heads, nope_dim, v_dim, rank
+        self.weight = nn.Parameter(torch.empty(num_heads * (nope_dim + v_dim), rank),
+                                   requires_grad=False)
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, nope={self.nope_dim}, v={self.v_dim}, "
+                f"rank={self.rank}")
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        h = cfg.num_attention_heads
+        self.num_heads = h
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim, self.rank = cfg.v_head_dim, cfg.kv_lora_rank
+        qk = self.nope_dim + self.rope_dim
+        self.q_lora = cfg.q_lora_rank > 0
+        if self.q_lora:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, h * qk)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.rank + self.rope_dim,
+                                         bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = LatentUpProj(h, self.nope_dim, self.v_dim, self.rank)
+        self.o_proj = Linear(h * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.rotary = rotary  # shared by all layers; not a child module's parameter
+        self.rope = apply_rotary_interleaved if cfg.rope_interleave else apply_rotary
+        # MQA over the latent row [c | k_pe]; values are its first `rank` columns.
+        self.attn = Attention(h, 1, self.rank + self.rope_dim, scale=softmax_scale(cfg),
+                              v_head_dim=self.rank, v_in_k=True)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """cos, sin: [T, 1, qk_rope_head_dim] from `RotaryEmbedding.lookup` (sin signed)."""
+        t, h, n = x.shape[0], self.num_heads, self.nope_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(t, h, n + self.rope_dim)
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(ckv[:, :self.rank])
+        k_pe = self.rope(ckv[:, self.rank:].view(t, 1, self.rope_dim), cos, sin)
+        q_pe = self.rope(q[..., n:], cos, sin)
+        w_uk, w_uv = self.kv_b_proj.parts()
+        q_lat = torch.bmm(q[..., :n].transpose(0, 1), w_uk.to(q.dtype))  # [H, T, r]
+        q_full = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, r + p]
+        latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + p]
+        o_lat = self.attn(q_full, latent, None).view(t, h, self.rank)
+        o = torch.bmm(o_lat.transpose(0, 1), w_uv.to(o_lat.dtype).transpose(1, 2))  # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(t, h * self.v_dim))
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.cfg = cfg
+        self.gate = Router(cfg.hidden_size, cfg.num_experts,
+                           correction_bias=cfg.topk_method == "noaux_tc", keep_fp32=True)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               layer)
+        self.shared_experts = (LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
+                               if cfg.shared_expert_intermediate_size else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        weights, ids = grouped_topk(
+            self.gate(x), self.top_k, n_group=c.n_group, topk_group=c.topk_group,
+            scoring=c.scoring_func, bias=self.gate.e_score_correction_bias,
+            renormalize=c.norm_topk_prob, scale=c.routed_scaling_factor, method=c.topk_method)
+        y = self.experts(x, weights.to(x.dtype), ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (DeepseekMoE(cfg, layer) if cfg.is_moe_layer(layer)
+                               else LlamaMLP(cfg))
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(cos, sin, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Only gate/up are packed: q_proj (V2-Lite) is MLA's own, not part of a qkv_proj.
+_PACKED = {k: v for k, v in PACKED.items() if k in ("gate_proj", "up_proj")}
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    packed_modules = _PACKED
+    # GGUF's ffn_*_shexp map to Qwen2-MoE's singular name; DeepSeek's is plural.
+    checkpoint_renames = ((".mlp.shared_expert.", ".mlp.shared_experts."),)
+
+    def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:  # type: ignore[override]
+        return DeepseekDecoderLayer(self.config, rotary, layer)
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """V3 checkpoints carry the multi-token-prediction module as layers past
+        num_hidden_layers (`model.layers.61.*`); kiln does not draft with it."""
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m[1]) >= self.config.num_hidden_layers
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """V3 differs in config only (sigmoid scores, correction bias, noaux_tc), which ModelConfig
+    carries."""
