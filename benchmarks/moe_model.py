@@ -26,9 +26,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.gguf_writer import write_gguf  # noqa: E402
-from kiln.paths import cache_dir  # noqa: E402
+from kiln.models.config import ModelConfig
+from kiln.models.gguf_writer import write_gguf
+from kiln.paths import cache_dir
 
 Q4_0_BLOCK = 18  # bytes per 32 weights: fp16 scale + 16 bytes of codes
 
