@@ -129,7 +129,8 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
         given = [n for n in T.KT_SETTINGS if ctx.explicit(n)]
         if given:
             raise Untranslatable("warn", f"{', '.join('--' + n.replace('_', '-') for n in given)}"
-                                 " apply only with kt-kernel on (--cpu-offload-experts); ignored")
+                                 " apply only with --cpu-offload-experts (kt-kernel); "
+                                 "ignored")
         return []
     if not ctx.model.is_moe:
         raise Untranslatable("warn", "--cpu-offload-experts applies to MoE models; this model "
