@@ -139,7 +139,11 @@ def auto_tp(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
 
 
 def auto_engine(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    return "kiln", "kiln's own engine serves one machine"
+    # Only `--engine auto` gets here (the default is kiln). Which engine depends on the GPUs
+    # the parallel settings ask for, resolved later in the table: `kiln serve` decides once
+    # they are known (kiln.backends.launch.choose_engine) and records that choice over this.
+    return "auto", ("decided once the parallel settings are known: kiln for one device, vLLM "
+                    "for several GPUs or nodes")
 
 
 # --------------------------------------------------------------------------- hybrid MoE (kt-kernel)

@@ -436,7 +436,10 @@ def resolve_settings(
                          f"set by {explicit.detail}", cands)
             if explicit.source in ("cli", "env", "file"):
                 ctx.explicit.add(s.name)
-        elif s.auto is not None and _is_auto(s.default):
+        elif s.auto is not None and (_is_auto(s.default) or any(c.value == "auto"
+                                                                 for c in cands)):
+            # An explicit "auto" runs the rule even where the default is a fixed value
+            # (--engine auto: the default is kiln).
             value, reason = s.auto(ctx, chosen)
             cands.append(Candidate("auto", value, reason))
             r = Resolved(s.name, value, "auto", s.affects, reason, cands)

@@ -162,7 +162,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
             s.values["runtime_preset"].reason = sp.preset_reason
     if mc is not None:
         _check_model_limits(s, mc.context_length)
-    if external:
+    if s["engine"] != "kiln":  # kiln's own engine refuses TP > 1 below, whatever the model
         _reduce_tp_to_model_max(s, model_max_tp(entry, mc))
     _auto_gpu_experts(s, entry, hw)
     sp.settings = s
@@ -191,6 +191,16 @@ def open_for_kiln(sp: StartupPlan) -> None:
     sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
     sp.model_config = sp.checkpoint.config
     sp.phase = phase
+
+
+def commit_to_kiln(sp: StartupPlan) -> None:
+    """`--engine auto` picked kiln's own engine after planning: what plan() checks for
+    `--engine kiln` (settings it honours, an architecture it runs) is checked now."""
+    assert sp.settings is not None
+    phase, sp.phase = sp.phase, "device"
+    _check_kiln_engine_supports(sp.settings)
+    sp.phase = phase
+    open_for_kiln(sp)
 
 
 # /proc/cpuinfo flags of Intel AMX: kt-kernel's AMXINT4/AMXINT8 methods run on these tiles.

@@ -216,6 +216,27 @@ def test_kilns_own_engine_still_refuses_an_architecture_it_does_not_run(
     assert eff["status"] == "failed" and eff["phase"] == "model"
 
 
+def test_engine_auto_plans_from_config_json_and_hands_several_gpus_to_vllm(
+        machine: dict[str, HardwareInfo], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kiln.backends
+
+    folder = model_folder(tmp_path / "GLM-4.5-Air", GLM_45_AIR)
+    machine["hw"] = two_socket_machine(gpus_gib=(24, 24))
+    monkeypatch.setattr(kiln.backends, "is_engine_available", lambda *a, **k: True)
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "auto",
+                                    "-tp", "2")
+    assert rc == 0, err
+    assert argv[:3] == ["vllm", "serve", str(folder)]
+    assert flag(argv, "--tensor-parallel-size") == "2"
+    assert eff["settings"]["engine"]["value"] == "vllm"
+    assert "hands off to vLLM" in eff["settings"]["engine"]["reason"]
+    # One GPU: auto picks kiln's own engine, which then judges the architecture.
+    machine["hw"] = two_socket_machine()
+    rc, _, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "auto")
+    assert rc == 1 and "Glm4MoeForCausalLM" in err and eff["phase"] == "model"
+
+
 # --------------------------------------------------------------------------- kt-cli's defaults
 
 

@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
         if engine == "auto":
             engine = _choose_engine(sp)
             if engine == "kiln":
-                startup.open_for_kiln(sp)  # planned from config.json: now kiln's loader judges
+                startup.commit_to_kiln(sp)  # planned from config.json: now kiln judges it
         if engine != "kiln":
             return _serve_external(sp, engine)
         if args.dry_run:
