@@ -29,6 +29,8 @@ class AutoContext:
     weight_bytes: int = 0  # weight bytes on disk
     model_max_tp: int | None = None  # from the registry
     is_moe: bool = False
+    numa_nodes: int = 1
+    cpu_amx: bool = False  # Intel AMX tiles (amx_tile/amx_int8/amx_bf16): kt-kernel's AMX methods
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
     # Settings resolved so far from an explicit source (cli, env, file): filled by
     # resolve_settings as it walks the table, so a rule can tell "asked for" from "defaulted".
@@ -137,4 +139,71 @@ def auto_tp(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
 
 
 def auto_engine(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    return "kiln", "kiln's own engine serves one machine"
+    # Only `--engine auto` gets here (the default is kiln). Which engine depends on the GPUs
+    # the parallel settings ask for, resolved later in the table: `kiln serve` decides once
+    # they are known (kiln.backends.launch.choose_engine) and records that choice over this.
+    return "auto", ("decided once the parallel settings are known: kiln for one device, vLLM "
+                    "for several GPUs or nodes")
+
+
+# --------------------------------------------------------------------------- hybrid MoE (kt-kernel)
+# kt-cli's defaults (ktransformers' `kt run`), so a kiln hand-off to SGLang + kt-kernel starts the
+# way kt-cli would start it. They apply only where SGLang runs the model: kiln's own engine and
+# vLLM have no kt-kernel, and a value there would only be noise in the dry run.
+
+KT_METHOD_DEFAULT = "AMXINT4"
+KT_PREFILL_THRESHOLD_DEFAULT = 4096
+KT_CPUINFER_FRACTION = 0.8
+
+
+def _not_sglang(v: dict[str, Any]) -> str | None:
+    if v.get("engine") != "sglang":
+        return "only SGLang's kt-kernel runs experts on the CPU"
+    return None
+
+
+def auto_kt_method(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if (why := _not_sglang(v)) is not None:
+        return None, why
+    if ctx.cpu_amx:
+        return KT_METHOD_DEFAULT, "kt-cli's default: int4 experts on this CPU's AMX tiles"
+    # Kept (not silently swapped for another method): startup refuses it with what to do, as
+    # the other methods need other weights.
+    return KT_METHOD_DEFAULT, "kt-cli's default (this CPU has no AMX: startup says what to use)"
+
+
+def auto_kt_threadpool_count(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if (why := _not_sglang(v)) is not None:
+        return None, why
+    n = max(1, ctx.numa_nodes)
+    return n, f"one kt-kernel thread pool per NUMA node ({n} found), as kt-cli does"
+
+
+def auto_kt_cpuinfer(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if (why := _not_sglang(v)) is not None:
+        return None, why
+    nodes = max(1, ctx.numa_nodes)
+    used = min(nodes, int(v.get("kt_threadpool_count") or nodes))
+    cores = ctx.physical_cores * used // nodes
+    n = max(1, int(cores * KT_CPUINFER_FRACTION))
+    return n, (f"80% of the {cores} physical cores of the {used} NUMA node(s) used, as kt-cli "
+               "does (the rest keep SGLang's scheduler and the GPU feeding)")
+
+
+def auto_kt_gpu_prefill_token_threshold(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if (why := _not_sglang(v)) is not None:
+        return None, why
+    return KT_PREFILL_THRESHOLD_DEFAULT, ("kt-cli's default: longer prompts prefill with the "
+                                          "experts streamed to the GPU")
+
+
+def auto_cpu_offload_experts(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if (why := _not_sglang(v)) is not None:
+        return False, why
+    if ctx.is_moe:
+        return True, ("an MoE model on SGLang: kt-kernel keeps the hot experts on the GPU and "
+                      "runs the rest on the CPU, as kt-cli does (--no-cpu-offload-experts: off)")
+    given = [n for n in ("kt_weight_path", "kt_cpuinfer") if n in ctx.explicit]
+    if given:
+        return True, f"{', '.join('--' + n.replace('_', '-') for n in given)} given"
+    return False, "a dense model: every weight stays on the GPU"

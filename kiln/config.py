@@ -24,10 +24,15 @@ from kiln.auto_rules import (
     AutoRule,
     GiB,  # noqa: F401 - re-exported: the unit kiln's modules size memory in
     auto_batched_tokens,
+    auto_cpu_offload_experts,
     auto_dense_weights,
     auto_device,
     auto_dtype,
     auto_engine,
+    auto_kt_cpuinfer,
+    auto_kt_gpu_prefill_token_threshold,
+    auto_kt_method,
+    auto_kt_threadpool_count,
     auto_kv_cache_dtype,
     auto_max_model_len,
     auto_max_num_seqs,
@@ -260,30 +265,37 @@ SETTINGS: list[Setting] = [
     Setting("num_speculative_tokens", positive_int, None,
             "tokens the draft proposes per step", ("--num-speculative-tokens",),
             affects="performance", engines=("vllm", "sglang")),
-    # -- hybrid MoE: hot experts on GPU, the rest on CPU (SGLang + kt-kernel)
-    Setting("cpu_offload_experts", parse_bool, False,
-            "MoE: keep some experts of each layer on GPU and run the rest on CPU (kt-kernel)",
-            ("--cpu-offload-experts",), neg_flags=("--no-cpu-offload-experts",),
-            affects="memory", engines=("sglang",)),
-    Setting("num_gpu_experts", non_negative_int, None,
-            "MoE with CPU offload: experts per layer kept on GPU", ("--num-gpu-experts",),
-            affects="memory", engines=("sglang",)),
+    # -- hybrid MoE: hot experts on GPU, the rest on CPU (SGLang + kt-kernel). The kt_* knobs
+    # come first: cpu_offload_experts' rule turns kt-kernel on when a weights path or a CPU
+    # thread count was given, and kt_cpuinfer's reads the thread pools.
     Setting("kt_method", str, None,
-            "kt-kernel CPU expert format: AMXINT4, AMXINT8, LLAMAFILE, or BF16/FP8/RAWINT4 "
-            "(these read the model's own weights)", ("--kt-method",), affects="correctness",
-            engines=("sglang",)),
+            "kt-kernel CPU expert format: AMXINT4 (kt-cli's default; needs AMX), AMXINT8, "
+            "LLAMAFILE, or BF16/FP8/RAWINT4 (these read the model's own weights)",
+            ("--kt-method",), affects="correctness", auto=auto_kt_method, engines=("sglang",)),
     Setting("kt_weight_path", str, None,
-            "folder of the CPU expert weights converted by kt-kernel", ("--kt-weight-path",),
-            affects="correctness", metavar="DIR", engines=("sglang",)),
-    Setting("kt_cpuinfer", positive_int, None,
-            "kt-kernel CPU threads (default: --threads, i.e. the physical cores)",
-            ("--kt-cpuinfer",), affects="performance", engines=("sglang",)),
+            "folder of the CPU expert weights converted by kt-kernel (default: the model folder, "
+            "as kt-cli)", ("--kt-weight-path",), affects="correctness", metavar="DIR",
+            engines=("sglang",)),
     Setting("kt_threadpool_count", positive_int, None,
-            "kt-kernel thread pools, one per NUMA node", ("--kt-threadpool-count",),
-            affects="performance", engines=("sglang",)),
+            "kt-kernel thread pools (auto: one per NUMA node)", ("--kt-threadpool-count",),
+            affects="performance", auto=auto_kt_threadpool_count, engines=("sglang",)),
+    Setting("kt_cpuinfer", positive_int, None,
+            "kt-kernel CPU threads (auto: 80 percent of the physical cores of the NUMA nodes used)",
+            ("--kt-cpuinfer",), affects="performance", auto=auto_kt_cpuinfer,
+            engines=("sglang",)),
     Setting("kt_gpu_prefill_token_threshold", positive_int, None,
-            "kt-kernel: prompts of at least this many tokens prefill with every expert on GPU",
-            ("--kt-gpu-prefill-token-threshold",), affects="performance", engines=("sglang",)),
+            "kt-kernel: prompts of at least this many tokens prefill with every expert on GPU "
+            "(auto: 4096)", ("--kt-gpu-prefill-token-threshold",), affects="performance",
+            auto=auto_kt_gpu_prefill_token_threshold, engines=("sglang",)),
+    Setting("cpu_offload_experts", parse_bool, None,
+            "MoE: keep some experts of each layer on GPU and run the rest on CPU (kt-kernel; "
+            "auto: on for MoE models with --engine sglang)",
+            ("--cpu-offload-experts",), neg_flags=("--no-cpu-offload-experts",),
+            affects="memory", auto=auto_cpu_offload_experts, engines=("sglang",)),
+    Setting("num_gpu_experts", non_negative_int, None,
+            "MoE with CPU offload: experts per layer kept on GPU (auto: the registry's rule "
+            "for the GPU memory and TP)", ("--num-gpu-experts",),
+            affects="memory", engines=("sglang",)),
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),
             choices=("debug", "info", "warning", "error"), affects="observability"),
@@ -424,7 +436,10 @@ def resolve_settings(
                          f"set by {explicit.detail}", cands)
             if explicit.source in ("cli", "env", "file"):
                 ctx.explicit.add(s.name)
-        elif s.auto is not None and _is_auto(s.default):
+        elif s.auto is not None and (_is_auto(s.default) or any(c.value == "auto"
+                                                                 for c in cands)):
+            # An explicit "auto" runs the rule even where the default is a fixed value
+            # (--engine auto: the default is kiln).
             value, reason = s.auto(ctx, chosen)
             cands.append(Candidate("auto", value, reason))
             r = Resolved(s.name, value, "auto", s.affects, reason, cands)

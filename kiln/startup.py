@@ -29,7 +29,12 @@ class StartupPlan:
     args: argparse.Namespace
     hardware: Any = None  # kiln.resolve.hardware.HardwareInfo
     source: Any = None  # kiln.resolve.sources.ModelSource
-    checkpoint: Any = None  # kiln.models.loader.Checkpoint (config read, weights not loaded)
+    # The model's config (kiln.models.config.ModelConfig), read without opening weights; for
+    # an external engine, of any architecture.
+    model_config: Any = None
+    # kiln.models.loader.Checkpoint (weight files listed, none loaded): only where kiln's own
+    # engine runs the model, so only then does kiln's loader judge the architecture.
+    checkpoint: Any = None
     settings: C.ResolvedSettings | None = None
     engines_cfg: dict[str, Any] = field(default_factory=dict)
     config_file: Path | None = None
@@ -72,7 +77,7 @@ def namespace_for(model: str | None, settings: dict[str, Any], config: Path | No
 def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan:
     """Everything up to (not including) loading weights. Fills `sp` as it goes, so a caller
     that catches a failure knows the phase it happened in."""
-    from kiln.models.loader import open_checkpoint
+    from kiln.models.loader import read_hf_config
     from kiln.resolve import hardware, presets, sources
 
     sp = sp or StartupPlan(args)
@@ -103,10 +108,15 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         if remote is None:
             raise
         sp.source = remote
-    mc = None
-    if sp.source.format != "remote":
-        sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
-        mc = sp.checkpoint.config
+    # Plan from config.json alone unless kiln's own engine is sure to load the weights: an
+    # external engine (or auto, which may pick one) serves architectures kiln's loader does
+    # not know, so they must reach it unjudged. A GGUF's metadata is its config.
+    if sp.source.format == "gguf" or (sp.source.format != "remote"
+                                       and early["engine"] == "kiln"):
+        open_for_kiln(sp)
+    elif sp.source.format != "remote":
+        sp.model_config = read_hf_config(sp.source.path, require_supported=False)
+    mc = sp.model_config
 
     sp.phase = "settings"
     entry = sp.source.registry_entry
@@ -133,9 +143,11 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         model_max_len=mc.context_length if mc else (entry.context_length
                                                              if entry else None),
         weight_bytes=sp.source.total_bytes,
-        model_max_tp=entry.max_tensor_parallel if entry else None,
-        is_moe=bool(entry and entry.kind == "moe") or bool(mc and mc.is_moe),
+        model_max_tp=model_max_tp(entry, mc),
+        is_moe=model_is_moe(entry, mc),
         model_quant=sp.source.quant or (mc.quantization if mc else None),
+        numa_nodes=hw.numa_nodes,
+        cpu_amx=any(hw.has_flag(f) for f in AMX_FLAGS),
     )
     registry_vals = dict(entry.recommended) if entry else {}
     # A preset value for a knob the preset's device does not have is noise; keep it anyway:
@@ -150,8 +162,12 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
             s.values["runtime_preset"].reason = sp.preset_reason
     if mc is not None:
         _check_model_limits(s, mc.context_length)
+    if s["engine"] != "kiln":  # kiln's own engine refuses TP > 1 below, whatever the model
+        _reduce_tp_to_model_max(s, model_max_tp(entry, mc))
     _auto_gpu_experts(s, entry, hw)
     sp.settings = s
+    if s["engine"] == "sglang" and s["cpu_offload_experts"] and ctx.is_moe:
+        _check_kt(s, sp, hw)
 
     sp.phase = "device"
     device = hardware.check_device(s["device"], hw)  # fails closed before any model work
@@ -161,6 +177,95 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
     return sp
+
+
+def open_for_kiln(sp: StartupPlan) -> None:
+    """kiln's own loader opens the model (config judged against the architectures kiln's engine
+    runs, weight files listed, nothing loaded). plan() does it when the engine is kiln; serve
+    when `--engine auto` picks kiln; build_engine in any case."""
+    from kiln.models.loader import open_checkpoint
+
+    if sp.checkpoint is not None or sp.source is None or sp.source.format == "remote":
+        return
+    phase, sp.phase = sp.phase, "model"
+    sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
+    sp.model_config = sp.checkpoint.config
+    sp.phase = phase
+
+
+def commit_to_kiln(sp: StartupPlan) -> None:
+    """`--engine auto` picked kiln's own engine after planning: what plan() checks for
+    `--engine kiln` (settings it honours, an architecture it runs) is checked now."""
+    assert sp.settings is not None
+    phase, sp.phase = sp.phase, "device"
+    _check_kiln_engine_supports(sp.settings)
+    sp.phase = phase
+    open_for_kiln(sp)
+
+
+# /proc/cpuinfo flags of Intel AMX: kt-kernel's AMXINT4/AMXINT8 methods run on these tiles.
+AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+
+
+def model_is_moe(entry: Any, mc: Any) -> bool:
+    return bool(entry and entry.kind == "moe") or bool(mc and mc.is_moe)
+
+
+def model_max_tp(entry: Any, mc: Any) -> int | None:
+    """The most GPUs one replica may split over: the registry's number, else the largest power
+    of two (<= 8) dividing both the attention heads and the KV heads (whole heads per rank),
+    the rule models.toml's numbers follow."""
+    if entry is not None:
+        return int(entry.max_tensor_parallel)
+    if mc is None or not mc.num_attention_heads:
+        return None
+    tp = 8
+    while tp > 1 and (mc.num_attention_heads % tp or (mc.num_key_value_heads or 1) % tp):
+        tp //= 2
+    return tp
+
+
+def _reduce_tp_to_model_max(s: C.ResolvedSettings, max_tp: int | None) -> None:
+    """An explicit TP above the model's maximum would only make the engine refuse to start:
+    reduce it and say so (kt-cli does the same)."""
+    r = s.values["tensor_parallel_size"]
+    asked, source = r.value, r.source
+    if not max_tp or not asked or asked <= max_tp:
+        return
+    reason = (f"{source} asked {asked}; this model splits over at most {max_tp} GPUs (whole "
+              f"attention and KV heads per GPU), so reduced to {max_tp}")
+    s.override("tensor_parallel_size", max_tp, reason)
+    s.warnings.append(f"tensor parallel size {asked} ({source}) reduced to {max_tp}, this "
+                      "model's maximum")
+
+
+def _check_kt(s: C.ResolvedSettings, sp: StartupPlan, hw: Any) -> None:
+    """kt-kernel on (SGLang, an MoE model): the expert weights are where they are said to be,
+    and the CPU runs the method asked for, before SGLang spends minutes finding out."""
+    src = sp.source
+    assert src is not None
+    weights = s.get("kt_weight_path")
+    if weights:
+        if not Path(weights).expanduser().is_dir():
+            raise C.ConfigError(
+                f"--kt-weight-path {weights}: the kt-kernel CPU expert weights were not found "
+                "(no such folder)",
+                hint="convert the experts with kt-kernel's weight converter into that folder, "
+                "fix the path, or leave --kt-weight-path out to read the model's own weights "
+                "(--kt-method BF16, FP8 or RAWINT4)")
+    elif src.format == "safetensors":
+        s.override("kt_weight_path", str(src.path),
+                   "kt-cli's default: no converted weights given, so kt-kernel reads the "
+                   "experts from the model folder")
+    method = str(s.get("kt_method") or "").upper()
+    if method.startswith("AMX") and not any(hw.has_flag(f) for f in AMX_FLAGS):
+        how = "kt-cli's default" if s.source("kt_method") == "auto" else s.source("kt_method")
+        raise C.ConfigError(
+            f"--kt-method {method} ({how}) runs kt-kernel's experts on Intel AMX, and this CPU "
+            f"has none ({'/'.join(AMX_FLAGS)} missing from /proc/cpuinfo)",
+            hint="use --kt-method LLAMAFILE with GGUF experts in --kt-weight-path (AVX2/AVX-512), "
+            "or --kt-method BF16/FP8/RAWINT4 to read the model's own weights, or "
+            "--no-cpu-offload-experts to keep every expert on the GPU")
 
 
 def _preset_info(sp: StartupPlan, mc: Any) -> dict[str, Any]:
@@ -287,6 +392,7 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
 
+    open_for_kiln(sp)
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
     sp.phase = "load"
@@ -346,8 +452,8 @@ def describe(sp: StartupPlan) -> str:
         lines.append(f"  path     {src.gguf_file or src.path}")
         lines.append(f"  format   {src.format}" + (f" {src.quant}" if src.quant else "")
                      + f", {src.total_bytes / C.GiB:.2f} GiB on disk")
-        if sp.checkpoint is not None:
-            mc = sp.checkpoint.config
+        if sp.model_config is not None:
+            mc = sp.model_config
             lines.append(f"  arch     {mc.architecture}, {mc.num_hidden_layers} layers, hidden "
                          f"{mc.hidden_size}, context {mc.max_position_embeddings}")
             if mc.is_moe:
@@ -381,10 +487,10 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
     out["preset"] = {"name": sp.preset, "reason": sp.preset_reason}
     out["hardware"] = sp.hardware.to_dict() if sp.hardware is not None else None
     model: dict[str, Any] | None = sp.source.to_dict() if sp.source is not None else None
-    if model is not None and sp.checkpoint is not None:
+    if model is not None and sp.model_config is not None:
         from dataclasses import asdict
 
-        model["config"] = asdict(sp.checkpoint.config)
+        model["config"] = asdict(sp.model_config)
     out["model"] = model
     out["config_file"] = str(sp.config_file) if sp.config_file else None
     out.update(sp.extra)

@@ -222,7 +222,6 @@ def test_fp16_kv_cache_needs_a_matching_model_dtype() -> None:
     ("sglang", {"nnodes": 2}, "--dist-init-addr"),
     ("vllm", {"num_speculative_tokens": 4}, "--speculative-model"),
     ("sglang", {"speculative_model": "org/draft"}, "--num-speculative-tokens"),
-    ("sglang", {"cpu_offload_experts": True, "kt_method": "AMXINT4"}, "--kt-weight-path"),
 ])
 def test_untranslatable_setting_fails(engine: str, settings: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -280,6 +279,10 @@ def test_sglang_moe_with_cpu_offload_gets_kt_flags() -> None:
 def test_kt_native_method_reads_the_model_weights_and_dense_models_skip_kt() -> None:
     p = plan("sglang", {"cpu_offload_experts": True, "kt_method": "bf16"}, MOE)
     assert contains(p.argv, ("--kt-weight-path", "org/tiny-moe", "--kt-method", "BF16"))
+    # kt-cli's default without converted weights: the model itself, with a word on converting.
+    amx = plan("sglang", {"cpu_offload_experts": True, "kt_method": "AMXINT4"}, MOE)
+    assert contains(amx.argv, ("--kt-weight-path", "org/tiny-moe", "--kt-method", "AMXINT4"))
+    assert any("--kt-weight-path not given" in w and "converter" in w for w in amx.warnings)
     dense = plan("sglang", KT, MODEL)
     assert not [a for a in dense.argv if a.startswith("--kt-")]
     assert any("dense" in w for w in dense.warnings)

@@ -295,6 +295,11 @@ def test_a_moe_on_gpu_needs_its_total_in_vram() -> None:
     ("deepseek-v2-lite", 64, 6, 2, "deepseek_v2"),
     ("deepseek-v3", 256, 8, 1, "deepseek_v3"),
     ("mixtral-8x7b", 8, 2, 0, "mixtral"),
+    ("glm-4.5-air", 128, 8, 1, "glm4_moe"),
+    ("gpt-oss-20b", 32, 4, 0, "gpt_oss"),
+    ("gpt-oss-120b", 128, 4, 0, "gpt_oss"),
+    ("minimax-m2", 256, 8, 0, "minimax_m2"),
+    ("kimi-k2", 384, 8, 1, "deepseek_v3"),
 ])
 def test_moe_aliases_resolve_with_their_expert_counts(
         name: str, experts: int, per_token: int, shared: int, family: str) -> None:
@@ -359,3 +364,33 @@ def test_moe_hybrid_settings_fill_num_gpu_experts() -> None:
     assert s["num_gpu_experts"] == gpu_experts_per_layer(entry, 24 * GIB, 1)
     with pytest.raises(ConfigError, match="needs a GPU"):
         moe_hybrid_settings(entry, hw_with([]))
+
+
+def test_every_moe_rule_names_its_config_json_source() -> None:
+    """models.toml writes the config.json numbers beside each rule: the comment above
+    experts_per_layer names the repo and the values the rule is built from."""
+    from importlib.resources import files
+
+    text = files("kiln.resolve").joinpath("models.toml").read_text(encoding="utf-8")
+    for block in text.split("[[models]]")[1:]:
+        if "[models.gpu_experts_rule]" not in block:
+            continue
+        rule = block.split("[models.gpu_experts_rule]", 1)[1]
+        repo = block.split('hf_repo = "', 1)[1].split('"', 1)[0]
+        assert f"# config.json ({repo})" in rule, repo
+        assert "hidden_size" in rule and "num_hidden_layers" in rule, repo
+
+
+def test_dense_weights_stored_wider_than_the_experts_are_counted_at_their_width() -> None:
+    """gpt-oss: MXFP4 experts but bf16 attention. Counting the dense weights at the experts'
+    half byte would leave ~2.7 GB of a 16 GiB GPU unaccounted for."""
+    entry = lookup("gpt-oss-120b")
+    assert entry is not None and entry.gpu_experts_rule is not None
+    rule = entry.gpu_experts_rule
+    n = gpu_experts_per_layer(entry, 16 * GIB, 1)
+    budget = 16 * GIB * rule.vram_fraction - rule.dense_params * 2.0 - rule.reserve_bytes
+    assert n == int(budget // (rule.moe_layers * rule.params_per_expert * rule.bytes_per_param))
+    # A quant given for the whole file re-encodes the dense weights too.
+    q = gpu_experts_per_layer(entry, 16 * GIB, 1, quant="Q4_0")
+    budget_q = 16 * GIB * rule.vram_fraction - rule.dense_params * 0.5625 - rule.reserve_bytes
+    assert q == int(budget_q // (rule.moe_layers * rule.params_per_expert * 0.5625))

@@ -1,7 +1,8 @@
 """SGLang: `python -m sglang.launch_server --model-path MODEL ...`.
 
-For a MoE model with `--cpu-offload-experts`, the kt-kernel flags put the hot experts on GPU and
-the rest on CPU (ktransformers' hybrid MoE). Those flags exist only in kvcache-ai's SGLang build
+For an MoE model (kt-kernel is on by default there, as with kt-cli; `--no-cpu-offload-experts`
+turns it off), the kt-kernel flags put the hot experts on GPU and the rest on CPU
+(ktransformers' hybrid MoE). Those flags exist only in kvcache-ai's SGLang build
 (`sglang-kt`), which check_plan() notices from --help.
 """
 
@@ -128,7 +129,8 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
         given = [n for n in T.KT_SETTINGS if ctx.explicit(n)]
         if given:
             raise Untranslatable("warn", f"{', '.join('--' + n.replace('_', '-') for n in given)}"
-                                 " apply only with --cpu-offload-experts; ignored")
+                                 " apply only with --cpu-offload-experts (kt-kernel); "
+                                 "ignored")
         return []
     if not ctx.model.is_moe:
         raise Untranslatable("warn", "--cpu-offload-experts applies to MoE models; this model "
@@ -137,19 +139,20 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
     method = str(method).upper() if method else None
     weights = ctx.value("kt_weight_path")
     if not weights:
-        if method not in NATIVE_KT_METHODS:
-            raise Untranslatable("error", "kt-kernel needs --kt-weight-path (the experts "
-                                 "converted for the CPU by kt-kernel's weight converter), or "
-                                 "--kt-method BF16/FP8/RAWINT4 to read the model's own weights")
+        # kt-cli's default: kt-kernel reads the experts from the model itself (startup records
+        # this for a local folder; a repo id or an exported GGUF lands here).
         weights = ctx.model.path
+        if method not in NATIVE_KT_METHODS:
+            ctx.warn(f"--kt-weight-path not given: kt-kernel reads the {method or 'CPU'} experts "
+                     f"from {weights}, as kt-cli does; if SGLang cannot load them, convert them "
+                     "with kt-kernel's weight converter and pass --kt-weight-path")
     outs: list[Out] = [Arg("--kt-weight-path", weights, "kt_weight_path")]
     if method:
         outs.append(Arg("--kt-method", method, "kt_method"))
-    # kt-kernel wants one CPU-infer thread per physical core, which is what kiln's
-    # num_threads resolves to when nobody set kt_cpuinfer.
     if ctx.value("kt_cpuinfer"):
         outs.append(Arg("--kt-cpuinfer", ctx.value("kt_cpuinfer"), "kt_cpuinfer"))
     elif ctx.value("num_threads"):
+        # A plain settings mapping without kt_cpuinfer: --threads is the CPU's share.
         outs.append(Arg("--kt-cpuinfer", ctx.value("num_threads"), "num_threads"))
     if ctx.value("kt_threadpool_count"):
         outs.append(Arg("--kt-threadpool-count", ctx.value("kt_threadpool_count"),

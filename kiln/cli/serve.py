@@ -39,6 +39,8 @@ def main(args: argparse.Namespace) -> int:
         engine = s["engine"]
         if engine == "auto":
             engine = _choose_engine(sp)
+            if engine == "kiln":
+                startup.commit_to_kiln(sp)  # planned from config.json: now kiln judges it
         if engine != "kiln":
             return _serve_external(sp, engine)
         if args.dry_run:
@@ -195,9 +197,10 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
             model_arg = str(export_gguf_as_hf(gguf))
     else:
         model_arg = str(src.path)
+    # MoE-ness and the TP limit from the registry, else from the model's own config.json.
     bm = BackendModel(path=model_arg, served_names=s["served_model_name"] or [src.name],
-                      is_moe=bool(entry and entry.kind == "moe"),
-                      max_tp=entry.max_tensor_parallel if entry else None)
+                      is_moe=startup.model_is_moe(entry, sp.model_config),
+                      max_tp=startup.model_max_tp(entry, sp.model_config))
     passthrough = list(getattr(args, "passthrough", []) or [])
     ecfg = sp.engines_cfg.get(engine, {})
     sp.phase = "engine"

@@ -118,15 +118,21 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+    def from_hf(cls, d: dict[str, Any], *, require_supported: bool = True) -> ModelConfig:
+        """`require_supported=False` reads any architecture's config.json (for an engine that
+        is not kiln's: planning needs the shape and the experts, not kiln's model class)."""
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ModelLoadError(
-                f"architecture {archs or d.get('model_type')!r} is not supported by kiln's engine",
-                hint=f"supported: {', '.join(ARCHITECTURES)}; or serve it with --engine vllm",
-            )
-        extra = ARCHITECTURES[arch]
+            if require_supported:
+                raise ModelLoadError(
+                    f"architecture {archs or d.get('model_type')!r} is not supported by kiln's "
+                    "engine",
+                    hint=f"supported: {', '.join(ARCHITECTURES)}; or serve it with --engine "
+                    "vllm or --engine sglang",
+                )
+            arch = str(archs[0] if archs else d.get("model_type") or "unknown")
+        extra = ARCHITECTURES.get(arch, {})
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
@@ -142,7 +148,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
+            # gpt-oss and MiniMax-M2 name the expert width intermediate_size; an MoE without
+            # a dense MLP may leave it out.
+            intermediate_size=d.get("intermediate_size") or 0,
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
@@ -249,7 +257,9 @@ def _moe_from_hf(d: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         method = d.get("topk_method") or ("noaux_tc" if arch_is_v3(d) else "greedy")
         out.update(
             num_experts=experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 2),
+            # gpt-oss spells it experts_per_token
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or d.get("experts_per_token")
+                                    or 2),
             moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
             shared_expert_intermediate_size=shared,
             shared_expert_gate=bool(extra.get("shared_expert_gate", False)) and shared > 0,

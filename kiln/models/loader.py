@@ -137,14 +137,29 @@ def open_checkpoint(path: str | Path, gguf_file: str | Path | None = None) -> Ch
                 return open_checkpoint(ggufs[0])
             raise ModelLoadError(f"{path} has no config.json and no .gguf file",
                                  hint="point MODEL at a Hugging Face model folder or a .gguf")
-        cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
-        _merge_generation_config(path, cfg)
+        cfg = read_hf_config(path)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{path} has no *.safetensors weights",
                                  hint="kiln loads safetensors or GGUF; convert .bin weights first")
         return Checkpoint(path, cfg, "safetensors", files)
     raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+
+
+def read_hf_config(folder: str | Path, *, require_supported: bool = True) -> ModelConfig:
+    """A model folder's config.json (and generation_config.json's EOS ids), nothing else: no
+    weights are opened. `require_supported=False` accepts any architecture, for planning a
+    hand-off to an external engine."""
+    folder = Path(folder)
+    cfg_file = folder / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{cfg_file} cannot be read: {e}",
+                             hint="re-download the model (`kiln pull MODEL`)") from e
+    cfg = ModelConfig.from_hf(raw, require_supported=require_supported)
+    _merge_generation_config(folder, cfg)
+    return cfg
 
 
 def _merge_generation_config(folder: Path, cfg: ModelConfig) -> None:

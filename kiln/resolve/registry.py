@@ -56,6 +56,9 @@ class GpuExpertsRule:
     reserve_bytes: int = 4 * 1024**3
     vram_fraction: float = 0.9
     shared_experts: int = 0  # run for every token; their weights are in dense_params
+    # Where the checkpoint stores the dense weights wider than the experts (gpt-oss: bf16
+    # attention, MXFP4 experts); None: bytes_per_param for both.
+    dense_bytes_per_param: float | None = None
 
 
 @dataclass
@@ -285,8 +288,11 @@ def gpu_experts_per_layer(
             )
         bytes_per_param = bpp
     bpp = bytes_per_param if bytes_per_param is not None else rule.bytes_per_param
+    # A quant given here re-encodes everything alike; the checkpoint's own may not.
+    dense_bpp = (rule.dense_bytes_per_param if bytes_per_param is None
+                 and rule.dense_bytes_per_param else bpp)
     budget = vram_bytes_per_gpu * rule.vram_fraction
-    budget -= rule.dense_params * bpp / tp + rule.reserve_bytes
+    budget -= rule.dense_params * dense_bpp / tp + rule.reserve_bytes
     if budget <= 0:
         return 0
     per_expert_all_layers = rule.moe_layers * rule.params_per_expert * bpp
