@@ -480,7 +480,8 @@ def _avx2_self_check() -> bool:
     x = torch.randn(5, k, generator=g)
     packed = pack_q4(q, s, mn)
     q2, s2, mn2 = unpack_q4(packed, n)
-    if not (torch.equal(q2, q) and torch.allclose(s2, s, rtol=1e-3)):
+    if not (torch.equal(q2, q) and torch.allclose(s2, s, rtol=1e-3)
+            and torch.allclose(mn2, mn, rtol=1e-3, atol=1e-5)):
         return False
     got, want = q4_linear(x, packed, n), q4_reference(x, packed, n)
     return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
