@@ -135,8 +135,10 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xsum[MB];
-  __m256 acc[MB];
+  // two accumulators per row: the scaled dots and the min terms are independent FMA chains
+  __m256 acc[MB], accm[MB];
   for (int m = 0; m < MB; ++m) {
+    accm[m] = _mm256_setzero_ps();
     xq[m] = xs.qrow(rows[m]);
     xd[m] = xs.drow(rows[m]);
     xsum[m] = xs.srow(rows[m]);
@@ -144,9 +146,6 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = w + g * kBlockBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kBlockBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kBlockBytes + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kBlockBytes + 128), _MM_HINT_T0);
     __m256i lo[4], hi[4];
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * p));
@@ -170,10 +169,10 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
       const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(s01, s23), ones);  // rows 0..7
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                _mm256_mul_ps(sc, _mm256_set1_ps(xd[m][g])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m][g]), acc[m]);
+      accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m][g]), accm[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+  for (int m = 0; m < MB; ++m) out[m] = _mm256_add_ps(acc[m], accm[m]);
 }
 
 // A tile against any number of activation rows, in register blocks of up to 4.
