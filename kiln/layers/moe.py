@@ -14,7 +14,10 @@ then up rows) and `down_proj` [E, H, I]. The loader fills them per expert (Huggi
 `experts.N.gate_proj.weight`, Mixtral's `w1/w3/w2`) or whole (GGUF's `ffn_*_exps`, a
 transformers-5 fused tensor). With --quantization, `quantize` turns each expert into kiln's
 Int4Linear/Int8Linear modules (kiln/layers/quant.py), so experts run the same kernels as dense
-layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`).
+layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`). On x86 CPUs
+with kiln's AVX2 kernels (and not its AVX512 ones) int4 experts stay stacked instead, packed for
+`cpu_kernels.moe_q4`, which runs all of a step's routed experts in one call
+(`expert_weights(e)` gives any form's dense weights back, for tests).
 
 Routing is counted (`tokens_per_expert`, per layer) for /metrics and the benchmark report.
 """
