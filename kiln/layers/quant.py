@@ -95,11 +95,11 @@ KILN_INT4_A8_MIN_M = 32
 KILN_INT8_DENSE_MIN_M = 16
 # AVX2_INT4: on x86 CPUs without AVX512-BF16, int4 layers run kiln's AVX2 kernel
 # (cpu_kernels.q4_linear: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
-# int8 x 4-bit dot products) at every row count and keep no dense copy. One thread, Zen 3 (a
-# loaded machine: compare ratios), [768, 1024] / [1024, 384], q4_linear vs PyTorch's int4
-# kernel vs fp32 F.linear on a dense copy: M=1 73 / 37 vs 305 / 171 vs 140 / 94 us, M=16 378 /
-# 362 vs 1281 / 820 vs 970 / 560, M=128 2.5 / 2.7 vs - vs 4.5 / 3.5 ms, M=512 16 / 9.6 vs - vs
-# 26 / 11.5 ms.
+# int8 x 4-bit dot products) at every row count and keep no dense copy. One Zen 3 thread (a
+# shared machine: ratios): [768, 1024] at M=1 38 us vs 140 for PyTorch's int4 kernel; M=16
+# 378 vs 1281 (vs 970 for fp32 F.linear on a dense copy); against the dense copy at prefill
+# sizes, M=64 / 256 / 512: 0.78 / 3.0 / 6.1 vs 1.29 / 4.4 / 8.7 ms ([1024, 384]: 0.43 / 1.7 /
+# 3.3 vs 0.62 / 2.2 / 4.3), so there is no threshold to switch at.
 
 
 # --------------------------------------------------------------------------- quantizers
