@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -361,7 +362,8 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   QRows xs, hs;
   xs.resize(T, H);
   hs.resize(P, I);
-  std::vector<float> h(P * I), o(P * H);
+  // (not zero-filled: every element is written before it is read; at prefill they are ~20 MB)
+  std::unique_ptr<float[]> h(new float[P * I]), o(new float[P * H]);
   float* yp = y.data_ptr<float>();
   constexpr int64_t kRowChunk = 32;
 #pragma omp parallel num_threads(threads())
@@ -384,10 +386,10 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
         tile_rows(we + j * w13_tile, xs, rows.data(), nr, g);
         tile_rows(we + (it1 + j) * w13_tile, xs, rows.data(), nr, u);
         for (int64_t m = 0; m < nr; ++m)
-          _mm256_storeu_ps(h.data() + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
+          _mm256_storeu_ps(h.get() + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
       }
     }
-    quantize_rows_omp(h.data(), P, I, hs);
+    quantize_rows_omp(h.get(), P, I, hs);
     // Phase 2: down, scaled by each pair's routing weight.
 #pragma omp for schedule(dynamic, 4)
     for (int64_t item = 0; item < A * it2; ++item) {
@@ -397,7 +399,7 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
         const int64_t nr = std::min(kRowChunk, offsets[e + 1] - r0);
         tile_rows(we, hs, pair_rows.data() + r0, nr, g);
         for (int64_t m = 0; m < nr; ++m)
-          _mm256_storeu_ps(o.data() + (r0 + m) * H + j * kTile,
+          _mm256_storeu_ps(o.get() + (r0 + m) * H + j * kTile,
                            _mm256_mul_ps(g[m], _mm256_set1_ps(weight_of[r0 + m])));
       }
     }
@@ -408,7 +410,7 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
       for (int64_t c = 0; c < H; c += kTile) {
         __m256 s = _mm256_setzero_ps();
         for (int64_t j = 0; j < k; ++j)
-          s = _mm256_add_ps(s, _mm256_loadu_ps(o.data() + slot_of[t * k + j] * H + c));
+          s = _mm256_add_ps(s, _mm256_loadu_ps(o.get() + slot_of[t * k + j] * H + c));
         _mm256_storeu_ps(yt + c, s);
       }
     }
