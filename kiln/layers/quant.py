@@ -65,8 +65,11 @@ INT4_GROUP = 32
 KERNEL_DTYPE = torch.bfloat16  # what the CPU kernels take: activations and scales
 # Rows up to which the fused kernels beat dequantize + dense GEMM, measured in the whole SmolLM2
 # model on Zen 5 (AVX-512 BF16): int4 kernel vs dequant at M=32 143 vs 73 tok/s, M=128 330 vs 312,
-# M=512 306 vs 473; int8 at M=8 106 vs 98, M=16 106 vs 108.
-INT8_KERNEL_MAX_M = 12
+# M=512 306 vs 473; int8 at M=8 106 vs 98, M=16 106 vs 108. On Zen 3 (AVX2, no dense copy) the
+# fallback converts the whole weight every step: the 49152 x 1024 int8 head, 2 threads,
+# _weight_int8pack_mm vs convert + fp32 GEMM: M=1 3.9 vs 86 ms, M=8 11.5 vs 117, M=16 23 vs
+# 121 (~1.45 ms a row against ~120 flat): the kernel up to 64 rows (a decode batch's logits).
+INT8_KERNEL_MAX_M = 64
 INT4_KERNEL_MAX_M = 128
 # With a dense copy of the weight kept (`keep_dense`), steps of at least this many rows use it
 # (one bf16 GEMM) instead of the kernels. Measured on Zen 5, 2 threads, bf16 GEMM vs kernel:
