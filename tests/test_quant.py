@@ -68,8 +68,8 @@ def test_dense_copies_give_the_quantized_layers_numbers(m):
         want = x.float() @ layer.dequantize(torch.float32).t()
         plain = layer(x).float()
         layer.keep_dense()
-        if isinstance(layer, Int4Linear) and layer.kiln:
-            # kiln's w4a8_linear beats a bf16 copy at every size, so none is made
+        if isinstance(layer, Int4Linear) and (layer.kiln or layer.avx2):
+            # kiln's w4a8_linear / AVX2 q4_linear beat a dense copy at every size: none is made
             assert layer.dense is None
             assert (plain - want).abs().max() <= 0.02 * want.abs().max()
             continue
@@ -242,11 +242,14 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     fp32_bytes = smollm2_runner.weight_bytes
     if mode.endswith("+dense"):
         # Every quantized layer also holds its weight in bf16 (~1/2 of fp32 + the int4 copy),
-        # except int4 layers on kiln's kernels: w4a8_linear beats the copy at every size.
-        kept = [m for m in quantized_layers if not (isinstance(m, Int4Linear) and m.kiln)]
+        # except int4 layers on kiln's kernels: w4a8_linear (AVX512) and q4_linear (AVX2) beat
+        # the copy at every size.
+        kept = [m for m in quantized_layers
+                if not (isinstance(m, Int4Linear) and (m.kiln or m.avx2))]
         assert all(m.dense is not None and m.dense.dtype == torch.bfloat16 for m in kept)
         assert all(m.dense is None for m in quantized_layers if m not in kept)
-        assert (mode != "int4+dense") or (len(kept) == 1) == cpu_kernels.available()
+        assert (mode != "int4+dense") or (len(kept) == 1) == (
+            cpu_kernels.available() or cpu_kernels.avx2_available())
         assert llm.engine.runner.weight_bytes < fp32_bytes * 0.75
         return
     assert all(m.dense is None for m in quantized_layers)

@@ -176,7 +176,7 @@ def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
         return Decision(False, "dense_weights off: quantized weights only")
     kept = [m for m in quantized if m.dense is not None]
     size = gib(sum(m.dense.numel() * m.dense.element_size() for m in kept))
-    skipped = sum(isinstance(m, Int4Linear) and m.kiln for m in quantized)
+    skipped = sum(isinstance(m, Int4Linear) and (m.kiln or m.avx2) for m in quantized)
     none_int4 = ("int4 layers on kiln's kernels keep none (their int8-activation kernel is "
                  "faster at every size)")
     if not kept:

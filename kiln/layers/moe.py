@@ -14,7 +14,10 @@ then up rows) and `down_proj` [E, H, I]. The loader fills them per expert (Huggi
 `experts.N.gate_proj.weight`, Mixtral's `w1/w3/w2`) or whole (GGUF's `ffn_*_exps`, a
 transformers-5 fused tensor). With --quantization, `quantize` turns each expert into kiln's
 Int4Linear/Int8Linear modules (kiln/layers/quant.py), so experts run the same kernels as dense
-layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`).
+layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`). On x86 CPUs
+with kiln's AVX2 kernels (and not its AVX512 ones) int4 experts stay stacked instead, packed for
+`cpu_kernels.moe_q4`, which runs all of a step's routed experts in one call
+(`expert_weights(e)` gives any form's dense weights back, for tests).
 
 Routing is counted (`tokens_per_expert`, per layer) for /metrics and the benchmark report.
 """
@@ -126,6 +129,10 @@ class Experts(nn.Module):
         self.stash: dict[tuple[str, int | None], Any] = {}
         # Set by `quantize`: per expert, a module for gate_up and one for down.
         self.quantized: nn.ModuleList | None = None
+        # Or, with kiln's AVX2 kernels (int4): all experts stacked in cpu_kernels.pack_q4's
+        # layout, w13 [E, 2I/8, H/32, 160] and w2 [E, H/8, I/32, 160], run by one moe_q4 call.
+        self.register_buffer("w13_q4", None)
+        self.register_buffer("w2_q4", None)
         # Tokens routed to each expert since startup (cumulative; read by /metrics). Always on
         # the CPU (explicitly: the model is built under a meta-device context).
         self.tokens_per_expert = torch.zeros(e, dtype=torch.int64, device="cpu")
@@ -205,44 +212,96 @@ class Experts(nn.Module):
     def quantize(self, mode: str, use_kernels: bool = True) -> None:
         """Each expert's gate_up and down become kiln's quantized linears (int4 groups of 32,
         or int8 rows); the stacked dense weights are dropped. GGUF 4-bit blocks are repacked
-        as they are; anything loaded dense is quantized here."""
-        from kiln.layers.quant import (
-            GroupQuant,
-            Int4Linear,
-            Int8Linear,
-            quantize_int4_groups,
-        )
+        as they are; anything loaded dense is quantized here. int4 on a CPU with kiln's AVX2
+        kernels (and not its AVX512 ones): all experts stay stacked, packed for moe_q4, which
+        runs a step's active experts in one call (threads over experts x row tiles, each
+        token's row quantized to int8 once) instead of two module calls per active expert."""
+        from kiln.layers import cpu_kernels
+        from kiln.layers.quant import Int4Linear, Int8Linear
 
         dtype = self.gate_up_proj.dtype
+        h, i = self.hidden_size, self.intermediate_size
+        if (mode == "int4" and use_kernels and h % 32 == 0 and i % 32 == 0
+                and not cpu_kernels.available()
+                and cpu_kernels.q4_ok(self.gate_up_proj.device, h)):
+            self._quantize_stacked_q4()
+            return
         mods: list[nn.Module] = []
         with torch.no_grad():
             for e in range(self.num_experts):
                 for part, param in (("gate_up", self.gate_up_proj), ("down", self.down_proj)):
                     w = param.data[e]
                     if mode == "int4" and w.shape[1] % 32 == 0:
-                        pieces = []
-                        names = ("gate", "up") if part == "gate_up" else ("down",)
-                        for name in names:
-                            gq = self._expert_groups(name, e)
-                            if gq is None and part == "gate_up":
-                                whole = self._expert_groups("gate_up", e)
-                                if whole is not None:
-                                    _, start, size = self._rows(name)
-                                    gq = GroupQuant(whole.q[start:start + size],
-                                                    whole.scale[start:start + size],
-                                                    whole.min[start:start + size], 32)
-                            if gq is None:
-                                _, start, size = self._rows(name)
-                                gq = quantize_int4_groups(w[start:start + size])
-                            pieces.append(gq)
-                        gq = GroupQuant(torch.cat([p.q for p in pieces]),
-                                        torch.cat([p.scale for p in pieces]),
-                                        torch.cat([p.min for p in pieces]), 32)
+                        gq = self._expert_int4(e, part)
                         mods.append(Int4Linear(gq, None, dtype, use_kernels))
                     else:
                         self._materialize_expert(e)
                         mods.append(Int8Linear.from_float(w.float(), None, dtype, use_kernels))
         self.quantized = nn.ModuleList(mods)
+        self._drop_dense()
+
+    def _expert_int4(self, e: int, part: str) -> Any:
+        """Expert e's `part` ("gate_up" or "down") as a GroupQuant: stashed GGUF blocks as they
+        are, dense rows quantized here."""
+        from kiln.layers.quant import GroupQuant, quantize_int4_groups
+
+        w = (self.gate_up_proj if part == "gate_up" else self.down_proj).data[e]
+        pieces = []
+        names = ("gate", "up") if part == "gate_up" else ("down",)
+        with torch.no_grad():
+            for name in names:
+                gq = self._expert_groups(name, e)
+                if gq is None and part == "gate_up":
+                    whole = self._expert_groups("gate_up", e)
+                    if whole is not None:
+                        _, start, size = self._rows(name)
+                        gq = GroupQuant(whole.q[start:start + size],
+                                        whole.scale[start:start + size],
+                                        whole.min[start:start + size], 32)
+                if gq is None:
+                    _, start, size = self._rows(name)
+                    gq = quantize_int4_groups(w[start:start + size])
+                pieces.append(gq)
+        return GroupQuant(torch.cat([p.q for p in pieces]), torch.cat([p.scale for p in pieces]),
+                          torch.cat([p.min for p in pieces]), 32)
+
+    def _quantize_stacked_q4(self) -> None:
+        """All experts into the AVX2 kernels' stacked layout (see w13_q4), one expert at a time
+        (a whole layer's codes are never held unpacked)."""
+        from kiln.layers import cpu_kernels
+
+        w13, w2 = [], []
+        for e in range(self.num_experts):
+            gq = self._expert_int4(e, "gate_up")
+            w13.append(cpu_kernels.pack_q4(gq.q, gq.scale, gq.min))
+            gq = self._expert_int4(e, "down")
+            w2.append(cpu_kernels.pack_q4(gq.q, gq.scale, gq.min))
+        self.w13_q4 = torch.stack(w13)
+        self.w2_q4 = torch.stack(w2)
+        self._drop_dense()
+
+    def expert_weights(self, e: int, dtype: torch.dtype = torch.float32
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) weights, dense, whatever the form they run
+        in (dequantized where quantized): for tests and inspection."""
+        from kiln.layers import cpu_kernels
+        from kiln.layers.quant import GroupQuant
+
+        if self.w13_q4 is not None:
+            i, h = self.intermediate_size, self.hidden_size
+            return (GroupQuant(*cpu_kernels.unpack_q4(self.w13_q4[e], 2 * i)).dequantize(dtype),
+                    GroupQuant(*cpu_kernels.unpack_q4(self.w2_q4[e], h)).dequantize(dtype))
+        if self.quantized is not None:
+            return (self.quantized[2 * e].dequantize(dtype),
+                    self.quantized[2 * e + 1].dequantize(dtype))
+        return self.gate_up_proj[e].to(dtype), self.down_proj[e].to(dtype)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantized is not None or self.w13_q4 is not None
+
+    def _drop_dense(self) -> None:
+        dtype = self.gate_up_proj.dtype
         self.stash = {}
         # The stacked dense weights are not needed any more: empty placeholders keep the
         # parameter names (and nothing else) for code that lists them.
@@ -262,6 +321,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k] from a router. Returns sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype."""
+        if self.w13_q4 is not None:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            self.tokens_per_expert += counts.cpu()
+            return _moe_q4(x, weights, ids, self.w13_q4, self.w2_q4)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -289,9 +352,20 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def extra_repr(self) -> str:
-        form = "quantized" if self.quantized is not None else "dense"
+        form = ("int4 stacked (AVX2 kernels)" if self.w13_q4 is not None
+                else "quantized" if self.quantized is not None else "dense")
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, {form}")
+
+
+def _moe_q4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Experts.forward on the AVX2 kernels: one call for the layer's routed rows."""
+    from kiln.layers import cpu_kernels
+
+    xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    y = cpu_kernels.moe_q4(xa.contiguous(), ids.to(torch.int64), weights.float(), w13, w2)
+    return y.to(x.dtype)
 
 
 # --------------------------------------------------------------------------- routing statistics

@@ -65,8 +65,11 @@ INT4_GROUP = 32
 KERNEL_DTYPE = torch.bfloat16  # what the CPU kernels take: activations and scales
 # Rows up to which the fused kernels beat dequantize + dense GEMM, measured in the whole SmolLM2
 # model on Zen 5 (AVX-512 BF16): int4 kernel vs dequant at M=32 143 vs 73 tok/s, M=128 330 vs 312,
-# M=512 306 vs 473; int8 at M=8 106 vs 98, M=16 106 vs 108.
-INT8_KERNEL_MAX_M = 12
+# M=512 306 vs 473; int8 at M=8 106 vs 98, M=16 106 vs 108. On Zen 3 (AVX2, no dense copy) the
+# fallback converts the whole weight every step: the 49152 x 1024 int8 head, 2 threads,
+# _weight_int8pack_mm vs convert + fp32 GEMM: M=1 3.9 vs 86 ms, M=8 11.5 vs 117, M=16 23 vs
+# 121 (~1.45 ms a row against ~120 flat): the kernel up to 64 rows (a decode batch's logits).
+INT8_KERNEL_MAX_M = 64
 INT4_KERNEL_MAX_M = 128
 # With a dense copy of the weight kept (`keep_dense`), steps of at least this many rows use it
 # (one bf16 GEMM) instead of the kernels. Measured on Zen 5, 2 threads, bf16 GEMM vs kernel:
@@ -93,6 +96,13 @@ PACKED_DENSE_MIN_M = 4
 # M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
 KILN_INT4_A8_MIN_M = 32
 KILN_INT8_DENSE_MIN_M = 16
+# AVX2_INT4: on x86 CPUs without AVX512-BF16, int4 layers run kiln's AVX2 kernel
+# (cpu_kernels.q4_linear: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
+# int8 x 4-bit dot products) at every row count and keep no dense copy. One Zen 3 thread (a
+# shared machine: ratios): [768, 1024] at M=1 38 us vs 140 for PyTorch's int4 kernel; M=16
+# 378 vs 1281 (vs 970 for fp32 F.linear on a dense copy); against the dense copy at prefill
+# sizes, M=64 / 256 / 512: 0.78 / 3.0 / 6.1 vs 1.29 / 4.4 / 8.7 ms ([1024, 384]: 0.43 / 1.7 /
+# 3.3 vs 0.62 / 2.2 / 4.3), so there is no threshold to switch at.
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -235,6 +245,7 @@ class _QuantizedLinear(nn.Module):
         super().__init__()
         self.out_dtype = out_dtype
         self.kiln = False
+        self.avx2 = False  # Int4Linear on kiln's AVX2 kernel
         self.register_buffer("dense", None)  # [N, K] in out_dtype, see keep_dense
         self.dense_packed = False  # dense is in oneDNN's layout (kiln.layers.linear.pack_weight)
 
@@ -317,6 +328,8 @@ class Int8Linear(_QuantizedLinear):
 
 
 def _kernel_name(layer: _QuantizedLinear) -> str:
+    if layer.avx2:
+        return "kiln-avx2"
     return "kiln" if layer.kiln else "native" if layer.native else "reference"
 
 
@@ -352,13 +365,20 @@ class Int4Linear(_QuantizedLinear):
         device = gq.q.device
         self.kiln = (use_kernels and gq.group_size == 32
                      and cpu_kernels.linear_ok(device, n, k))
-        self.native = (not self.kiln and native_int4(device.type) and k % gq.group_size == 0
+        # Without AVX512-BF16: kiln's AVX2 kernel (int8 activations, see AVX2_INT4 above).
+        self.avx2 = (not self.kiln and use_kernels and gq.group_size == 32
+                     and cpu_kernels.q4_ok(device, k))
+        self.native = (not self.kiln and not self.avx2 and native_int4(device.type)
+                       and k % gq.group_size == 0
                        and n % 16 == 0 and gq.group_size in (32, 64, 128, 256))
         self.kernel_max_m = INT4_KERNEL_MAX_M
         bn = int4_block_n() if self.native else None
         self.block_n = bn if bn is not None and n % bn == 0 else None
         if self.kiln:  # cpu_kernels.pack_w4's layout: codes + fp16 scale/min per group of 32
             self.register_buffer("packed", cpu_kernels.pack_w4(gq.q, gq.scale, gq.min))
+            self.register_buffer("scales_zeros", None)
+        elif self.avx2:  # cpu_kernels.pack_q4's layout: tiles of 8 rows, fp16 scale/min
+            self.register_buffer("packed", cpu_kernels.pack_q4(gq.q, gq.scale, gq.min))
             self.register_buffer("scales_zeros", None)
         elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -385,6 +405,9 @@ class Int4Linear(_QuantizedLinear):
             y = cpu_kernels.w4a8_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.kiln:
             y = cpu_kernels.w4_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
+        elif self.avx2:
+            xa = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+            y = cpu_kernels.q4_linear(xa, self.packed, self.out_features)
         elif self.native and (m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
@@ -398,7 +421,7 @@ class Int4Linear(_QuantizedLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def keep_dense(self) -> None:
-        if not self.kiln:  # kiln's w4a8_linear beats the copy at every size (see above)
+        if not self.kiln and not self.avx2:  # kiln's kernels beat the copy at every size
             super().keep_dense()
 
     def _dequant_t(self, dtype: torch.dtype) -> torch.Tensor:
@@ -419,6 +442,8 @@ class Int4Linear(_QuantizedLinear):
         n, k, g = self.out_features, self.in_features, self.group_size
         if self.kiln:
             return GroupQuant(*cpu_kernels.unpack_w4(self.packed), g).dequantize(dtype)
+        if self.avx2:
+            return GroupQuant(*cpu_kernels.unpack_q4(self.packed, n), g).dequantize(dtype)
         if self.native:
             if self.block_n is not None:
                 return self._dequant_t(torch.float32).t().to(dtype)
@@ -492,7 +517,7 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
     n = 0
     for parent in list(model.modules()):
         if isinstance(parent, Experts):  # each expert becomes two quantized linears
-            if parent.quantized is None:  # (the loader may have done it, layer by layer)
+            if not parent.is_quantized:  # (the loader may have done it, layer by layer)
                 parent.quantize(mode, use_kernels)
             n += 2 * parent.num_experts
             continue

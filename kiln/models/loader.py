@@ -361,7 +361,7 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             loaded.update((m["module"], key) for key in keys)
             done = experts_loaded.setdefault(m["module"], set())
             done.update(keys)
-            if quantize_experts is not None and experts.quantized is None and \
+            if quantize_experts is not None and not experts.is_quantized and \
                     len(done) == len(experts.expected_parts()):
                 experts.quantize(*quantize_experts)
             continue

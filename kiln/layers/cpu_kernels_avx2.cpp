@@ -1,0 +1,433 @@
+// kiln's AVX2 CPU kernels: 4-bit weights x int8 activations, for CPUs without AVX512-BF16
+// (built and loaded by kiln/layers/cpu_kernels.py, `avx2_available()`; see there why).
+//
+// Weights: asymmetric 4-bit groups of 32 along K (kiln's GroupQuant: w = q * scale + min,
+// q in 0..15; GGUF Q4_0 is min = -8 * scale), in tiles of 8 output rows:
+//
+//   packed uint8 [ceil(N/8), K/32, 160]     one 160-byte block per (row tile, group):
+//     bytes   0..127  codes, 4 row pairs of 32 bytes; pair p = rows (p, p+4) of the tile:
+//                     bytes 32p..32p+15 row p, 32p+16..32p+31 row p+4; in a row's 16 bytes,
+//                     byte j = q[j] | q[j + 16] << 4 (llama.cpp's Q4_0 order)
+//     bytes 128..143  fp16 scale of rows 0..7
+//     bytes 144..159  fp16 min of rows 0..7
+//   (rows past N are zero padding; cpu_kernels.pack_q4 writes it, unpack_q4 reads it back)
+//
+// Activations are quantized the llama.cpp way (Q8_0): per row and group of 32, one fp32 scale
+// d = amax / 127 and int8 codes round(x / d). A group's dot product is then
+//   scale_w * d * sum(q * xq) + min_w * sum(x)
+// with sum(q * xq) from _mm256_maddubs_epi16 (u8 codes x s8 activations) and sum(x) taken from
+// the unquantized floats (so the min term has no activation rounding).
+//
+// Why this tile: one 32-byte load holds a row pair's codes, so the low nibbles of both rows
+// (elements 0..15) are one AND and the high nibbles (16..31) one shift + AND, and the
+// activation's two 16-byte halves are each broadcast to both 128-bit lanes. After maddubs the
+// four pairs reduce with three hadd_epi16 and one madd to the 8 rows' int32 sums in row order
+// 0..7 (int16 never overflows: 16 products of at most 15 * 127 = 30480), which scale with one
+// F16C-converted vector of 8 scales and 8 mins: no per-row horizontal sums. A tile's codes are
+// expanded once per group and reused for up to 4 activation rows held in registers; a tile's
+// blocks are contiguous, so a step streams each weight once whatever its row count.
+//
+// moe_q4: all the active experts of one MoE layer in one call (see the function).
+//
+// Built where the compiler targets AVX2 + FMA + F16C (-march=native); elsewhere the library
+// loads and `supported()` says false. Threads: OpenMP, torch's thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILN_HAVE_AVX2 1
+#include <immintrin.h>
+#else
+#define KILN_HAVE_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 8;           // output rows per tile
+constexpr int64_t kBlockBytes = 160;  // one (tile, group) block
+constexpr int kMaxBlockRows = 4;      // activation rows per register block
+
+bool supported() { return KILN_HAVE_AVX2 == 1; }
+
+#if KILN_HAVE_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// One row of K values -> int8 codes q [K], scale d [K/32], sum of the floats [K/32].
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const T* p = x + g * kGroup;
+    const __m256 v0 = load8(p), v1 = load8(p + 8), v2 = load8(p + 16), v3 = load8(p + 24);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0),
+                                                  _mm256_andnot_ps(sign, v1)),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2),
+                                                  _mm256_andnot_ps(sign, v3)));
+    const float amax = hmax(mx);
+    d[g] = amax / 127.0f;
+    sum[g] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    auto cvt = [&](__m256 v) {
+      return _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    };
+    // packs work per 128-bit lane: the permute puts the 32 codes back in order
+    const __m256i a = _mm256_packs_epi32(cvt(v0), cvt(v1));
+    const __m256i b = _mm256_packs_epi32(cvt(v2), cvt(v3));
+    const __m256i c = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), c);
+  }
+}
+
+// Quantized activation rows: codes [rows, K], scale and sum [rows, K/32].
+struct QRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  int64_t K = 0, G = 0;
+  void resize(int64_t rows, int64_t k) {
+    K = k;
+    G = k / kGroup;
+    q.resize(rows * K);
+    d.resize(rows * G);
+    sum.resize(rows * G);
+  }
+  const int8_t* qrow(int64_t r) const { return q.data() + r * K; }
+  const float* drow(int64_t r) const { return d.data() + r * G; }
+  const float* srow(int64_t r) const { return sum.data() + r * G; }
+};
+
+// One tile (8 output rows, all G groups of its blocks at w) against MB activation rows
+// (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m.
+template <int MB>
+inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m256* out) {
+  const int64_t G = xs.G;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xsum[MB];
+  // two accumulators per row: the scaled dots and the min terms are independent FMA chains
+  __m256 acc[MB], accm[MB];
+  for (int m = 0; m < MB; ++m) {
+    accm[m] = _mm256_setzero_ps();
+    xq[m] = xs.qrow(rows[m]);
+    xd[m] = xs.drow(rows[m]);
+    xsum[m] = xs.srow(rows[m]);
+    acc[m] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* b = w + g * kBlockBytes;
+    __m256i lo[4], hi[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * p));
+      lo[p] = _mm256_and_si256(v, m4);
+      hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128)));
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 144)));
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xp = xq[m] + g * kGroup;
+      const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(xp)));
+      const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(xp + 16)));
+      // lane 0: row p, lane 1: row p+4; 8 int16 of 4 products each
+      auto dot = [&](int p) {
+        return _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
+      };
+      const __m256i s01 = _mm256_hadd_epi16(dot(0), dot(1));
+      const __m256i s23 = _mm256_hadd_epi16(dot(2), dot(3));
+      const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(s01, s23), ones);  // rows 0..7
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                               _mm256_mul_ps(sc, _mm256_set1_ps(xd[m][g])), acc[m]);
+      accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m][g]), accm[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm256_add_ps(acc[m], accm[m]);
+}
+
+// A tile against any number of activation rows, in register blocks of up to 4.
+inline void tile_rows(const uint8_t* w, const QRows& xs, const int64_t* rows, int64_t n,
+                      __m256* out) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) tile_dot<4>(w, xs, rows + i, out + i);
+  switch (n - i) {
+    case 3: tile_dot<3>(w, xs, rows + i, out + i); break;
+    case 2: tile_dot<2>(w, xs, rows + i, out + i); break;
+    case 1: tile_dot<1>(w, xs, rows + i, out + i); break;
+    default: break;
+  }
+}
+
+inline void store_tile(float* y, __m256 v, int64_t valid) {
+  if (valid >= kTile) {
+    _mm256_storeu_ps(y, v);
+  } else {
+    alignas(32) float t[kTile];
+    _mm256_store_ps(t, v);
+    std::memcpy(y, t, valid * sizeof(float));
+  }
+}
+
+// e^x, 2^t with t = x log2(e) = n + f by a degree-6 polynomial in f (relative error ~2e-7);
+// t clamped to [-126, 126] so 2^n is a normal float built in its exponent bits.
+inline __m256 exp_vec(__m256 x) {
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(126.0f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline __m256 silu_mul(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp_vec(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+}
+
+template <typename T>
+void quantize_rows_omp(const T* x, int64_t rows, int64_t K, QRows& xs) {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    quantize_row(x + r * K, K, xs.q.data() + r * K, xs.d.data() + r * xs.G,
+                 xs.sum.data() + r * xs.G);
+}
+
+#endif  // KILN_HAVE_AVX2
+
+int threads() { return std::max(1, at::get_num_threads()); }
+
+void check_packed(const char* name, const at::Tensor& p, int64_t dims) {
+  TORCH_CHECK(p.dim() == dims && p.scalar_type() == at::kByte && p.is_contiguous() &&
+                  p.size(dims - 1) == kBlockBytes,
+              name, ": packed weight must be contiguous uint8 [..., N/8, K/32, 160]");
+}
+
+void check_x(const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              name, ": x must be [M, K] float32 or bfloat16");
+}
+
+// y [M, n] = x [M, K] @ W^T, W in the layout above; y in x's dtype (fp32 accumulation).
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  check_x("q4_linear", x);
+  check_packed("q4_linear", packed, 3);
+  const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0);
+  TORCH_CHECK(packed.size(1) * kGroup == K && NT * kTile >= n && (NT - 1) * kTile < n,
+              "q4_linear: packed weight holds [", NT * kTile, ", ", packed.size(1) * kGroup,
+              "], x has K = ", K, " and n = ", n);
+  auto y = at::empty({M, n}, x.options().dtype(at::kFloat));
+#if KILN_HAVE_AVX2
+  if (M == 0) return y.to(x.scalar_type());
+  const auto xc = x.contiguous();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  QRows xs;
+  xs.resize(M, K);
+  std::vector<int64_t> rows(M);
+  for (int64_t i = 0; i < M; ++i) rows[i] = i;
+  const int64_t tile_bytes = packed.size(1) * kBlockBytes;
+  // Work items: (row tile, block of up to 64 activation rows): a tile's blocks stay in L1/L2
+  // while the rows pass over them.
+  constexpr int64_t kRowChunk = 64;
+  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+#pragma omp parallel num_threads(threads())
+  {
+    if (x.scalar_type() == at::kFloat)
+      quantize_rows_omp(xc.data_ptr<float>(), M, K, xs);
+    else
+      quantize_rows_omp(xc.data_ptr<at::BFloat16>(), M, K, xs);
+    // (the implicit barrier of the `omp for` above: all rows are quantized past here)
+    __m256 out[kRowChunk];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < NT * chunks; ++item) {
+      const int64_t t = item % NT, c = item / NT;
+      const int64_t r0 = c * kRowChunk, nr = std::min(kRowChunk, M - r0);
+      tile_rows(w + t * tile_bytes, xs, rows.data() + r0, nr, out);
+      const int64_t valid = std::min(kTile, n - t * kTile);
+      for (int64_t m = 0; m < nr; ++m) store_tile(yp + (r0 + m) * n + t * kTile, out[m], valid);
+    }
+  }
+#else
+  TORCH_CHECK(false, "q4_linear: built without AVX2/FMA/F16C");
+#endif
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// One MoE layer's routed experts in one call.
+//   x        [T, H] fp32 or bf16       the layer's input rows
+//   ids      [T, k] int64              each token's experts (from the router)
+//   weights  [T, k] fp32               their routing weights
+//   w13      uint8 [E, 2I/8, H/32, 160]  gate rows 0..I-1 then up rows I..2I-1, per expert
+//   w2       uint8 [E, H/8, I/32, 160]   down
+//   -> y [T, H] in x's dtype: sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)
+// The (token, expert) pairs are sorted by expert (a counting sort, stable); each token's row is
+// quantized to int8 once. Phase 1: work items (active expert, 8 intermediate columns) compute
+// the gate and up tiles for all of the expert's rows and write silu(gate) * up to h [P, I]
+// (P = T * k pairs). h is quantized per pair row. Phase 2: items (active expert, 8 output
+// columns) write weight * down to o [P, H]. Finally each token sums its k rows of o. Every
+// buffer row and column range has one writer: no atomics, no races; each active expert's
+// weights are read once per phase for all its rows.
+at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                  const at::Tensor& w13, const at::Tensor& w2) {
+  check_x("moe_q4", x);
+  check_packed("moe_q4 (w13)", w13, 4);
+  check_packed("moe_q4 (w2)", w2, 4);
+  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0);
+  const int64_t I = w13.size(1) * kTile / 2;
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong,
+              "moe_q4: ids [T, k] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "moe_q4: weights [T, k] float32");
+  TORCH_CHECK(w13.size(2) * kGroup == H && w2.size(0) == E && w2.size(1) * kTile == H &&
+                  w2.size(2) * kGroup == I && I % kTile == 0 && H % kTile == 0,
+              "moe_q4: w13 [E, 2I/8, H/32, 160] and w2 [E, H/8, I/32, 160] do not match x [T, ",
+              H, "] (I = ", I, ")");
+  const int64_t k = ids.size(1), P = T * k;
+  auto y = at::empty({T, H}, x.options().dtype(at::kFloat));
+#if KILN_HAVE_AVX2
+  if (T == 0) return y.to(x.scalar_type());
+  const auto xc = x.contiguous();
+  const auto idc = ids.contiguous();
+  const auto wc = weights.contiguous();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  // counting sort of the pairs by expert
+  std::vector<int64_t> offsets(E + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe_q4: expert id ", idp[p], " out of range");
+    ++offsets[idp[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  std::vector<int64_t> token_of(P), slot_of(P), fill(offsets.begin(), offsets.end() - 1);
+  std::vector<float> weight_of(P);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t s = fill[idp[p]]++;
+    token_of[s] = p / k;
+    weight_of[s] = wp[p];
+    slot_of[p] = s;  // pair p = (token p / k, its (p % k)-th expert) sits at sorted row s
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] > offsets[e]) active.push_back(e);
+  std::vector<int64_t> pair_rows(P);
+  for (int64_t s = 0; s < P; ++s) pair_rows[s] = s;
+  const int64_t A = active.size();
+  const int64_t it1 = I / kTile, it2 = H / kTile;
+  const int64_t w13_expert = w13.size(1) * w13.size(2) * kBlockBytes;
+  const int64_t w13_tile = w13.size(2) * kBlockBytes;
+  const int64_t w2_expert = w2.size(1) * w2.size(2) * kBlockBytes;
+  const int64_t w2_tile = w2.size(2) * kBlockBytes;
+  const uint8_t* w13p = w13.data_ptr<uint8_t>();
+  const uint8_t* w2p = w2.data_ptr<uint8_t>();
+  QRows xs, hs;
+  xs.resize(T, H);
+  hs.resize(P, I);
+  // (not zero-filled: every element is written before it is read; at prefill they are ~20 MB)
+  std::unique_ptr<float[]> h(new float[P * I]), o(new float[P * H]);
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRowChunk = 32;
+#pragma omp parallel num_threads(threads())
+  {
+    if (x.scalar_type() == at::kFloat)
+      quantize_rows_omp(xc.data_ptr<float>(), T, H, xs);
+    else
+      quantize_rows_omp(xc.data_ptr<at::BFloat16>(), T, H, xs);
+    __m256 g[kRowChunk], u[kRowChunk];
+    std::vector<int64_t> rows(kRowChunk);
+    // Phase 1: gate/up. Items are expert-major, so a thread's consecutive items stream one
+    // expert's weight; dynamic scheduling because experts have different row counts.
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < A * it1; ++item) {
+      const int64_t e = active[item / it1], j = item % it1;
+      const uint8_t* we = w13p + e * w13_expert;
+      for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowChunk) {
+        const int64_t nr = std::min(kRowChunk, offsets[e + 1] - r0);
+        for (int64_t m = 0; m < nr; ++m) rows[m] = token_of[r0 + m];
+        tile_rows(we + j * w13_tile, xs, rows.data(), nr, g);
+        tile_rows(we + (it1 + j) * w13_tile, xs, rows.data(), nr, u);
+        for (int64_t m = 0; m < nr; ++m)
+          _mm256_storeu_ps(h.get() + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
+      }
+    }
+    quantize_rows_omp(h.get(), P, I, hs);
+    // Phase 2: down, scaled by each pair's routing weight.
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < A * it2; ++item) {
+      const int64_t e = active[item / it2], j = item % it2;
+      const uint8_t* we = w2p + e * w2_expert + j * w2_tile;
+      for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowChunk) {
+        const int64_t nr = std::min(kRowChunk, offsets[e + 1] - r0);
+        tile_rows(we, hs, pair_rows.data() + r0, nr, g);
+        for (int64_t m = 0; m < nr; ++m)
+          _mm256_storeu_ps(o.get() + (r0 + m) * H + j * kTile,
+                           _mm256_mul_ps(g[m], _mm256_set1_ps(weight_of[r0 + m])));
+      }
+    }
+    // Each token sums its k pair rows (in its experts' order: deterministic).
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* yt = yp + t * H;
+      for (int64_t c = 0; c < H; c += kTile) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t j = 0; j < k; ++j)
+          s = _mm256_add_ps(s, _mm256_loadu_ps(o.get() + slot_of[t * k + j] * H + c));
+        _mm256_storeu_ps(yt + c, s);
+      }
+    }
+  }
+#else
+  TORCH_CHECK(false, "moe_q4: built without AVX2/FMA/F16C");
+#endif
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln_avx2, m) {
+  m.def("supported() -> bool");
+  m.def("q4_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("moe_q4(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
+  m.impl("supported", &supported);
+  m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
+  m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);
+}

@@ -1,0 +1,176 @@
+"""kiln's AVX2 kernels (kiln/layers/cpu_kernels_avx2.cpp) against PyTorch: the 4-bit packing,
+q4_linear (int8 activations x 4-bit weights) and moe_q4 (a whole MoE layer's routed experts in
+one call), and the modules that use them. Skipped where the kernels cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.layers import cpu_kernels as ck
+from kiln.layers.moe import Experts, softmax_topk
+from kiln.layers.quant import GroupQuant, Int4Linear, quantize_int4_groups
+
+pytestmark = pytest.mark.skipif(not ck.avx2_available(), reason="no AVX2 kernels here")
+
+
+def _groups(n: int, k: int, seed: int, q4_0: bool = False) -> GroupQuant:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    # fp16-exact scales/mins: the layout stores them in fp16 (as GGUF does)
+    s = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().float()
+    mn = -8 * s if q4_0 else (-8 * s + torch.randn(n, k // 32, generator=g) * 0.01).half().float()
+    return GroupQuant(q, s, mn, 32)
+
+
+@pytest.mark.parametrize("n", [8, 21, 768])
+def test_pack_q4_round_trips(n):
+    """unpack_q4(pack_q4(...)) gives the codes, scales and mins back, padding rows dropped."""
+    gq = _groups(n, 96, 0)
+    packed = ck.pack_q4(gq.q, gq.scale, gq.min)
+    assert packed.shape == ((n + 7) // 8, 3, 160)
+    q, s, mn = ck.unpack_q4(packed, n)
+    assert torch.equal(q, gq.q)
+    assert torch.equal(s, gq.scale) and torch.equal(mn, gq.min)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("n", [37, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_linear_matches_reference(m, n, dtype):
+    """q4_linear computes exactly what its PyTorch model says (int8 activations per group of
+    32, fp32 sums), and stays within the activations' rounding of the dense fp32 product."""
+    k = 256
+    gq = _groups(n, k, m + n)
+    packed = ck.pack_q4(gq.q, gq.scale, gq.min)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    got = ck.q4_linear(x, packed, n)
+    assert got.dtype == dtype and got.shape == (m, n)
+    want = ck.q4_reference(x.float(), packed, n)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    dense = x.float() @ gq.dequantize().t()
+    # int8 activations: per element error <= amax/254; random signs give ~1% of the norm
+    err = (got.float() - dense).norm() / dense.norm()
+    assert err < 2e-2, err
+
+
+def test_int4_linear_runs_the_avx2_kernel():
+    """Int4Linear on a machine with only the AVX2 kernels picks them, keeps dequantize() exact,
+    and agrees with the dense product; use_kernels=False keeps PyTorch's path."""
+    w = torch.randn(48, 128) * 0.05
+    gq = quantize_int4_groups(w)
+    lin = Int4Linear(gq, None, torch.float32)
+    if lin.kiln:
+        pytest.skip("the AVX512 kernels run here")
+    assert lin.avx2 and "kiln-avx2" in lin.extra_repr()
+    # scale and min are kept in fp16 (relative rounding 2^-11 of values up to ~0.1)
+    torch.testing.assert_close(lin.dequantize(torch.float32), gq.dequantize(), rtol=0, atol=5e-4)
+    x = torch.randn(5, 128)
+    ref = x @ gq.dequantize().t()
+    assert (lin(x) - ref).norm() / ref.norm() < 2e-2
+    assert not Int4Linear(gq, None, torch.float32, use_kernels=False).avx2
+
+
+def _moe_weights(e: int, h: int, i: int, seed: int) -> tuple[list[GroupQuant], list[GroupQuant]]:
+    return ([_groups(2 * i, h, seed + 2 * j, q4_0=j % 2 == 0) for j in range(e)],
+            [_groups(h, i, seed + 2 * j + 1) for j in range(e)])
+
+
+def _moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   w13: list[GroupQuant], w2: list[GroupQuant], emulate: bool) -> torch.Tensor:
+    """The per-expert loop in fp32. `emulate`: activations rounded to int8 per group as the
+    kernel does (x before gate/up, h before down), else exact."""
+    i = w2[0].shape[1]
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok].float()
+        gate_up = w13[e].dequantize()
+        if emulate:
+            gu = ck.q4_reference(xe, ck.pack_q4(w13[e].q, w13[e].scale, w13[e].min), 2 * i)
+        else:
+            gu = xe @ gate_up.t()
+        h = F.silu(gu[:, :i]) * gu[:, i:]
+        if emulate:
+            out = ck.q4_reference(h, ck.pack_q4(w2[e].q, w2[e].scale, w2[e].min), x.shape[1])
+        else:
+            out = h @ w2[e].dequantize().t()
+        y.index_add_(0, tok, (out * weights[tok, j].unsqueeze(1)).double())
+    return y.float()
+
+
+def _stack(w: list[GroupQuant]) -> torch.Tensor:
+    return torch.stack([ck.pack_q4(g.q, g.scale, g.min) for g in w])
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_moe_q4_matches_the_per_expert_loop(t):
+    """moe_q4 equals running each active expert over its rows and summing the weighted outputs
+    per token: random top-3 routing over 6 experts, so some experts get no rows and the same
+    expert serves many tokens."""
+    e, h, i, k = 6, 64, 96, 3
+    w13, w2 = _moe_weights(e, h, i, t)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g)
+    logits = torch.randn(t, e, generator=g)
+    logits[:, 5] = -1e9  # expert 5 never chosen
+    weights, ids = softmax_topk(logits, k, renormalize=True)
+    got = ck.moe_q4(x, ids, weights, _stack(w13), _stack(w2))
+    want = _moe_reference(x, weights, ids, w13, w2, emulate=True)
+    # h = silu(gate) * up differs from the reference's in the last bits (fp32 sums, the
+    # kernel's exp), enough to move an h element at a rounding boundary by one int8 step
+    # (amax/127 of its group): allow a few such steps times the weights' size.
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * want.abs().max().item())
+    exact = _moe_reference(x, weights, ids, w13, w2, emulate=False)
+    assert (got - exact).norm() / exact.norm() < 3e-2
+    # bf16 in, bf16 out
+    got16 = ck.moe_q4(x.bfloat16(), ids, weights, _stack(w13), _stack(w2))
+    assert got16.dtype == torch.bfloat16
+    want16 = _moe_reference(x.bfloat16().float(), weights, ids, w13, w2, emulate=True)
+    torch.testing.assert_close(got16.float(), want16, rtol=1e-2,
+                               atol=2e-3 * want16.abs().max().item())
+
+
+def test_moe_q4_repeated_expert_and_empty_experts():
+    """All tokens on the same two experts (every other expert empty), with the order of a
+    token's experts varying: each pair is summed into its own token."""
+    e, h, i = 4, 32, 32
+    w13, w2 = _moe_weights(e, h, i, 7)
+    x = torch.randn(3, h)
+    ids = torch.tensor([[2, 0], [0, 2], [2, 0]])
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [1.0, 0.0]])
+    got = ck.moe_q4(x, ids, weights, _stack(w13), _stack(w2))
+    want = _moe_reference(x, weights, ids, w13, w2, emulate=True)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_experts_module_runs_stacked_q4():
+    """Experts.quantize("int4") keeps the experts stacked for moe_q4 here; forward matches the
+    dense module on the dequantized weights, counts its routing, and expert_weights() returns
+    the weights it runs."""
+    torch.manual_seed(0)
+    ex = Experts(8, 64, 32)
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.2)
+        ex.down_proj.normal_(0, 0.2)
+    dense = Experts(8, 64, 32)
+    ex.quantize("int4")
+    if ex.w13_q4 is None:
+        pytest.skip("the AVX512 kernels run here")
+    assert ex.quantized is None and ex.is_quantized
+    with torch.no_grad():
+        for j in range(8):
+            gu, dn = ex.expert_weights(j)
+            dense.gate_up_proj[j] = gu
+            dense.down_proj[j] = dn
+    x = torch.randn(10, 64)
+    weights, ids = softmax_topk(torch.randn(10, 8), 2, renormalize=True)
+    got, want = ex(x, weights, ids), dense(x, weights, ids)
+    # two int8 roundings (x, then the heavy-tailed h = silu(gate) * up) of ~1.5% each
+    assert (got - want).norm() / want.norm() < 5e-2
+    assert ex.tokens_per_expert.tolist() == torch.bincount(ids.flatten(), minlength=8).tolist()
+    off = Experts(8, 64, 32)
+    off.quantize("int4", use_kernels=False)
+    assert off.w13_q4 is None and off.quantized is not None
