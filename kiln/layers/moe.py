@@ -359,7 +359,7 @@ class Experts(nn.Module):
 
 
 def _moe_q4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+            w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Experts.forward on the AVX2 kernels: one call for the layer's routed rows."""
     from kiln.layers import cpu_kernels
 
