@@ -121,6 +121,13 @@ def test_q4_0_experts_are_repacked_not_requantized(tiny, family):
             gate_up, down = q.expert_weights(e)
             torch.testing.assert_close(gate_up, d.gate_up_proj[e], rtol=0, atol=2e-3)
             torch.testing.assert_close(down, d.down_proj[e], rtol=0, atol=2e-3)
+    # The untied head arrives as Q4_0 blocks too: it stays int4 (an int8 copy of 4-bit values
+    # holds nothing more), with the file's values.
+    from kiln.layers.quant import Int4Linear
+
+    assert isinstance(quant.model.lm_head, Int4Linear)
+    torch.testing.assert_close(quant.model.lm_head.dequantize(torch.float32),
+                               dense.model.lm_head.weight.float(), rtol=0, atol=2e-3)
     ids = _prompt(40)
     a, b = dense.prompt_logits(ids), quant.prompt_logits(ids)
     # same weights; activations rounded to bf16 in the int4 kernels, the head int8
@@ -192,3 +199,4 @@ def test_moe_gguf_served_through_the_openai_client(moe_server):
             per_layer[layer] = per_layer.get(layer, 0) + int(float(line.rsplit(" ", 1)[1]))
     assert set(per_layer) == {"0", "2"}
     assert per_layer["0"] == per_layer["2"] > 0 and per_layer["0"] % 2 == 0
+

@@ -525,7 +525,7 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
             if isinstance(child, Linear) and name != "lm_head":
                 setattr(parent, name, quantize_linear(child, mode, use_kernels))
                 n += 1
-    _quantize_head(model, use_kernels)
+    _quantize_head(model, mode, use_kernels)
     for m in model.modules():  # anything left dense gets its stashed blocks back
         if isinstance(m, Linear) and m.stash:
             m.materialize_stash()
@@ -537,15 +537,20 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
         for m in model.modules():
             if isinstance(m, _QuantizedLinear) and id(m) not in expert_layers:
                 m.keep_dense()
-    log.info("quantized %d linear layers to %s, lm_head to int8%s", n, mode,
+    log.info("quantized %d linear layers to %s, lm_head to %s%s", n, mode,
+             "int4 (the GGUF's blocks)" if isinstance(getattr(model, "lm_head", None), Int4Linear)
+             else "int8",
              " (dense copies kept for large steps)" if keep_dense else "")
     return model
 
 
-def _quantize_head(model: nn.Module, use_kernels: bool) -> None:
+def _quantize_head(model: nn.Module, mode: str, use_kernels: bool) -> None:
     """lm_head -> Int8Linear in both modes: 4-bit logits cost accuracy (teacher-forced greedy
     agreement with the fp32 model fell from 0.97 to 0.89 on SmolLM2 with an int4 head). A tied
-    embedding then looks its rows up in the same int8 storage."""
+    embedding then looks its rows up in the same int8 storage. Except a head that arrives as
+    4-bit GGUF blocks (an untied `output.weight` in Q4_0/Q4_1): an int8 copy of 4-bit values
+    holds nothing more than they do, so it stays int4, as the file has it, at half the bytes
+    per decode step."""
     head = getattr(model, "lm_head", None)
     if head is None:
         return
@@ -555,5 +560,8 @@ def _quantize_head(model: nn.Module, use_kernels: bool) -> None:
             q8 = Int8Linear.from_float(emb.weight.data, None, emb.weight.dtype, use_kernels)
             model.lm_head = q8
             model.model.embed_tokens = Int8Embedding(q8, emb.weight.dtype)
+        elif isinstance(head, Linear) and mode == "int4" and None in head.stash \
+                and _int4_ok(head):
+            model.lm_head = Int4Linear(_groups_of(head), None, head.weight.dtype, use_kernels)
         elif isinstance(head, Linear):
             model.lm_head = quantize_linear(head, "int8", use_kernels)

@@ -211,7 +211,8 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
         if name is None:
             raise ModelLoadError(f"unknown GGUF tensor {t.name!r} in {ckpt.path}",
                                  hint="this GGUF has tensors kiln's Llama-family model lacks")
-        tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and name.endswith("proj.weight"))
+        tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and (name.endswith("proj.weight")
+                                                             or name == "lm_head.weight"))
         if name == "rope_freqs":
             yield name, tensor
             continue
