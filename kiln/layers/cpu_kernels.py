@@ -42,6 +42,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,26 +93,35 @@ def _x86_linux() -> bool:
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
 
 
-@functools.cache
-def available() -> bool:
-    """Builds (or loads the cached build of) the kernels and checks them against PyTorch once.
-    False, with the reason logged, where they cannot run here."""
+def _load_checked(library: str, source: Path, what: str, missing: str,
+                  register: Callable[[], None], check: Callable[[], bool]) -> bool:
+    """Builds (or loads) one kernel source, asks it whether this CPU has its instructions
+    (`supported()`), registers its fake ops and checks it against PyTorch once. False, with the
+    reason logged, where it cannot run here."""
     if not _x86_linux():
         return False
     t0 = time.monotonic()
-    ok, cached = _build("kiln_cpu_kernels", SOURCE)
+    ok, cached = _build(library, source)
     if not ok:
         return False
-    if not torch.ops.kiln_cpu.supported():
-        log.info("this CPU has no AVX512-BF16: kiln's CPU kernels are off")
+    ops = torch.ops.kiln_cpu if source == SOURCE else torch.ops.kiln_avx2
+    if not ops.supported():
+        log.info("this CPU has no %s: %s are off", missing, what)
         return False
-    _register_fakes()
-    if not _self_check():
-        log.warning("kiln's CPU kernels disagree with PyTorch on this machine: not used")
+    register()
+    if not check():
+        log.warning("%s disagree with PyTorch on this machine: not used", what)
         return False
-    log.info("CPU kernels %s in %.1f s (%s)", "loaded" if cached else "built",
-             time.monotonic() - t0, build_dir())
+    log.info("%s %s in %.1f s (%s)", what, "loaded" if cached else "built",
+             time.monotonic() - t0, build_dir(source))
     return True
+
+
+@functools.cache
+def available() -> bool:
+    """kiln's AVX512-BF16 kernels (cpu_kernels.cpp), built and self-checked once."""
+    return _load_checked("kiln_cpu_kernels", SOURCE, "kiln's CPU kernels", "AVX512-BF16",
+                         _register_fakes, _self_check)
 
 
 def _ninja_on_path() -> None:
@@ -364,24 +374,10 @@ Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 
 
 @functools.cache
 def avx2_available() -> bool:
-    """Builds (or loads) cpu_kernels_avx2.cpp and checks it against PyTorch once. False, with
-    the reason logged, where it cannot run (no compiler, no AVX2/FMA/F16C, not x86 Linux)."""
-    if not _x86_linux():
-        return False
-    t0 = time.monotonic()
-    ok, cached = _build("kiln_cpu_avx2", AVX2_SOURCE)
-    if not ok:
-        return False
-    if not torch.ops.kiln_avx2.supported():
-        log.info("this CPU has no AVX2/FMA/F16C: kiln's AVX2 kernels are off")
-        return False
-    _register_avx2_fakes()
-    if not _avx2_self_check():
-        log.warning("kiln's AVX2 kernels disagree with PyTorch on this machine: not used")
-        return False
-    log.info("AVX2 kernels %s in %.1f s (%s)", "loaded" if cached else "built",
-             time.monotonic() - t0, build_dir(AVX2_SOURCE))
-    return True
+    """cpu_kernels_avx2.cpp, built and self-checked once (no compiler, no AVX2/FMA/F16C, not x86
+    Linux: False)."""
+    return _load_checked("kiln_cpu_avx2", AVX2_SOURCE, "kiln's AVX2 kernels", "AVX2/FMA/F16C",
+                         _register_avx2_fakes, _avx2_self_check)
 
 
 def q4_ok(device: torch.device, k: int) -> bool:
