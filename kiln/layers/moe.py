@@ -333,8 +333,17 @@ class Experts(nn.Module):
         self.tokens_per_expert += counts_cpu
         token_of = order // k
         xs = x.index_select(0, token_of)  # [T * k, H], grouped by expert
-        out = torch.empty_like(xs)
         i = self.intermediate_size
+        if self.quantized is None and _grouped_mm_ok(xs):
+            # Dense experts: all of them in one grouped GEMM per projection (each expert's rows
+            # end at offs[e]), no loop and no host sync for the shapes.
+            offs = counts.cumsum(0).to(torch.int32)
+            gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
+            out = torch._grouped_mm(F.silu(gu[:, :i]) * gu[:, i:],
+                                    self.down_proj.transpose(1, 2), offs=offs)
+            out = out * weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
+            return torch.zeros_like(x).index_add_(0, token_of, out)
+        out = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts_cpu.tolist()):
             if n == 0:
@@ -356,6 +365,19 @@ class Experts(nn.Module):
                 else "quantized" if self.quantized is not None else "dense")
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, {form}")
+
+
+def _grouped_mm_ok(xs: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs these rows: on CPU (float32/bf16, any recent torch),
+    and on CUDA for bf16 on Hopper and newer (its kernel's requirement). Elsewhere the experts
+    loop, one matmul per active expert. The CUDA branch is written from torch's documented
+    constraints and has not been run on a GPU yet."""
+    if not hasattr(torch, "_grouped_mm") or xs.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if xs.device.type == "cpu":
+        return True
+    return (xs.device.type == "cuda" and xs.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(xs.device) >= (9, 0))
 
 
 def _moe_q4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
