@@ -30,10 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# What a loader may hand `Experts.load`: gate/up/down per expert, or stacked.
-EXPERT_PARTS = ("gate", "up", "down", "gate_up")
-
-
 # --------------------------------------------------------------------------- routing
 
 
@@ -171,8 +167,9 @@ class Experts(nn.Module):
         dst.copy_(tensor.to(dst.dtype))
 
     def stash_quantized(self, part: str, expert: int | None, gq: Any) -> None:
-        """Keeps 4-bit GGUF blocks (a GroupQuant of [E * rows, in] or one expert's [rows, in])
-        for `quantize`, which repacks them as they are."""
+        """Keeps 4-bit GGUF blocks (a GroupQuant of [E * rows, in] or one expert's [rows, in];
+        part "gate", "up" or "down": GGUF has no fused gate_up) for `quantize`, which repacks
+        them as they are."""
         _, _, size = self._rows(part)
         n = size * (self.num_experts if expert is None else 1)
         in_features = self.down_proj.shape[2] if part == "down" else self.hidden_size
@@ -200,11 +197,7 @@ class Experts(nn.Module):
         """Writes stashed 4-bit blocks into the dense stacked weights (no quantization pass)."""
         with torch.no_grad():
             for e in range(self.num_experts):
-                for part in ("gate", "up", "gate_up", "down"):
-                    gq = self._expert_groups(part, e)
-                    if gq is not None:
-                        param, start, size = self._rows(part)
-                        param.data[e, start:start + size].copy_(gq.dequantize(param.dtype))
+                self._materialize_expert(e)
         self.stash = {}
 
     # ------------------------------------------------------------------ quantization
@@ -251,13 +244,6 @@ class Experts(nn.Module):
         with torch.no_grad():
             for name in names:
                 gq = self._expert_groups(name, e)
-                if gq is None and part == "gate_up":
-                    whole = self._expert_groups("gate_up", e)
-                    if whole is not None:
-                        _, start, size = self._rows(name)
-                        gq = GroupQuant(whole.q[start:start + size],
-                                        whole.scale[start:start + size],
-                                        whole.min[start:start + size], 32)
                 if gq is None:
                     _, start, size = self._rows(name)
                     gq = quantize_int4_groups(w[start:start + size])
@@ -309,7 +295,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
     def _materialize_expert(self, e: int) -> None:
-        for part in ("gate", "up", "gate_up", "down"):
+        for part in ("gate", "up", "down"):
             gq = self._expert_groups(part, e)
             if gq is not None:
                 param, start, size = self._rows(part)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kiln.models.config import GGUF_ARCH, ModelConfig
+from kiln.models.loader import _EXPERT, _EXPERT_PART, _GGUF_LAYER, _GGUF_TOP
 
 # HF architecture -> GGUF general.architecture
 GGUF_ARCH_OF = {hf: name for name, hf in GGUF_ARCH.items()}
@@ -35,27 +36,22 @@ def _file_types() -> dict[str, int]:
             "Q4_1": t.MOSTLY_Q4_1}
 
 
+# The loader's tables, inverted: HF name -> llama.cpp name.
+_TOP = {hf: name for name, hf in _GGUF_TOP.items()}
+_LAYER = {hf: name for name, hf in _GGUF_LAYER.items()}
+
+
 def gguf_name(hf_name: str) -> str | None:
     """The llama.cpp name of an HF tensor name (None: not a tensor llama.cpp stores)."""
-    from kiln.models.loader import _GGUF_LAYER, _GGUF_TOP
-
-    top = {v: k for k, v in _GGUF_TOP.items()}
-    if hf_name in top:
-        return top[hf_name]
+    if hf_name in _TOP:
+        return _TOP[hf_name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
     if not m:
         return None
-    layer = {v: k for k, v in _GGUF_LAYER.items()}
     rest = m.group(2).replace("block_sparse_moe.", "mlp.").replace("shared_experts.",
                                                                     "shared_expert.")
-    name = layer.get(rest)
+    name = _LAYER.get(rest)
     return f"blk.{m.group(1)}.{name}" if name else None
-
-
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
-_EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-                "down_proj": "down", "w2": "down"}
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -99,14 +95,13 @@ def write_gguf(path: str | Path, cfg: ModelConfig,
             writer.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
 
     for hf, t in tensors:
-        if hf.startswith("blk.") or hf in ("token_embd.weight", "output_norm.weight",
-                                           "output.weight"):
+        if hf.startswith("blk.") or hf in _GGUF_TOP:
             add(hf, t)  # already llama.cpp's name
             continue
-        m = _EXPERT.fullmatch(hf)
-        if m:
-            experts.setdefault((int(m.group(1)), _EXPERT_GGUF[m.group(3)]), {})[
-                int(m.group(2))] = t
+        m = _EXPERT.fullmatch(hf)  # the loader's pattern: per-expert tensors are stacked below
+        if m and m["expert"] is not None:
+            layer = int(m["module"].split(".")[2])  # model.layers.N.<block>.experts
+            experts.setdefault((layer, _EXPERT_PART[m["proj"]]), {})[int(m["expert"])] = t
             continue
         gname = gguf_name(hf)
         if gname is None:
