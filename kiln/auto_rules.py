@@ -162,6 +162,21 @@ def _not_sglang(v: dict[str, Any]) -> str | None:
     return None
 
 
+def _device(ctx: AutoContext, v: dict[str, Any]) -> str:
+    """"cpu" or "cuda": the device setting as resolved so far, auto read from the hardware."""
+    d = str(v.get("device") or "auto")
+    return ctx.device if d == "auto" else ("cuda" if d.startswith("cuda") else d)
+
+
+def _no_host_pools(v: dict[str, Any]) -> str | None:
+    """Why the CPU expert pools' knobs have no value: neither SGLang's kt-kernel nor kiln's own
+    split (--cpu-offload-experts with --engine kiln) runs experts on the CPU."""
+    if v.get("engine") == "kiln":
+        return None if v.get("cpu_offload_experts") else "kiln's engine keeps every expert " \
+            "in one pool (--cpu-offload-experts splits them)"
+    return _not_sglang(v)
+
+
 def auto_kt_method(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if (why := _not_sglang(v)) is not None:
         return None, why
@@ -173,31 +188,46 @@ def auto_kt_method(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
 
 
 def auto_kt_threadpool_count(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if (why := _not_sglang(v)) is not None:
+    if (why := _no_host_pools(v)) is not None:
         return None, why
     n = max(1, ctx.numa_nodes)
     return n, f"one kt-kernel thread pool per NUMA node ({n} found), as kt-cli does"
 
 
 def auto_kt_cpuinfer(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if (why := _not_sglang(v)) is not None:
+    if (why := _no_host_pools(v)) is not None:
         return None, why
     nodes = max(1, ctx.numa_nodes)
     used = min(nodes, int(v.get("kt_threadpool_count") or nodes))
     cores = ctx.physical_cores * used // nodes
+    if v.get("engine") == "kiln" and _device(ctx, v) != "cuda":
+        return cores, (f"all {cores} physical cores: the device pool is the CPU too, and the "
+                       "pools take turns on it")
     n = max(1, int(cores * KT_CPUINFER_FRACTION))
     return n, (f"80% of the {cores} physical cores of the {used} NUMA node(s) used, as kt-cli "
                "does (the rest keep SGLang's scheduler and the GPU feeding)")
 
 
 def auto_kt_gpu_prefill_token_threshold(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
-    if (why := _not_sglang(v)) is not None:
+    if (why := _no_host_pools(v)) is not None:
         return None, why
     return KT_PREFILL_THRESHOLD_DEFAULT, ("kt-cli's default: longer prompts prefill with the "
                                           "experts streamed to the GPU")
 
 
 def auto_cpu_offload_experts(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("engine") == "kiln":
+        if not ctx.is_moe:
+            return False, "a dense model: no experts to split"
+        if _device(ctx, v) != "cuda":
+            return False, ("one device, the CPU: every expert in one pool "
+                           "(--cpu-offload-experts splits them into two CPU pools)")
+        budget = ctx.gpu_memory_bytes * float(v.get("gpu_memory_utilization") or 0.9)
+        if ctx.weight_bytes and ctx.weight_bytes > 0.8 * budget:
+            return True, (f"the model's {ctx.weight_bytes / 2**30:.1f} GiB leave too little of "
+                          f"the GPU's {budget / 2**30:.1f} GiB usable for the KV cache: the "
+                          "hottest experts stay on the GPU, the rest run on the CPU")
+        return False, "the whole model fits on the GPU"
     if (why := _not_sglang(v)) is not None:
         return False, why
     if ctx.is_moe:

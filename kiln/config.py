@@ -265,9 +265,25 @@ SETTINGS: list[Setting] = [
     Setting("num_speculative_tokens", positive_int, None,
             "tokens the draft proposes per step", ("--num-speculative-tokens",),
             affects="performance", engines=("vllm", "sglang")),
-    # -- hybrid MoE: hot experts on GPU, the rest on CPU (SGLang + kt-kernel). The kt_* knobs
-    # come first: cpu_offload_experts' rule turns kt-kernel on when a weights path or a CPU
-    # thread count was given, and kt_cpuinfer's reads the thread pools.
+    # -- hybrid MoE: hot experts on the GPU, the rest on the CPU: kiln's own engine (device pool +
+    # CPU pools, kiln/engine/expert_placement.py) or SGLang + kt-kernel. cpu_offload_experts
+    # comes first: the kt_* rules read it (its own rule reads only which kt_* were given).
+    Setting("cpu_offload_experts", parse_bool, None,
+            "MoE: keep some experts of each layer on the GPU and run the rest on the CPU "
+            "(auto: on for MoE models with --engine sglang; with kiln's engine, when the model "
+            "leaves the GPU too little room; on a CPU, two CPU pools)",
+            ("--cpu-offload-experts",), neg_flags=("--no-cpu-offload-experts",),
+            affects="memory", auto=auto_cpu_offload_experts, engines=("kiln", "sglang")),
+    Setting("num_gpu_experts", non_negative_int, None,
+            "MoE with CPU offload: experts per layer kept on the GPU (auto: kiln's engine "
+            "fills the GPU memory left after the dense weights and a KV reserve, hottest "
+            "experts first; SGLang: the registry's rule for the GPU memory and TP)",
+            ("--num-gpu-experts",), affects="memory", engines=("kiln", "sglang")),
+    Setting("expert_calibration", str, "on",
+            "MoE with CPU offload in kiln's engine: rank experts by the tokens routed to them "
+            "over built-in prompts (once per model file, cached) to keep the hottest on the GPU; "
+            "off: the first N", ("--expert-calibration",), choices=("on", "off"),
+            affects="performance", engines=("kiln",)),
     Setting("kt_method", str, None,
             "kt-kernel CPU expert format: AMXINT4 (kt-cli's default; needs AMX), AMXINT8, "
             "LLAMAFILE, or BF16/FP8/RAWINT4 (these read the model's own weights)",
@@ -277,25 +293,18 @@ SETTINGS: list[Setting] = [
             "as kt-cli)", ("--kt-weight-path",), affects="correctness", metavar="DIR",
             engines=("sglang",)),
     Setting("kt_threadpool_count", positive_int, None,
-            "kt-kernel thread pools (auto: one per NUMA node)", ("--kt-threadpool-count",),
-            affects="performance", auto=auto_kt_threadpool_count, engines=("sglang",)),
+            "CPU expert thread pools, kt-kernel's or kiln's (auto: one per NUMA node)",
+            ("--kt-threadpool-count",),
+            affects="performance", auto=auto_kt_threadpool_count, engines=("kiln", "sglang")),
     Setting("kt_cpuinfer", positive_int, None,
-            "kt-kernel CPU threads (auto: 80 percent of the physical cores of the NUMA nodes used)",
+            "CPU expert threads, kt-kernel's or kiln's (auto: 80 percent of the physical cores "
+            "of the NUMA nodes used; kiln on a CPU: all)",
             ("--kt-cpuinfer",), affects="performance", auto=auto_kt_cpuinfer,
-            engines=("sglang",)),
+            engines=("kiln", "sglang")),
     Setting("kt_gpu_prefill_token_threshold", positive_int, None,
-            "kt-kernel: prompts of at least this many tokens prefill with every expert on GPU "
-            "(auto: 4096)", ("--kt-gpu-prefill-token-threshold",), affects="performance",
-            auto=auto_kt_gpu_prefill_token_threshold, engines=("sglang",)),
-    Setting("cpu_offload_experts", parse_bool, None,
-            "MoE: keep some experts of each layer on GPU and run the rest on CPU (kt-kernel; "
-            "auto: on for MoE models with --engine sglang)",
-            ("--cpu-offload-experts",), neg_flags=("--no-cpu-offload-experts",),
-            affects="memory", auto=auto_cpu_offload_experts, engines=("sglang",)),
-    Setting("num_gpu_experts", non_negative_int, None,
-            "MoE with CPU offload: experts per layer kept on GPU (auto: the registry's rule "
-            "for the GPU memory and TP)", ("--num-gpu-experts",),
-            affects="memory", engines=("sglang",)),
+            "prefill chunks of at least this many tokens run every expert on the GPU, the CPU "
+            "experts' weights streamed there (auto: 4096, kt-cli's)", ("--kt-gpu-prefill-token-threshold",), affects="performance",
+            auto=auto_kt_gpu_prefill_token_threshold, engines=("kiln", "sglang")),
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),
             choices=("debug", "info", "warning", "error"), affects="observability"),
@@ -497,6 +506,13 @@ class EngineConfig:
     session_cache: str = _table_default("session_cache")
     session_cache_max_entries: int = _table_default("session_cache_max_entries")
     session_cache_max_tokens: int | None = _table_default("session_cache_max_tokens")
+    # MoE experts split into a device pool and CPU pools (kiln/engine/expert_placement.py)
+    cpu_offload_experts: bool = False
+    num_gpu_experts: int | None = None
+    kt_threadpool_count: int | None = None
+    kt_cpuinfer: int | None = None
+    kt_gpu_prefill_token_threshold: int | None = None
+    expert_calibration: str = _table_default("expert_calibration")
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

@@ -176,7 +176,33 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
                    source=s.source("device"))
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
+        _plan_expert_placement(sp)
     return sp
+
+
+def _plan_expert_placement(sp: StartupPlan) -> None:
+    """kiln's engine with split experts: the placement as planned before loading (estimated
+    expert bytes, cached ranking), for the dry run and the effective config; the engine's own,
+    measured one replaces it when it loads (record_engine)."""
+    from kiln.engine.expert_placement import plan_from_config
+
+    s, mc, src = sp.settings, sp.model_config, sp.source
+    assert s is not None
+    if not s.get("cpu_offload_experts") or mc is None or not mc.is_moe or src is None:
+        return
+    placement = plan_from_config(mc, s, sp.hardware, str(src.gguf_file or src.path))
+    _record_placement(sp, placement, source="auto")
+
+
+def _record_placement(sp: StartupPlan, placement: Any, source: str) -> None:
+    s = sp.settings
+    assert s is not None
+    if s.source("num_gpu_experts") not in ("cli", "env", "file"):  # the plan's N, and why
+        s.override("num_gpu_experts", placement.num_device_experts, placement.rule,
+                   source=source)
+    sp.extra["moe_placement"] = placement.to_dict()
+    sp.extra.setdefault("decisions", {})["moe_placement"] = {
+        "chosen": placement.summary(), "reason": f"N: {placement.rule}; which: {placement.hot}"}
 
 
 def open_for_kiln(sp: StartupPlan) -> None:
@@ -296,7 +322,8 @@ def _preset_info(sp: StartupPlan, mc: Any) -> dict[str, Any]:
 def _auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any) -> None:
     """Hybrid MoE: how many experts of each layer stay on the GPUs, from VRAM per GPU and TP
     (the registry's rule per model family, as ktransformers sizes it)."""
-    if not s.get("cpu_offload_experts") or s.get("num_gpu_experts") is not None:
+    if not s.get("cpu_offload_experts") or s.get("num_gpu_experts") is not None \
+            or s.get("engine") == "kiln":  # kiln's engine: its placement plan decides
         return
     if entry is None or entry.gpu_experts_rule is None or not hw.gpus:
         s.warnings.append("num_gpu_experts left to the engine: no registry rule or no GPU to "
@@ -420,6 +447,7 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
             # nothing to compile; a dense copy asked for, but int4 kernel layers keep none).
             s.override(setting, d["value"], f"{d['reason']} (resolved {r.value!r} from "
                        f"{r.source})", source="engine")
+    placement = engine.runner.placement
     sp.extra = {"engine": {"name": "kiln", "load_seconds": round(load_seconds, 2),
                            "decode_path": decisions["decode_path"]["value"],
                            "kv_blocks": plan.num_blocks, "kv_block_size": plan.block_size,
@@ -431,6 +459,8 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
                 "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason},
                               **{k: {"chosen": d["value"], "reason": d["reason"]}
                                  for k, d in decisions.items()}}}
+    if placement is not None:
+        _record_placement(sp, placement, source="engine")
 
 
 # --------------------------------------------------------------------------- showing the work
@@ -472,6 +502,14 @@ def describe(sp: StartupPlan) -> str:
             lines.append(f"  {r.name:<24} = {value!s:<14} [{r.source}] {r.reason}")
         for w in s.warnings:
             lines.append(f"warning: {w}")
+    placement = sp.extra.get("moe_placement")
+    if placement:
+        from kiln.engine.expert_placement import LayerPlacement, PlacementPlan
+
+        plan = PlacementPlan(**{**placement, "layers": [LayerPlacement(**lp) for lp in
+                                                        placement["layers"]]})
+        lines.append("moe placement:")
+        lines.extend(plan.describe())
     return "\n".join(lines)
 
 

@@ -127,3 +127,18 @@ def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
                 b.normal_(0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def add_word_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the benchmark's words (the tiny model's vocabulary is 256),
+    so the folder loads like a real model: LLM(), kiln bench --offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kiln.bench.workloads import WORDS
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS[:200])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(folder)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_MOE, make_tiny_model
+from conftest import TINY_MOE, add_word_tokenizer, make_tiny_model
 
 TOP_K = TINY_MOE["qwen3_moe"]["num_experts_per_tok"]
 EXPERTS = TINY_MOE["qwen3_moe"]["num_experts"]
@@ -21,23 +21,8 @@ EXPERTS = TINY_MOE["qwen3_moe"]["num_experts"]
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe")
-    _add_word_tokenizer(folder)
+    add_word_tokenizer(folder)
     return folder
-
-
-def _add_word_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer over the benchmark's words (the tiny model's vocabulary is 256),
-    so the folder loads like a real model: LLM(), kiln bench --offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from kiln.bench.workloads import WORDS
-
-    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS[:200])}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                            eos_token="<eos>").save_pretrained(folder)
 
 
 def _engine(model: Path, **kw: Any) -> Any:

@@ -61,7 +61,13 @@ class Engine:
         self.config = config
         self.ckpt = runner.ckpt if runner else (ckpt or open_checkpoint(config.model,
                                                                         config.gguf_file))
-        self.runner = runner or ModelRunner(config, self.ckpt, progress=progress)
+        calibration = None
+        if runner is None and config.cpu_offload_experts and tokenizer is not None:
+            from kiln.engine.expert_placement import calibration_token_ids
+
+            calibration = calibration_token_ids(tokenizer)
+        self.runner = runner or ModelRunner(config, self.ckpt, progress=progress,
+                                            calibration_ids=calibration)
         num_blocks = min(self.runner.plan.num_blocks, config.kv_max_blocks or 1 << 62)
         # A sequence must fit the pool on its own, or preemption could never make room for it
         # (the runner's plan caps its own pool; a smaller kv_max_blocks over it caps it here).

@@ -21,6 +21,7 @@ from kiln.config import EngineConfig
 from kiln.engine import memory
 from kiln.engine.compile import CASCADE_MIN_BLOCKS, CASCADE_MIN_ROWS, DecodeGraphs
 from kiln.engine.decisions import RuntimeDecisions, choose_kv_cache_dtype, decide
+from kiln.engine.expert_placement import PlacementPlan, place_experts
 from kiln.engine.memory import KV_DTYPES, MemoryPlan
 from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler
@@ -42,7 +43,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None,
+                 calibration_ids: list[list[int]] | None = None) -> None:
+        """`calibration_ids`: token ids of the expert placement's calibration prompts (split
+        MoE experts only; the front-ends tokenize them, see expert_placement)."""
         self.config = config
         self.ckpt = ckpt
         self.device = torch.device(config.device)
@@ -68,7 +72,10 @@ class ModelRunner:
                                  max_positions=max(wanted, 1), progress=progress,
                                  quantization=config.quantization,
                                  keep_dense=config.dense_weights,
-                                 cpu_kernels=config.cpu_kernels)
+                                 cpu_kernels=config.cpu_kernels,
+                                 # split experts are loaded into host memory; the device's
+                                 # share moves there once placed
+                                 experts_device="cpu" if config.cpu_offload_experts else None)
         self.load_seconds = time.monotonic() - t0
         ckpt.release()
         if self.device.type == "cpu":
@@ -77,11 +84,18 @@ class ModelRunner:
             # kept for the steps to reuse.
             memory.release_freed_memory()
             memory.keep_freed_memory()
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in
-                                [*self.model.parameters(), *self.model.buffers()])
         self.block_size = config.block_size
         kv_dtype = choose_kv_cache_dtype(config, self.device, mla=mc.is_mla)
         self.kv_dtype_name: str = kv_dtype.value
+        # MoE experts split into a device pool and CPU pools (--cpu-offload-experts): placed
+        # (and calibrated) before the memory plan, which counts only what is on the device.
+        self.expert_executors: list = []
+        self.placement: PlacementPlan | None = None
+        if config.cpu_offload_experts and mc.is_moe:
+            self.placement = place_experts(self, calibration_ids)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in
+                                [*self.model.parameters(), *self.model.buffers()]
+                                if t.device.type == self.device.type)
         act = memory.measure_activation_peak(self.device, self._largest_step)
         # Logits and sampler temporaries for max_num_seqs rows come on top.
         act += config.max_num_seqs * mc.vocab_size * 4 * 3

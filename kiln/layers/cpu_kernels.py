@@ -434,12 +434,13 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-           w2: torch.Tensor) -> torch.Tensor:
+           w2: torch.Tensor, threads: int = 0) -> torch.Tensor:
     """One MoE layer's routed experts in one call: x [T, H], ids/weights [T, k] (int64 /
     fp32), w13 [E, 2I/8, H/32, 160] (pack_q4 of each expert's gate rows then up rows,
     stacked), w2 [E, H/8, I/32, 160] -> sum_j weights[t, j] * down(silu(gate x) * up x),
-    [T, H] in x's dtype."""
-    return torch.ops.kiln_avx2.moe_q4(x, ids, weights, w13, w2)
+    [T, H] in x's dtype. An id of -1 skips its pair (its expert runs in another pool).
+    `threads`: OpenMP threads for this call (0: torch's count)."""
+    return torch.ops.kiln_avx2.moe_q4(x, ids, weights, w13, w2, threads)
 
 
 def quantize_act_q8(x: torch.Tensor) -> torch.Tensor:

@@ -295,20 +295,23 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
 
 // One MoE layer's routed experts in one call.
 //   x        [T, H] fp32 or bf16       the layer's input rows
-//   ids      [T, k] int64              each token's experts (from the router)
+//   ids      [T, k] int64              each token's experts (from the router); -1: a pair
+//                                      whose expert runs in another pool (skipped)
 //   weights  [T, k] fp32               their routing weights
 //   w13      uint8 [E, 2I/8, H/32, 160]  gate rows 0..I-1 then up rows I..2I-1, per expert
 //   w2       uint8 [E, H/8, I/32, 160]   down
+//   num_threads  the OpenMP team's size; 0: torch's thread count (a pool of SplitExperts gets
+//                its share of the cores, beside the other pool's team)
 //   -> y [T, H] in x's dtype: sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)
 // The (token, expert) pairs are sorted by expert (a counting sort, stable); each token's row is
 // quantized to int8 once. Phase 1: work items (active expert, 8 intermediate columns) compute
 // the gate and up tiles for all of the expert's rows and write silu(gate) * up to h [P, I]
-// (P = T * k pairs). h is quantized per pair row. Phase 2: items (active expert, 8 output
+// (P = the T * k pairs, less the skipped ones). h is quantized per pair row. Phase 2: items (active expert, 8 output
 // columns) write weight * down to o [P, H]. Finally each token sums its k rows of o. Every
 // buffer row and column range has one writer: no atomics, no races; each active expert's
 // weights are read once per phase for all its rows.
 at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                  const at::Tensor& w13, const at::Tensor& w2) {
+                  const at::Tensor& w13, const at::Tensor& w2, int64_t num_threads) {
   check_x("moe_q4", x);
   check_packed("moe_q4 (w13)", w13, 4);
   check_packed("moe_q4 (w2)", w2, 4);
@@ -331,16 +334,23 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   const auto wc = weights.contiguous();
   const int64_t* idp = idc.data_ptr<int64_t>();
   const float* wp = wc.data_ptr<float>();
-  // counting sort of the pairs by expert
+  // counting sort of the pairs by expert; id -1: the pair's expert lives in another pool
+  // (kiln/layers/moe.py SplitExperts), skipped here
   std::vector<int64_t> offsets(E + 1, 0);
   for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe_q4: expert id ", idp[p], " out of range");
-    ++offsets[idp[p] + 1];
+    TORCH_CHECK(idp[p] >= -1 && idp[p] < E, "moe_q4: expert id ", idp[p], " out of range");
+    if (idp[p] >= 0) ++offsets[idp[p] + 1];
   }
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> token_of(P), slot_of(P), fill(offsets.begin(), offsets.end() - 1);
-  std::vector<float> weight_of(P);
+  const int64_t Pv = offsets[E];  // the pairs run here
+  if (Pv == 0) return at::zeros({T, H}, x.options());
+  std::vector<int64_t> token_of(Pv), slot_of(P), fill(offsets.begin(), offsets.end() - 1);
+  std::vector<float> weight_of(Pv);
   for (int64_t p = 0; p < P; ++p) {
+    if (idp[p] < 0) {
+      slot_of[p] = -1;
+      continue;
+    }
     const int64_t s = fill[idp[p]]++;
     token_of[s] = p / k;
     weight_of[s] = wp[p];
@@ -349,8 +359,8 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e)
     if (offsets[e + 1] > offsets[e]) active.push_back(e);
-  std::vector<int64_t> pair_rows(P);
-  for (int64_t s = 0; s < P; ++s) pair_rows[s] = s;
+  std::vector<int64_t> pair_rows(Pv);
+  for (int64_t s = 0; s < Pv; ++s) pair_rows[s] = s;
   const int64_t A = active.size();
   const int64_t it1 = I / kTile, it2 = H / kTile;
   const int64_t w13_expert = w13.size(1) * w13.size(2) * kBlockBytes;
@@ -361,12 +371,13 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   const uint8_t* w2p = w2.data_ptr<uint8_t>();
   QRows xs, hs;
   xs.resize(T, H);
-  hs.resize(P, I);
+  hs.resize(Pv, I);
   // (not zero-filled: every element is written before it is read; at prefill they are ~20 MB)
-  std::unique_ptr<float[]> h(new float[P * I]), o(new float[P * H]);
+  std::unique_ptr<float[]> h(new float[Pv * I]), o(new float[Pv * H]);
   float* yp = y.data_ptr<float>();
   constexpr int64_t kRowChunk = 32;
-#pragma omp parallel num_threads(threads())
+  const int nt = num_threads > 0 ? static_cast<int>(num_threads) : threads();
+#pragma omp parallel num_threads(nt)
   {
     if (x.scalar_type() == at::kFloat)
       quantize_rows_omp(xc.data_ptr<float>(), T, H, xs);
@@ -389,7 +400,7 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
           _mm256_storeu_ps(h.get() + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
       }
     }
-    quantize_rows_omp(h.get(), P, I, hs);
+    quantize_rows_omp(h.get(), Pv, I, hs);
     // Phase 2: down, scaled by each pair's routing weight.
 #pragma omp for schedule(dynamic, 4)
     for (int64_t item = 0; item < A * it2; ++item) {
@@ -410,7 +421,8 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
       for (int64_t c = 0; c < H; c += kTile) {
         __m256 s = _mm256_setzero_ps();
         for (int64_t j = 0; j < k; ++j)
-          s = _mm256_add_ps(s, _mm256_loadu_ps(o.get() + slot_of[t * k + j] * H + c));
+          if (slot_of[t * k + j] >= 0)
+            s = _mm256_add_ps(s, _mm256_loadu_ps(o.get() + slot_of[t * k + j] * H + c));
         _mm256_storeu_ps(yt + c, s);
       }
     }
@@ -426,7 +438,8 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
 TORCH_LIBRARY(kiln_avx2, m) {
   m.def("supported() -> bool");
   m.def("q4_linear(Tensor x, Tensor packed, int n) -> Tensor");
-  m.def("moe_q4(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
+  m.def("moe_q4(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int threads=0) "
+        "-> Tensor");
   m.impl("supported", &supported);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);

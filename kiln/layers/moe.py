@@ -132,6 +132,12 @@ class Experts(nn.Module):
         # Tokens routed to each expert since startup (cumulative; read by /metrics). Always on
         # the CPU (explicitly: the model is built under a meta-device context).
         self.tokens_per_expert = torch.zeros(e, dtype=torch.int64, device="cpu")
+        # False for a pool of a SplitExperts, which counts for the whole layer in global ids.
+        self.counts_routing = True
+        # OpenMP threads of the moe_q4 call; 0: torch's count. A SplitExperts pool on the CPU
+        # takes its share, so two pools running at once do not oversubscribe the cores (their
+        # teams spin at barriers: 3 threads on 2 cores cost more than they give).
+        self.threads = 0
 
     # ------------------------------------------------------------------ loading
 
@@ -286,8 +292,8 @@ class Experts(nn.Module):
     def is_quantized(self) -> bool:
         return self.quantized is not None or self.w13_q4 is not None
 
-    def _drop_dense(self) -> None:
-        dtype = self.gate_up_proj.dtype
+    def _drop_dense(self, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or self.gate_up_proj.dtype
         self.stash = {}
         # The stacked dense weights are not needed any more: empty placeholders keep the
         # parameter names (and nothing else) for code that lists them.
@@ -301,24 +307,85 @@ class Experts(nn.Module):
                 param, start, size = self._rows(part)
                 param.data[e, start:start + size].copy_(gq.dequantize(param.dtype))
 
+    # ------------------------------------------------------------------ placement
+
+    def select(self, expert_ids: list[int], device: torch.device | str) -> Experts:
+        """A pool of this layer's experts `expert_ids` (in that order: local id i is global
+        expert_ids[i]), in whatever form they run here, on `device`. The AVX2 kernels' packed
+        int4 runs only on the CPU: moved to another device, those experts become Int4Linear
+        modules there. The pool does not count routing (its SplitExperts does)."""
+        from kiln.layers.quant import GroupQuant, Int4Linear
+
+        device = torch.device(device)
+        dtype = self.gate_up_proj.dtype
+        with torch.device("meta"):
+            pool = Experts(len(expert_ids), self.hidden_size, self.intermediate_size, self.layer)
+        pool.counts_routing = False
+        pool.tokens_per_expert = torch.zeros(0, dtype=torch.int64)
+        idx = torch.tensor(expert_ids, dtype=torch.long)
+        whole = list(expert_ids) == list(range(self.num_experts))
+        with torch.no_grad():
+            if self.w13_q4 is not None and device.type == "cpu" and whole:
+                pool.w13_q4, pool.w2_q4 = self.w13_q4, self.w2_q4  # shared, not copied
+            elif self.w13_q4 is not None and device.type == "cpu":
+                pool.w13_q4 = self.w13_q4.index_select(0, idx).contiguous()
+                pool.w2_q4 = self.w2_q4.index_select(0, idx).contiguous()
+            elif self.w13_q4 is not None:
+                from kiln.layers import cpu_kernels
+
+                i, h = self.intermediate_size, self.hidden_size
+                mods: list[nn.Module] = []
+                for e in expert_ids:
+                    for packed, rows in ((self.w13_q4[e], 2 * i), (self.w2_q4[e], h)):
+                        q, scale, mn = cpu_kernels.unpack_q4(packed, rows)
+                        gq = GroupQuant(q.to(device), scale.to(device), mn.to(device), 32)
+                        mods.append(Int4Linear(gq, None, dtype, False))
+                pool.quantized = nn.ModuleList(mods)
+            elif self.quantized is not None:
+                pool.quantized = nn.ModuleList(
+                    [self.quantized[2 * e + j] for e in expert_ids for j in (0, 1)]).to(device)
+            else:
+                pool.gate_up_proj = nn.Parameter(
+                    self.gate_up_proj.data.index_select(0, idx.to(self.gate_up_proj.device))
+                    .to(device), requires_grad=False)
+                pool.down_proj = nn.Parameter(
+                    self.down_proj.data.index_select(0, idx.to(self.down_proj.device))
+                    .to(device), requires_grad=False)
+                return pool
+        pool._drop_dense(dtype)
+        return pool
+
+    def storage_bytes(self) -> int:
+        """Bytes the experts' weights take, in the form they run in."""
+        tensors = [*self.parameters(), *self.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     # ------------------------------------------------------------------ running
 
     @torch.compiler.disable  # data-dependent: which experts run depends on the routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k] from a router. Returns sum_j weights[t, j] *
-        expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype."""
+        expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype. An id of -1 skips its
+        pair: SplitExperts hands each pool the ids of its own experts only."""
         if self.w13_q4 is not None:
-            counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-            self.tokens_per_expert += counts.cpu()
-            return _moe_q4(x, weights, ids, self.w13_q4, self.w2_q4)
+            if self.counts_routing:
+                counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+                self.tokens_per_expert += counts.cpu()
+            return _moe_q4(x, weights, ids, self.w13_q4, self.w2_q4, self.threads)
         k = ids.shape[1]
         flat = ids.reshape(-1)
+        wflat = weights.reshape(-1)
+        pair = None  # pair index (token * k + j) of each entry of flat; None: all of them
+        if not self.counts_routing and bool((flat < 0).any()):
+            pair = (flat >= 0).nonzero().squeeze(1)
+            flat, wflat = flat[pair], wflat[pair]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         counts_cpu = counts.cpu()
-        self.tokens_per_expert += counts_cpu
-        token_of = order // k
-        xs = x.index_select(0, token_of)  # [T * k, H], grouped by expert
+        if self.counts_routing:
+            self.tokens_per_expert += counts_cpu
+        token_of = (order if pair is None else pair[order]) // k
+        xs = x.index_select(0, token_of)  # [pairs, H], grouped by expert
         i = self.intermediate_size
         if self.quantized is None and _grouped_mm_ok(xs):
             # Dense experts: all of them in one grouped GEMM per projection (each expert's rows
@@ -327,7 +394,7 @@ class Experts(nn.Module):
             gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
             out = torch._grouped_mm(F.silu(gu[:, :i]) * gu[:, i:],
                                     self.down_proj.transpose(1, 2), offs=offs)
-            out = out * weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
+            out = out * wflat[order].to(out.dtype).unsqueeze(1)
             return torch.zeros_like(x).index_add_(0, token_of, out)
         out = torch.empty_like(xs)
         start = 0
@@ -343,7 +410,7 @@ class Experts(nn.Module):
                 out[start:start + n] = F.linear(F.silu(gu[:, :i]) * gu[:, i:],
                                                 self.down_proj[e])
             start += n
-        out = out * weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
+        out = out * wflat[order].to(out.dtype).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def extra_repr(self) -> str:
@@ -351,6 +418,135 @@ class Experts(nn.Module):
                 else "quantized" if self.quantized is not None else "dense")
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, {form}")
+
+
+# --------------------------------------------------------------------------- two pools
+
+
+class HostExecutor:
+    """A CPU thread pool that runs host experts beside the model's step: one worker thread whose
+    OpenMP team has `threads` threads, pinned to `cpus` (one NUMA node's cores) where given, so
+    a pool reads the experts in its node's memory. The worker is the only thread that submits
+    to it, so a layer's host work is queued behind the previous layer's, never interleaved."""
+
+    def __init__(self, threads: int, cpus: set[int] | None = None, name: str = "host") -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.threads, self.cpus, self.name = threads, cpus, name
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kiln-experts-{name}",
+                                        initializer=self._setup)
+
+    def _setup(self) -> None:
+        import os
+
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cpus)  # this thread; its OpenMP team inherits it
+        # Sets this thread's OpenMP team size (per thread: the engine thread keeps its own).
+        torch.set_num_threads(self.threads)
+
+    def submit(self, pool: Experts, x: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor) -> Any:
+        return self._pool.submit(_run_pool, pool, x, weights, ids)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _run_pool(pool: Experts, x: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():  # thread-local: the engine thread's mode does not reach here
+        return pool(x, weights, ids)
+
+
+class SplitExperts(nn.Module):
+    """One MoE layer's experts placed in pools (ktransformers' hybrid): `device_pool` on the
+    model's device (the accelerator) and one or more `host_pools` on the CPU, each run by its
+    HostExecutor. A step's routed pairs go to the pool of their expert (ids mapped to the
+    pool's local ids, -1 for the others); the host pools start first, the device pool runs
+    on the calling thread meanwhile (on a CPU "device" they take turns: see `overlap`), and
+    the outputs are added in a fixed order (device, then host pools in order), so a split
+    layer computes the same sum as one pool up to float rounding. Steps of `stream_threshold` rows or more (long prefill chunks) run the host
+    experts on the device instead: their weights are copied there for the layer (on a CPU
+    "device" the copy is the pool itself), which beats the CPU once a chunk is long enough to
+    amortise the transfer (kt-kernel's GPU-prefill threshold).
+
+    Routing is counted here, in global expert ids, for /metrics and the calibration pass."""
+
+    def __init__(self, experts: Experts, device_ids: list[int], host_groups: list[list[int]],
+                 device: torch.device | str, executors: list[HostExecutor],
+                 stream_threshold: int | None = None) -> None:
+        super().__init__()
+        e = experts.num_experts
+        assert sorted([*device_ids, *(i for g in host_groups for i in g)]) == list(range(e))
+        assert len(executors) >= len(host_groups)
+        self.layer, self.num_experts = experts.layer, e
+        self.hidden_size = experts.hidden_size
+        self.intermediate_size = experts.intermediate_size
+        self.device = torch.device(device)
+        self.device_ids = list(device_ids)
+        self.host_groups = [list(g) for g in host_groups if g]
+        self.device_pool = experts.select(self.device_ids, self.device) if device_ids else None
+        self.host_pools = nn.ModuleList([experts.select(g, "cpu") for g in self.host_groups])
+        self.executors = executors[:len(self.host_pools)]
+        for pool, executor in zip(self.host_pools, self.executors):
+            pool.threads = executor.threads
+        # Pools overlap when the device is an accelerator (its share runs asynchronously while
+        # the CPU computes the host share). A CPU "device" has no cores of its own: its pool and
+        # the host pools take turns, each with its full thread team (run at once they would
+        # oversubscribe the cores, and OpenMP teams spinning at barriers made that 20-35%
+        # slower than one pool on the 2-core benchmark machine).
+        self.overlap = self.device.type != "cpu"
+        # global expert id -> local id in each pool, -1 where it lives elsewhere
+        table = torch.full((1 + len(self.host_groups), e), -1, dtype=torch.int64)
+        for row, group in enumerate([self.device_ids, *self.host_groups]):
+            table[row, group] = torch.arange(len(group))
+        self.device_local = table[0].to(self.device)
+        self.host_local = table[1:]
+        self.stream_threshold = stream_threshold
+        self.tokens_per_expert = torch.zeros(e, dtype=torch.int64, device="cpu")
+        self.counts_routing = True
+
+    def pool_bytes(self) -> tuple[int, int]:
+        """(bytes on the device, bytes on the host) of this layer's experts."""
+        dev = self.device_pool.storage_bytes() if self.device_pool is not None else 0
+        return dev, sum(p.storage_bytes() for p in self.host_pools)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ids_cpu = ids.cpu()  # the host pools route on the CPU (one sync per layer on a GPU)
+        self.tokens_per_expert += torch.bincount(ids_cpu.reshape(-1), minlength=self.num_experts)
+        stream = self.stream_threshold is not None and x.shape[0] >= self.stream_threshold
+        pending: list[Any] = []
+
+        def start_host() -> None:
+            xh, wh = x.to("cpu"), weights.to("cpu")
+            for pool, executor, local in zip(self.host_pools, self.executors, self.host_local):
+                hid = local[ids_cpu]
+                if bool((hid >= 0).any()):
+                    pending.append(executor.submit(pool, xh, wh, hid))
+
+        if self.host_pools and not stream and self.overlap:
+            start_host()
+        y = None
+        if self.device_pool is not None:
+            y = self.device_pool(x, weights, self.device_local[ids])
+        if self.host_pools and not stream and not self.overlap:
+            start_host()
+        if stream:
+            for pool, local in zip(self.host_pools, self.host_local):
+                on_device = pool if self.device.type == "cpu" else \
+                    pool.select(list(range(pool.num_experts)), self.device)
+                out = on_device(x, weights, local.to(self.device)[ids])
+                y = out if y is None else y + out
+        for f in pending:
+            out = f.result().to(x.device)
+            y = out if y is None else y + out
+        return y if y is not None else torch.zeros_like(x)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, device={self.device} x {len(self.device_ids)}, "
+                f"host pools={[len(g) for g in self.host_groups]}, "
+                f"stream_threshold={self.stream_threshold}")
 
 
 def _grouped_mm_ok(xs: torch.Tensor) -> bool:
@@ -367,32 +563,35 @@ def _grouped_mm_ok(xs: torch.Tensor) -> bool:
 
 
 def _moe_q4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-            w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+            w13: torch.Tensor, w2: torch.Tensor, threads: int = 0) -> torch.Tensor:
     """Experts.forward on the AVX2 kernels: one call for the layer's routed rows."""
     from kiln.layers import cpu_kernels
 
     xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    y = cpu_kernels.moe_q4(xa.contiguous(), ids.to(torch.int64), weights.float(), w13, w2)
+    y = cpu_kernels.moe_q4(xa.contiguous(), ids.to(torch.int64), weights.float(), w13, w2,
+                           threads)
     return y.to(x.dtype)
 
 
 # --------------------------------------------------------------------------- routing statistics
 
 
-def experts_of(model: nn.Module) -> list[Experts]:
-    """The model's Experts modules in layer order ([] for a dense model): found once, so reading
+def experts_of(model: nn.Module) -> list[Any]:
+    """The modules that count each MoE layer's routing (Experts, or SplitExperts where the layer
+    is split; not their pools), in layer order ([] for a dense model): found once, so reading
     the counters each step does not walk the module tree."""
-    return sorted((m for m in model.modules() if isinstance(m, Experts)), key=lambda m: m.layer)
+    return sorted((m for m in model.modules() if isinstance(m, (Experts, SplitExperts))
+                   and m.counts_routing), key=lambda m: m.layer)
 
 
-def reset_routing_counts(experts: list[Experts]) -> None:
+def reset_routing_counts(experts: list[Any]) -> None:
     """Zeroes the counters when the engine starts: the tokens of startup's memory-profiling
     prefill went through the routers too, and are no user's."""
     for m in experts:
         m.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.int64)
 
 
-def routing_counts(experts: list[Experts]) -> torch.Tensor:
+def routing_counts(experts: list[Any]) -> torch.Tensor:
     """A copy of the cumulative tokens per expert, [moe layers, E] int64 (rows in `experts`'
     order): one stack, cheap enough to snapshot after every step for /metrics."""
     if not experts:

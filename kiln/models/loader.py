@@ -257,7 +257,8 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | str,
                 max_positions: int, progress: ProgressFn | None = None,
                 quantization: str = "none", keep_dense: bool = False,
-                cpu_kernels: bool = True) -> torch.nn.Module:
+                cpu_kernels: bool = True,
+                experts_device: torch.device | str | None = None) -> torch.nn.Module:
     """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
     are swapped for quantized ones (`kiln.layers.quant.quantize_model`); GGUF 4-bit blocks then
     go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
@@ -268,7 +269,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     cls = model_class(ckpt.config.architecture)
     with torch.device("meta"):
         model = cls(ckpt.config, max_positions).to(dtype)  # cast while it costs nothing
-    _materialize(model, device)
+    _materialize(model, device, experts_device)
     for rotary in model.rotary_embeddings():
         rotary.build(device=device)
     load_weights(model, ckpt, progress=progress, keep_4bit=quantization != "none",
@@ -289,18 +290,22 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     return model
 
 
-def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+def _materialize(model: torch.nn.Module, device: torch.device | str,
+                 experts_device: torch.device | str | None = None) -> None:
     """Meta parameters/buffers -> uninitialized ones on `device` (what `to_empty` does, without
-    its trip through torch's reference ops, which imports sympy: ~2 s of startup)."""
+    its trip through torch's reference ops, which imports sympy: ~2 s of startup); MoE experts
+    on `experts_device` where given (split experts load into host memory)."""
     for module in model.modules():
+        where = experts_device if experts_device is not None and \
+            isinstance(module, Experts) else device
         for name, p in list(module._parameters.items()):
             if p is not None and p.device.type == "meta":
                 module._parameters[name] = torch.nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device=device),
+                    torch.empty(p.shape, dtype=p.dtype, device=where),
                     requires_grad=p.requires_grad)
         for name, b in list(module._buffers.items()):
             if b is not None and b.device.type == "meta":
-                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=where)
 
 
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
