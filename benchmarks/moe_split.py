@@ -11,8 +11,9 @@ rep 2, ...), so they share the same stretch of a noisy machine:
   hot     split, the N hottest experts (calibration pass) on the device pool
 On a machine without a GPU the "device" pool is the CPU too (the engine's threads) and the host
 pool a worker thread: there is nothing to gain, and the point is the split path's overhead
-(goal: under 10%). Each figure is the median over reps of kiln bench --offline's measurement
-(prefill tok/s of one prompt, decode tok/s at batch 1 and 16). The GIL switch interval is set
+(goal: under 10%). Each rep times one generate call per figure and mode, back to back (prefill:
+one prompt; decode: batch 1 and 16, short prompts); a ratio is the median of the per-rep
+ratios, which a drifting machine moves little. The GIL switch interval is set
 as `kiln serve` sets it. Also printed: the calibration's routing load per layer (the share of
 routed tokens the hot device pool takes).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -31,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln.bench.offline import run_offline
+from kiln.bench.offline import _timed_generate, random_prompts, word_token_pool
 from kiln.engine.async_engine import GIL_SWITCH_INTERVAL_S
 from kiln.llm import LLM
 
@@ -41,7 +43,7 @@ def main() -> int:
     p.add_argument("--model", help="an MoE GGUF (default: the MoE benchmark model)")
     p.add_argument("--num-gpu-experts", type=int, default=None,
                    help="experts per layer on the device pool (default: half)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=15)
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--kt-cpuinfer", type=int, default=None, help="host pool threads")
@@ -61,25 +63,44 @@ def main() -> int:
         t0 = time.perf_counter()
         llms[name] = LLM(model, **kw)
         print(f"loaded {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    # Short measurements, round-robin: the machine's speed drifts (up to 2x within an hour, and
+    # other work comes and goes), so each rep measures every mode within a few seconds, and the
+    # ratios are taken rep by rep (median over reps).
+    rng = random.Random(0)
+    pool = word_token_pool(llms["one"])
+    shapes = {"prefill": (1, args.prefill_len, 1), "decode_b1": (1, 8, args.decode_tokens),
+              "decode_b16": (16, 8, args.decode_tokens)}
     runs: dict[str, list[dict]] = {name: [] for name in modes}
+    for llm in llms.values():  # warm every shape
+        for batch, plen, gen in shapes.values():
+            _timed_generate(llm, random_prompts(pool, batch, plen, rng), min(gen, 2))
     for rep in range(args.reps):
-        for name, llm in llms.items():
-            r = run_offline(llm=llm, prefill_len=args.prefill_len, batch_sizes=(1, 16),
-                            decode_tokens=args.decode_tokens, repeats=1, seed=rep)
-            runs[name].append({"prefill": r.prefill_tok_s,
-                               **{f"decode_b{d.batch}": d.tok_s for d in r.decode}})
-            print(f"rep {rep + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                        runs[name][-1].items()), file=sys.stderr)
-    figures = list(runs["one"][0])
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in figures}
-           for name, rs in runs.items()}
-    print(f"\nmodel: {model}\n")
+        for fig, (batch, plen, gen) in shapes.items():
+            prompts = random_prompts(pool, batch, plen, rng)
+            for name, llm in llms.items():
+                seconds, produced = _timed_generate(llm, prompts, gen)
+                tok_s = batch * plen / seconds if fig == "prefill" else produced / seconds
+                runs[name].append({"rep": rep, "figure": fig, "tok_s": tok_s})
+        print(f"rep {rep + 1}: " + "; ".join(
+            f"{name} " + ", ".join(f"{r['figure']} {r['tok_s']:.1f}" for r in rs[-3:])
+            for name, rs in runs.items()), file=sys.stderr)
+    figures = list(shapes)
+
+    def series(name: str, fig: str) -> list[float]:
+        return [r["tok_s"] for r in runs[name] if r["figure"] == fig]
+
+    med = {name: {fig: statistics.median(series(name, fig)) for fig in figures} for name in modes}
+    ratio = {name: {fig: statistics.median(a / b for a, b in zip(series(name, fig),
+                                                                  series("one", fig)))
+                    for fig in figures} for name in ("even", "hot")}
+    print(f"\nmodel: {model}\n{args.reps} reps; tok/s medians, ratios = median of per-rep "
+          "ratios to one pool (prefill: whole call; decode: whole call of an 8-token prompt "
+          f"and {args.decode_tokens} new tokens a sequence)\n")
     print("| figure (tok/s) | one pool | split, first N | ratio | split, hottest N | ratio |")
     print("|---|---|---|---|---|---|")
     for k in figures:
-        one = med["one"][k]
-        print(f"| {k} | {one:.1f} | {med['even'][k]:.1f} | {med['even'][k] / one:.2f}x | "
-              f"{med['hot'][k]:.1f} | {med['hot'][k] / one:.2f}x |")
+        print(f"| {k} | {med['one'][k]:.1f} | {med['even'][k]:.1f} | {ratio['even'][k]:.2f}x | "
+              f"{med['hot'][k]:.1f} | {ratio['hot'][k]:.2f}x |")
     plans = {name: llms[name].effective_config().get("moe_placement") for name in ("even", "hot")}
     for name, plan in plans.items():
         print(f"\n{name}: {plan['num_device_experts']} of {plan['num_experts']} experts per layer"
@@ -97,7 +118,7 @@ def main() -> int:
     placement["device_share"] = {
         "hot": [lp["device_share"] for lp in hot_layers], "even": even_share}
     out.write_text(json.dumps({"model": model, "modes": modes, "runs": runs, "median": med,
-                               "placement": placement}, indent=2, default=str))
+                               "ratio": ratio, "placement": placement}, indent=2, default=str))
     print(f"\n{out}")
     return 0
 

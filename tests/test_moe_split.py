@@ -17,6 +17,7 @@ import torch
 from conftest import TINY_MOE, add_word_tokenizer, make_tiny_model, run_to_completion
 
 from kiln.config import EngineConfig
+from kiln.engine import expert_placement
 from kiln.engine.engine import Engine
 from kiln.engine.expert_placement import CALIBRATION_PROMPTS, place_layer, rank
 from kiln.engine.model_runner import ModelRunner
@@ -144,24 +145,29 @@ def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int = 12) -> d
 
 
 @pytest.mark.parametrize("quant", ["none", "int4"])
-def test_split_greedy_tokens_identical_batched_chunked_and_streamed(tiny, quant):
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threads"])
+def test_split_greedy_tokens_identical_batched_chunked_and_streamed(tiny, quant, threaded,
+                                                                     monkeypatch):
     """Five prompts batched, prefill chunked at 16 tokens: the same greedy tokens with the experts
-    in one pool, split across two pools (host pool on its worker thread), split across three
-    (two host pools), and split with long chunks run with every expert on the device
-    (--kt-gpu-prefill-token-threshold 8)."""
+    in one pool, split across two pools, split across three (two host pools), and split with
+    long chunks run with every expert on the device (--kt-gpu-prefill-token-threshold 8). The
+    host pools run on the engine's thread (a CPU "device"'s default) or, as with a GPU, on their
+    own worker threads."""
+    monkeypatch.setattr(expert_placement, "HOST_THREADS_ON_CPU", threaded)
     path = tiny["f32" if quant == "none" else "q4"]
     prompts = [_prompt(n, 10 + n) for n in (5, 23, 9, 31, 14)]
     want = _greedy(Engine(_config(path, quant)), prompts)
     seen: set[str] = set()
     for kw in (_split(), _split(kt_threadpool_count=2), _split(kt_gpu_prefill_token_threshold=8)):
         engine = Engine(_config(path, quant, **kw))
+        assert engine.runner.placement.host_inline is not threaded
         for m in experts_of(engine.runner.model):
             for pool in m.host_pools:
                 pool.register_forward_hook(
                     lambda *a: seen.add(threading.current_thread().name))
         assert _greedy(engine, prompts) == want, kw
-    # the host pools ran on their own threads (and, streamed, on the engine's)
-    assert any(name.startswith("kiln-experts-") for name in seen)
+    # the host pools ran on their own threads, or inline; streamed, on the engine's
+    assert any(name.startswith("kiln-experts-") for name in seen) is threaded
     assert threading.current_thread().name in seen
 
 

@@ -53,6 +53,10 @@ CALIBRATION_PROMPTS = (
 )
 CALIBRATION_VERSION = 1
 
+# Host pools on worker threads even when the "device" is the CPU (they run inline there by
+# default: nothing to overlap with). Tests set it to run the threaded path the GPU case takes.
+HOST_THREADS_ON_CPU = False
+
 # A KV cache and activations need room on the device besides the weights: at least this much
 # of it stays free of experts when N is chosen automatically.
 DEVICE_RESERVE_FRACTION = 0.10
@@ -82,6 +86,7 @@ class PlacementPlan:
     host_threads: int
     stream_threshold: int | None
     layers: list[LayerPlacement] = field(default_factory=list)
+    host_inline: bool = False  # host pools run on the engine's thread (a CPU "device")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,9 +94,10 @@ class PlacementPlan:
     def summary(self) -> str:
         how = "measured" if self.bytes_measured else "estimated"
         return (f"{self.num_device_experts} of {self.num_experts} experts per layer on "
-                f"{self.device}, the rest in {self.host_pools} CPU pool(s) of "
-                f"{self.host_threads} thread(s); {self.bytes_per_expert / 2**20:.2f} MiB per "
-                f"expert ({how})")
+                f"{self.device}, the rest in {self.host_pools} CPU pool(s) "
+                + ("taking turns with it on the engine's threads" if self.host_inline else
+                   f"of {self.host_threads} thread(s)")
+                + f"; {self.bytes_per_expert / 2**20:.2f} MiB per expert ({how})")
 
     def describe(self) -> list[str]:
         lines = [f"  {self.summary()}", f"  N: {self.rule}", f"  which: {self.hot}"]
@@ -239,11 +245,12 @@ def numa_cpus(node: int, sys_root: Path = Path("/sys")) -> set[int] | None:
 def make_plan(*, device: str, num_experts: int, moe_layers: list[int], bytes_per_expert: int,
               bytes_measured: bool, n: int, rule: str, counts: list[list[int]] | None,
               hot: str, host_pools: int, host_threads: int,
-              stream_threshold: int | None) -> PlacementPlan:
+              stream_threshold: int | None, host_inline: bool = False) -> PlacementPlan:
     plan = PlacementPlan(device=device, num_experts=num_experts, num_device_experts=n,
                          rule=rule, hot=hot, bytes_per_expert=bytes_per_expert,
                          bytes_measured=bytes_measured, host_pools=host_pools,
-                         host_threads=host_threads, stream_threshold=stream_threshold)
+                         host_threads=host_threads, stream_threshold=stream_threshold,
+                         host_inline=host_inline)
     for i, layer in enumerate(moe_layers):
         row = counts[i] if counts is not None else None
         dev, host = place_layer(layer, row, num_experts, n, host_pools)
@@ -279,7 +286,8 @@ def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan
                      bytes_per_expert=per, bytes_measured=False, n=n, rule=rule, counts=counts,
                      hot=hot, host_pools=int(s.get("kt_threadpool_count") or 1),
                      host_threads=int(s.get("kt_cpuinfer") or 1),
-                     stream_threshold=s.get("kt_gpu_prefill_token_threshold"))
+                     stream_threshold=s.get("kt_gpu_prefill_token_threshold"),
+                     host_inline=not str(device).startswith("cuda") and not HOST_THREADS_ON_CPU)
 
 
 def _dense_bytes_estimate(mc: Any, per_expert: int, moe_layers: list[int]) -> int:
@@ -366,8 +374,11 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
     hot = "the hottest, from cached routing statistics"
     pools = max(1, int(config.kt_threadpool_count or 1))
     threads = max(1, int(config.kt_cpuinfer or 1))
-    executors = [HostExecutor(threads, numa_cpus(i) if pools > 1 else None, name=str(i))
-                 for i in range(pools)]
+    # On a CPU "device" the host pools run inline (see HostExecutor) unless a test asks for
+    # the worker threads the GPU case uses.
+    inline = device.type == "cpu" and not HOST_THREADS_ON_CPU
+    executors = [HostExecutor(threads, numa_cpus(i) if pools > 1 else None, name=str(i),
+                              inline=inline) for i in range(pools)]
     if counts is None and calibrate and calibration_ids:
         if device.type == "cuda":
             # The experts are in host memory (only their device share will fit): calibrate
@@ -397,7 +408,7 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
     plan = make_plan(device=str(device), num_experts=num_experts, moe_layers=moe_layers,
                      bytes_per_expert=per, bytes_measured=True, n=n, rule=rule, counts=counts,
                      hot=hot, host_pools=pools, host_threads=threads,
-                     stream_threshold=config.kt_gpu_prefill_token_threshold)
+                     stream_threshold=config.kt_gpu_prefill_token_threshold, host_inline=inline)
     for b, lp in zip(blocks, plan.layers):
         b.experts = SplitExperts(b.experts, lp.device_experts, lp.host_experts, device,
                                  executors, stream_threshold=plan.stream_threshold)

@@ -426,15 +426,21 @@ class Experts(nn.Module):
 class HostExecutor:
     """A CPU thread pool that runs host experts beside the model's step: one worker thread whose
     OpenMP team has `threads` threads, pinned to `cpus` (one NUMA node's cores) where given, so
-    a pool reads the experts in its node's memory. The worker is the only thread that submits
-    to it, so a layer's host work is queued behind the previous layer's, never interleaved."""
+    a pool reads the experts in its node's memory. The engine thread is the only one that
+    submits to it, so a layer's host work is queued behind the previous layer's.
 
-    def __init__(self, threads: int, cpus: set[int] | None = None, name: str = "host") -> None:
+    `inline`: run on the calling thread instead (no worker). When the "device" is the CPU too
+    there is nothing to overlap, and a second thread team only costs: on the 2-core benchmark
+    machine, handing each layer's host share to a worker made decode 13-30% slower than one
+    pool (team wake-ups and hand-offs, 24 layers a token), inline 3-6%."""
+
+    def __init__(self, threads: int, cpus: set[int] | None = None, name: str = "host",
+                 inline: bool = False) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.threads, self.cpus, self.name = threads, cpus, name
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kiln-experts-{name}",
-                                        initializer=self._setup)
+        self.threads, self.cpus, self.name, self.inline = threads, cpus, name, inline
+        self._pool = None if inline else ThreadPoolExecutor(
+            1, thread_name_prefix=f"kiln-experts-{name}", initializer=self._setup)
 
     def _setup(self) -> None:
         import os
@@ -446,10 +452,17 @@ class HostExecutor:
 
     def submit(self, pool: Experts, x: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor) -> Any:
+        if self._pool is None:
+            from concurrent.futures import Future
+
+            done: Future = Future()
+            done.set_result(pool(x, weights, ids))
+            return done
         return self._pool.submit(_run_pool, pool, x, weights, ids)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _run_pool(pool: Experts, x: torch.Tensor, weights: torch.Tensor,
@@ -489,7 +502,7 @@ class SplitExperts(nn.Module):
         self.host_pools = nn.ModuleList([experts.select(g, "cpu") for g in self.host_groups])
         self.executors = executors[:len(self.host_pools)]
         for pool, executor in zip(self.host_pools, self.executors):
-            pool.threads = executor.threads
+            pool.threads = 0 if executor.inline else executor.threads
         # Pools overlap when the device is an accelerator (its share runs asynchronously while
         # the CPU computes the host share). A CPU "device" has no cores of its own: its pool and
         # the host pools take turns, each with its full thread team (run at once they would
