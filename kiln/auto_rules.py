@@ -32,8 +32,8 @@ class AutoContext:
     numa_nodes: int = 1
     cpu_amx: bool = False  # Intel AMX tiles (amx_tile/amx_int8/amx_bf16): kt-kernel's AMX methods
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
-    # Settings resolved so far from an explicit source (cli, env, file): filled by
-    # resolve_settings as it walks the table, so a rule can tell "asked for" from "defaulted".
+    # Settings a person set (cli, env, file; any row of the table): filled by resolve_settings
+    # before any rule runs, so a rule can tell "asked for" from "defaulted".
     explicit: set[str] = field(default_factory=set)
 
 

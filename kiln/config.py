@@ -425,8 +425,11 @@ def resolve_settings(
     ctx: AutoContext | None = None,
 ) -> ResolvedSettings:
     """Walks the sources for every setting, highest first; auto rules run in table order, so a
-    rule may read settings declared above it (dtype reads device)."""
-    ctx = replace(ctx or AutoContext(), explicit=set())
+    rule may read the values of settings declared above it (dtype reads device), and which
+    settings a person set anywhere in the table (`ctx.explicit`, known before any rule runs)."""
+    explicit_names = {name for m in (cli or {}, env or {}, file or {}) for name, v in m.items()
+                      if not _is_auto(v[0] if isinstance(v, tuple) else v)}
+    ctx = replace(ctx or AutoContext(), explicit=explicit_names)
     layers: list[tuple[str, Mapping[str, Any], Callable[[str], str]]] = [
         ("cli", {k: v[0] for k, v in (cli or {}).items()}, lambda n: (cli or {})[n][1]),
         ("env", {k: v[0] for k, v in (env or {}).items()}, lambda n: (env or {})[n][1]),
@@ -443,8 +446,6 @@ def resolve_settings(
         if explicit is not None:
             r = Resolved(s.name, explicit.value, explicit.source, s.affects,
                          f"set by {explicit.detail}", cands)
-            if explicit.source in ("cli", "env", "file"):
-                ctx.explicit.add(s.name)
         elif s.auto is not None and (_is_auto(s.default) or any(c.value == "auto"
                                                                  for c in cands)):
             # An explicit "auto" runs the rule even where the default is a fixed value

@@ -188,7 +188,11 @@ def _plan_expert_placement(sp: StartupPlan) -> None:
 
     s, mc, src = sp.settings, sp.model_config, sp.source
     assert s is not None
-    if not s.get("cpu_offload_experts") or mc is None or not mc.is_moe or src is None:
+    if not s.get("cpu_offload_experts") or mc is None or src is None:
+        return
+    if not mc.is_moe:
+        s.warnings.append(f"--cpu-offload-experts ({s.source('cpu_offload_experts')}): "
+                          f"{src.name} is a dense model, it has no experts to split")
         return
     placement = plan_from_config(mc, s, sp.hardware, str(src.gguf_file or src.path))
     _record_placement(sp, placement, source="auto")
