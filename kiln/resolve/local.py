@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError, ModelLoadError, ModelNotFoundError
+from kiln.messages import msg
 from kiln.paths import cache_dir
 from kiln.resolve.hf_cache import cached_repos
 from kiln.resolve.picker import (
@@ -474,13 +475,10 @@ def not_found(
     model_dirs: Sequence[Path] = (),
 ) -> ModelNotFoundError:
     matches = close_matches(spec, model_dirs)
-    steps = (
-        extra
-        or "download a model with `kiln pull MODEL` (an alias, owner/repo or owner/repo:QUANT)"
-    )
-    hint = f"{steps}; `kiln list` shows local models"
+    steps = extra or msg("model.pull_hint")
+    hint = msg("model.list_hint", steps=steps)
     if matches:
-        hint = f"did you mean {', '.join(matches)}? Otherwise {hint}"
+        hint = msg("model.did_you_mean", matches=", ".join(matches), hint=hint)
     return ModelNotFoundError(message, hint=hint)
 
 
