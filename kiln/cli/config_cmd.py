@@ -12,6 +12,7 @@ import tomllib
 
 from kiln import config as C
 from kiln import setting_sources as S
+from kiln.cli import add_lang_flag
 from kiln.errors import KilnError
 
 
@@ -19,6 +20,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="show or edit kiln's config file",
                               description="Keys are setting names (see `kiln config show`).")
     p.add_argument("--config", type=Path, metavar="PATH", help="config file to use")
+    add_lang_flag(p)
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     show = sub.add_parser("show", help="every setting: value and source (without a model)")
     show.add_argument("--json", action="store_true")

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kiln.cli import add_json_flag, add_model_dir_flag
+from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
 from kiln.errors import KilnError
 
 
@@ -22,6 +22,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODEL", help="alias, owner/repo or owner/repo:QUANT")
     add_model_dir_flag(p, "also look for MODEL in DIR before downloading (repeatable)")
     add_json_flag(p, "print the resolved source as JSON")
+    add_lang_flag(p)
     p.set_defaults(func=main)
 
 
