@@ -295,6 +295,7 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "handoff.engine_missing": {
         "en": "{error}; the command shows {engine}'s usual spelling (install: {install})",
         "zh": "{error}；下面的命令按 {engine} 的常规写法给出（安装：{install}）"},
+    "handoff.dry_run_warning": {"en": "# warning: {warning}", "zh": "# 警告：{warning}"},
     "handoff.ignores": {"en": "{engine} ignores {text}", "zh": "{engine} 会忽略 {text}"},
     "handoff.no_equivalent": {"en": "{flag} has no {engine} equivalent; ignored",
                               "zh": "{flag} 在 {engine} 中没有对应参数，已忽略"},
@@ -330,6 +331,37 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "--head` on this node, `ray start --address=<this host>:6379` on each other)",
         "zh": "vLLM 通过 Ray 跨 {nnodes} 个节点运行：请先启动集群（本节点运行 `ray start "
               "--head`，其他每个节点运行 `ray start --address=<本机地址>:6379`）"},
+    # -- finding and starting the external engine
+    "engine.command_missing": {"en": "{engine} command {command} (from {source}) does not exist",
+                               "zh": "{engine} 命令 {command}（来自 {source}）不存在"},
+    "engine.command_missing.hint": {"en": "fix {source}, or install {engine}: {install}",
+                                    "zh": "请修正 {source}，或安装 {engine}：{install}"},
+    "engine.not_installed": {
+        "en": "{engine} is not installed: not in kiln's environment ({python}), not on PATH, and "
+              "no --engine-command or [engines.{name}] command is set",
+        "zh": "未安装 {engine}：kiln 所在环境（{python}）和 PATH 中都没有，也没有设置 "
+              "--engine-command 或 [engines.{name}] command"},
+    "engine.install_it": {"en": "install it: {install}", "zh": "请安装：{install}"},
+    "engine.reinstall_it": {"en": "reinstall it: {install}", "zh": "请重新安装：{install}"},
+    "engine.upgrade_it": {"en": "upgrade it: {upgrade}", "zh": "请升级：{upgrade}"},
+    "engine.install": {"en": "install {engine}: {install}", "zh": "请安装 {engine}：{install}"},
+    "engine.does_not_run": {
+        "en": "{engine} at {exe} (from {source}) does not run: `{command}` failed{tail}",
+        "zh": "{exe} 处的 {engine}（来自 {source}）无法运行：`{command}` 执行失败{tail}"},
+    "engine.does_not_accept": {"en": "does not accept {flags}", "zh": "不接受 {flags}"},
+    "engine.rejects": {"en": "rejects {values}", "zh": "拒绝 {values}"},
+    "engine.and": {"en": " and ", "zh": "，并且"},
+    "engine.too_old": {
+        "en": "the {engine} at {exe} {problems} (too old, or a build without that feature)",
+        "zh": "{exe} 处的 {engine} {problems}（版本太旧，或构建时未包含该功能）"},
+    "engine.nodes_need_vllm": {
+        "en": "{nnodes} nodes need an external engine, and vLLM is not installed",
+        "zh": "{nnodes} 个节点需要外部引擎，但未安装 vLLM"},
+    "engine.nodes_need_vllm.hint": {
+        "en": "pip install vllm (or use --engine sglang with SGLang installed)",
+        "zh": "pip install vllm（或在已安装 SGLang 时使用 --engine sglang）"},
+    "engine.cannot_start": {"en": "cannot start {command}: {error}",
+                            "zh": "无法启动 {command}：{error}"},
     # -- kiln doctor
     "doctor.summary": {"en": "\n{ok} OK, {warn} WARN", "zh": "\n{ok} 项正常，{warn} 项警告"},
     "doctor.fix": {"en": "fix: {fix}", "zh": "修复：{fix}"},

@@ -17,6 +17,7 @@ from typing import Any
 
 from kiln.backends.table import LaunchPlan, get_backend
 from kiln.errors import EngineNotFoundError
+from kiln.messages import msg
 
 
 def choose_engine(requested: str, tp: int, pp: int, nnodes: int,
@@ -31,8 +32,7 @@ def choose_engine(requested: str, tp: int, pp: int, nnodes: int,
             return "vllm", (f"{nnodes} nodes: kiln's own engine runs on one machine, so auto "
                             f"hands the model to vLLM (Ray)")
         raise EngineNotFoundError(
-            f"{nnodes} nodes need an external engine, and vLLM is not installed",
-            hint="pip install vllm (or use --engine sglang with SGLang installed)",
+            msg("engine.nodes_need_vllm", nnodes=nnodes), hint=msg("engine.nodes_need_vllm.hint"),
         )
     if gpus > 1:
         if vllm_available:
@@ -137,9 +137,9 @@ def launch(
                                 start_new_session=True, text=True, errors="replace", bufsize=1)
     except OSError as e:
         backend = get_backend(plan.engine)
-        raise EngineNotFoundError(f"cannot start {plan.argv[0]}: {e}",
-                                  hint=f"install {backend.label}: {backend.install_hint}"
-                                  ) from None
+        raise EngineNotFoundError(msg("engine.cannot_start", command=plan.argv[0], error=e),
+                                  hint=msg("engine.install", engine=backend.label,
+                                           install=backend.install_hint)) from None
     pgid = proc.pid
 
     def pump() -> None:

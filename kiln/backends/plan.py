@@ -224,7 +224,8 @@ def plan_to_dry_run(plan: LaunchPlan, *, reveal_secrets: bool = False,
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
     line = (env + " " if env else "") + shlex.join(argv)
     if include_warnings and plan.warnings:
-        return "\n".join([f"# warning: {w}" for w in plan.warnings] + [line])
+        return "\n".join([msg("handoff.dry_run_warning", warning=w) for w in plan.warnings]
+                         + [line])
     return line
 
 
