@@ -280,6 +280,90 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "model.check_path": {"en": "check the path", "zh": "请检查路径"},
     "model.unknown": {"en": "unknown model {spec}: not a registry alias, a path, or owner/repo",
                       "zh": "未知模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
+    "model.default_no_gguf": {"en": " (package folder {folder} has no .gguf)",
+                              "zh": "（包目录 {folder} 中没有 .gguf）"},
+    "model.default_missing": {"en": "the embedded default model is not installed{where}",
+                              "zh": "内置的默认模型未安装{where}"},
+    "model.default_missing.hint": {
+        "en": "run `{install}`, or pass MODEL (e.g. a .gguf file or owner/repo)",
+        "zh": "运行 `{install}`，或指定 MODEL（例如一个 .gguf 文件或 owner/repo）"},
+    "model.bad_index": {"en": "{index} is not a valid safetensors index: {error}",
+                        "zh": "{index} 不是有效的 safetensors 索引：{error}"},
+    "model.redownload": {"en": "re-download the model (`kiln pull MODEL`)",
+                         "zh": "请重新下载模型（`kiln pull MODEL`）"},
+    "model.incomplete": {
+        "en": "{folder} is incomplete: {missing} of {total} weight shards missing ({names})",
+        "zh": "{folder} 不完整：{total} 个权重分片中缺少 {missing} 个（{names}）"},
+    "model.incomplete.hint": {"en": "finish the download with `kiln pull MODEL` (it resumes)",
+                              "zh": "用 `kiln pull MODEL` 完成下载（支持断点续传）"},
+    "model.only_bin": {"en": "{where} has only PyTorch .bin/.pth weights; kiln reads "
+                             "safetensors or GGUF",
+                       "zh": "{where} 只有 PyTorch 的 .bin/.pth 权重；kiln 只读取 safetensors 或 GGUF"},
+    "model.only_bin.hint": {
+        "en": "convert them (transformers: model.save_pretrained(dir, safe_serialization=True)) "
+              "or use a repo that ships safetensors",
+        "zh": "请先转换（transformers：model.save_pretrained(dir, safe_serialization=True)），"
+              "或换用提供 safetensors 的仓库"},
+    "model.no_weights": {
+        "en": "{where} holds no model weights (no *.safetensors with config.json, no *.gguf)",
+        "zh": "{where} 中没有模型权重（没有带 config.json 的 *.safetensors，也没有 *.gguf）"},
+    "model.no_weights.hint": {
+        "en": "point MODEL at a folder with config.json + *.safetensors, or at a .gguf file",
+        "zh": "请让 MODEL 指向包含 config.json + *.safetensors 的目录，或一个 .gguf 文件"},
+    "model.split_incomplete": {
+        "en": "{name} is part of a {expected}-file GGUF but {found} parts are here",
+        "zh": "{name} 属于一个由 {expected} 个文件组成的 GGUF，但这里只有 {found} 个"},
+    "model.split_incomplete.hint": {"en": "put all parts in {folder}",
+                                    "zh": "请把所有分片放到 {folder} 中"},
+    "model.arch_unsupported": {"en": "architecture {arch} is not supported by kiln's engine",
+                               "zh": "kiln 自带的引擎不支持架构 {arch}"},
+    "model.arch_unsupported.hint": {
+        "en": "supported: {supported}; or serve it with --engine vllm or --engine sglang",
+        "zh": "支持的架构：{supported}；或用 --engine vllm 或 --engine sglang 运行它"},
+    "model.gguf_arch_unsupported": {
+        "en": "GGUF architecture {arch} is not supported by kiln's engine",
+        "zh": "kiln 自带的引擎不支持 GGUF 架构 {arch}"},
+    "model.supported": {"en": "supported: {supported}", "zh": "支持的架构：{supported}"},
+    # -- downloads
+    "download.no_weights": {
+        "en": "{repo} has no weights kiln can read (no config.json + *.safetensors, no *.gguf)",
+        "zh": "{repo} 中没有 kiln 能读取的权重（没有 config.json + *.safetensors，也没有 *.gguf）"},
+    "download.no_weights.hint": {
+        "en": "pick a repo with safetensors or GGUF files, or convert the weights",
+        "zh": "请选择包含 safetensors 或 GGUF 文件的仓库，或先转换权重"},
+    "download.gated": {"en": "{repo} is gated: Hugging Face needs you to accept its license first",
+                       "zh": "{repo} 是受限仓库：需要先在 Hugging Face 上同意其许可协议"},
+    "download.gated.hint": {
+        "en": "accept it at https://huggingface.co/{repo}, log in with `hf auth login` (or set "
+              "HF_TOKEN), then run `kiln pull {repo}`",
+        "zh": "在 https://huggingface.co/{repo} 同意协议，用 `hf auth login` 登录（或设置 "
+              "HF_TOKEN），然后运行 `kiln pull {repo}`"},
+    "download.failed": {"en": "downloading {repo} failed: {error}",
+                        "zh": "下载 {repo} 失败：{error}"},
+    "download.failed.hint": {
+        "en": "check the network (or HF_ENDPOINT / proxy settings) and re-run `kiln pull {repo}`: "
+              "it resumes where it stopped",
+        "zh": "请检查网络（或 HF_ENDPOINT / 代理设置）后重新运行 `kiln pull {repo}`，"
+              "会从中断处继续下载"},
+    # -- memory and presets
+    "memory.context_does_not_fit": {
+        "en": "--max-model-len {max_len} does not fit: the KV pool holds {fits} tokens "
+              "({blocks} blocks; {reason})",
+        "zh": "--max-model-len {max_len} 放不下：KV 池只能容纳 {fits} 个 token"
+              "（{blocks} 个块；{reason}）"},
+    "memory.context_does_not_fit.hint": {
+        "en": "use --max-model-len {fits} or less, or give the KV cache more memory "
+              "(--kv-cache-memory, --gpu-memory-utilization)",
+        "zh": "把 --max-model-len 设为 {fits} 或更小，或给 KV cache 更多内存"
+              "（--kv-cache-memory、--gpu-memory-utilization）"},
+    "memory.kv_too_small.hint": {"en": "give the KV cache more memory (--kv-cache-memory)",
+                                 "zh": "给 KV cache 更多内存（--kv-cache-memory）"},
+    "preset.unknown": {"en": "unknown preset {name}", "zh": "未知预设 {name}"},
+    "preset.known": {"en": "known presets: {presets}", "zh": "可用的预设：{presets}"},
+    "preset.moe_hybrid_needs_gpu": {"en": "the moe-hybrid preset needs a GPU",
+                                    "zh": "moe-hybrid 预设需要 GPU"},
+    "preset.moe_hybrid_needs_gpu.hint": {"en": "use --runtime-preset cpu-large on a CPU machine",
+                                         "zh": "在纯 CPU 机器上请使用 --runtime-preset cpu-large"},
     # -- the interactive model picker
     "picker.title": {"en": "No MODEL given. Pick one:", "zh": "未指定 MODEL，请选择一个："},
     "picker.cancel": {"en": "Cancel", "zh": "取消"},

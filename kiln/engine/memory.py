@@ -20,6 +20,7 @@ import torch
 from kiln.config import EngineConfig, GiB
 from kiln.errors import MemoryFitError
 from kiln.layers.attention import INT8_SCALE_BYTES
+from kiln.messages import msg
 from kiln.models.config import ModelConfig
 from kiln.resolve import hardware
 
@@ -117,11 +118,10 @@ def plan_memory(c: EngineConfig, device: torch.device, per_token: int, weight_by
     if fits < max_len:
         if c.max_model_len_explicit or fits < block_size:
             raise MemoryFitError(
-                f"--max-model-len {max_len} does not fit: the KV pool holds {fits} tokens "
-                f"({num_blocks} blocks; {reason})",
-                hint=f"use --max-model-len {fits} or less, or give the KV cache more memory "
-                f"(--kv-cache-memory, --gpu-memory-utilization)" if fits >= block_size
-                else "give the KV cache more memory (--kv-cache-memory)")
+                msg("memory.context_does_not_fit", max_len=max_len, fits=fits,
+                    blocks=num_blocks, reason=reason),
+                hint=msg("memory.context_does_not_fit.hint", fits=fits) if fits >= block_size
+                else msg("memory.kv_too_small.hint"))
         warnings.append(f"max_model_len lowered from {max_len} to {fits}: the KV pool holds "
                         f"only {fits} tokens")
         max_len = fits
