@@ -467,6 +467,22 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "zh": "pip install vllm（或在已安装 SGLang 时使用 --engine sglang）"},
     "engine.cannot_start": {"en": "cannot start {command}: {error}",
                             "zh": "无法启动 {command}：{error}"},
+    # -- supervising the external engine (the "server running" block's rows stay English:
+    # tools wait for "kiln: server running")
+    "launch.press_ctrl_c": {"en": "  press Ctrl-C to stop", "zh": "  按 Ctrl-C 停止"},
+    "launch.stopping": {
+        "en": "kiln: {signal} received, stopping {engine} (up to {drain}s to drain; again to "
+              "force)",
+        "zh": "kiln: 收到 {signal}，正在停止 {engine}（最多等待 {drain} 秒让请求完成；"
+              "再按一次强制停止）"},
+    "launch.killing": {"en": "kiln: {engine} did not stop within {drain}s; killing it",
+                       "zh": "kiln: {engine} 在 {drain} 秒内未停止，强制结束"},
+    "launch.no_health": {
+        "en": "kiln: {engine} did not answer {base}/health within {timeout}s; stopping it",
+        "zh": "kiln: {engine} 在 {timeout} 秒内没有响应 {base}/health，正在停止它"},
+    "launch.exited_early": {"en": "kiln: {engine} exited with code {code} before it was ready",
+                            "zh": "kiln: {engine} 在就绪前退出，退出码 {code}"},
+    "launch.last_output": {"en": "; its last output:\n{tail}", "zh": "；它最后的输出：\n{tail}"},
     # -- kiln doctor
     "doctor.summary": {"en": "\n{ok} OK, {warn} WARN", "zh": "\n{ok} 项正常，{warn} 项警告"},
     "doctor.fix": {"en": "fix: {fix}", "zh": "修复：{fix}"},

@@ -71,7 +71,7 @@ def format_running_block(model_name: str, engine: str, host: str, port: int,
                  f"GET  {base}/health"]
     lines.append(f"  {'endpoints'.ljust(width)}  {endpoints[0]}")
     lines += [f"  {''.ljust(width)}  {e}" for e in endpoints[1:]]
-    lines.append("  press Ctrl-C to stop")
+    lines.append(msg("launch.press_ctrl_c"))
     return "\n".join(lines)
 
 
@@ -177,13 +177,13 @@ def launch(
         while proc.poll() is None:
             now = time.monotonic()
             if state["note"] is not None:
-                print_fn(f"kiln: {signal.Signals(state['note']).name} received, stopping "
-                         f"{plan.engine} (up to {drain_timeout_s:g}s to drain; again to force)")
+                print_fn(msg("launch.stopping", signal=signal.Signals(state["note"]).name,
+                             engine=plan.engine, drain=f"{drain_timeout_s:g}"))
                 state["note"] = None
             kill_at = state["kill_at"]
             if kill_at is not None and now > kill_at:
-                print_fn(f"kiln: {plan.engine} did not stop within {drain_timeout_s:g}s; "
-                         f"killing it")
+                print_fn(msg("launch.killing", engine=plan.engine,
+                             drain=f"{drain_timeout_s:g}"))
                 _signal_group(pgid, signal.SIGKILL)
                 state["kill_at"] = None
             if not healthy and state["signals"] == 0:
@@ -192,8 +192,8 @@ def launch(
                     print_fn(format_running_block(plan.model_name, plan.engine, host, port,
                                                   extra))
                 elif now > deadline:
-                    print_fn(f"kiln: {plan.engine} did not answer {base}/health within "
-                             f"{health_timeout_s:g}s; stopping it")
+                    print_fn(msg("launch.no_health", engine=plan.engine, base=base,
+                                 timeout=f"{health_timeout_s:g}"))
                     _signal_group(pgid, signal.SIGTERM)
                     _wait(proc, drain_timeout_s, pgid)
                     reader.join(timeout=5)
@@ -206,8 +206,8 @@ def launch(
         code = _exit_code(proc.returncode)
         if not healthy and state["signals"] == 0:
             tail = "\n".join(f"  {line}" for line in list(last)[-20:])
-            print_fn(f"kiln: {plan.engine} exited with code {code} before it was ready"
-                     + (f"; its last output:\n{tail}" if tail else ""))
+            print_fn(msg("launch.exited_early", engine=plan.engine, code=code)
+                     + (msg("launch.last_output", tail=tail) if tail else ""))
         return code
     finally:
         for sig, handler in previous.items():
