@@ -377,6 +377,9 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "(--kv-cache-memory, --gpu-memory-utilization)",
         "zh": "把 --max-model-len 设为 {fits} 或更小，或给 KV cache 更多内存"
               "（--kv-cache-memory、--gpu-memory-utilization）"},
+    "memory.context_lowered": {
+        "en": "max_model_len lowered from {max_len} to {fits}: the KV pool holds only {fits} tokens",
+        "zh": "max_model_len 已从 {max_len} 降为 {fits}：KV 池只能容纳 {fits} 个 token"},
     "memory.kv_too_small.hint": {"en": "give the KV cache more memory (--kv-cache-memory)",
                                  "zh": "给 KV cache 更多内存（--kv-cache-memory）"},
     "preset.unknown": {"en": "unknown preset {name}", "zh": "未知预设 {name}"},

@@ -432,8 +432,8 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
     assert s is not None
     plan = engine.runner.plan
     if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
-        s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
-                   "lowered to fit the KV pool", source="engine")
+        s.override("max_model_len", plan.max_model_len, english(plan.warnings[0])
+                   if plan.warnings else "lowered to fit the KV pool", source="engine")
     s.warnings.extend(plan.warnings)
     decisions = engine.runner.decisions.to_dict()
     for name, setting in (("kv_cache_dtype", "kv_cache_dtype"), ("compiled", "compile"),

@@ -122,8 +122,7 @@ def plan_memory(c: EngineConfig, device: torch.device, per_token: int, weight_by
                     blocks=num_blocks, reason=reason),
                 hint=msg("memory.context_does_not_fit.hint", fits=fits) if fits >= block_size
                 else msg("memory.kv_too_small.hint"))
-        warnings.append(f"max_model_len lowered from {max_len} to {fits}: the KV pool holds "
-                        f"only {fits} tokens")
+        warnings.append(msg("memory.context_lowered", max_len=max_len, fits=fits))
         max_len = fits
     return MemoryPlan(int(num_blocks), block_size, int(block_bytes),
                       int(num_blocks * block_bytes), weight_bytes, act, max_len, reason, warnings)
