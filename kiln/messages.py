@@ -86,7 +86,7 @@ class Message(str):
                           {"key": self.key, "fields": self.fields})
 
 
-def msg(key: str, **fields: Any) -> Message:
+def msg(key: str, /, **fields: Any) -> Message:
     """The catalogue's text for `key` in the current language, {fields} filled in."""
     return Message(key, fields)
 
@@ -209,6 +209,8 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "config.invalid_choice": {"en": "invalid value {raw} for {flag} (from {where})",
                               "zh": "{flag} 的值 {raw} 无效（来自 {where}）"},
     "config.choose_one": {"en": "choose one of: {choices}", "zh": "可选值：{choices}"},
+    "config.invalid_key_value": {"en": "invalid value {raw} for {key}",
+                                 "zh": "{key} 的值 {raw} 无效"},
     # -- startup checks
     "startup.tp_reduced": {
         "en": "tensor parallel size {asked} ({source}) reduced to {max_tp}, this model's maximum",
@@ -388,6 +390,22 @@ CATALOGUE: dict[str, dict[str, str]] = {
                                     "zh": "moe-hybrid 预设需要 GPU"},
     "preset.moe_hybrid_needs_gpu.hint": {"en": "use --runtime-preset cpu-large on a CPU machine",
                                          "zh": "在纯 CPU 机器上请使用 --runtime-preset cpu-large"},
+    # -- which GGUF of a repo (MODEL:QUANT)
+    "quant.no_gguf": {"en": "{where} has no GGUF files", "zh": "{where} 中没有 GGUF 文件"},
+    "quant.no_gguf.hint": {"en": "drop the :QUANT suffix to use the safetensors weights",
+                           "zh": "去掉 :QUANT 后缀即可使用 safetensors 权重"},
+    "quant.missing": {"en": "{where} has no GGUF file for quant {quant}",
+                      "zh": "{where} 中没有量化类型为 {quant} 的 GGUF 文件"},
+    "quant.available": {"en": "available quants: {quants}", "zh": "可用的量化类型：{quants}"},
+    "quant.ambiguous": {"en": "{where}: quant {quant} matches several GGUF files: {files}",
+                        "zh": "{where}：量化类型 {quant} 匹配到多个 GGUF 文件：{files}"},
+    "quant.ambiguous.hint": {
+        "en": "give the full quant name, e.g. :Q4_K_M, or pass the .gguf path",
+        "zh": "请写出完整的量化名称（例如 :Q4_K_M），或直接传入 .gguf 路径"},
+    "quant.unspecified": {"en": "{where} holds several GGUF files and no quant was given",
+                          "zh": "{where} 中有多个 GGUF 文件，但没有指定量化类型"},
+    "quant.unspecified.hint": {"en": "pick one with MODEL:QUANT, available quants: {quants}",
+                               "zh": "请用 MODEL:QUANT 指定一个，可用的量化类型：{quants}"},
     # -- the interactive model picker
     "picker.title": {"en": "No MODEL given. Pick one:", "zh": "未指定 MODEL，请选择一个："},
     "picker.cancel": {"en": "Cancel", "zh": "取消"},
