@@ -274,6 +274,9 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "https://download.pytorch.org/whl/cu128) or use --device cpu",
         "zh": "安装 CUDA 版的 torch（pip install torch --index-url "
               "https://download.pytorch.org/whl/cu128），或改用 --device cpu"},
+    "device.torch_sees_no_cuda": {
+        "en": "--device cuda was asked for, but PyTorch sees no CUDA GPU",
+        "zh": "指定了 --device cuda，但 PyTorch 看不到任何 CUDA GPU"},
     "device.bad_index": {
         "en": "--device {requested}: only {count} GPU(s) visible (cuda:0..cuda:{last})",
         "zh": "--device {requested}：只能看到 {count} 块 GPU（cuda:0..cuda:{last}）"},
@@ -347,6 +350,25 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "en": "GGUF architecture {arch} is not supported by kiln's engine",
         "zh": "kiln 自带的引擎不支持 GGUF 架构 {arch}"},
     "model.supported": {"en": "supported: {supported}", "zh": "支持的架构：{supported}"},
+    # -- loading
+    "load.no_config": {"en": "{path} has no config.json and no .gguf file",
+                       "zh": "{path} 中既没有 config.json，也没有 .gguf 文件"},
+    "load.no_config.hint": {"en": "point MODEL at a Hugging Face model folder or a .gguf",
+                            "zh": "请让 MODEL 指向 Hugging Face 模型目录或 .gguf 文件"},
+    "load.no_safetensors": {"en": "{path} has no *.safetensors weights",
+                            "zh": "{path} 中没有 *.safetensors 权重"},
+    "load.no_safetensors.hint": {
+        "en": "kiln loads safetensors or GGUF; convert .bin weights first",
+        "zh": "kiln 只加载 safetensors 或 GGUF；请先转换 .bin 权重"},
+    "load.not_a_model": {"en": "{path} is neither a model folder nor a .gguf file",
+                         "zh": "{path} 既不是模型目录，也不是 .gguf 文件"},
+    "load.context_too_long": {
+        "en": "--max-model-len {wanted} exceeds the model's context length {model_len}",
+        "zh": "--max-model-len {wanted} 超过了模型的上下文长度 {model_len}"},
+    "load.context_too_long.hint": {"en": "use --max-model-len {model_len} or less",
+                                   "zh": "请把 --max-model-len 设为 {model_len} 或更小"},
+    "load.unknown_kv_dtype": {"en": "unknown --kv-cache-dtype {name}",
+                              "zh": "未知的 --kv-cache-dtype {name}"},
     # -- downloads
     "download.no_weights": {
         "en": "{repo} has no weights kiln can read (no config.json + *.safetensors, no *.gguf)",
