@@ -202,6 +202,7 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "dry.preset": {"en": "preset: {preset} ({reason})", "zh": "预设：{preset}（{reason}）"},
     "dry.settings": {"en": "settings (non-default, with their source):",
                      "zh": "设置（非默认值及其来源）："},
+    "dry.moe_placement": {"en": "moe placement:", "zh": "MoE 专家放置："},
     "dry.warning": {"en": "warning: {warning}", "zh": "警告：{warning}"},
     # -- settings
     "config.invalid_value": {"en": "invalid value {raw} for {flag} (from {where}): {error}",

@@ -508,7 +508,7 @@ def describe(sp: StartupPlan) -> str:
 
         plan = PlacementPlan(**{**placement, "layers": [LayerPlacement(**lp) for lp in
                                                         placement["layers"]]})
-        lines.append("moe placement:")
+        lines.append(msg("dry.moe_placement"))
         lines.extend(plan.describe())
     return "\n".join(lines)
 
