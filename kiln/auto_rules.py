@@ -237,3 +237,12 @@ def auto_cpu_offload_experts(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, 
     if given:
         return True, f"{', '.join('--' + n.replace('_', '-') for n in given)} given"
     return False, "a dense model: every weight stays on the GPU"
+
+
+def auto_lang(_: AutoContext, __: dict[str, Any]) -> tuple[Any, str]:
+    from kiln.messages import lang_from_locale
+
+    found = lang_from_locale()
+    if found is None:
+        return "en", "no locale set (LC_ALL, LC_MESSAGES, LANG)"
+    return found[0], f"locale {found[1]}"

@@ -34,6 +34,7 @@ from kiln.auto_rules import (
     auto_kt_method,
     auto_kt_threadpool_count,
     auto_kv_cache_dtype,
+    auto_lang,
     auto_max_model_len,
     auto_max_num_seqs,
     auto_quantization,
@@ -41,6 +42,7 @@ from kiln.auto_rules import (
     auto_tp,
 )
 from kiln.errors import ConfigError
+from kiln.messages import msg
 
 # "engine": decided while loading (the KV pool lowered the context, the layer kernel left nothing
 # to compile), written back over the resolved value so the record tells what actually runs.
@@ -308,6 +310,13 @@ SETTINGS: list[Setting] = [
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),
             choices=("debug", "info", "warning", "error"), affects="observability"),
+    # The CLI reads --lang / KILN_LANG / the locale before this table resolves (kiln/messages.py
+    # says why); the row gives the choice provenance and lets the config file set it.
+    Setting("lang", str, "auto",
+            "language of kiln's messages: en or zh (auto: zh when the locale LC_ALL / "
+            "LC_MESSAGES / LANG starts with zh); JSON, logs and API errors stay English",
+            ("--lang",), choices=("auto", "en", "zh"), affects="observability", auto=auto_lang,
+            engines=("kiln",)),
     # -- KV cache that remembers (kiln's engine)
     Setting("prefix_rendezvous_max_wait_ms", positive_wait_ms, None,
             "a request whose prefix another request is prefilling right now waits up to N ms "
@@ -403,11 +412,13 @@ def _parse(s: Setting, raw: Any, where: str) -> Any:
         value = s.parse(raw) if raw is not None else None
     except (ValueError, TypeError) as e:
         flag = s.flags[0] if s.flags else s.name
-        raise ConfigError(f"invalid value {raw!r} for {flag} (from {where}): {e}") from None
+        raise ConfigError(msg("config.invalid_value", raw=repr(raw), flag=flag, where=where,
+                              error=e)) from None
     if s.choices is not None and value not in s.choices:
         raise ConfigError(
-            f"invalid value {raw!r} for {s.flags[0] if s.flags else s.name} (from {where})",
-            hint=f"choose one of: {', '.join(map(str, s.choices))}",
+            msg("config.invalid_choice", raw=repr(raw), flag=s.flags[0] if s.flags else s.name,
+                where=where),
+            hint=msg("config.choose_one", choices=", ".join(map(str, s.choices))),
         )
     return value
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from kiln.messages import english, msg
+
 
 class KilnError(Exception):
-    """Base class: `str(err)` is a message a user can act on."""
+    """Base class: `str(err)` is a message a user can act on, in the CLI's language when the
+    message and hint come from the catalogue (kiln/messages.py); `english()` is the same text for
+    what machines read (effective config, API error bodies)."""
 
     exit_code = 1
 
@@ -14,7 +18,11 @@ class KilnError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+        return msg("error.hint", message=self.message, hint=self.hint) if self.hint else self.message
+
+    def english(self) -> str:
+        message = english(self.message)
+        return f"{message}\n  hint: {english(self.hint)}" if self.hint else message
 
 
 class ConfigError(KilnError):

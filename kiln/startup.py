@@ -22,6 +22,7 @@ from typing import Any
 from kiln import config as C
 from kiln import setting_sources as S
 from kiln.errors import KilnError, ModelNotFoundError
+from kiln.messages import english, msg, set_lang
 
 
 @dataclass
@@ -155,6 +156,10 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     s = C.resolve_settings(cli=cli, env=env, file=file_settings, file_path=sp.config_file,
                            preset=preset_vals, preset_name=sp.preset, registry=registry_vals,
                            registry_name=entry.name if entry else None, ctx=ctx)
+    if s.source("lang") in ("cli", "env", "file"):
+        # The CLI chose the language from --lang / KILN_LANG / the locale before this; only the
+        # config file is news here (and LLM(lang=...), which has no CLI entry).
+        set_lang(s["lang"])
     if sp.preset:
         s.values["runtime_preset"].value = sp.preset
         if s.values["runtime_preset"].source == "default":
@@ -265,8 +270,7 @@ def _reduce_tp_to_model_max(s: C.ResolvedSettings, max_tp: int | None) -> None:
     reason = (f"{source} asked {asked}; this model splits over at most {max_tp} GPUs (whole "
               f"attention and KV heads per GPU), so reduced to {max_tp}")
     s.override("tensor_parallel_size", max_tp, reason)
-    s.warnings.append(f"tensor parallel size {asked} ({source}) reduced to {max_tp}, this "
-                      "model's maximum")
+    s.warnings.append(msg("startup.tp_reduced", asked=asked, source=source, max_tp=max_tp))
 
 
 def _check_kt(s: C.ResolvedSettings, sp: StartupPlan, hw: Any) -> None:
@@ -277,25 +281,19 @@ def _check_kt(s: C.ResolvedSettings, sp: StartupPlan, hw: Any) -> None:
     weights = s.get("kt_weight_path")
     if weights:
         if not Path(weights).expanduser().is_dir():
-            raise C.ConfigError(
-                f"--kt-weight-path {weights}: the kt-kernel CPU expert weights were not found "
-                "(no such folder)",
-                hint="convert the experts with kt-kernel's weight converter into that folder, "
-                "fix the path, or leave --kt-weight-path out to read the model's own weights "
-                "(--kt-method BF16, FP8 or RAWINT4)")
+            raise C.ConfigError(msg("startup.kt_weights_missing", path=weights),
+                                hint=msg("startup.kt_weights_missing.hint"))
     elif src.format == "safetensors":
         s.override("kt_weight_path", str(src.path),
                    "kt-cli's default: no converted weights given, so kt-kernel reads the "
                    "experts from the model folder")
     method = str(s.get("kt_method") or "").upper()
     if method.startswith("AMX") and not any(hw.has_flag(f) for f in AMX_FLAGS):
-        how = "kt-cli's default" if s.source("kt_method") == "auto" else s.source("kt_method")
+        how = (msg("startup.kt_default_method") if s.source("kt_method") == "auto"
+               else s.source("kt_method"))
         raise C.ConfigError(
-            f"--kt-method {method} ({how}) runs kt-kernel's experts on Intel AMX, and this CPU "
-            f"has none ({'/'.join(AMX_FLAGS)} missing from /proc/cpuinfo)",
-            hint="use --kt-method LLAMAFILE with GGUF experts in --kt-weight-path (AVX2/AVX-512), "
-            "or --kt-method BF16/FP8/RAWINT4 to read the model's own weights, or "
-            "--no-cpu-offload-experts to keep every expert on the GPU")
+            msg("startup.kt_no_amx", method=method, how=how, flags="/".join(AMX_FLAGS)),
+            hint=msg("startup.kt_no_amx.hint"))
 
 
 def _preset_info(sp: StartupPlan, mc: Any) -> dict[str, Any]:
@@ -330,8 +328,7 @@ def _auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any) -> None:
             or s.get("engine") == "kiln":  # kiln's engine: its placement plan decides
         return
     if entry is None or entry.gpu_experts_rule is None or not hw.gpus:
-        s.warnings.append("num_gpu_experts left to the engine: no registry rule or no GPU to "
-                          "size it for")
+        s.warnings.append(msg("startup.gpu_experts_unsized"))
         return
     from kiln.resolve.registry import gpu_experts_per_layer
 
@@ -379,8 +376,8 @@ def _check_model_limits(s: C.ResolvedSettings, model_len: int) -> None:
     if r.source in ("preset", "registry", "auto") and r.value > model_len:
         s.override("max_model_len", model_len,
                    f"{r.source} asked {r.value}, capped by the model's context {model_len}")
-        s.warnings.append(f"max_model_len {r.value} from {r.source} capped at the model's "
-                          f"{model_len}")
+        s.warnings.append(msg("startup.max_len_capped", asked=r.value, source=r.source,
+                              model_len=model_len))
 
 
 def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
@@ -391,18 +388,18 @@ def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
             continue
         r = s.values.get(spec.name)
         if r is not None and r.source in ("cli", "env", "file") and r.value not in (None, False):
-            which = " or ".join(f"--engine {e}" for e in spec.engines)
-            raise C.ConfigError(f"{spec.flags[0]} is not supported by kiln's own engine yet",
-                                hint=f"serve with {which}, which "
-                                f"support{'s' if len(spec.engines) == 1 else ''} it")
+            which = msg("startup.engines_or").join(f"--engine {e}" for e in spec.engines)
+            hint = "hint_one" if len(spec.engines) == 1 else "hint_many"
+            raise C.ConfigError(msg("startup.not_on_kiln", flag=spec.flags[0]),
+                                hint=msg(f"startup.not_on_kiln.{hint}", engines=which))
     # kiln's engine honours these at 1 (one device, one machine); the limit is on the value.
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
         r = s.values[name]
         if r.value and r.value > 1:
             flag = C.setting(name).flags[0]
             raise C.ConfigError(
-                f"{flag} {r.value} ({r.source}): kiln's own engine runs on one device",
-                hint="use --engine vllm (or --engine auto) for several GPUs or machines")
+                msg("startup.one_device", flag=flag, value=r.value, source=r.source),
+                hint=msg("startup.one_device.hint"))
 
 
 # --------------------------------------------------------------------------- loading
@@ -439,8 +436,8 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
     assert s is not None
     plan = engine.runner.plan
     if plan.max_model_len < (s["max_model_len"] or plan.max_model_len):
-        s.override("max_model_len", plan.max_model_len, plan.warnings[0] if plan.warnings else
-                   "lowered to fit the KV pool", source="engine")
+        s.override("max_model_len", plan.max_model_len, english(plan.warnings[0])
+                   if plan.warnings else "lowered to fit the KV pool", source="engine")
     s.warnings.extend(plan.warnings)
     decisions = engine.runner.decisions.to_dict()
     for name, setting in (("kv_cache_dtype", "kv_cache_dtype"), ("compiled", "compile"),
@@ -472,47 +469,50 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
 
 def describe(sp: StartupPlan) -> str:
     hw, src, s = sp.hardware, sp.source, sp.settings
-    lines = ["hardware:"]
+    # Labels and sentences in the CLI's language; values, setting names, sources and the auto
+    # rules' reasons as they are (the same words the effective config and the trace carry).
+    lines: list[str] = [msg("dry.hardware")]
     if hw is not None:
-        lines.append(f"  cpu      {hw.cpu_model} ({hw.physical_cores} physical cores, "
-                     f"{hw.numa_nodes} NUMA node(s))")
-        lines.append(f"  ram      {hw.ram_available_bytes / C.GiB:.1f} GiB available of "
-                     f"{hw.ram_total_bytes / C.GiB:.1f} GiB")
+        lines.append(msg("dry.cpu", model=hw.cpu_model, cores=hw.physical_cores,
+                         numa=hw.numa_nodes))
+        lines.append(msg("dry.ram", available=hw.ram_available_bytes / C.GiB,
+                         total=hw.ram_total_bytes / C.GiB))
         gpus = ", ".join(f"{g.name} {g.total_memory_bytes / C.GiB:.0f} GiB" for g in hw.gpus)
-        lines.append(f"  gpus     {gpus or 'none'}")
+        lines.append(msg("dry.gpus", gpus=gpus or msg("dry.none")))
     if src is not None:
-        lines.append("model:")
-        lines.append(f"  name     {src.name} ({src.kind}, {src.origin})")
-        lines.append(f"  path     {src.gguf_file or src.path}")
-        lines.append(f"  format   {src.format}" + (f" {src.quant}" if src.quant else "")
-                     + f", {src.total_bytes / C.GiB:.2f} GiB on disk")
+        lines.append(msg("dry.model"))
+        lines.append(msg("dry.name", name=src.name, kind=src.kind, origin=src.origin))
+        lines.append(msg("dry.path", path=src.gguf_file or src.path))
+        lines.append(msg("dry.format", format=src.format,
+                         quant=f" {src.quant}" if src.quant else "",
+                         size=src.total_bytes / C.GiB))
         if sp.model_config is not None:
             mc = sp.model_config
-            lines.append(f"  arch     {mc.architecture}, {mc.num_hidden_layers} layers, hidden "
-                         f"{mc.hidden_size}, context {mc.max_position_embeddings}")
+            lines.append(msg("dry.arch", arch=mc.architecture, layers=mc.num_hidden_layers,
+                             hidden=mc.hidden_size, context=mc.max_position_embeddings))
             if mc.is_moe:
                 moe_layers = sum(map(mc.is_moe_layer, range(mc.num_hidden_layers)))
-                shared = (f", + shared experts {mc.shared_expert_intermediate_size} wide"
+                shared = (msg("dry.shared_experts", width=mc.shared_expert_intermediate_size)
                           if mc.shared_expert_intermediate_size else "")
-                lines.append(f"  experts  {mc.num_experts} per MoE layer ({moe_layers} of "
-                             f"{mc.num_hidden_layers} layers), {mc.num_experts_per_tok} active "
-                             f"per token{shared}")
+                lines.append(msg("dry.experts", experts=mc.num_experts, moe_layers=moe_layers,
+                                 layers=mc.num_hidden_layers, active=mc.num_experts_per_tok,
+                                 shared=shared))
     if sp.preset:
-        lines.append(f"preset: {sp.preset} ({sp.preset_reason})")
+        lines.append(msg("dry.preset", preset=sp.preset, reason=sp.preset_reason))
     if s is not None:
-        lines.append("settings (non-default, with their source):")
+        lines.append(msg("dry.settings"))
         for r in s.non_default():
             value = "***" if r.name == "api_key" else r.value
             lines.append(f"  {r.name:<24} = {value!s:<14} [{r.source}] {r.reason}")
         for w in s.warnings:
-            lines.append(f"warning: {w}")
+            lines.append(msg("dry.warning", warning=w))
     placement = sp.extra.get("moe_placement")
     if placement:
         from kiln.engine.expert_placement import LayerPlacement, PlacementPlan
 
         plan = PlacementPlan(**{**placement, "layers": [LayerPlacement(**lp) for lp in
                                                         placement["layers"]]})
-        lines.append("moe placement:")
+        lines.append(msg("dry.moe_placement"))
         lines.extend(plan.describe())
     return "\n".join(lines)
 
@@ -521,11 +521,11 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
                      ) -> dict[str, Any]:
     out: dict[str, Any] = {"status": status, "phase": sp.phase}
     if error is not None:
-        out["error"] = {"type": type(error).__name__, "message": str(error)}
+        out["error"] = {"type": type(error).__name__, "message": english(error)}
     out["settings"] = sp.settings.to_json() if sp.settings else {}
     if sp.settings and "api_key" in out["settings"] and out["settings"]["api_key"]["value"]:
         out["settings"]["api_key"]["value"] = "***"
-    out["warnings"] = list(sp.settings.warnings) if sp.settings else []
+    out["warnings"] = [english(w) for w in sp.settings.warnings] if sp.settings else []
     out["preset"] = {"name": sp.preset, "reason": sp.preset_reason}
     out["hardware"] = sp.hardware.to_dict() if sp.hardware is not None else None
     model: dict[str, Any] | None = sp.source.to_dict() if sp.source is not None else None
@@ -561,14 +561,15 @@ def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = 
             for key, value in sp.extra.get("decisions", {}).items():
                 f.write(json.dumps({"decision": key, **value}, default=str) + "\n")
             f.write(json.dumps({"decision": "startup", "status": status, "phase": sp.phase,
-                                "error": str(error) if error else None}) + "\n")
+                                "error": english(error) if error else None}) + "\n")
 
 
 def fail(sp: StartupPlan, err: BaseException) -> int:
     """Records the failure, prints it the way a user can act on, and gives the exit code."""
     write_artifacts(sp, "failed", err)
     if isinstance(err, KilnError):
-        print(f"kiln: error ({sp.phase}): {err}", file=sys.stderr)
+        print(msg("cli.error", phase=sp.phase, error=err), file=sys.stderr)
         return err.exit_code
-    print(f"kiln: unexpected error ({sp.phase}): {type(err).__name__}: {err}", file=sys.stderr)
+    print(msg("cli.unexpected_error", phase=sp.phase, type=type(err).__name__, error=err),
+          file=sys.stderr)
     return 1

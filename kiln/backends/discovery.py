@@ -21,6 +21,7 @@ from typing import Any
 
 from kiln.backends.table import EngineCommand, EngineHelp, LaunchPlan, get_backend
 from kiln.errors import EngineNotFoundError
+from kiln.messages import join, msg
 from kiln.paths import cache_dir
 
 
@@ -39,17 +40,18 @@ def find_engine(engine: str, *, engine_cfg: Mapping[str, Any] | None = None,
             exe = shutil.which(parts[0]) or (parts[0] if os.path.exists(parts[0]) else None)
             if exe is None:
                 raise EngineNotFoundError(
-                    f"{backend.label} command {parts[0]!r} (from {source}) does not exist",
-                    hint=f"fix {source}, or install {backend.label}: {backend.install_hint}",
+                    msg("engine.command_missing", engine=backend.label, command=repr(parts[0]),
+                        source=source),
+                    hint=msg("engine.command_missing.hint", source=source, engine=backend.label,
+                             install=backend.install_hint),
                 )
             return backend.from_user_command([exe, *parts[1:]], source)
     found = backend.discover()
     if found is not None:
         return found
     raise EngineNotFoundError(
-        f"{backend.label} is not installed: not in kiln's environment ({sys.executable}), "
-        f"not on PATH, and no --engine-command or [engines.{engine}] command is set",
-        hint=f"install it: {backend.install_hint}",
+        msg("engine.not_installed", engine=backend.label, python=sys.executable, name=engine),
+        hint=msg("engine.install_it", install=backend.install_hint),
     )
 
 
@@ -160,10 +162,11 @@ def probe_engine(command: EngineCommand, *, cache: Path | None = None,
             return info
         tail = "\n".join(out.strip().splitlines()[-15:])
     raise EngineNotFoundError(
-        f"{backend.label} at {command.executable} (from {command.source}) does not run: "
-        f"`{shlex.join([*command.prefix, *backend.help_args[-1]])}` failed"
-        + (f":\n{tail}" if tail else ""),
-        hint=f"reinstall it: {backend.install_hint}",
+        msg("engine.does_not_run", engine=backend.label, exe=command.executable,
+            source=command.source,
+            command=shlex.join([*command.prefix, *backend.help_args[-1]]),
+            tail=f":\n{tail}" if tail else ""),
+        hint=msg("engine.reinstall_it", install=backend.install_hint),
     )
 
 
@@ -187,11 +190,12 @@ def check_plan(plan: LaunchPlan, help: EngineHelp) -> None:
     exe = plan.command.executable if plan.command else backend.name
     parts = []
     if missing:
-        parts.append("does not accept " + ", ".join(dict.fromkeys(missing)))
+        parts.append(msg("engine.does_not_accept", flags=", ".join(dict.fromkeys(missing))))
     if bad:
-        parts.append("rejects " + "; ".join(bad))
+        parts.append(msg("engine.rejects", values="; ".join(bad)))
     raise EngineNotFoundError(
-        f"the {backend.label} at {exe} " + " and ".join(parts) + " (too old, or a build "
-        "without that feature)",
-        hint="; ".join(hints) if hints else f"upgrade it: {backend.upgrade_hint}",
+        msg("engine.too_old", engine=backend.label, exe=exe,
+            problems=join(parts, msg("engine.and"))),
+        hint="; ".join(hints) if hints else msg("engine.upgrade_it",
+                                                 upgrade=backend.upgrade_hint),
     )

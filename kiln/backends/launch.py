@@ -17,6 +17,7 @@ from typing import Any
 
 from kiln.backends.table import LaunchPlan, get_backend
 from kiln.errors import EngineNotFoundError
+from kiln.messages import msg
 
 
 def choose_engine(requested: str, tp: int, pp: int, nnodes: int,
@@ -31,8 +32,7 @@ def choose_engine(requested: str, tp: int, pp: int, nnodes: int,
             return "vllm", (f"{nnodes} nodes: kiln's own engine runs on one machine, so auto "
                             f"hands the model to vLLM (Ray)")
         raise EngineNotFoundError(
-            f"{nnodes} nodes need an external engine, and vLLM is not installed",
-            hint="pip install vllm (or use --engine sglang with SGLang installed)",
+            msg("engine.nodes_need_vllm", nnodes=nnodes), hint=msg("engine.nodes_need_vllm.hint"),
         )
     if gpus > 1:
         if vllm_available:
@@ -71,7 +71,7 @@ def format_running_block(model_name: str, engine: str, host: str, port: int,
                  f"GET  {base}/health"]
     lines.append(f"  {'endpoints'.ljust(width)}  {endpoints[0]}")
     lines += [f"  {''.ljust(width)}  {e}" for e in endpoints[1:]]
-    lines.append("  press Ctrl-C to stop")
+    lines.append(msg("launch.press_ctrl_c"))
     return "\n".join(lines)
 
 
@@ -137,9 +137,9 @@ def launch(
                                 start_new_session=True, text=True, errors="replace", bufsize=1)
     except OSError as e:
         backend = get_backend(plan.engine)
-        raise EngineNotFoundError(f"cannot start {plan.argv[0]}: {e}",
-                                  hint=f"install {backend.label}: {backend.install_hint}"
-                                  ) from None
+        raise EngineNotFoundError(msg("engine.cannot_start", command=plan.argv[0], error=e),
+                                  hint=msg("engine.install", engine=backend.label,
+                                           install=backend.install_hint)) from None
     pgid = proc.pid
 
     def pump() -> None:
@@ -177,13 +177,13 @@ def launch(
         while proc.poll() is None:
             now = time.monotonic()
             if state["note"] is not None:
-                print_fn(f"kiln: {signal.Signals(state['note']).name} received, stopping "
-                         f"{plan.engine} (up to {drain_timeout_s:g}s to drain; again to force)")
+                print_fn(msg("launch.stopping", signal=signal.Signals(state["note"]).name,
+                             engine=plan.engine, drain=f"{drain_timeout_s:g}"))
                 state["note"] = None
             kill_at = state["kill_at"]
             if kill_at is not None and now > kill_at:
-                print_fn(f"kiln: {plan.engine} did not stop within {drain_timeout_s:g}s; "
-                         f"killing it")
+                print_fn(msg("launch.killing", engine=plan.engine,
+                             drain=f"{drain_timeout_s:g}"))
                 _signal_group(pgid, signal.SIGKILL)
                 state["kill_at"] = None
             if not healthy and state["signals"] == 0:
@@ -192,8 +192,8 @@ def launch(
                     print_fn(format_running_block(plan.model_name, plan.engine, host, port,
                                                   extra))
                 elif now > deadline:
-                    print_fn(f"kiln: {plan.engine} did not answer {base}/health within "
-                             f"{health_timeout_s:g}s; stopping it")
+                    print_fn(msg("launch.no_health", engine=plan.engine, base=base,
+                                 timeout=f"{health_timeout_s:g}"))
                     _signal_group(pgid, signal.SIGTERM)
                     _wait(proc, drain_timeout_s, pgid)
                     reader.join(timeout=5)
@@ -206,8 +206,8 @@ def launch(
         code = _exit_code(proc.returncode)
         if not healthy and state["signals"] == 0:
             tail = "\n".join(f"  {line}" for line in list(last)[-20:])
-            print_fn(f"kiln: {plan.engine} exited with code {code} before it was ready"
-                     + (f"; its last output:\n{tail}" if tail else ""))
+            print_fn(msg("launch.exited_early", engine=plan.engine, code=code)
+                     + (msg("launch.last_output", tail=tail) if tail else ""))
         return code
     finally:
         for sig, handler in previous.items():

@@ -18,6 +18,7 @@ from kiln.backends.discovery import check_plan, find_engine, probe_engine
 from kiln.backends.table import BackendModel, EngineCommand, EngineHelp, LaunchPlan
 from kiln.config import BY_NAME, SETTINGS, ResolvedSettings
 from kiln.errors import ConfigError, EngineNotFoundError
+from kiln.messages import msg
 
 
 def _fires(row: T.Map, ctx: T.PlanContext, name: str) -> bool:
@@ -56,8 +57,8 @@ def build_plan(
                 "engine_command"))
         except EngineNotFoundError as e:
             command = backend.default_command()
-            warnings.append(f"{e.message}; the command shows {backend.label}'s usual spelling "
-                            f"(install: {backend.install_hint})")
+            warnings.append(msg("handoff.engine_missing", error=e.message, engine=backend.label,
+                                install=backend.install_hint))
 
     argv = list(command.prefix)
     translated: list[tuple[str, str, Any]] = []
@@ -88,7 +89,7 @@ def build_plan(
             if row.unsupported == "error":
                 errors.append(text)
             else:
-                warnings.append(f"{backend.label} ignores {text}")
+                warnings.append(msg("handoff.ignores", engine=backend.label, text=text))
             continue
         try:
             outs = _row_outputs(row, value, ctx)
@@ -116,17 +117,18 @@ def build_plan(
 
     for name in ctx.names():
         if name not in covered and ctx.explicit(name):
-            warnings.append(f"{_flag_name(name)} has no {backend.label} equivalent; ignored")
+            warnings.append(msg("handoff.no_equivalent", flag=_flag_name(name),
+                                engine=backend.label))
 
     tp = ctx.value("tensor_parallel_size")
     if model.max_tp and isinstance(tp, int) and tp > model.max_tp:
-        warnings.append(f"tensor parallel size {tp} exceeds the {model.max_tp} this model "
-                        f"supports; {backend.label} will likely refuse to start")
+        warnings.append(msg("handoff.tp_exceeds", tp=tp, max_tp=model.max_tp,
+                            engine=backend.label))
 
     if errors:
         raise ConfigError(
-            f"{backend.label} cannot run these settings as asked:\n  - " + "\n  - ".join(errors),
-            hint="change or unset them, or serve with another --engine",
+            msg("handoff.cannot_run", engine=backend.label, errors="\n  - ".join(errors)),
+            hint=msg("handoff.cannot_run.hint"),
         )
 
     extra_args = cfg["args"]
@@ -134,7 +136,7 @@ def build_plan(
     for arg in [*extra_args, *passthrough]:
         flag = arg.split("=", 1)[0]
         if flag in emitted:
-            warnings.append(f"{flag} given after kiln's own {flag}: the later one wins")
+            warnings.append(msg("handoff.later_wins", flag=flag))
     argv += extra_args
     argv += list(passthrough)
     env.update(cfg["env"])
@@ -222,7 +224,8 @@ def plan_to_dry_run(plan: LaunchPlan, *, reveal_secrets: bool = False,
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
     line = (env + " " if env else "") + shlex.join(argv)
     if include_warnings and plan.warnings:
-        return "\n".join([f"# warning: {w}" for w in plan.warnings] + [line])
+        return "\n".join([msg("handoff.dry_run_warning", warning=w) for w in plan.warnings]
+                         + [line])
     return line
 
 

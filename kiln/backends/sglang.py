@@ -16,6 +16,7 @@ from typing import Any
 from kiln.backends import table as T
 from kiln.backends.discovery import is_python, python_with_module
 from kiln.backends.table import Arg, Backend, EngineCommand, Map, Out, PlanContext, Untranslatable
+from kiln.messages import msg
 
 MODULE = "sglang.launch_server"
 
@@ -68,8 +69,8 @@ def _names(_: Any, ctx: PlanContext) -> list[Out]:
     if not names:
         return []
     if len(names) > 1:
-        ctx.warn(f"SGLang serves one model name: {names[0]!r} (aliases "
-                 f"{', '.join(names[1:])} dropped)")
+        ctx.warn(msg("handoff.sglang_one_name", name=repr(names[0]),
+                     aliases=", ".join(names[1:])))
     return [Arg("--served-model-name", names[0])]
 
 
@@ -133,8 +134,7 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
                                  "ignored")
         return []
     if not ctx.model.is_moe:
-        raise Untranslatable("warn", "--cpu-offload-experts applies to MoE models; this model "
-                             "is dense, so every weight stays on the GPU")
+        raise Untranslatable("warn", msg("handoff.kt_dense"))
     method = ctx.value("kt_method")
     method = str(method).upper() if method else None
     weights = ctx.value("kt_weight_path")
@@ -143,9 +143,7 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
         # this for a local folder; a repo id or an exported GGUF lands here).
         weights = ctx.model.path
         if method not in NATIVE_KT_METHODS:
-            ctx.warn(f"--kt-weight-path not given: kt-kernel reads the {method or 'CPU'} experts "
-                     f"from {weights}, as kt-cli does; if SGLang cannot load them, convert them "
-                     "with kt-kernel's weight converter and pass --kt-weight-path")
+            ctx.warn(msg("handoff.kt_weights_default", method=method or "CPU", path=weights))
     outs: list[Out] = [Arg("--kt-weight-path", weights, "kt_weight_path")]
     if method:
         outs.append(Arg("--kt-method", method, "kt_method"))
@@ -160,8 +158,7 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
     if ctx.value("num_gpu_experts") is not None:
         outs.append(Arg("--kt-num-gpu-experts", ctx.value("num_gpu_experts"), "num_gpu_experts"))
     else:
-        ctx.warn("--num-gpu-experts is not set: kt-kernel's default number of GPU experts per "
-                 "layer applies")
+        ctx.warn(msg("handoff.kt_no_gpu_experts"))
     if ctx.value("kt_gpu_prefill_token_threshold") is not None:
         outs.append(Arg("--kt-gpu-prefill-token-threshold",
                         ctx.value("kt_gpu_prefill_token_threshold"),

@@ -25,6 +25,7 @@ from kiln.backends.table import (
     PlanContext,
     Untranslatable,
 )
+from kiln.messages import msg
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
@@ -113,8 +114,7 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
     if ctx.value("node_rank"):
         raise Untranslatable("error", "with vLLM only the head node runs `kiln serve`; on the "
                              "other nodes run `ray start --address=<head>:6379`")
-    ctx.warn(f"vLLM spans {nnodes} nodes through Ray: start the cluster first (`ray start "
-             f"--head` on this node, `ray start --address=<this host>:6379` on each other)")
+    ctx.warn(msg("handoff.vllm_ray", nnodes=nnodes))
     out: list[Out] = [Arg("--distributed-executor-backend", "ray")]
     addr = ctx.value("dist_init_addr")
     if addr:  # an existing Ray cluster's head: vLLM's Ray executor joins it

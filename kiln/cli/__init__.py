@@ -13,3 +13,11 @@ def add_model_dir_flag(p: argparse.ArgumentParser, help_text: str = "extra model
 def add_json_flag(p: argparse.ArgumentParser, help_text: str = "print JSON") -> None:
     """--json: the command prints its result as JSON for scripts instead of a table or text."""
     p.add_argument("--json", action="store_true", help=help_text)
+
+
+def add_lang_flag(p: argparse.ArgumentParser) -> None:
+    """--lang en|zh for commands without the settings table's flags (serve, run and bench get
+    it from the table's `lang` row). cli.main has already applied it; this lets argparse accept
+    it and reject other values."""
+    p.add_argument("--lang", choices=("auto", "en", "zh"),
+                   help="language of kiln's messages (default: KILN_LANG, else the locale)")

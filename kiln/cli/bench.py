@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from kiln.cli import add_lang_flag
 from kiln.errors import ConfigError, KilnError
 
 DESCRIPTION = """\
@@ -127,6 +128,7 @@ def add_parser(subparsers: Any) -> None:
                      type=_key_value, metavar="KEY=VALUE",
                      help="a setting for the engine by its table name, as kiln serve takes it, "
                      "e.g. kv_cache_memory=128MiB (repeatable)")
+    add_lang_flag(p)
     p.set_defaults(func=main)
 
 

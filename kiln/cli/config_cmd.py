@@ -12,13 +12,16 @@ import tomllib
 
 from kiln import config as C
 from kiln import setting_sources as S
+from kiln.cli import add_lang_flag
 from kiln.errors import KilnError
+from kiln.messages import msg
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="show or edit kiln's config file",
                               description="Keys are setting names (see `kiln config show`).")
     p.add_argument("--config", type=Path, metavar="PATH", help="config file to use")
+    add_lang_flag(p)
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     show = sub.add_parser("show", help="every setting: value and source (without a model)")
     show.add_argument("--json", action="store_true")
@@ -59,8 +62,9 @@ def _main(args: argparse.Namespace) -> int:
         s = C.setting(name)
         value = s.parse(args.value)
         if s.choices is not None and value not in s.choices:
-            raise C.ConfigError(f"invalid value {args.value!r} for {name}",
-                                hint=f"choose one of: {', '.join(map(str, s.choices))}")
+            raise C.ConfigError(msg("config.invalid_key_value", raw=repr(args.value), key=name),
+                                hint=msg("config.choose_one",
+                                         choices=", ".join(map(str, s.choices))))
         path = _path(args)
         data: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
         data[name] = value

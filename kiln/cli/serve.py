@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import startup
+from kiln.messages import english, msg
 
 log = logging.getLogger("kiln.serve")
 
@@ -66,7 +67,7 @@ def _choose_engine(sp: startup.StartupPlan) -> str:
                                                                     engine_cfg=sp.engines_cfg.get(
                                                                         "vllm")))
     s.override("engine", engine, reason)
-    print(f"kiln: engine {engine}: {reason}", file=sys.stderr)
+    print(msg("serve.engine_chosen", engine=engine, reason=reason), file=sys.stderr)
     return engine
 
 
@@ -85,10 +86,10 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     src = sp.source
     assert s is not None and src is not None
     for w in s.warnings:
-        print(f"kiln: warning: {w}", file=sys.stderr)
+        print(msg("cli.warning", warning=w), file=sys.stderr)
     names = s["served_model_name"] or [src.name]
 
-    print(f"kiln: loading {src.name} from {src.gguf_file or src.path} ...", file=sys.stderr)
+    print(msg("serve.loading", name=src.name, path=src.gguf_file or src.path), file=sys.stderr)
     tokenizer = startup.load_tokenizer(sp)
     # The engine is built on its own thread (see kiln/engine/async_engine.py for why).
     aengine = AsyncEngine(lambda: startup.build_engine(sp, tokenizer, progress=_progress_bar()),
@@ -96,7 +97,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     engine = aengine.wait_built()
     cfg, plan = engine.config, engine.runner.plan
     for w in plan.warnings:
-        print(f"kiln: warning: {w}", file=sys.stderr)
+        print(msg("cli.warning", warning=w), file=sys.stderr)
 
     sp.phase = "serve"
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
@@ -129,8 +130,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
     drained = wait_idle(aengine, 1.0)
     aengine.shutdown()
-    print("kiln: stopped" + ("" if drained else " (some requests were cut off)"),
-          file=sys.stderr)
+    print(msg("serve.stopped" if drained else "serve.stopped_cut"), file=sys.stderr)
     return 0
 
 
@@ -140,8 +140,8 @@ def _drain_on_signals(server: Any) -> Iterator[None]:
     own handler we do not re-raise the signal afterwards: a drained shutdown exits 0."""
 
     def handler(sig: int, frame: Any) -> None:
-        print(f"kiln: {signal.Signals(sig).name}: draining in-flight requests ...",
-              file=sys.stderr, flush=True)
+        print(msg("serve.draining", signal=signal.Signals(sig).name), file=sys.stderr,
+              flush=True)
         server.handle_exit(sig, frame)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -192,8 +192,7 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
         if args.dry_run:
             model_arg = str(export_dir_for(gguf))
         else:
-            print(f"kiln: exporting {gguf.name} as a Hugging Face folder for {engine} ...",
-                  file=sys.stderr)
+            print(msg("serve.exporting", file=gguf.name, engine=engine), file=sys.stderr)
             model_arg = str(export_gguf_as_hf(gguf))
     else:
         model_arg = str(src.path)
@@ -207,15 +206,15 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
     if args.dry_run:
         plan = build_plan(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
         print(startup.describe(sp))
-        print(f"\n{engine} command:")
+        print(msg("serve.engine_command", engine=engine))
         print(plan_to_dry_run(plan, include_warnings=True))
         sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env,
-                               "warnings": plan.warnings}}
+                               "warnings": [english(w) for w in plan.warnings]}}
         startup.write_artifacts(sp, "dry-run")
         return 0
     plan = prepare_launch(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
     for w in plan.warnings:
-        print(f"kiln: warning: {w}", file=sys.stderr)
+        print(msg("cli.warning", warning=w), file=sys.stderr)
     sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env}}
     startup.write_artifacts(sp, "ok")
     return launch(plan, host=s["host"], port=s["port"], drain_timeout_s=s["drain_timeout"])

@@ -18,6 +18,7 @@ from kiln.config import EngineConfig
 from kiln.engine.compile import decode_buckets
 from kiln.engine.memory import KV_DTYPES, gib
 from kiln.errors import ConfigError
+from kiln.messages import msg
 
 log = logging.getLogger("kiln.runner")
 
@@ -58,8 +59,8 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     else:
         decided = None
     if name not in KV_DTYPES:
-        raise ConfigError(f"unknown --kv-cache-dtype {name!r}",
-                          hint=f"choose one of: auto, {', '.join(KV_DTYPES)}")
+        raise ConfigError(msg("load.unknown_kv_dtype", name=repr(name)),
+                          hint=msg("config.choose_one", choices=", ".join(["auto", *KV_DTYPES])))
     if mla and name == "int8":
         fallback, _ = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
         log.warning("int8 KV is not supported for multi-head latent attention: using %s",

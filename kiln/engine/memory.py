@@ -20,6 +20,7 @@ import torch
 from kiln.config import EngineConfig, GiB
 from kiln.errors import MemoryFitError
 from kiln.layers.attention import INT8_SCALE_BYTES
+from kiln.messages import msg
 from kiln.models.config import ModelConfig
 from kiln.resolve import hardware
 
@@ -117,13 +118,11 @@ def plan_memory(c: EngineConfig, device: torch.device, per_token: int, weight_by
     if fits < max_len:
         if c.max_model_len_explicit or fits < block_size:
             raise MemoryFitError(
-                f"--max-model-len {max_len} does not fit: the KV pool holds {fits} tokens "
-                f"({num_blocks} blocks; {reason})",
-                hint=f"use --max-model-len {fits} or less, or give the KV cache more memory "
-                f"(--kv-cache-memory, --gpu-memory-utilization)" if fits >= block_size
-                else "give the KV cache more memory (--kv-cache-memory)")
-        warnings.append(f"max_model_len lowered from {max_len} to {fits}: the KV pool holds "
-                        f"only {fits} tokens")
+                msg("memory.context_does_not_fit", max_len=max_len, fits=fits,
+                    blocks=num_blocks, reason=reason),
+                hint=msg("memory.context_does_not_fit.hint", fits=fits) if fits >= block_size
+                else msg("memory.kv_too_small.hint"))
+        warnings.append(msg("memory.context_lowered", max_len=max_len, fits=fits))
         max_len = fits
     return MemoryPlan(int(num_blocks), block_size, int(block_bytes),
                       int(num_blocks * block_bytes), weight_bytes, act, max_len, reason, warnings)

@@ -34,6 +34,7 @@ from kiln.layers.attention import (
     PrefillChunk,
     set_context,
 )
+from kiln.messages import msg
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 
 log = logging.getLogger("kiln.runner")
@@ -51,8 +52,7 @@ class ModelRunner:
         self.ckpt = ckpt
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceError("--device cuda was asked for, but PyTorch sees no CUDA GPU",
-                              hint="install a CUDA build of torch, or use --device cpu")
+            raise DeviceError(msg("device.torch_sees_no_cuda"), hint=msg("device.cuda_fix"))
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = DTYPES[config.dtype]
@@ -62,8 +62,8 @@ class ModelRunner:
         wanted = config.max_model_len or model_len
         if config.max_model_len_explicit and wanted > model_len:
             raise ConfigError(
-                f"--max-model-len {wanted} exceeds the model's context length {model_len}",
-                hint=f"use --max-model-len {model_len} or less")
+                msg("load.context_too_long", wanted=wanted, model_len=model_len),
+                hint=msg("load.context_too_long.hint", model_len=model_len))
         self.max_model_len = wanted
         t0 = time.monotonic()
         # With --quantization, build_model swaps in kiln.layers.quant's modules

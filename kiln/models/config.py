@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
+from kiln.messages import msg
 
 # HF architectures kiln's engine runs, and the knobs that distinguish them.
 ARCHITECTURES = {
@@ -126,10 +127,8 @@ class ModelConfig:
         if arch is None:
             if require_supported:
                 raise ModelLoadError(
-                    f"architecture {archs or d.get('model_type')!r} is not supported by kiln's "
-                    "engine",
-                    hint=f"supported: {', '.join(ARCHITECTURES)}; or serve it with --engine "
-                    "vllm or --engine sglang",
+                    msg("model.arch_unsupported", arch=repr(archs or d.get("model_type"))),
+                    hint=msg("model.arch_unsupported.hint", supported=", ".join(ARCHITECTURES)),
                 )
             arch = str(archs[0] if archs else d.get("model_type") or "unknown")
         extra = ARCHITECTURES.get(arch, {})
@@ -176,10 +175,8 @@ class ModelConfig:
         arch_name = meta.get("general.architecture")
         arch = GGUF_ARCH.get(str(arch_name))
         if arch is None:
-            raise ModelLoadError(
-                f"GGUF architecture {arch_name!r} is not supported by kiln's engine",
-                hint=f"supported: {', '.join(GGUF_ARCH)}",
-            )
+            raise ModelLoadError(msg("model.gguf_arch_unsupported", arch=repr(arch_name)),
+                                 hint=msg("model.supported", supported=", ".join(GGUF_ARCH)))
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch_name}.{key}", default)

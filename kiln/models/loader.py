@@ -26,6 +26,7 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.layers.moe import Experts
 from kiln.layers.quant import GroupQuant
+from kiln.messages import msg
 from kiln.models.config import ModelConfig
 from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
 
@@ -135,15 +136,14 @@ def open_checkpoint(path: str | Path, gguf_file: str | Path | None = None) -> Ch
             ggufs = sorted(path.glob("*.gguf"))
             if ggufs:
                 return open_checkpoint(ggufs[0])
-            raise ModelLoadError(f"{path} has no config.json and no .gguf file",
-                                 hint="point MODEL at a Hugging Face model folder or a .gguf")
+            raise ModelLoadError(msg("load.no_config", path=path), hint=msg("load.no_config.hint"))
         cfg = read_hf_config(path)
         files = sorted(path.glob("*.safetensors"))
         if not files:
-            raise ModelLoadError(f"{path} has no *.safetensors weights",
-                                 hint="kiln loads safetensors or GGUF; convert .bin weights first")
+            raise ModelLoadError(msg("load.no_safetensors", path=path),
+                                 hint=msg("load.no_safetensors.hint"))
         return Checkpoint(path, cfg, "safetensors", files)
-    raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    raise ModelLoadError(msg("load.not_a_model", path=path))
 
 
 def read_hf_config(folder: str | Path, *, require_supported: bool = True) -> ModelConfig:

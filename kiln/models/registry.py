@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from kiln.errors import ModelLoadError
+from kiln.messages import msg
 
 _MODELS = {
     "LlamaForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
@@ -28,7 +29,7 @@ def model_class(architecture: str) -> type:
         module, name = _MODELS[architecture]
     except KeyError:
         raise ModelLoadError(
-            f"architecture {architecture!r} is not supported by kiln's engine",
-            hint=f"supported: {', '.join(supported_architectures())}",
+            msg("model.arch_unsupported", arch=repr(architecture)),
+            hint=msg("model.supported", supported=", ".join(supported_architectures())),
         ) from None
     return getattr(importlib.import_module(module), name)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.errors import KilnError, ModelNotFoundError
+from kiln.messages import msg
 from kiln.resolve.hf_cache import cached_snapshot, hf_cache_dir
 from kiln.resolve.local import ModelSource, not_found, source_from_dir
 from kiln.resolve.picker import glob_escape, group_gguf, pick_gguf_group, safetensors_names
@@ -43,32 +44,24 @@ def plan_download(
     if quant is not None or groups:
         parts, q = pick_gguf_group(groups, quant, default_quant, repo_id)
         return DownloadPlan("gguf", parts, q)
-    raise ModelNotFoundError(
-        f"{repo_id} has no weights kiln can read (no config.json + *.safetensors, no *.gguf)",
-        hint="pick a repo with safetensors or GGUF files, or convert the weights",
-    )
+    raise ModelNotFoundError(msg("download.no_weights", repo=repo_id),
+                             hint=msg("download.no_weights.hint"))
 
 
 def _hub_error(repo_id: str, e: Exception) -> KilnError:
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     if isinstance(e, GatedRepoError):
-        return ModelNotFoundError(
-            f"{repo_id} is gated: Hugging Face needs you to accept its license first",
-            hint=f"accept it at https://huggingface.co/{repo_id}, log in with `hf auth login` "
-            f"(or set HF_TOKEN), then run `kiln pull {repo_id}`",
-        )
+        return ModelNotFoundError(msg("download.gated", repo=repo_id),
+                                  hint=msg("download.gated.hint", repo=repo_id))
     if isinstance(e, RepositoryNotFoundError):
         return not_found(
             repo_id,
             f"no Hugging Face repo {repo_id!r} (or it is private)",
             extra="private repos need `hf auth login` or HF_TOKEN",
         )
-    return KilnError(
-        f"downloading {repo_id} failed: {e}",
-        hint="check the network (or HF_ENDPOINT / proxy settings) and re-run `kiln pull "
-        f"{repo_id}`: it resumes where it stopped",
-    )
+    return KilnError(msg("download.failed", repo=repo_id, error=e),
+                     hint=msg("download.failed.hint", repo=repo_id))
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:

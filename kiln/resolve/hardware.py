@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import DeviceError
+from kiln.messages import msg
 
 # Flags that change which kernels or dtypes are worth using. x86 names come from /proc/cpuinfo
 # "flags"; the ARM ones ("asimd", "sve", "bf16") from its "Features" line.
@@ -541,12 +542,6 @@ def supported_kv_dtypes(device: str, hw: HardwareInfo | None = None) -> list[str
     return kinds + ["fp16", "int8"]
 
 
-_CUDA_FIX = (
-    "install a CUDA build of torch (pip install torch --index-url "
-    "https://download.pytorch.org/whl/cu128) or use --device cpu"
-)
-
-
 def check_device(requested: str, hw: HardwareInfo) -> str:
     """Resolve auto|cpu|cuda|cuda:N to "cpu", "cuda" or "cuda:N"; fail closed if unusable."""
     req = (requested or "auto").strip().lower()
@@ -556,26 +551,27 @@ def check_device(requested: str, hw: HardwareInfo) -> str:
         return "cpu"
     m = re.fullmatch(r"cuda(?::(\d+))?", req)
     if m is None:
-        raise DeviceError(
-            f"unknown device {requested!r}", hint="use --device auto, cpu, cuda or cuda:N"
-        )
+        raise DeviceError(msg("device.unknown", device=repr(requested)),
+                          hint=msg("device.unknown.hint"))
     if not hw.has_usable_cuda:
         if hw.gpus:  # nvidia-smi sees them, torch does not
-            build = f"torch {hw.torch_version}" if hw.torch_version else "torch is not installed"
-            cuda = f"CUDA {hw.cuda_version}" if hw.cuda_version else "a CPU-only build"
+            build = (f"torch {hw.torch_version}" if hw.torch_version
+                     else msg("device.torch_missing"))
+            cuda = f"CUDA {hw.cuda_version}" if hw.cuda_version else msg("device.cpu_only_build")
             raise DeviceError(
-                f"--device {requested}: {len(hw.gpus)} NVIDIA GPU(s) present but {build} is "
-                f"{cuda} and cannot use them",
-                hint=_CUDA_FIX,
+                msg("device.gpus_unusable", requested=requested, count=len(hw.gpus),
+                    build=build, cuda=cuda),
+                hint=msg("device.cuda_fix"),
             )
-        raise DeviceError(f"--device {requested}: no CUDA GPU found", hint=_CUDA_FIX)
+        raise DeviceError(msg("device.no_cuda", requested=requested),
+                          hint=msg("device.cuda_fix"))
     if m.group(1) is not None:
         idx = int(m.group(1))
         if idx >= hw.gpu_count:
             raise DeviceError(
-                f"--device {requested}: only {hw.gpu_count} GPU(s) visible (cuda:0.."
-                f"cuda:{hw.gpu_count - 1})",
-                hint="pick an existing index, or check CUDA_VISIBLE_DEVICES",
+                msg("device.bad_index", requested=requested, count=hw.gpu_count,
+                    last=hw.gpu_count - 1),
+                hint=msg("device.bad_index.hint"),
             )
         return f"cuda:{idx}"
     return "cuda"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError, ModelLoadError, ModelNotFoundError
+from kiln.messages import msg
 from kiln.paths import cache_dir
 from kiln.resolve.hf_cache import cached_repos
 from kiln.resolve.picker import (
@@ -150,10 +151,10 @@ def default_model_path(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
         ggufs = sorted(Path(loc).glob("*.gguf"))
         if ggufs:
             return ggufs[0]
-    where = f" (package folder {locations[0]} has no .gguf)" if locations else ""
+    where = msg("model.default_no_gguf", folder=locations[0]) if locations else ""
     raise ModelNotFoundError(
-        f"the embedded default model is not installed{where}",
-        hint=f"run `{DEFAULT_MODEL_INSTALL}`, or pass MODEL (e.g. a .gguf file or owner/repo)",
+        msg("model.default_missing", where=where),
+        hint=msg("model.default_missing.hint", install=DEFAULT_MODEL_INSTALL),
     )
 
 
@@ -185,16 +186,16 @@ def _folder_safetensors(folder: Path) -> list[Path]:
             weight_map = json.loads(indexes[0].read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(
-                f"{indexes[0]} is not a valid safetensors index: {e}",
-                hint="re-download the model (`kiln pull MODEL`)",
+                msg("model.bad_index", index=indexes[0], error=e),
+                hint=msg("model.redownload"),
             ) from e
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise IncompleteModelError(
-                f"{folder} is incomplete: {len(missing)} of {len(shards)} weight shards missing "
-                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})",
-                hint="finish the download with `kiln pull MODEL` (it resumes)",
+                msg("model.incomplete", folder=folder, missing=len(missing), total=len(shards),
+                    names=", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")),
+                hint=msg("model.incomplete.hint"),
             )
         return [folder / s for s in shards]
     return [folder / n for n in safetensors_names([p.name for p in folder.glob("*.safetensors")])]
@@ -281,15 +282,9 @@ def source_from_dir(
             origin=origin,
         )
     if any(folder.glob("*.bin")) or any(folder.glob("*.pth")):
-        raise ModelLoadError(
-            f"{where} has only PyTorch .bin/.pth weights; kiln reads safetensors or GGUF",
-            hint="convert them (transformers: model.save_pretrained(dir, safe_serialization=True))"
-            " or use a repo that ships safetensors",
-        )
-    raise ModelNotFoundError(
-        f"{where} holds no model weights (no *.safetensors with config.json, no *.gguf)",
-        hint="point MODEL at a folder with config.json + *.safetensors, or at a .gguf file",
-    )
+        raise ModelLoadError(msg("model.only_bin", where=where), hint=msg("model.only_bin.hint"))
+    raise ModelNotFoundError(msg("model.no_weights", where=where),
+                             hint=msg("model.no_weights.hint"))
 
 
 def source_from_gguf_file(path: Path, spec: str, origin: str = "path") -> ModelSource:
@@ -300,8 +295,9 @@ def source_from_gguf_file(path: Path, spec: str, origin: str = "path") -> ModelS
         expected = int(m.group(2))
         if len(files) != expected:
             raise IncompleteModelError(
-                f"{path.name} is part of a {expected}-file GGUF but {len(files)} parts are here",
-                hint=f"put all parts in {path.parent}",
+                msg("model.split_incomplete", name=path.name, expected=expected,
+                    found=len(files)),
+                hint=msg("model.split_incomplete.hint", folder=path.parent),
             )
     else:
         files = [path]
@@ -474,13 +470,10 @@ def not_found(
     model_dirs: Sequence[Path] = (),
 ) -> ModelNotFoundError:
     matches = close_matches(spec, model_dirs)
-    steps = (
-        extra
-        or "download a model with `kiln pull MODEL` (an alias, owner/repo or owner/repo:QUANT)"
-    )
-    hint = f"{steps}; `kiln list` shows local models"
+    steps = extra or msg("model.pull_hint")
+    hint = msg("model.list_hint", steps=steps)
     if matches:
-        hint = f"did you mean {', '.join(matches)}? Otherwise {hint}"
+        hint = msg("model.did_you_mean", matches=", ".join(matches), hint=hint)
     return ModelNotFoundError(message, hint=hint)
 
 

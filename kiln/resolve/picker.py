@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ModelNotFoundError
+from kiln.messages import msg
 
 # GGUF quant tags preferred when a repo holds several and the user named none.
 _PREFERRED_QUANTS: tuple[str, ...] = ("Q4_K_M", "Q4_0", "Q8_0")
@@ -45,10 +46,8 @@ def pick_gguf_group(
     """Choose one GGUF (all its parts). `quant` must match; without it prefer the registry's
     default quant, then common ones, then the only file. Raises with the quants on offer."""
     if not groups:
-        raise ModelNotFoundError(
-            f"{where} has no GGUF files",
-            hint="drop the :QUANT suffix to use the safetensors weights",
-        )
+        raise ModelNotFoundError(msg("quant.no_gguf", where=where),
+                                 hint=msg("quant.no_gguf.hint"))
     quants = {k: gguf_quant_from_name(k) for k in groups}
     available = sorted({q for q in quants.values() if q}) or sorted(groups)
 
@@ -60,14 +59,14 @@ def pick_gguf_group(
         hits = by_quant(quant)
         if not hits:
             raise ModelNotFoundError(
-                f"{where} has no GGUF file for quant {quant!r}",
-                hint=f"available quants: {', '.join(available)}",
+                msg("quant.missing", where=where, quant=repr(quant)),
+                hint=msg("quant.available", quants=", ".join(available)),
             )
         if len(hits) > 1:
             raise ModelNotFoundError(
-                f"{where}: quant {quant!r} matches several GGUF files: "
-                + ", ".join(h.rsplit("/", 1)[-1] for h in hits),
-                hint="give the full quant name, e.g. :Q4_K_M, or pass the .gguf path",
+                msg("quant.ambiguous", where=where, quant=repr(quant),
+                    files=", ".join(h.rsplit("/", 1)[-1] for h in hits)),
+                hint=msg("quant.ambiguous.hint"),
             )
         return groups[hits[0]], quants[hits[0]]
     if len(groups) == 1:
@@ -77,10 +76,8 @@ def pick_gguf_group(
         hits = by_quant(q)
         if len(hits) == 1:
             return groups[hits[0]], quants[hits[0]]
-    raise ModelNotFoundError(
-        f"{where} holds several GGUF files and no quant was given",
-        hint=f"pick one with MODEL:QUANT, available quants: {', '.join(available)}",
-    )
+    raise ModelNotFoundError(msg("quant.unspecified", where=where),
+                             hint=msg("quant.unspecified.hint", quants=", ".join(available)))
 
 
 def safetensors_names(names: Sequence[str]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kiln.config import BY_NAME
 from kiln.errors import ConfigError
+from kiln.messages import msg
 from kiln.resolve.hardware import HardwareInfo
 from kiln.resolve.registry import RegistryEntry, gpu_experts_per_layer
 
@@ -126,9 +127,9 @@ def get_preset(name: str) -> Preset:
     preset = PRESETS.get(name.strip().lower())
     if preset is None:
         raise ConfigError(
-            f"unknown preset {name!r}",
-            hint="known presets: "
-            + ", ".join(f"{p.name} ({p.description.split(':')[0]})" for p in PRESETS.values()),
+            msg("preset.unknown", name=repr(name)),
+            hint=msg("preset.known", presets=", ".join(
+                f"{p.name} ({p.description.split(':')[0]})" for p in PRESETS.values())),
         )
     return preset
 
@@ -291,9 +292,8 @@ def moe_hybrid_settings(
 ) -> dict[str, Any]:
     """The moe-hybrid preset with num_gpu_experts filled in for this machine's smallest GPU."""
     if not hw.gpus:
-        raise ConfigError(
-            "the moe-hybrid preset needs a GPU", hint="use --preset cpu-large on a CPU machine"
-        )
+        raise ConfigError(msg("preset.moe_hybrid_needs_gpu"),
+                          hint=msg("preset.moe_hybrid_needs_gpu.hint"))
     vram = min(g.total_memory_bytes for g in hw.gpus)
     n = gpu_experts_per_layer(entry, vram, tp, quant=quant)
     return {**PRESETS["moe-hybrid"].settings, "tensor_parallel_size": tp, "num_gpu_experts": n}

