@@ -81,6 +81,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.backends import format_running_block
     from kiln.engine.async_engine import AsyncEngine, wait_idle
     from kiln.server.app import build_app
+    from kiln.server.protocol import RequestLimits
 
     s = sp.settings
     src = sp.source
@@ -101,7 +102,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
 
     sp.phase = "serve"
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
-                    max_model_len=engine.max_model_len, version=__version__)
+                    max_model_len=engine.max_model_len, version=__version__,
+                    limits=RequestLimits.from_settings(s))
     startup.write_artifacts(sp, "ok")
     host, port = s["host"], s["port"]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
