@@ -145,6 +145,14 @@ CATALOGUE: dict[str, dict[str, str]] = {
     # -- kiln serve
     "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
                             "zh": "kiln: 使用引擎 {engine}：{reason}"},
+    "serve.port_in_use": {
+        "en": "cannot listen on {host}:{port}: {error}",
+        "zh": "无法监听 {host}:{port}：{error}"},
+    "serve.port_in_use.hint": {
+        "en": "another server holds port {port} (`kiln ps` lists kiln's); pick another with "
+              "--port, or stop that one",
+        "zh": "端口 {port} 已被其他服务器占用（`kiln ps` 可列出 kiln 的服务器）；"
+              "请用 --port 换一个端口，或先停止那个服务器"},
     "serve.loading": {"en": "kiln: loading {name} from {path} ...",
                       "zh": "kiln: 正在从 {path} 加载 {name} ..."},
     "serve.stopped": {"en": "kiln: stopped", "zh": "kiln: 已停止"},

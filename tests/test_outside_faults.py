@@ -103,3 +103,31 @@ def test_rate_limit_says_wait_and_token() -> None:
     err = _hub_error("a/b", HfHubHTTPError("429 Client Error: Too Many Requests", response=resp))
     assert "answered 429 for a/b" in str(err)
     assert "rate limited" in str(err.hint) and "HF_TOKEN" in str(err.hint)
+
+
+def test_truncated_gguf_is_named_as_such(tmp_path: Path, gguf_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """An interrupted download or copy: the header is whole, the tensors are not."""
+    from kiln.cli.main import main
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
+    assert main(["serve", str(cut), "--dry-run"]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"{cut} is truncated: its tensors need" in err and "fetch it again" in err
+
+
+def test_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    from kiln.cli.main import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["serve", "--port", str(port), "--no-compile"]) != 0
+        seconds = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert f"error (port): cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert "loading" not in err and seconds < 30

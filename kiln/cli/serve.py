@@ -57,6 +57,24 @@ def main(args: argparse.Namespace) -> int:
         return startup.fail(sp, e)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Binds (host, port) for a moment, as uvicorn will: a port someone listens on fails here,
+    in a second, not after the model has loaded."""
+    import socket
+
+    from kiln.errors import KilnError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise KilnError(msg("serve.port_in_use", host=host, port=port,
+                                error=e.strerror or e),
+                            hint=msg("serve.port_in_use.hint", port=port)) from None
+
+
 def _choose_engine(sp: startup.StartupPlan) -> str:
     from kiln.backends import choose_engine, is_engine_available
 
@@ -89,7 +107,10 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     for w in s.warnings:
         print(msg("cli.warning", warning=w), file=sys.stderr)
     names = s["served_model_name"] or [src.name]
+    sp.phase = "port"
+    _check_port_free(s["host"], s["port"])  # before the load, which may take minutes
 
+    sp.phase = "load"
     print(msg("serve.loading", name=src.name, path=src.gguf_file or src.path), file=sys.stderr)
     tokenizer = startup.load_tokenizer(sp)
     # The engine is built on its own thread (see kiln/engine/async_engine.py for why).
