@@ -145,6 +145,14 @@ CATALOGUE: dict[str, dict[str, str]] = {
     # -- kiln serve
     "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
                             "zh": "kiln: 使用引擎 {engine}：{reason}"},
+    "paths.cache_unwritable": {
+        "en": "kiln's cache folder {path} cannot be written: {error}",
+        "zh": "无法写入 kiln 的缓存目录 {path}：{error}"},
+    "paths.cache_unwritable.hint": {
+        "en": "point {env} at a writable folder (kernels, converted tokenizers and routing "
+              "statistics are kept there), or fix the folder's permissions",
+        "zh": "请把 {env} 指向一个可写的目录（内核、转换后的分词器和路由统计都保存在那里），"
+              "或修正该目录的权限"},
     "serve.port_in_use": {
         "en": "cannot listen on {host}:{port}: {error}",
         "zh": "无法监听 {host}:{port}：{error}"},

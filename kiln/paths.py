@@ -26,3 +26,20 @@ def cache_dir(*parts: str) -> Path:
     base = os.environ.get(CACHE_DIR_ENV)
     root = Path(base).expanduser() if base else xdg_cache_home() / "kiln"
     return root.joinpath(*parts)
+
+
+def check_cache_dir_writable() -> None:
+    """Startup's check that kiln's cache folder can be created and written, so an unwritable one
+    is one line naming it and the fix, not an error from whichever cache writes first."""
+    from kiln.errors import ConfigError
+    from kiln.messages import msg
+
+    root = cache_dir()
+    probe = root / f".write-test-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(msg("paths.cache_unwritable", path=root, error=e.strerror or e),
+                          hint=msg("paths.cache_unwritable.hint", env=CACHE_DIR_ENV)) from None

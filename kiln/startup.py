@@ -23,6 +23,7 @@ from kiln import config as C
 from kiln import setting_sources as S
 from kiln.errors import KilnError, ModelNotFoundError
 from kiln.messages import english, msg, set_lang
+from kiln.paths import check_cache_dir_writable
 
 
 @dataclass
@@ -83,6 +84,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
 
     sp = sp or StartupPlan(args)
     sp.phase = "config"
+    if not getattr(args, "dry_run", False):  # a dry run writes nothing; serving caches a lot
+        check_cache_dir_writable()
     cli = S.cli_values(args)
     env = S.env_values()
     file_settings, sp.engines_cfg, sp.config_file = S.load_config_file(args.config)

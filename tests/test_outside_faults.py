@@ -131,3 +131,19 @@ def test_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err
     assert f"error (port): cannot listen on 127.0.0.1:{port}" in err and "--port" in err
     assert "loading" not in err and seconds < 30
+
+
+def test_unwritable_cache_dir_is_one_line_naming_it(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from kiln.cli.main import main
+
+    # a path under a file: not writable even for root, who ignores permission bits
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(blocker / "kiln"))
+    assert main(["run", "Hello", "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"kiln's cache folder {blocker / 'kiln'} cannot be written" in err
+    assert "KILN_CACHE_DIR" in err
