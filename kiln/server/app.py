@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server.errors import APIError, ClientGone, validation_error
-from kiln.server.protocol import RequestLimits
+from kiln.server.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+    RequestLimits,
+)
 from kiln.server.routes import admin, generation
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
@@ -77,4 +83,66 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
         v1.include_router(r)
     app.include_router(v1)
     app.include_router(admin.router(sv))
+    _document_responses(app, api_key is not None)
     return app
+
+
+# What each path answers with 200 (the routes return JSONResponse / SSE themselves, so FastAPI
+# cannot infer it): model, and the media types besides JSON.
+_OK: dict[str, tuple[type | None, dict[str, Any]]] = {
+    "/v1/chat/completions": (ChatCompletionResponse, {"text/event-stream": {
+        "schema": {"type": "string", "description": "SSE: chat.completion.chunk events, then "
+                   "[DONE] (stream=true)"}}}),
+    "/v1/completions": (CompletionResponse, {"text/event-stream": {
+        "schema": {"type": "string", "description": "SSE: text_completion events, then [DONE] "
+                   "(stream=true)"}}}),
+    "/v1/models": (ModelList, {}),
+    "/health": (None, {}),
+    "/version": (None, {}),
+    "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
+}
+
+
+def _document_responses(app: FastAPI, auth: bool) -> None:
+    """The OpenAPI schema says what the server really answers: its 200 bodies, and the
+    OpenAI-shaped errors (400 for any invalid request, where FastAPI documents its own 422,
+    which kiln never sends; 401, 404, 503 where they can happen; 500)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList):
+            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(defs.pop("$defs", {}))
+            components[model.__name__] = defs
+        error = {"description": "OpenAI-style error", "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for path, ops in schema["paths"].items():
+            model, extra = _OK.get(path, (None, {}))
+            for op in ops.values():
+                ok = op["responses"].setdefault("200", {"description": "OK"})
+                json_schema = ({"$ref": f"#/components/schemas/{model.__name__}"} if model
+                               else {"type": "object"})
+                ok["content"] = {"application/json": {"schema": json_schema}, **extra}
+                if path == "/metrics":
+                    ok["content"] = extra
+                op["responses"].pop("422", None)
+                codes = ["500"]
+                if "requestBody" in op:
+                    codes += ["400", "404", "503"]
+                if path.startswith("/v1/") and auth:
+                    codes.append("401")
+                for code in codes:
+                    op["responses"][code] = error
+                if path == "/health":  # a dead engine: {"status": "error", "error": ...}
+                    op["responses"]["503"] = {"description": "engine down", "content": {
+                        "application/json": {"schema": {"type": "object"}}}}
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
