@@ -142,6 +142,8 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "en": "kiln: unexpected error ({phase}): {type}: {error}",
         "zh": "kiln: 意外错误（{phase}）：{type}: {error}"},
     "cli.warning": {"en": "kiln: warning: {warning}", "zh": "kiln: 警告：{warning}"},
+    "startup.artifact_unwritable": {"en": "{flag} {path} was not written: {error}",
+                                    "zh": "{flag} {path} 未能写入：{error}"},
     # -- kiln serve
     "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
                             "zh": "kiln: 使用引擎 {engine}：{reason}"},
@@ -305,8 +307,9 @@ CATALOGUE: dict[str, dict[str, str]] = {
                        "zh": "运行 `kiln pull {spec}` 下载它"},
     "model.no_such_path": {"en": "no such file or folder: {path}", "zh": "文件或目录不存在：{path}"},
     "model.check_path": {"en": "check the path", "zh": "请检查路径"},
-    "model.unknown": {"en": "unknown model {spec}: not a registry alias, a path, or owner/repo",
-                      "zh": "未知模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
+    "model.unknown": {"en": "model not found: {spec} is not a registry alias, a path, or "
+                            "owner/repo",
+                      "zh": "未找到模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
     "model.default_no_gguf": {"en": " (package folder {folder} has no .gguf)",
                               "zh": "（包目录 {folder} 中没有 .gguf）"},
     "model.default_missing": {"en": "the embedded default model is not installed{where}",

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kiln import __version__
 from kiln.messages import detect_lang, set_lang
 
 
+class KilnParser(argparse.ArgumentParser):
+    """No prefix matching: `--model foo` once meant `--model-dir foo` and served the default
+    model. Subcommands' parsers are built from the parent's class, so they inherit this."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kiln.cli import bench, config_cmd, doctor, list_models, pull, run, serve
 
-    p = argparse.ArgumentParser(
+    p = KilnParser(
         prog="kiln", description="kiln: an OpenAI-compatible LLM server with its own engine.")
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
