@@ -150,6 +150,25 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "serve.loading": {"en": "kiln: loading {name} from {path} ...",
                       "zh": "kiln: 正在从 {path} 加载 {name} ..."},
     "serve.stopped": {"en": "kiln: stopped", "zh": "kiln: 已停止"},
+    # -- kiln ps / kiln stop
+    "ps.none": {"en": "no kiln server is running", "zh": "没有正在运行的 kiln 服务"},
+    "stop.which": {"en": "several kiln servers are running (ports {ports}): give a PORT or all",
+                   "zh": "有多个 kiln 服务在运行（端口 {ports}）：请指定 PORT 或 all"},
+    "stop.bad_target": {"en": "{target!r} is neither a port nor all",
+                        "zh": "{target!r} 既不是端口也不是 all"},
+    "stop.no_server": {"en": "no kiln server on port {port} (kiln ps lists them)",
+                       "zh": "端口 {port} 上没有 kiln 服务（kiln ps 可列出）"},
+    "stop.sent": {"en": "kiln: SIGTERM to port {port} (pid {pid}, {model}): draining ...",
+                  "zh": "kiln: 已向端口 {port}（pid {pid}，{model}）发送 SIGTERM：正在排空 ..."},
+    "stop.stopped": {"en": "kiln: port {port} (pid {pid}) stopped",
+                     "zh": "kiln: 端口 {port}（pid {pid}）已停止"},
+    "stop.still_running": {"en": "kiln: port {port} (pid {pid}) still running after {timeout:g} s "
+                                 "with {running} request(s) running; wait, or kill {pid}",
+                           "zh": "kiln: 端口 {port}（pid {pid}）在 {timeout:g} 秒后仍在运行，"
+                                 "仍有 {running} 个请求；请等待，或 kill {pid}"},
+    "serve.pidfile_unwritable": {"en": "pid file {path} not written ({error}): kiln ps will "
+                                       "not list this server",
+                                 "zh": "未能写入 pid 文件 {path}（{error}）：kiln ps 不会列出此服务"},
     "serve.stopped_cut": {"en": "kiln: stopped (some requests were cut off)",
                           "zh": "kiln: 已停止（部分请求被中断）"},
     "serve.draining": {"en": "kiln: {signal}: draining in-flight requests ...",

@@ -26,3 +26,10 @@ def cache_dir(*parts: str) -> Path:
     base = os.environ.get(CACHE_DIR_ENV)
     root = Path(base).expanduser() if base else xdg_cache_home() / "kiln"
     return root.joinpath(*parts)
+
+
+def runtime_dir() -> Path:
+    """Where running servers leave their pid files: `$XDG_RUNTIME_DIR/kiln` (per user, cleared
+    at logout), else `run/` under kiln's cache dir. Nothing is created here."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg).expanduser() / "kiln" if xdg else cache_dir("run")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln import startup
+from kiln import pidfile, startup
 from kiln.messages import english, msg
 
 log = logging.getLogger("kiln.serve")
@@ -110,10 +111,21 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     server = uvicorn.Server(config)
 
     started = server.startup
+    # The pid file (kiln ps / kiln stop) exists from "ready" until the process ends.
+    record = pidfile.ServerRecord(pid=os.getpid(), port=port, host=host, model=names[0],
+                                  weights=str(src.gguf_file or src.path), version=__version__)
+    pid_files = contextlib.ExitStack()
 
     async def startup_and_announce(sockets=None):  # type: ignore[no-untyped-def]
         await started(sockets)
         if server.started:
+            try:
+                record.started_at = time.time()
+                pid_files.enter_context(pidfile.registered(record))
+            except OSError as e:  # serving matters more than being listed
+                print(msg("cli.warning", warning=msg("serve.pidfile_unwritable",
+                                                     path=pidfile.path_for(port), error=e)),
+                      file=sys.stderr)
             print(format_running_block(names[0], "kiln", host, port, {
                 "weights": str(src.gguf_file or src.path),
                 "device": f"{cfg.device}, {cfg.dtype}, {engine.runner.config.num_threads or ''}"
@@ -126,10 +138,11 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
 
     server.startup = startup_and_announce  # type: ignore[method-assign]
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
-    server.run()
-    # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
-    drained = wait_idle(aengine, 1.0)
-    aengine.shutdown()
+    with pid_files:
+        server.run()
+        # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
+        drained = wait_idle(aengine, 1.0)
+        aengine.shutdown()
     print(msg("serve.stopped" if drained else "serve.stopped_cut"), file=sys.stderr)
     return 0
 
