@@ -1,5 +1,5 @@
 """`kiln ps`: the kiln servers running on this machine, from their pid files (kiln/pidfile.py),
-with what each one's /health says now."""
+with the requests each one's /metrics counts now (kiln's own engine, vLLM or SGLang behind it)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,27 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
-def health(rec: ServerRecord, timeout: float = 2.0) -> dict[str, Any] | None:
-    """The server's /health (engine stats), or None when it does not answer (starting up,
-    draining, or hung)."""
+# Requests running / waiting in each engine's /metrics (kiln's carries vLLM's names too).
+QUEUE_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting"}
+
+
+def queue_now(rec: ServerRecord, timeout: float = 2.0) -> dict[str, int] | None:
+    """{"running": n, "waiting": n} from the server's /metrics, or None when it does not
+    answer (starting up, draining, hung, or metrics off)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        r = httpx.get(f"{rec.url}/health", timeout=timeout)
-        return r.json() if r.status_code == 200 else None
+        r = httpx.get(f"{rec.url}/metrics", timeout=timeout)
+        if r.status_code != 200:
+            return None
+        out = {"running": 0, "waiting": 0}
+        for fam in text_string_to_metric_families(r.text):
+            key = QUEUE_GAUGES.get(fam.name)
+            if key:
+                out[key] += int(sum(s.value for s in fam.samples))
+        return out
     except (httpx.HTTPError, ValueError):
         return None
 
@@ -43,13 +56,13 @@ def format_uptime(seconds: float) -> str:
 
 def status(rec: ServerRecord) -> dict[str, Any]:
     """One server as `kiln ps --json` prints it."""
-    h = health(rec)
+    h = queue_now(rec)
     return {"port": rec.port, "pid": rec.pid, "model": rec.model, "url": rec.url,
             "engine": rec.engine, "weights": rec.weights, "version": rec.version,
             "started_at": rec.started_at, "uptime_s": round(time.time() - rec.started_at, 1),
             "responding": h is not None,
-            "requests_running": int(h.get("num_running", 0)) if h else None,
-            "requests_waiting": int(h.get("num_waiting", 0)) if h else None}
+            "requests_running": h["running"] if h else None,
+            "requests_waiting": h["waiting"] if h else None}
 
 
 def main(args: argparse.Namespace) -> int:

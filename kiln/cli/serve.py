@@ -119,13 +119,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     async def startup_and_announce(sockets=None):  # type: ignore[no-untyped-def]
         await started(sockets)
         if server.started:
-            try:
-                record.started_at = time.time()
-                pid_files.enter_context(pidfile.registered(record))
-            except OSError as e:  # serving matters more than being listed
-                print(msg("cli.warning", warning=msg("serve.pidfile_unwritable",
-                                                     path=pidfile.path_for(port), error=e)),
-                      file=sys.stderr)
+            _register(pid_files, record)
             print(format_running_block(names[0], "kiln", host, port, {
                 "weights": str(src.gguf_file or src.path),
                 "device": f"{cfg.device}, {cfg.dtype}, {engine.runner.config.num_threads or ''}"
@@ -230,4 +224,21 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
         print(msg("cli.warning", warning=w), file=sys.stderr)
     sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env}}
     startup.write_artifacts(sp, "ok")
-    return launch(plan, host=s["host"], port=s["port"], drain_timeout_s=s["drain_timeout"])
+    # kiln supervises the engine (a SIGTERM to kiln drains it), so the pid file names kiln.
+    record = pidfile.ServerRecord(pid=os.getpid(), port=s["port"], host=s["host"],
+                                  model=bm.served_names[0], weights=model_arg, engine=engine)
+    with contextlib.ExitStack() as pid_files:
+        return launch(plan, host=s["host"], port=s["port"], drain_timeout_s=s["drain_timeout"],
+                      on_ready=lambda: _register(pid_files, record))
+
+
+def _register(pid_files: contextlib.ExitStack, record: pidfile.ServerRecord) -> None:
+    """The pid file from "ready" until `pid_files` closes; a warning if it cannot be written
+    (serving matters more than being listed by kiln ps)."""
+    try:
+        record.started_at = time.time()
+        pid_files.enter_context(pidfile.registered(record))
+    except OSError as e:
+        print(msg("cli.warning", warning=msg("serve.pidfile_unwritable",
+                                             path=pidfile.path_for(record.port), error=e)),
+              file=sys.stderr)
