@@ -81,3 +81,28 @@ def test_ps_lists_two_servers_and_stop_all_stops_both(
     finally:
         for g in gens:
             g.close()
+
+
+def test_stop_says_what_is_left_when_a_server_outlives_the_timeout(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from kiln.cli.main import main
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # A "kiln" process (by its command line) that ignores SIGTERM and answers no /metrics.
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print(1, flush=True); time.sleep(60)")
+    stubborn = subprocess.Popen([sys.executable, "-c", code, "kiln"], stdout=subprocess.PIPE)
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline()  # handler installed
+        pidfile.write(pidfile.ServerRecord(pid=stubborn.pid, port=1, host="127.0.0.1",
+                                           model="stuck"))
+        assert main(["stop", "--timeout", "0.5"]) == 1  # the only one running: it is the target
+        err = capsys.readouterr().err
+        assert f"port 1 (pid {stubborn.pid}) still running after 0.5 s" in err
+        assert f"kill {stubborn.pid}" in err
+        assert pidfile.path_for(1).exists()  # still its server's
+        assert main(["stop", "2"]) == 1 and "no kiln server on port 2" in capsys.readouterr().err
+    finally:
+        stubborn.kill()
+        stubborn.wait()
