@@ -171,6 +171,18 @@ SETTINGS: list[Setting] = [
     Setting("max_queue", positive_int, 1024,
             "waiting requests beyond which the server answers 503", ("--max-queue",),
             affects="server", group="server", engines=("kiln", "sglang")),
+    # Caps on what one request may ask for: far above what honest clients send (OpenAI allows
+    # n <= 128 and 4 stop sequences), low enough that one request cannot occupy the engine or
+    # its memory for everyone else ("n": 1000000 once queued 242k sequences and 6 GB).
+    Setting("max_n", positive_int, 128,
+            "most sequences one request may start (n, best_of)", ("--max-n",),
+            affects="server", group="server", engines=("kiln",)),
+    Setting("max_stop_sequences", positive_int, 64,
+            "most stop strings, and most stop token ids, one request may give",
+            ("--max-stop-sequences",), affects="server", group="server", engines=("kiln",)),
+    Setting("max_stop_length", positive_int, 1024,
+            "longest stop string, in characters", ("--max-stop-length",),
+            affects="server", group="server", engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),

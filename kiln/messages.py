@@ -147,6 +147,14 @@ CATALOGUE: dict[str, dict[str, str]] = {
     # -- kiln serve
     "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
                             "zh": "kiln: 使用引擎 {engine}：{reason}"},
+    "serve.port_in_use": {
+        "en": "cannot listen on {host}:{port}: {error}",
+        "zh": "无法监听 {host}:{port}：{error}"},
+    "serve.port_in_use.hint": {
+        "en": "another server holds port {port} (`kiln ps` lists kiln's); pick another with "
+              "--port, or stop that one",
+        "zh": "端口 {port} 已被其他服务器占用（`kiln ps` 可列出 kiln 的服务器）；"
+              "请用 --port 换一个端口，或先停止那个服务器"},
     "serve.loading": {"en": "kiln: loading {name} from {path} ...",
                       "zh": "kiln: 正在从 {path} 加载 {name} ..."},
     "serve.stopped": {"en": "kiln: stopped", "zh": "kiln: 已停止"},
@@ -413,6 +421,32 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "it resumes where it stopped",
         "zh": "请检查网络（或 HF_ENDPOINT / 代理设置）后重新运行 `kiln pull {repo}`，"
               "会从中断处继续下载"},
+    "download.unreachable": {
+        "en": "cannot reach the Hugging Face hub at {endpoint} to fetch {repo}: {error}",
+        "zh": "无法连接 Hugging Face hub（{endpoint}）来获取 {repo}：{error}"},
+    "download.unreachable.hint": {
+        "en": "no network? serve a local model instead (a folder or .gguf path, or one in "
+              "KILN_MODEL_DIRS; `kiln list` shows them), use --offline to only look locally, or "
+              "set HF_ENDPOINT to a mirror",
+        "zh": "没有网络？请改用本地模型（文件夹或 .gguf 路径，或 KILN_MODEL_DIRS 中的模型；"
+              "`kiln list` 可列出），用 --offline 只在本地查找，或把 HF_ENDPOINT 设为镜像地址"},
+    "download.http": {
+        "en": "the Hugging Face hub answered {status} for {repo}: {reason}",
+        "zh": "Hugging Face hub 对 {repo} 返回 {status}：{reason}"},
+    "download.http.401": {
+        "en": "log in with `hf auth login` or set HF_TOKEN (private or gated repos need it), "
+              "then run `kiln pull {repo}`",
+        "zh": "请用 `hf auth login` 登录或设置 HF_TOKEN（私有或受限仓库需要），"
+              "然后运行 `kiln pull {repo}`"},
+    "download.http.429": {
+        "en": "rate limited: wait a minute and run `kiln pull {repo}` again (it resumes); "
+              "HF_TOKEN raises the limit",
+        "zh": "请求过于频繁：请稍等一分钟后重新运行 `kiln pull {repo}`（会继续下载）；"
+              "设置 HF_TOKEN 可提高限额"},
+    "download.http.5xx": {
+        "en": "the hub is having trouble: run `kiln pull {repo}` again later (it resumes), or "
+              "serve a local copy",
+        "zh": "hub 暂时出现故障：请稍后重新运行 `kiln pull {repo}`（会继续下载），或改用本地副本"},
     # -- memory and presets
     "memory.context_does_not_fit": {
         "en": "--max-model-len {max_len} does not fit: the KV pool holds {fits} tokens "

@@ -130,7 +130,11 @@ def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
 
 def _raw(server: Server, path: str, body: Any, key: str | None = API_KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=60)
+    headers["Content-Type"] = "application/json"
+    # json.dumps writes NaN / Infinity (as Python's parser, and so the server's, reads them);
+    # httpx's json= refuses them
+    return httpx.post(f"{server.base_url}{path}", content=json.dumps(body), headers=headers,
+                      timeout=60)
 
 
 # -- models, health --------------------------------------------------------------------------
@@ -298,6 +302,15 @@ def test_unknown_model_is_404(server: Server, client: Any) -> None:
         ({"temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        # hostile input: over the server's caps (--max-n, --max-stop-sequences,
+        # --max-stop-length), and NaN / infinities, which Python's JSON parser accepts
+        ({"n": 1_000_000}, "n"),
+        ({"stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+        ({"stop": ["x" * 5000]}, "stop"),
+        ({"stop_token_ids": list(range(1000))}, "stop_token_ids"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
     ],
 )
 def test_invalid_parameters_are_400_naming_the_parameter(

@@ -58,6 +58,24 @@ def main(args: argparse.Namespace) -> int:
         return startup.fail(sp, e)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Binds (host, port) for a moment, as uvicorn will: a port someone listens on fails here,
+    in a second, not after the model has loaded."""
+    import socket
+
+    from kiln.errors import KilnError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise KilnError(msg("serve.port_in_use", host=host, port=port,
+                                error=e.strerror or e),
+                            hint=msg("serve.port_in_use.hint", port=port)) from None
+
+
 def _choose_engine(sp: startup.StartupPlan) -> str:
     from kiln.backends import choose_engine, is_engine_available
 
@@ -82,6 +100,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.backends import format_running_block
     from kiln.engine.async_engine import AsyncEngine, wait_idle
     from kiln.server.app import build_app
+    from kiln.server.protocol import RequestLimits
 
     s = sp.settings
     src = sp.source
@@ -89,7 +108,10 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     for w in s.warnings:
         print(msg("cli.warning", warning=w), file=sys.stderr)
     names = s["served_model_name"] or [src.name]
+    sp.phase = "port"
+    _check_port_free(s["host"], s["port"])  # before the load, which may take minutes
 
+    sp.phase = "load"
     print(msg("serve.loading", name=src.name, path=src.gguf_file or src.path), file=sys.stderr)
     tokenizer = startup.load_tokenizer(sp)
     # The engine is built on its own thread (see kiln/engine/async_engine.py for why).
@@ -102,7 +124,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
 
     sp.phase = "serve"
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
-                    max_model_len=engine.max_model_len, version=__version__)
+                    max_model_len=engine.max_model_len, version=__version__,
+                    limits=RequestLimits.from_settings(s))
     startup.write_artifacts(sp, "ok")
     host, port = s["host"], s["port"]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",

@@ -123,6 +123,13 @@ class GGUFFile:
             else:
                 nbytes = 0  # unknown type: an error if the tensor is ever read
             self.tensors.append(GGUFTensorInfo(name, dims, type_id, data_start + offset, nbytes))
+        end = max((t.offset + t.nbytes for t in self.tensors), default=0)
+        if end > len(mm):
+            # An interrupted download or copy: the header is whole, the data is not.
+            raise ModelLoadError(
+                f"{self.path} is truncated: its tensors need {end:,} bytes, the file has "
+                f"{len(mm):,}", hint="the download or copy was cut short: fetch it again "
+                "(`kiln pull` resumes a Hugging Face download)")
 
     def _string(self, pos: int) -> tuple[str, int]:
         n, = struct.unpack_from("<Q", self._mm, pos)

@@ -49,7 +49,10 @@ def plan_download(
 
 
 def _hub_error(repo_id: str, e: Exception) -> KilnError:
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    """One KilnError a user can act on, whatever the hub client raised: its own HTTP errors by
+    status, connection failures from whichever HTTP library it runs on (httpx, or the `httpx2`
+    fork newer huggingface_hub versions vendor), disk errors."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     if isinstance(e, GatedRepoError):
         return ModelNotFoundError(msg("download.gated", repo=repo_id),
@@ -60,21 +63,53 @@ def _hub_error(repo_id: str, e: Exception) -> KilnError:
             f"no Hugging Face repo {repo_id!r} (or it is private)",
             extra="private repos need `hf auth login` or HF_TOKEN",
         )
-    return KilnError(msg("download.failed", repo=repo_id, error=e),
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, HfHubHTTPError) and isinstance(status, int):
+        hint_key = ("download.http.401" if status in (401, 403) else
+                    "download.http.429" if status == 429 else
+                    "download.http.5xx" if status >= 500 else "download.failed.hint")
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return KilnError(msg("download.http", repo=repo_id, status=status, reason=reason),
+                         hint=msg(hint_key, repo=repo_id))
+    if _is_connection_error(e):
+        from huggingface_hub import constants
+
+        return KilnError(msg("download.unreachable", endpoint=constants.ENDPOINT, repo=repo_id,
+                             error=_short(e)), hint=msg("download.unreachable.hint"))
+    return KilnError(msg("download.failed", repo=repo_id, error=_short(e)),
                      hint=msg("download.failed.hint", repo=repo_id))
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
-    from huggingface_hub.errors import HfHubHTTPError
+def _short(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
-    kinds: list[type[BaseException]] = [HfHubHTTPError, OSError]
+
+def _is_connection_error(e: BaseException) -> bool:
+    """A failure to reach the host (DNS, refused, timeout, proxy), by the exception's family:
+    the HTTP library differs between huggingface_hub versions."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ConnectError", "ConnectTimeout", "ConnectionError", "ProxyError",
+                         "TimeoutException", "NetworkError", "gaierror", "TimeoutError",
+                         "OfflineModeIsEnabled"})
+
+
+def check_hub_reachable(repo_id: str, timeout: float = 5.0) -> None:
+    """Fails in about a second when the hub cannot be reached at all (no network, no DNS), with
+    what to do, instead of after the hub client's half a minute of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        import httpx
-
-        kinds.append(httpx.HTTPError)
-    except ImportError:
-        pass
-    return tuple(kinds)
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise KilnError(msg("download.unreachable", endpoint=constants.ENDPOINT, repo=repo_id,
+                            error=_short(e)), hint=msg("download.unreachable.hint")) from None
 
 
 def download_model(
@@ -84,7 +119,7 @@ def download_model(
     import huggingface_hub as hub
 
     cache = hf_cache_dir()
-    errors = _network_errors()
+    check_hub_reachable(repo_id)
     try:
         files = hub.list_repo_files(repo_id)
         plan = plan_download(repo_id, files, quant, default_quant)
@@ -102,7 +137,7 @@ def download_model(
             hub.snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache)
     except KilnError:
         raise
-    except errors as e:
+    except Exception as e:  # every hub failure becomes one line with what to do
         raise _hub_error(repo_id, e) from e
     snap = cached_snapshot(repo_id, cache)
     if snap is None:  # the hub writes refs/main on success, so this is a hub/cache bug

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server.errors import APIError, ClientGone, validation_error
 from kiln.server.metrics import ServerMetrics
+from kiln.server.protocol import RequestLimits
 from kiln.server.routes import admin, generation
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
@@ -31,11 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str], *,
-              api_key: str | None, max_model_len: int, version: str) -> FastAPI:
+              api_key: str | None, max_model_len: int, version: str,
+              limits: RequestLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
-    primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`."""
+    primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
+    `limits`: caps on one request (defaults: the settings table's)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
-                 version=version)
+                 version=version, limits=limits)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 

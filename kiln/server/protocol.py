@@ -20,6 +20,7 @@ Choices made here, documented for users:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
@@ -31,7 +32,45 @@ MIN_LOGPROB = -9999.0
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are JSON extensions Python's parser accepts; no field means anything
+    # with them ("temperature": NaN used to be taken).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on one request (the settings max_n, max_stop_sequences, max_stop_length)."""
+
+    max_n: int = 128
+    max_stop_sequences: int = 64
+    max_stop_length: int = 1024
+
+    @classmethod
+    def from_settings(cls, s: Any) -> RequestLimits:
+        return cls(s["max_n"], s["max_stop_sequences"], s["max_stop_length"])
+
+
+def _check_limits(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:
+    best_of = getattr(req, "best_of", None)
+    for name, value in (("n", req.n), ("best_of", best_of)):
+        if value is not None and value > limits.max_n:
+            raise SamplingParamsError(
+                name, f"{name} is {value}; this server allows at most {limits.max_n} sequences "
+                "per request (--max-n)")
+    stops = req.stop_list()
+    if len(stops) > limits.max_stop_sequences:
+        raise SamplingParamsError(
+            "stop", f"{len(stops)} stop sequences; this server allows at most "
+            f"{limits.max_stop_sequences} (--max-stop-sequences)")
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_length:
+        raise SamplingParamsError(
+            "stop", f"a stop sequence of {longest} characters; this server allows at most "
+            f"{limits.max_stop_length} (--max-stop-length)")
+    if len(req.stop_token_ids or []) > limits.max_stop_sequences:
+        raise SamplingParamsError(
+            "stop_token_ids", f"{len(req.stop_token_ids or [])} stop token ids; this server "
+            f"allows at most {limits.max_stop_sequences} (--max-stop-sequences)")
 
 
 class StreamOptions(_Request):
@@ -223,13 +262,16 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
 
 
 def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_model_len: int, prompt_len: int
+    req: ChatCompletionRequest | CompletionRequest, max_model_len: int, prompt_len: int,
+    limits: RequestLimits | None = None,
 ) -> SamplingParams:
     """Translate a validated request into SamplingParams for one prompt of `prompt_len` tokens.
 
     Raises SamplingParamsError(param, message) for anything out of range, including a prompt plus
-    max_tokens that does not fit `max_model_len` (vLLM's message, with both numbers).
+    max_tokens that does not fit `max_model_len` (vLLM's message, with both numbers), and
+    anything over the server's `limits`.
     """
+    _check_limits(req, limits or RequestLimits())
     is_chat = isinstance(req, ChatCompletionRequest)
     prompt_param = "messages" if is_chat else "prompt"
 

@@ -30,6 +30,7 @@ from kiln.server.protocol import (
     MIN_LOGPROB,
     ChatCompletionRequest,
     CompletionRequest,
+    RequestLimits,
     to_sampling_params,
 )
 from kiln.tokenizer import Tokenizer
@@ -95,7 +96,8 @@ def clamp_logprob(lp: float) -> float:
 
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str],
-                 *, max_model_len: int, version: str) -> None:
+                 *, max_model_len: int, version: str, limits: RequestLimits | None = None
+                 ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -103,6 +105,7 @@ class Serving:
         self.names = list(served_model_names)
         self.max_model_len = max_model_len
         self.version = version
+        self.limits = limits or RequestLimits()
         self.created = int(time.time())
 
     def check_model(self, model: str | None) -> str:
@@ -116,7 +119,7 @@ class Serving:
     def params_for(self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
                    ) -> SamplingParams:
         try:
-            return to_sampling_params(req, self.max_model_len, prompt_len)
+            return to_sampling_params(req, self.max_model_len, prompt_len, self.limits)
         except SamplingParamsError as e:
             raise bad_param(e) from e
 
