@@ -142,6 +142,8 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "en": "kiln: unexpected error ({phase}): {type}: {error}",
         "zh": "kiln: 意外错误（{phase}）：{type}: {error}"},
     "cli.warning": {"en": "kiln: warning: {warning}", "zh": "kiln: 警告：{warning}"},
+    "startup.artifact_unwritable": {"en": "{flag} {path} was not written: {error}",
+                                    "zh": "{flag} {path} 未能写入：{error}"},
     # -- kiln serve
     "serve.engine_chosen": {"en": "kiln: engine {engine}: {reason}",
                             "zh": "kiln: 使用引擎 {engine}：{reason}"},
@@ -164,6 +166,25 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "serve.loading": {"en": "kiln: loading {name} from {path} ...",
                       "zh": "kiln: 正在从 {path} 加载 {name} ..."},
     "serve.stopped": {"en": "kiln: stopped", "zh": "kiln: 已停止"},
+    # -- kiln ps / kiln stop
+    "ps.none": {"en": "no kiln server is running", "zh": "没有正在运行的 kiln 服务"},
+    "stop.which": {"en": "several kiln servers are running (ports {ports}): give a PORT or all",
+                   "zh": "有多个 kiln 服务在运行（端口 {ports}）：请指定 PORT 或 all"},
+    "stop.bad_target": {"en": "{target!r} is neither a port nor all",
+                        "zh": "{target!r} 既不是端口也不是 all"},
+    "stop.no_server": {"en": "no kiln server on port {port} (kiln ps lists them)",
+                       "zh": "端口 {port} 上没有 kiln 服务（kiln ps 可列出）"},
+    "stop.sent": {"en": "kiln: SIGTERM to port {port} (pid {pid}, {model}): draining ...",
+                  "zh": "kiln: 已向端口 {port}（pid {pid}，{model}）发送 SIGTERM：正在排空 ..."},
+    "stop.stopped": {"en": "kiln: port {port} (pid {pid}) stopped",
+                     "zh": "kiln: 端口 {port}（pid {pid}）已停止"},
+    "stop.still_running": {"en": "kiln: port {port} (pid {pid}) still running after {timeout:g} s "
+                                 "with {running} request(s) running; wait, or kill {pid}",
+                           "zh": "kiln: 端口 {port}（pid {pid}）在 {timeout:g} 秒后仍在运行，"
+                                 "仍有 {running} 个请求；请等待，或 kill {pid}"},
+    "serve.pidfile_unwritable": {"en": "pid file {path} not written ({error}): kiln ps will "
+                                       "not list this server",
+                                 "zh": "未能写入 pid 文件 {path}（{error}）：kiln ps 不会列出此服务"},
     "serve.stopped_cut": {"en": "kiln: stopped (some requests were cut off)",
                           "zh": "kiln: 已停止（部分请求被中断）"},
     "serve.draining": {"en": "kiln: {signal}: draining in-flight requests ...",
@@ -321,8 +342,9 @@ CATALOGUE: dict[str, dict[str, str]] = {
                        "zh": "运行 `kiln pull {spec}` 下载它"},
     "model.no_such_path": {"en": "no such file or folder: {path}", "zh": "文件或目录不存在：{path}"},
     "model.check_path": {"en": "check the path", "zh": "请检查路径"},
-    "model.unknown": {"en": "unknown model {spec}: not a registry alias, a path, or owner/repo",
-                      "zh": "未知模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
+    "model.unknown": {"en": "model not found: {spec} is not a registry alias, a path, or "
+                            "owner/repo",
+                      "zh": "未找到模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
     "model.default_no_gguf": {"en": " (package folder {folder} has no .gguf)",
                               "zh": "（包目录 {folder} 中没有 .gguf）"},
     "model.default_missing": {"en": "the embedded default model is not installed{where}",

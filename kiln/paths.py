@@ -43,3 +43,10 @@ def check_cache_dir_writable() -> None:
     except OSError as e:
         raise ConfigError(msg("paths.cache_unwritable", path=root, error=e.strerror or e),
                           hint=msg("paths.cache_unwritable.hint", env=CACHE_DIR_ENV)) from None
+
+
+def runtime_dir() -> Path:
+    """Where running servers leave their pid files: `$XDG_RUNTIME_DIR/kiln` (per user, cleared
+    at logout), else `run/` under kiln's cache dir. Nothing is created here."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg).expanduser() / "kiln" if xdg else cache_dir("run")

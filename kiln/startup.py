@@ -48,6 +48,9 @@ class StartupPlan:
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", dest="model_option", metavar="MODEL",
+                   help="what to serve, as the positional MODEL (giving both, different, is an "
+                   "error)")
     p.add_argument("--config", type=Path, metavar="PATH",
                    help="TOML config file (default: ~/.config/kiln/config.toml) [env KILN_CONFIG]")
     p.add_argument("--dry-run", action="store_true",
@@ -59,6 +62,15 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decision-trace-jsonl", type=Path, metavar="PATH",
                    help="write one JSON line per decision (candidates by source, chosen, why)")
     S.add_setting_arguments(p)
+
+
+def model_spec(args: argparse.Namespace) -> str | None:
+    """MODEL from the positional or -m/--model (the same thing, so both given must agree)."""
+    positional, option = getattr(args, "model", None), getattr(args, "model_option", None)
+    if positional and option and positional != option:
+        raise C.ConfigError(f"two models given: {positional!r} (MODEL) and {option!r} (--model)",
+                            hint="give the model once, as MODEL or as --model")
+    return positional or option
 
 
 def namespace_for(model: str | None, settings: dict[str, Any], config: Path | None = None
@@ -90,15 +102,29 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     env = S.env_values()
     file_settings, sp.engines_cfg, sp.config_file = S.load_config_file(args.config)
 
+    args.model = model_spec(args)
+
     sp.phase = "hardware"
     sp.hardware = hardware.probe_hardware()
 
     sp.phase = "model"
     # Where to look, whether to download and which engine runs are settings too; take them
     # before the rest, which depend on the model.
-    early_names = ("model_dirs", "offline", "engine")
+    early_names = ("model_dirs", "offline", "engine", "device", "lang")
     early = C.resolve_settings(cli=_only(cli, *early_names), env=_only(env, *early_names),
                                file=_only(file_settings, *early_names))
+    if early.source("lang") == "file":
+        set_lang(early["lang"])
+    if early.source("device") != "default":
+        # A device a person asked for is checked before the model is resolved (which may
+        # download): `--device cuda` without a GPU fails at once. `auto` is checked below.
+        sp.phase = "device"
+        try:
+            hardware.check_device(early["device"], sp.hardware)
+        except KilnError:
+            sp.settings = early  # the effective config records what was asked (device, lang)
+            raise
+        sp.phase = "model"
     external = early["engine"] in ("vllm", "sglang")
     dirs = sources.configured_model_dirs(early.get("model_dirs") or [])
     spec = getattr(args, "model", None)
@@ -542,37 +568,61 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
     return out
 
 
-def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = None) -> None:
+def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = None, *,
+                    lenient: bool = False) -> list[Any]:
+    """Writes --effective-config-json and --decision-trace-jsonl. With `lenient` (after a
+    failure) a file that cannot be written is returned as a one-line problem, not raised: the
+    startup error is what the user must see, not a traceback about the artifact."""
     args = sp.args
-    if getattr(args, "effective_config_json", None):
-        path: Path = args.effective_config_json
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(effective_config(sp, status, error), indent=2, default=str))
-    if getattr(args, "decision_trace_jsonl", None):
-        path = args.decision_trace_jsonl
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            f.write(json.dumps({"decision": "preset", "chosen": sp.preset,
-                                "reason": sp.preset_reason}, default=str) + "\n")
-            if sp.source is not None:
-                f.write(json.dumps({"decision": "model", "chosen": str(sp.source.gguf_file
-                                                                     or sp.source.path),
-                                    "reason": f"{sp.source.kind} via {sp.source.origin}"},
-                                   default=str) + "\n")
-            for row in (sp.settings.trace() if sp.settings else []):
-                f.write(json.dumps({"decision": "setting", **row}, default=str) + "\n")
-            for key, value in sp.extra.get("decisions", {}).items():
-                f.write(json.dumps({"decision": key, **value}, default=str) + "\n")
-            f.write(json.dumps({"decision": "startup", "status": status, "phase": sp.phase,
-                                "error": english(error) if error else None}) + "\n")
+    problems: list[Any] = []
+    for attr, write in (("effective_config_json", _write_effective),
+                        ("decision_trace_jsonl", _write_trace)):
+        path: Path | None = getattr(args, attr, None)
+        if not path:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(path, sp, status, error)
+        except OSError as e:
+            if not lenient:
+                raise
+            problems.append(msg("startup.artifact_unwritable", flag="--" + attr.replace(
+                "_", "-"), path=path, error=e.strerror or e))
+    return problems
+
+
+def _write_effective(path: Path, sp: StartupPlan, status: str,
+                     error: BaseException | None) -> None:
+    path.write_text(json.dumps(effective_config(sp, status, error), indent=2, default=str))
+
+
+def _write_trace(path: Path, sp: StartupPlan, status: str, error: BaseException | None) -> None:
+    with path.open("w") as f:
+        f.write(json.dumps({"decision": "preset", "chosen": sp.preset,
+                            "reason": sp.preset_reason}, default=str) + "\n")
+        if sp.source is not None:
+            f.write(json.dumps({"decision": "model", "chosen": str(sp.source.gguf_file
+                                                                 or sp.source.path),
+                                "reason": f"{sp.source.kind} via {sp.source.origin}"},
+                               default=str) + "\n")
+        for row in (sp.settings.trace() if sp.settings else []):
+            f.write(json.dumps({"decision": "setting", **row}, default=str) + "\n")
+        for key, value in sp.extra.get("decisions", {}).items():
+            f.write(json.dumps({"decision": key, **value}, default=str) + "\n")
+        f.write(json.dumps({"decision": "startup", "status": status, "phase": sp.phase,
+                            "error": english(error) if error else None}) + "\n")
 
 
 def fail(sp: StartupPlan, err: BaseException) -> int:
-    """Records the failure, prints it the way a user can act on, and gives the exit code."""
-    write_artifacts(sp, "failed", err)
+    """Records the failure, prints it the way a user can act on, and gives the exit code. An
+    artifact that cannot be written is one warning line after the error."""
     if isinstance(err, KilnError):
         print(msg("cli.error", phase=sp.phase, error=err), file=sys.stderr)
-        return err.exit_code
-    print(msg("cli.unexpected_error", phase=sp.phase, type=type(err).__name__, error=err),
-          file=sys.stderr)
-    return 1
+        code = err.exit_code
+    else:
+        print(msg("cli.unexpected_error", phase=sp.phase, type=type(err).__name__, error=err),
+              file=sys.stderr)
+        code = 1
+    for problem in write_artifacts(sp, "failed", err, lenient=True):
+        print(msg("cli.warning", warning=problem), file=sys.stderr)
+    return code

@@ -457,7 +457,8 @@ from kiln.backends import BackendModel, build_plan, launch
 plan = build_plan("vllm", {{"port": {port}, "api_key": "sk-x"}},
                   BackendModel("org/tiny-model", served_names=["tiny"]),
                   engine_cfg={{"env": {{"KILN_TEST_ENV": "yes"}}}})
-sys.exit(launch(plan, health_timeout_s=30, drain_timeout_s=10))
+sys.exit(launch(plan, health_timeout_s=30, drain_timeout_s=10,
+                on_ready=lambda: print("on_ready called", flush=True)))
 """
 
 
@@ -494,6 +495,9 @@ def test_launch_waits_for_health_forwards_sigterm_and_returns_child_code(
     out = "\n".join(seen)
     assert f"http://127.0.0.1:{port}/v1/chat/completions" in out
     assert "[vllm] INFO Uvicorn running" in out  # child output streamed with the prefix
+    # on_ready (kiln serve's pid file) runs once, after the engine answered.
+    assert out.count("on_ready called") == 1
+    assert out.index("kiln: server running") < out.index("on_ready called")
     assert (tmp_path / "record.json.signals").read_text().split() == ["SIGTERM"]
     got = json.loads(record.read_text())
     assert got["argv"][1:] == ["serve", "org/tiny-model", "--host", "127.0.0.1", "--port",
@@ -508,7 +512,10 @@ def test_child_dying_before_ready_returns_its_code_and_last_lines(
     p = build_plan("vllm", {"port": free_port()}, MODEL,
                    engine_cfg={"env": {"FAKE_EXIT_BEFORE_READY": "3"}})
     printed: list[str] = []
-    assert launch(p, health_timeout_s=30, print_fn=printed.append, poll_s=0.05) == 3
+    ready: list[bool] = []
+    assert launch(p, health_timeout_s=30, print_fn=printed.append, poll_s=0.05,
+                  on_ready=lambda: ready.append(True)) == 3
+    assert not ready
     out = "\n".join(printed)
     assert "exited with code 3 before it was ready" in out
     assert "CUDA out of memory (pretend)" in out.split("before it was ready")[1]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -73,28 +72,16 @@ def test_a_dense_model_has_no_routing_stats(tmp_path):
 
 
 def _parse_prometheus(text: str) -> dict[str, dict[str, Any]]:
-    """{name: {"type", "help", "samples": [(labels, value)]}}; fails on what Prometheus's text
-    format forbids here: a second HELP/TYPE for a name, a sample before its TYPE or away from
-    its group, a malformed line."""
+    """{name: {"type", "samples": [(labels, value)]}} by prometheus_client's own parser (which
+    rejects malformed text); a counter is keyed by its `_total` sample name, as scraped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     families: dict[str, dict[str, Any]] = {}
-    current = None
-    sample = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-z_]+="[^"]*",?)*)\} (\S+)$')
-    for line in text.strip().splitlines():
-        if line.startswith("# HELP "):
-            name = line.split()[2]
-            assert name not in families, f"second HELP for {name}"
-            families[name] = {"help": line, "samples": []}
-            current = name
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            assert name == current and "type" not in families[name], line
-            families[name]["type"] = kind
-        else:
-            m = sample.match(line)
-            assert m, f"not a sample line: {line!r}"
-            assert m.group(1) == current, f"{m.group(1)} sampled away from its HELP/TYPE"
-            labels = dict(re.findall(r'([a-z_]+)="([^"]*)"', m.group(2)))
-            families[current]["samples"].append((labels, float(m.group(3))))
+    for fam in text_string_to_metric_families(text):
+        key = fam.name + ("_total" if fam.type == "counter" else "")
+        assert key not in families, f"second family {key}"
+        families[key] = {"type": fam.type, "samples": [
+            (s.labels, s.value) for s in fam.samples if s.name == key]}
     return families
 
 

@@ -532,6 +532,68 @@ def test_metrics_are_prometheus_text(server: Server, client: Any) -> None:
     assert "kiln:prefix_cache_hits_total" in text
 
 
+def _scrape(server: Server) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """{family: {(sample name, sorted labels): value}} by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return {f.name: {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples}
+            for f in text_string_to_metric_families(text)}
+
+
+def _one(fam: dict[tuple[str, tuple[tuple[str, str], ...]], float], sample: str,
+         **labels: str) -> float:
+    want = {"model_name": NAMES[0], **labels}
+    return fam[(sample, tuple(sorted(want.items())))]
+
+
+def test_metrics_carry_vllm_names_types_and_request_histograms(
+    server: Server, client: Any
+) -> None:
+    """A vLLM Grafana dashboard's series: each histogram counts every request made once."""
+    _wait_idle(server)
+    before = _scrape(server)
+    n, max_tokens = 3, 5
+    outs = [client.completions.create(model=NAMES[0], prompt=f"Count to {i}:",
+                                      max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True}) for i in range(n)]
+    _wait_idle(server)
+    after = _scrape(server)
+    prompt = sum(o.usage.prompt_tokens for o in outs)
+
+    def delta(fam: str, sample: str, **labels: str) -> float:
+        old = _one(before[fam], sample, **labels) if fam in before else 0.0
+        return _one(after[fam], sample, **labels) - old
+
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert _one(after[gauge], gauge) == 0
+    usage = _one(after["vllm:kv_cache_usage_perc"], "vllm:kv_cache_usage_perc")
+    assert 0 <= usage <= 1
+    assert delta("vllm:prompt_tokens", "vllm:prompt_tokens_total") == prompt
+    assert delta("vllm:generation_tokens", "vllm:generation_tokens_total") == n * max_tokens
+    assert delta("vllm:request_success", "vllm:request_success_total",
+                 finished_reason="length") == n
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens"):
+        assert delta(hist, f"{hist}_count") == n, hist
+        assert delta(hist, f"{hist}_bucket", le="+Inf") == n, hist
+    # One interval between consecutive tokens: max_tokens - 1 per request.
+    itl = "vllm:inter_token_latency_seconds"
+    assert delta(itl, f"{itl}_count") == n * (max_tokens - 1)
+    assert delta("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == prompt
+    assert delta("vllm:request_generation_tokens",
+                 "vllm:request_generation_tokens_sum") == n * max_tokens
+    e2e = delta("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum")
+    ttft = delta("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_sum")
+    assert 0 < ttft < e2e < 300
+    # vLLM's bucket boundaries, so a dashboard's quantiles read the same.
+    assert _one(after["vllm:time_to_first_token_seconds"],
+                "vllm:time_to_first_token_seconds_bucket", le="0.001") >= 0
+    assert (("vllm:request_prompt_tokens_bucket", (("le", "1000.0"), ("model_name", NAMES[0])))
+            in after["vllm:request_prompt_tokens"])
+
+
 # -- shutdown ------------------------------------------------------------------------------------
 
 

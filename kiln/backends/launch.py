@@ -116,6 +116,7 @@ def launch(
     print_fn: Callable[[str], None] = print,
     extra: Mapping[str, Any] | None = None,
     poll_s: float = 0.25,
+    on_ready: Callable[[], None] | None = None,
 ) -> int:
     """Runs the engine and returns its exit code.
 
@@ -124,6 +125,7 @@ def launch(
     `drain_timeout_s` to finish in-flight requests; a second signal, or the drain running
     out, kills the group. If the child exits before it is healthy, its last output lines are
     printed and its code returned. If it never becomes healthy, it is stopped and 1 returned.
+    `on_ready` runs once the engine is healthy (kiln serve writes its pid file then).
     """
     host = host or plan.host
     port = port or plan.port
@@ -191,6 +193,8 @@ def launch(
                     healthy = True
                     print_fn(format_running_block(plan.model_name, plan.engine, host, port,
                                                   extra))
+                    if on_ready is not None:
+                        on_ready()
                 elif now > deadline:
                     print_fn(msg("launch.no_health", engine=plan.engine, base=base,
                                  timeout=f"{health_timeout_s:g}"))

@@ -21,3 +21,10 @@ def add_lang_flag(p: argparse.ArgumentParser) -> None:
     it and reject other values."""
     p.add_argument("--lang", choices=("auto", "en", "zh"),
                    help="language of kiln's messages (default: KILN_LANG, else the locale)")
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    """Columns padded to their widest cell, two spaces apart (kiln list, kiln ps)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
+from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag, format_table
 from kiln.errors import KilnError
 
 
@@ -20,12 +20,6 @@ def add_parser(subparsers: Any) -> None:
     add_json_flag(p)
     add_lang_flag(p)
     p.set_defaults(func=main)
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
              e.kind, e.experts or "-", e.hf_repo, ", ".join(e.aliases), e.description]
             for e in entries
         ]
-        print(_table(rows, ["NAME", "PARAMS", "KIND", "EXPERTS", "HF REPO", "ALIASES",
+        print(format_table(rows, ["NAME", "PARAMS", "KIND", "EXPERTS", "HF REPO", "ALIASES",
                             "DESCRIPTION"]))
         return 0
     try:
@@ -66,5 +60,5 @@ def main(args: argparse.Namespace) -> int:
         [m.name, format_bytes(m.size_bytes), m.format, m.quantization or "-", m.source, str(m.path)]
         for m in models
     ]
-    print(_table(rows, ["NAME", "SIZE", "FORMAT", "QUANT", "SOURCE", "PATH"]))
+    print(format_table(rows, ["NAME", "SIZE", "FORMAT", "QUANT", "SOURCE", "PATH"]))
     return 0

@@ -5,19 +5,29 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kiln import __version__
 from kiln.messages import detect_lang, set_lang
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kiln.cli import bench, config_cmd, doctor, list_models, pull, run, serve
+class KilnParser(argparse.ArgumentParser):
+    """No prefix matching: `--model foo` once meant `--model-dir foo` and served the default
+    model. Subcommands' parsers are built from the parent's class, so they inherit this."""
 
-    p = argparse.ArgumentParser(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kiln.cli import bench, config_cmd, doctor, list_models, ps, pull, run, serve, stop
+
+    p = KilnParser(
         prog="kiln", description="kiln: an OpenAI-compatible LLM server with its own engine.")
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in (serve, run, pull, list_models, doctor, config_cmd, bench):
+    for mod in (serve, run, pull, list_models, ps, stop, doctor, config_cmd, bench):
         mod.add_parser(sub)
     return p
 

@@ -33,6 +33,9 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     prompt = " ".join(args.prompt).strip()
+    if getattr(args, "model_option", None) and args.model:
+        # `kiln run -m MODEL "a question"`: with -m, every word is the prompt.
+        prompt, args.model = " ".join([args.model, *args.prompt]).strip(), None
     if args.model and not prompt and not _looks_like_model(args.model):
         prompt, args.model = args.model, None  # `kiln run "a question"` uses the default model
     if not prompt and not sys.stdin.isatty():

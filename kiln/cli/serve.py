@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln import startup
+from kiln import pidfile, startup
 from kiln.messages import english, msg
 
 log = logging.getLogger("kiln.serve")
@@ -133,10 +134,15 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     server = uvicorn.Server(config)
 
     started = server.startup
+    # The pid file (kiln ps / kiln stop) exists from "ready" until the process ends.
+    record = pidfile.ServerRecord(pid=os.getpid(), port=port, host=host, model=names[0],
+                                  weights=str(src.gguf_file or src.path), version=__version__)
+    pid_files = contextlib.ExitStack()
 
     async def startup_and_announce(sockets=None):  # type: ignore[no-untyped-def]
         await started(sockets)
         if server.started:
+            _register(pid_files, record)
             print(format_running_block(names[0], "kiln", host, port, {
                 "weights": str(src.gguf_file or src.path),
                 "device": f"{cfg.device}, {cfg.dtype}, {engine.runner.config.num_threads or ''}"
@@ -149,10 +155,11 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
 
     server.startup = startup_and_announce  # type: ignore[method-assign]
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
-    server.run()
-    # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
-    drained = wait_idle(aengine, 1.0)
-    aengine.shutdown()
+    with pid_files:
+        server.run()
+        # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
+        drained = wait_idle(aengine, 1.0)
+        aengine.shutdown()
     print(msg("serve.stopped" if drained else "serve.stopped_cut"), file=sys.stderr)
     return 0
 
@@ -240,4 +247,21 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
         print(msg("cli.warning", warning=w), file=sys.stderr)
     sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env}}
     startup.write_artifacts(sp, "ok")
-    return launch(plan, host=s["host"], port=s["port"], drain_timeout_s=s["drain_timeout"])
+    # kiln supervises the engine (a SIGTERM to kiln drains it), so the pid file names kiln.
+    record = pidfile.ServerRecord(pid=os.getpid(), port=s["port"], host=s["host"],
+                                  model=bm.served_names[0], weights=model_arg, engine=engine)
+    with contextlib.ExitStack() as pid_files:
+        return launch(plan, host=s["host"], port=s["port"], drain_timeout_s=s["drain_timeout"],
+                      on_ready=lambda: _register(pid_files, record))
+
+
+def _register(pid_files: contextlib.ExitStack, record: pidfile.ServerRecord) -> None:
+    """The pid file from "ready" until `pid_files` closes; a warning if it cannot be written
+    (serving matters more than being listed by kiln ps)."""
+    try:
+        record.started_at = time.time()
+        pid_files.enter_context(pidfile.registered(record))
+    except OSError as e:
+        print(msg("cli.warning", warning=msg("serve.pidfile_unwritable",
+                                             path=pidfile.path_for(record.port), error=e)),
+              file=sys.stderr)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kiln.engine.engine import Engine, RequestOutput
+from kiln.engine.output import RequestMetrics
 from kiln.errors import KilnError
 from kiln.sampling_params import SamplingParams
 
@@ -81,6 +82,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self.num_inflight = 0
+        # Called on the engine thread with each finished request's metrics (/metrics' request
+        # histograms); a listener must be quick and thread-safe (prometheus_client's are).
+        self.finished_listeners: list[Callable[[RequestMetrics], None]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -237,6 +241,9 @@ class AsyncEngine:
         not one per request (at 16 streams, 16 self-pipe writes and callbacks a step)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
+            if out.metrics is not None:
+                for listener in self.finished_listeners:
+                    listener(out.metrics)
             entry = self._streams.get(out.request_id)
             if entry is None:
                 continue

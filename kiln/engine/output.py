@@ -20,11 +20,41 @@ are refused when the request is added.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
 from kiln.errors import KilnError
 from kiln.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass
+class RequestMetrics:
+    """A finished request's timings (monotonic seconds) and sizes, as vLLM's request-level
+    histograms want them; on the last RequestOutput of each request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None  # None: aborted while still waiting
+    first_token_time: float | None  # None: no token came out
+    finished_time: float
+    inter_token_latencies: list[float]  # seconds between consecutive outputs with tokens
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    finish_reason: str
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float:
+        return self.finished_time - self.arrival_time
 
 
 @dataclass
@@ -43,6 +73,7 @@ class RequestOutput:
     text_offsets: list[int] = field(default_factory=list)  # per new logprob: its text's start
     stop_token_id: int | None = None  # the EOS / stop token that ended it
     stop_reason: str | int | None = None  # the stop string, or the stop_token_ids entry, that hit
+    metrics: RequestMetrics | None = None  # on the output that finishes the request
 
 
 @dataclass
@@ -50,6 +81,9 @@ class _Stream:
     detok: IncrementalDetokenizer | None
     matcher: StopStringMatcher
     emitted: int = 0  # output tokens already handed out
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    itl: list[float] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -107,6 +141,14 @@ class OutputProcessor:
             if not stopped:
                 parts.append(st.matcher.flush())
         st.emitted += len(taken) + (1 if stop_tok is not None else 0)
+        now = time.monotonic()
+        if new or stop_tok is not None:
+            # A step's tokens arrive together: one interval per output, as vLLM measures it.
+            if st.first_token_time is None:
+                st.first_token_time = now
+            else:
+                st.itl.append(now - st.last_token_time)
+            st.last_token_time = now
         finished = req.is_finished or stopped
         if stopped:
             finish_reason: str | None = "stop"
@@ -118,12 +160,16 @@ class OutputProcessor:
             stop_reason = stop_tok if stop_tok is not None and stop_tok in p.stop_token_ids \
                 else None
             num_out = req.num_output_tokens
+        metrics = None
         if finished:
             self.forget(req.request_id)
+            metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time,
+                                     st.first_token_time, now, st.itl, req.num_prompt_tokens,
+                                     num_out, finish_reason or "abort")
         return RequestOutput(
             request_id=req.request_id, new_token_ids=taken,
             new_logprobs=lps[:len(taken)] if lps is not None else None, finished=finished,
             finish_reason=finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=num_out, num_cached_tokens=req.num_cached_tokens,
             text="".join(parts), text_offsets=offsets if lps is not None else [],
-            stop_token_id=stop_tok, stop_reason=stop_reason), stopped
+            stop_token_id=stop_tok, stop_reason=stop_reason, metrics=metrics), stopped

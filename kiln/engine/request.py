@@ -48,6 +48,8 @@ class Request:
     cache_salt: str | None = None  # extra key of the prefix-cache hashes: no sharing across salts
     session_id: str | None = None  # conversation: the session cache pins its prefix between turns
     arrival_time: float = field(default_factory=time.monotonic)
+    # When the scheduler first gave it tokens (the end of its queue time, for /metrics).
+    first_scheduled_time: float | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

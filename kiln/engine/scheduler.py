@@ -162,6 +162,8 @@ class Scheduler:
                 self.kv.record_prefix_query(req.num_tokens, num_computed)
                 req.num_cached_tokens = num_computed
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, num_computed + n == req.num_tokens))
             budget -= n

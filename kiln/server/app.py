@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server.errors import APIError, ClientGone, validation_error
+from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -82,7 +83,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     for r in (generation.router(sv), admin.models_router(sv)):
         v1.include_router(r)
     app.include_router(v1)
-    app.include_router(admin.router(sv))
+    # One registry per app: several apps (tests) in one process keep their own series.
+    metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
+                            max_model_len)
+    engine.finished_listeners.append(metrics.observe)
+    app.include_router(admin.router(sv, metrics))
     _document_responses(app, api_key is not None)
     return app
 

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.protocol import ModelCard, ModelList
 from kiln.server.serving import Serving
 
@@ -24,7 +25,7 @@ def models_router(sv: Serving) -> APIRouter:
     return r
 
 
-def router(sv: Serving) -> APIRouter:
+def router(sv: Serving, server_metrics: ServerMetrics) -> APIRouter:
     """Unauthenticated operational endpoints (probes and scrapers carry no key)."""
     r = APIRouter()
 
@@ -42,9 +43,6 @@ def router(sv: Serving) -> APIRouter:
 
     @r.get("/metrics")
     async def metrics() -> Any:
-        from kiln.server.metrics import render
-
-        return Response(render(sv.engine.stats(), sv.names[0], sv.engine.routing_stats()),
-                        media_type="text/plain; version=0.0.4")
+        return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
     return r

@@ -1,0 +1,107 @@
+"""Flags that never silently mean something else: no prefix matching, -p is the port, the
+--tp / --kv-dtype aliases, -m/--model equal to MODEL, the device refused before the model is
+looked up, and an unwritable artifact as one warning line after the real error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.cli.main import build_parser, main
+
+
+def _settings(tmp_path, *argv: str) -> dict:
+    eff = tmp_path / "eff.json"
+    assert main(["serve", "--dry-run", "--effective-config-json", str(eff), *argv]) == 0
+    return json.loads(eff.read_text())["settings"]
+
+
+def test_a_prefix_of_a_flag_is_not_that_flag(capsys):
+    # `--model-d` once matched `--model-dir`; `--mod foo` matched it too.
+    for argv in (["serve", "--model-d", "x"], ["serve", "--mod", "foo"],
+                 ["serve", "--max-num-seq", "4"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_every_parser_refuses_abbreviations():
+    root = build_parser()
+    stack = [root]
+    while stack:
+        p = stack.pop()
+        assert p.allow_abbrev is False, p.prog
+        for action in p._actions:
+            stack.extend(getattr(action, "choices", None) and isinstance(action.choices, dict)
+                         and action.choices.values() or [])
+
+
+def test_model_option_is_the_model_and_an_unknown_one_is_named(capsys):
+    assert main(["serve", "--model", "foo", "--dry-run"]) != 0
+    err = capsys.readouterr().err
+    assert "model not found" in err and "'foo'" in err
+    assert "--model-dir" not in err
+
+
+def test_model_option_and_positional_must_agree(tmp_path, capsys, gguf_path):
+    s = _settings(tmp_path, "-m", str(gguf_path))
+    assert s["port"]["value"] == 8000
+    assert main(["serve", str(gguf_path), "--model", str(gguf_path), "--dry-run"]) == 0
+    capsys.readouterr()
+    assert main(["serve", str(gguf_path), "--model", "other", "--dry-run"]) != 0
+    err = capsys.readouterr().err
+    assert "two models given" in err and "other" in err
+
+
+def test_short_p_is_the_port_and_pp_stays_pipeline_parallel(tmp_path, gguf_path):
+    s = _settings(tmp_path, str(gguf_path), "-p", "9000")
+    assert (s["port"]["value"], s["pipeline_parallel_size"]["value"]) == (9000, 1)
+    from kiln import setting_sources as S
+
+    seen = S.cli_values(build_parser().parse_args(["serve", "-pp", "2", "-p", "9001"]))
+    assert seen["port"] == ("9001", "-p") and seen["pipeline_parallel_size"] == ("2", "-pp")
+
+
+def test_tp_and_kv_dtype_aliases(tmp_path, gguf_path):
+    s = _settings(tmp_path, str(gguf_path), "--kv-dtype", "int8")
+    assert (s["kv_cache_dtype"]["value"], s["kv_cache_dtype"]["source"]) == ("int8", "cli")
+    from kiln import setting_sources as S
+    from kiln.config import BY_NAME
+
+    assert "--tp" in BY_NAME["tensor_parallel_size"].flags
+    ns = build_parser().parse_args(["serve", "--tp", "2"])
+    assert S.cli_values(ns)["tensor_parallel_size"] == ("2", "--tp")
+
+
+def test_device_is_refused_before_the_model_is_looked_up(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from kiln.resolve import sources
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --device cuda is usable")
+
+    def never(*a, **k):
+        raise AssertionError("the model was resolved before the device was checked")
+
+    monkeypatch.setattr(sources, "resolve_model", never)
+    eff = tmp_path / "eff.json"
+    rc = main(["serve", "--model", "owner/not-here", "--device", "cuda",
+               "--effective-config-json", str(eff)])
+    assert rc != 0
+    assert "error (device)" in capsys.readouterr().err
+    assert json.loads(eff.read_text())["phase"] == "device"
+
+
+def test_an_unwritable_artifact_is_a_warning_line_after_the_real_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    eff = blocker / "eff.json"  # its parent is a file: cannot be created
+    rc = main(["serve", "--model", "foo", "--dry-run", "--effective-config-json", str(eff)])
+    assert rc != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    assert "model not found" in lines[0]
+    assert lines[-1].startswith("kiln: warning: --effective-config-json") and str(eff) in lines[-1]
