@@ -10,13 +10,13 @@ from kiln import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kiln.cli import bench, config_cmd, doctor, list_models, pull, run, serve
+    from kiln.cli import bench, config_cmd, doctor, list_models, pull, replay, run, serve
 
     p = argparse.ArgumentParser(
         prog="kiln", description="kiln: an OpenAI-compatible LLM server with its own engine.")
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in (serve, run, pull, list_models, doctor, config_cmd, bench):
+    for mod in (serve, run, pull, list_models, doctor, config_cmd, bench, replay):
         mod.add_parser(sub)
     return p
 
