@@ -252,6 +252,7 @@ class Serving:
                 try:
                     item = await fan.next()
                 except ClientGone:
+                    error = "client disconnected"  # the dump keeps the partial output
                     return
                 if isinstance(item, _Failed):
                     error = str(item.error)
