@@ -115,6 +115,34 @@ def fraction(value: Any) -> float:
     return x
 
 
+def parse_env_hash(value: Any) -> str:
+    text = str(value).strip()
+    algo, _, digest = text.partition(":")
+    if algo != "sha256" or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("expected sha256:<64 lowercase hex digits>")
+    return text
+
+
+def parse_json_object(value: Any) -> dict[str, Any]:
+    import json
+
+    if isinstance(value, dict):
+        return value
+    try:
+        obj = json.loads(str(value))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise TypeError(f"must be a JSON object ({{...}}), got {type(obj).__name__}")
+    return obj
+
+
+def parse_faults(value: Any) -> tuple[Any, ...]:
+    from kiln.obs.faults import parse_faults as parse
+
+    return parse(value)
+
+
 def positive_wait_ms(value: Any) -> int:
     n = int(value)
     if n <= 0:
@@ -144,6 +172,8 @@ class Setting:
     # it to the engine. A setting without "kiln" is refused on kiln's own engine when a person
     # set it; one without an external engine is not translated for it (nor warned about).
     engines: tuple[str, ...] = ("kiln", "vllm", "sglang")
+    # The flag may be given several times; the values are collected into one list.
+    repeatable: bool = False
 
     @property
     def env_var(self) -> str:
@@ -329,6 +359,51 @@ SETTINGS: list[Setting] = [
             "LC_MESSAGES / LANG starts with zh); JSON, logs and API errors stay English",
             ("--lang",), choices=("auto", "en", "zh"), affects="observability", auto=auto_lang,
             engines=("kiln",)),
+    # -- traces, request dumps and faults while serving (kiln/obs/)
+    Setting("profile_jsonl", str, None,
+            "write per-step phase timings (schedule, prepare, forward, sample, detokenize) "
+            "as JSONL", ("--profile-jsonl",), affects="observability", group="observability",
+            metavar="PATH", engines=("kiln",)),
+    Setting("profile_detail", str, "basic",
+            "basic: phases per step; layers: also each decoder layer's ms (eager steps)",
+            ("--profile-detail",), choices=("basic", "layers"), affects="observability",
+            group="observability", engines=("kiln",)),
+    Setting("profile_sample_rate", fraction, 1.0, "fraction of steps the profile records",
+            ("--profile-sample-rate",), affects="observability", group="observability",
+            metavar="F", engines=("kiln",)),
+    Setting("profile_commit_sha", str, None, "commit recorded in the profile's meta line",
+            ("--profile-commit-sha",), affects="observability", group="observability",
+            engines=("kiln",)),
+    Setting("profile_env_hash", parse_env_hash, None,
+            "environment hash recorded in the profile's meta line (sha256:<hex>)",
+            ("--profile-env-hash",), affects="observability", group="observability",
+            metavar="sha256:HEX", engines=("kiln",)),
+    Setting("profile_model", str, None, "model label recorded in the profile's meta line",
+            ("--profile-model",), affects="observability", group="observability",
+            engines=("kiln",)),
+    Setting("profile_concurrency", positive_int, None,
+            "client concurrency recorded in the profile's meta line", ("--profile-concurrency",),
+            affects="observability", group="observability", metavar="N", engines=("kiln",)),
+    Setting("profile_runtime_flags_json", parse_json_object, None,
+            "a JSON object of runtime flags recorded in the profile's meta line",
+            ("--profile-runtime-flags-json",), affects="observability", group="observability",
+            metavar="JSON", engines=("kiln",)),
+    Setting("memory_profile_jsonl", str, None,
+            "write RSS (and CUDA memory) at each startup stage and at shutdown as JSONL",
+            ("--memory-profile-jsonl",), affects="observability", group="observability",
+            metavar="PATH", engines=("kiln",)),
+    Setting("scheduler_trace_jsonl", str, None,
+            "write per-step queue lengths, tokens by kind, prefix hits, preemptions and free "
+            "KV blocks as JSONL", ("--scheduler-trace-jsonl",), affects="observability",
+            group="observability", metavar="PATH", engines=("kiln",)),
+    Setting("request_dump_dir", str, None,
+            "write one JSON bundle per request (secrets removed) for `kiln replay`",
+            ("--request-dump-dir",), affects="observability", group="observability",
+            metavar="DIR", engines=("kiln",)),
+    Setting("diagnostic_faults", parse_faults, None,
+            "inject a fault (repeatable): startup:STAGE, step_raise:N, step_delay_ms:N, "
+            "kv_alloc[:N], drop_stream:N", ("--diagnostic-fault",), affects="correctness",
+            group="observability", metavar="KIND[:ARG]", engines=("kiln",), repeatable=True),
     # -- KV cache that remembers (kiln's engine)
     Setting("prefix_rendezvous_max_wait_ms", positive_wait_ms, None,
             "a request whose prefix another request is prefilling right now waits up to N ms "
@@ -537,6 +612,12 @@ class EngineConfig:
     kt_cpuinfer: int | None = None
     kt_gpu_prefill_token_threshold: int | None = None
     expert_calibration: str = _table_default("expert_calibration")
+    # while serving (kiln/obs/): traces and faults the engine itself writes / injects
+    profile_jsonl: str | None = None
+    profile_detail: str = _table_default("profile_detail")
+    profile_sample_rate: float = _table_default("profile_sample_rate")
+    scheduler_trace_jsonl: str | None = None
+    diagnostic_faults: tuple[Any, ...] = ()
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

@@ -61,6 +61,9 @@ def cli_values(namespace: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     seen: dict[str, list[tuple[Any, str]]] = getattr(namespace, "_kiln_seen", None) or {}
     out: dict[str, tuple[Any, str]] = {}
     for name, uses in seen.items():
+        if BY_NAME[name].repeatable:
+            out[name] = ([v for v, _ in uses], uses[0][1])
+            continue
         values = {repr(v) for v, _ in uses}
         if len(values) > 1:
             flags = " and ".join(sorted({f for _, f in uses}))

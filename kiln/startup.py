@@ -211,7 +211,19 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
         _plan_expert_placement(sp)
+        if not args.dry_run:
+            _install_stages(s)
     return sp
+
+
+def _install_stages(s: C.ResolvedSettings) -> None:
+    """Startup stages from here on write --memory-profile-jsonl and fail a startup:STAGE
+    fault (kiln/obs/trace.py); the runner marks the stages inside loading."""
+    from kiln.obs import trace
+
+    fault = next((f.arg for f in s["diagnostic_faults"] or () if f.kind == "startup"), None)
+    trace.install(s["memory_profile_jsonl"], fault)
+    trace.stage("settings_resolved")
 
 
 def _plan_expert_placement(sp: StartupPlan) -> None:
@@ -455,7 +467,12 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     sp.phase = "load"
     t0 = time.monotonic()
     cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
-    engine = Engine(cfg, ckpt=sp.checkpoint, tokenizer=tokenizer, progress=progress)
+    meta = {"commit_sha": s["profile_commit_sha"], "env_hash": s["profile_env_hash"],
+            "model": s["profile_model"] or src.name, "concurrency": s["profile_concurrency"],
+            "runtime_flags": s["profile_runtime_flags_json"],
+            "config_hash": config_hash(sp)} if cfg.profile_jsonl else None
+    engine = Engine(cfg, ckpt=sp.checkpoint, tokenizer=tokenizer, progress=progress,
+                    trace_meta=meta)
     record_engine(sp, engine, time.monotonic() - t0)
     return engine
 
@@ -568,6 +585,16 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
     return out
 
 
+def config_hash(sp: StartupPlan) -> str:
+    """sha256 of the resolved settings (api key masked): what a request dump and a profile
+    record, so two runs can be told apart or matched."""
+    import hashlib
+
+    settings = effective_config(sp, "ok")["settings"]
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = None, *,
                     lenient: bool = False) -> list[Any]:
     """Writes --effective-config-json and --decision-trace-jsonl. With `lenient` (after a
@@ -616,6 +643,9 @@ def _write_trace(path: Path, sp: StartupPlan, status: str, error: BaseException 
 def fail(sp: StartupPlan, err: BaseException) -> int:
     """Records the failure, prints it the way a user can act on, and gives the exit code. An
     artifact that cannot be written is one warning line after the error."""
+    from kiln.obs.trace import shutdown_stages
+
+    shutdown_stages()
     if isinstance(err, KilnError):
         print(msg("cli.error", phase=sp.phase, error=err), file=sys.stderr)
         code = err.exit_code

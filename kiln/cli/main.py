@@ -21,13 +21,13 @@ class KilnParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kiln.cli import bench, config_cmd, doctor, list_models, ps, pull, run, serve, stop
+    from kiln.cli import bench, config_cmd, doctor, list_models, ps, pull, replay, run, serve, stop
 
     p = KilnParser(
         prog="kiln", description="kiln: an OpenAI-compatible LLM server with its own engine.")
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in (serve, run, pull, list_models, ps, stop, doctor, config_cmd, bench):
+    for mod in (serve, run, pull, list_models, ps, stop, doctor, config_cmd, bench, replay):
         mod.add_parser(sub)
     return p
 

@@ -31,6 +31,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kiln.obs.trace import note_process_start
+
+    note_process_start()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sp = startup.StartupPlan(args)
     try:
@@ -99,6 +102,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln import __version__
     from kiln.backends import format_running_block
     from kiln.engine.async_engine import AsyncEngine, wait_idle
+    from kiln.obs import trace
     from kiln.server.app import build_app
     from kiln.server.protocol import RequestLimits
 
@@ -123,9 +127,15 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         print(msg("cli.warning", warning=w), file=sys.stderr)
 
     sp.phase = "serve"
+    dumper = None
+    if s["request_dump_dir"]:
+        from kiln.obs.dump import RequestDumper
+
+        dumper = RequestDumper(s["request_dump_dir"], startup.config_hash(sp))
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__,
-                    limits=RequestLimits.from_settings(s))
+                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults)
+    trace.stage("ready")
     startup.write_artifacts(sp, "ok")
     host, port = s["host"], s["port"]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
@@ -159,7 +169,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         server.run()
         # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
         drained = wait_idle(aengine, 1.0)
-        aengine.shutdown()
+        aengine.shutdown()  # the engine thread closes (flushes) the step traces
+        trace.shutdown_stages()
     print(msg("serve.stopped" if drained else "serve.stopped_cut"), file=sys.stderr)
     return 0
 

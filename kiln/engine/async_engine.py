@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kiln.engine.engine import Engine, RequestOutput
+from kiln.engine.engine import Engine, RequestOutput, StepFailedError
 from kiln.engine.output import RequestMetrics
 from kiln.errors import KilnError
 from kiln.sampling_params import SamplingParams
@@ -85,6 +85,7 @@ class AsyncEngine:
         # Called on the engine thread with each finished request's metrics (/metrics' request
         # histograms); a listener must be quick and thread-safe (prometheus_client's are).
         self.finished_listeners: list[Callable[[RequestMetrics], None]] = []
+        self._kv_integrity: str | None = None  # checked only with diagnostic faults on
 
     @property
     def max_model_len(self) -> int:
@@ -184,14 +185,25 @@ class AsyncEngine:
     def _loop(self) -> None:
         eng = self.engine
         assert eng is not None
+        idle_checked = False
         try:
             while not self._stop.is_set():
                 block = not eng.has_unfinished
                 self._drain(block)
                 if not eng.has_unfinished and not eng._outputs_pending:
+                    if eng.faults is not None and not idle_checked:
+                        self._check_integrity(eng)
+                        idle_checked = True
                     self._snapshot(eng)
                     continue
-                outputs = eng.step()
+                idle_checked = False
+                try:
+                    outputs = eng.step()
+                except StepFailedError as e:
+                    # Only that step's requests fail (HTTP 500); the engine goes on.
+                    self._fail(e.request_ids, e)
+                    self._snapshot(eng)
+                    continue
                 # Stats first: a client that saw its request finish then finds it in /metrics.
                 self._snapshot(eng)
                 self._deliver(outputs)
@@ -201,6 +213,15 @@ class AsyncEngine:
             for q, loop in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine crashed: {e}"))
             self._streams.clear()
+        finally:
+            eng.close_traces()
+
+    def _fail(self, request_ids: list[str], err: BaseException) -> None:
+        for rid in request_ids:
+            entry = self._streams.pop(rid, None)
+            if entry is not None:
+                q, loop = entry
+                loop.call_soon_threadsafe(q.put_nowait, err)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -232,8 +253,20 @@ class AsyncEngine:
             self._streams.pop(rid, None)
         self._snapshot(self.engine)
 
+    def _check_integrity(self, eng: Engine) -> None:
+        """With diagnostic faults on, each time the engine goes idle: no KV block leaked
+        (`kv_integrity` in /health: "ok" or what broke)."""
+        try:
+            eng.check_idle_integrity()
+            self._kv_integrity = "ok"
+        except AssertionError as e:
+            log.error("KV cache integrity check failed after a fault: %s", e)
+            self._kv_integrity = f"broken: {e}"
+
     def _snapshot(self, eng: Engine) -> None:
         self._stats = eng.metrics()
+        if self._kv_integrity is not None:
+            self._stats["kv_integrity"] = self._kv_integrity  # type: ignore[assignment]
         self._routing = eng.routing_counts()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

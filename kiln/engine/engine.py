@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,15 +18,17 @@ from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.output import OutputProcessor, RequestOutput
-from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler, SchedulerConfig
+from kiln.engine.request import Request, RequestStatus, TokenLogprob
+from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.errors import KilnError
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
 from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
+from kiln.obs.faults import Faults
+from kiln.obs.trace import JsonlWriter, SchedulerTracer, StepProfiler
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineStats", "PromptTooLongError", "RequestOutput"]
+__all__ = ["Engine", "EngineStats", "PromptTooLongError", "RequestOutput", "StepFailedError"]
 
 log = logging.getLogger("kiln.engine")
 
@@ -40,6 +43,16 @@ class PromptTooLongError(KilnError):
         self.prompt_len, self.max_model_len = prompt_len, max_model_len
 
 
+class StepFailedError(KilnError):
+    """The model step raised; `request_ids` were in it and are aborted (their blocks freed).
+    Other requests and the engine go on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the model step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -52,7 +65,8 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint | None = None,
                  progress: ProgressFn | None = None, runner: ModelRunner | None = None, *,
-                 tokenizer: Tokenizer | None = None, kv_hash_fn: HashFn | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, kv_hash_fn: HashFn | None = None,
+                 trace_meta: dict[str, Any] | None = None) -> None:
         """`tokenizer` turns tokens into text and enables stop strings (the front-ends pass it;
         tests that drive token ids need none). `runner` reuses an already loaded model and KV
         pool (tests build several engines with different scheduler limits over one model);
@@ -99,6 +113,23 @@ class Engine:
         self._experts = experts_of(self.runner.model)
         reset_routing_counts(self._experts)
         self.moe_layers: list[int] = [m.layer for m in self._experts]
+        # Traces and faults (kiln/obs/): None when off, and the step only tests for None.
+        self.profiler: StepProfiler | None = None
+        self.sched_trace: SchedulerTracer | None = None
+        self.faults = Faults.of(config.diagnostic_faults)
+        if config.profile_jsonl:
+            sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
+            self.profiler = StepProfiler(
+                JsonlWriter(config.profile_jsonl), sample_rate=config.profile_sample_rate,
+                detail=config.profile_detail, sync=sync,
+                meta={"detail": config.profile_detail, "sample_rate": config.profile_sample_rate,
+                      "device": str(self.runner.device), **(trace_meta or {})})
+            if config.profile_detail == "layers":
+                self.profiler.attach_layer_hooks(self.runner.model.model.layers)
+        if config.scheduler_trace_jsonl:
+            self.sched_trace = SchedulerTracer(JsonlWriter(config.scheduler_trace_jsonl))
+        if self.faults is not None and self.faults.kv_alloc is not None:
+            self.kv.allocate = self.faults.wrap_allocate(self.kv.allocate)  # type: ignore
 
     # ------------------------------------------------------------------ requests
 
@@ -143,16 +174,44 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        prof = self.profiler
+        if prof is not None and prof.want():
+            return self._profiled_step(prof)
         outputs, self._outputs_pending = self._outputs_pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
             return outputs
+        if self.sched_trace is not None:
+            self._trace_schedule(sched)
         t0 = time.perf_counter()
-        sampled, logprobs = self.runner.execute(sched.scheduled)
+        sampled, logprobs = self._execute(sched)
         touched = self.scheduler.update(sched, sampled, logprobs)
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.tokens_computed += sched.num_tokens
+        self._process(touched, outputs)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput, marks: dict[str, float] | None = None
+                 ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """The model step. If it raises, the step's requests cannot go on (their KV is not
+        what their counters say): they are aborted, their blocks freed, and `StepFailedError`
+        names them, so the front-end fails just those and keeps serving."""
+        try:
+            if self.faults is not None:
+                self.faults.before_step(self.stats.steps)
+            return self.runner.execute(sched.scheduled, marks)
+        except Exception as e:
+            ids = [s.request.request_id for s in sched.scheduled]
+            for rid in ids:
+                if self.scheduler.abort(rid) is not None:
+                    self.runner.sampler.forget(rid)
+                    self.output.forget(rid)
+            log.error("model step failed; failing its %d request(s): %s: %s", len(ids),
+                      type(e).__name__, e)
+            raise StepFailedError(ids, e) from e
+
+    def _process(self, touched: list[Request], outputs: list[RequestOutput]) -> None:
         for req in touched:
             out, stop_string = self.output.process(req)
             if stop_string and not req.is_finished:
@@ -162,7 +221,59 @@ class Engine:
             if req.is_finished:
                 self.runner.sampler.forget(req.request_id)
                 self.stats.requests_finished += 1
+
+    def _profiled_step(self, prof: StepProfiler) -> list[RequestOutput]:
+        """`step` with the clock read between phases (a sampled step of --profile-jsonl)."""
+        clock = time.perf_counter
+        t0 = clock()
+        outputs, self._outputs_pending = self._outputs_pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        kinds = self._trace_schedule(sched)
+        marks: dict[str, float] = {"schedule": clock() - t0}
+        t1 = clock()
+        sampled, logprobs = self._execute(sched, marks)
+        t2 = clock()
+        touched = self.scheduler.update(sched, sampled, logprobs)
+        self.stats.steps += 1
+        self.stats.step_seconds += clock() - t1
+        self.stats.tokens_computed += sched.num_tokens
+        self._process(touched, outputs)
+        marks["detokenize"] = clock() - t2  # the tokens appended, stops checked, text made
+        prof.record(self.stats.steps, marks, len(sched.scheduled), sched.num_tokens, *kinds)
         return outputs
+
+    def _trace_schedule(self, sched: SchedulerOutput) -> tuple[int, int]:
+        """Tokens scheduled as prefill and as decode (a decode computes a token after the
+        prompt); writes the scheduler trace's line when it is on."""
+        decode = sum(s.num_new_tokens for s in sched.scheduled
+                     if s.request.num_computed_tokens >= s.request.num_prompt_tokens)
+        prefill = sched.num_tokens - decode
+        if self.sched_trace is not None:
+            self.sched_trace.record(
+                self.stats.steps + 1, running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting), prefill_tokens=prefill,
+                decode_tokens=decode, preempted=len(sched.preempted),
+                prefix_hit_tokens_total=self.kv.stats.hits,
+                kv_blocks_free=self.kv.num_free_blocks, kv_blocks_total=self.kv.num_blocks)
+        return prefill, decode
+
+    def close_traces(self) -> None:
+        """Flushes and closes the traces (shutdown)."""
+        for t in (self.profiler, self.sched_trace):
+            if t is not None:
+                t.close()
+        self.profiler = self.sched_trace = None
+
+    def check_idle_integrity(self) -> None:
+        """With no request left: every KV block is free or cached (none leaked), and the KV
+        manager's own invariants hold. Raises AssertionError otherwise."""
+        assert not self.scheduler.has_work, "requests are still running"
+        self.kv.check_integrity([])
+        pinned = self.kv.sessions.num_pinned_blocks if self.kv.sessions is not None else 0
+        assert self.kv.num_free_blocks + pinned == self.kv.num_blocks, (
+            f"{self.kv.num_blocks - self.kv.num_free_blocks - pinned} KV block(s) leaked")
 
     # ------------------------------------------------------------------ observability
 

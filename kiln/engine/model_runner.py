@@ -36,6 +36,7 @@ from kiln.layers.attention import (
 )
 from kiln.messages import msg
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
+from kiln.obs.trace import stage
 
 log = logging.getLogger("kiln.runner")
 
@@ -77,6 +78,7 @@ class ModelRunner:
                                  # share moves there once placed
                                  experts_device="cpu" if config.cpu_offload_experts else None)
         self.load_seconds = time.monotonic() - t0
+        stage("weights_loaded")
         ckpt.release()
         if self.device.type == "cpu":
             # Loading's transients (dequantized GGUF blocks, fp32 copies while quantizing) go
@@ -97,6 +99,8 @@ class ModelRunner:
                                 [*self.model.parameters(), *self.model.buffers()]
                                 if t.device.type == self.device.type)
         act = memory.measure_activation_peak(self.device, self._largest_step)
+        # The profiling prefill above ran every layer once: kernels are built and loaded.
+        stage("kernels_ready")
         # Logits and sampler temporaries for max_num_seqs rows come on top.
         act += config.max_num_seqs * mc.vocab_size * 4 * 3
         self.plan: MemoryPlan = memory.plan_memory(
@@ -104,6 +108,7 @@ class ModelRunner:
             self.max_model_len)
         self.max_model_len = self.plan.max_model_len
         self._allocate_kv(self.plan.num_blocks)
+        stage("kv_allocated")
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self._block_offsets = np.arange(self.block_size, dtype=np.int64)
         # Made once, here; the step only reads them (see engine/decisions.py).
@@ -121,6 +126,7 @@ class ModelRunner:
         elif config.compile:  # not even torch._dynamo's import (~2 s) is needed
             log.info("%s", self.decisions.compiled.reason)
         self.compile_seconds = self.graphs.seconds if self.graphs is not None else 0.0
+        stage("compiled")  # reached with nothing compiled too: the stage is "past compiling"
         if self.device.type == "cpu":
             memory.release_freed_memory()  # what loading, profiling and compiling freed
 
@@ -184,11 +190,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]
+    def execute(self, scheduled: list[ScheduledRequest],
+                marks: dict[str, float] | None = None
                 ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         """One model step over the scheduler's batch; returns the sampled token (and logprobs)
         of every request whose chunk reached the end of its sequence. The only host sync is the
-        sampler's single transfer of the chosen tokens."""
+        sampler's single transfer of the chosen tokens. With `marks` (a profiled step), the
+        seconds of its prepare, forward and sample phases are put there."""
+        if marks is not None:
+            t0 = time.perf_counter()
         # Decodes (one token) first, then prefill chunks: see the layout in layers/attention.py.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         chunks = [s for s in scheduled if s.num_new_tokens != 1]
@@ -253,6 +263,10 @@ class ModelRunner:
                 sample_rows.append(t - 1)
                 sample_reqs.append(s.request)
 
+        if marks is not None:
+            self._sync()
+            t1 = time.perf_counter()
+            marks["prepare"] = t1 - t0
         set_context(meta)
         try:
             if kernel:
@@ -263,7 +277,13 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         finally:
             set_context(None)
+        if marks is not None:
+            self._sync()
+            t2 = time.perf_counter()
+            marks["forward"] = t2 - t1
         if not sample_reqs:
+            if marks is not None:
+                marks["sample"] = 0.0
             return {}, {}
         if len(sample_rows) == hidden.shape[0]:
             rows_hidden = hidden  # every row samples (plain decode): no gather
@@ -276,7 +296,13 @@ class ModelRunner:
         sampled = {r.request_id: tok for r, tok in zip(sample_reqs, out.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, out.logprobs)
                     if lp is not None}
+        if marks is not None:
+            marks["sample"] = time.perf_counter() - t2  # token ids are on the host: synced
         return sampled, logprobs
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)

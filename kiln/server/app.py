@@ -33,18 +33,22 @@ from kiln.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
+    from kiln.obs.dump import RequestDumper
+    from kiln.obs.faults import Faults
 
 log = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str], *,
               api_key: str | None, max_model_len: int, version: str,
-              limits: RequestLimits | None = None) -> FastAPI:
+              limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
+              faults: Faults | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
-    `limits`: caps on one request (defaults: the settings table's)."""
+    `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
+    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
-                 version=version, limits=limits)
+                 version=version, limits=limits, dumper=dumper, faults=faults)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 

@@ -63,7 +63,11 @@ def bad_param(e: SamplingParamsError | TokenizerError, param: str | None = None)
 def engine_error(e: BaseException) -> BaseException:
     """The HTTP error for an exception out of the engine (itself when it is not one)."""
     from kiln.engine.async_engine import EngineDeadError, EngineOverloadedError
+    from kiln.engine.engine import StepFailedError
 
+    if isinstance(e, StepFailedError):
+        # The model step this request was in raised; other requests were not touched.
+        return APIError(500, e.message, code="engine_step_failed")
     if isinstance(e, EngineOverloadedError):
         return APIError(503, e.message, code="overloaded")
     if isinstance(e, EngineDeadError):

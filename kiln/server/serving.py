@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -38,6 +38,8 @@ from kiln.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
     from kiln.engine.request import TokenLogprob
+    from kiln.obs.dump import RequestDump, RequestDumper
+    from kiln.obs.faults import Faults
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class ChoiceEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the new output token ids
 
     @property
     def finished(self) -> bool:
@@ -65,6 +68,7 @@ class ChoiceEvent:
         """A choice's events as one: all its text, logprobs and offsets (offsets already count
         from the choice's start); reasons and token counts are the last event's, the totals."""
         return replace(evs[-1], text="".join(e.text for e in evs),
+                       token_ids=[t for e in evs for t in e.token_ids],
                        logprobs=[lp for e in evs for lp in e.logprobs],
                        text_offsets=[o for e in evs for o in e.text_offsets])
 
@@ -86,6 +90,11 @@ class _Failed:
     error: BaseException
 
 
+class StreamDropped(Exception):
+    """--diagnostic-fault drop_stream: raised out of the SSE body, so the server cuts the
+    connection mid-response (the client sees a stream end without [DONE])."""
+
+
 class _Disconnected:
     """Queue sentinel: the client went away, stop waiting for events."""
 
@@ -96,8 +105,8 @@ def clamp_logprob(lp: float) -> float:
 
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str],
-                 *, max_model_len: int, version: str, limits: RequestLimits | None = None
-                 ) -> None:
+                 *, max_model_len: int, version: str, limits: RequestLimits | None = None,
+                 dumper: RequestDumper | None = None, faults: Faults | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -107,6 +116,8 @@ class Serving:
         self.version = version
         self.limits = limits or RequestLimits()
         self.created = int(time.time())
+        self.dumper = dumper
+        self.faults = faults
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -139,12 +150,12 @@ class Serving:
                     finish_reason=(out.finish_reason or "stop") if out.finished else None,
                     stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
                     num_output_tokens=out.num_output_tokens,
-                    num_cached_tokens=out.num_cached_tokens)
+                    num_cached_tokens=out.num_cached_tokens, token_ids=out.new_token_ids)
                 if ev.finished:
                     done = True
                     yield ev
                     return
-                if ev.text or ev.logprobs:
+                if ev.text or ev.logprobs or ev.token_ids:
                     yield ev
             # The engine stream ended without a finished output: treat as aborted.
             done = True
@@ -157,14 +168,20 @@ class Serving:
             except Exception:  # closing must never mask the original outcome
                 log.debug("closing engine stream %s failed", spec.request_id, exc_info=True)
 
-    async def start(self, request: Request, specs: list[ChoiceSpec]) -> Fanout:
-        """Submit every choice and wait until all are admitted; 503 when the engine is full."""
+    async def start(self, request: Request, specs: list[ChoiceSpec], body: Any = None
+                    ) -> Fanout:
+        """Submit every choice and wait until all are admitted; 503 when the engine is full.
+        `body` (the validated request) goes into the request dump, when one is written."""
         fan = Fanout(self, specs)
+        if self.dumper is not None and body is not None:
+            fan.dump = self.dumper.begin(request.url.path.removeprefix("/v1/"), body, specs)
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
         try:
             await fan.wait_started()
         except BaseException as e:  # overloaded, client gone, handler cancelled: stop them all
             fan.cancel()
+            if fan.dump is not None:
+                fan.dump.write(error=f"{type(e).__name__}: {e}")
             mapped = engine_error(e)
             if mapped is e:
                 raise
@@ -183,16 +200,22 @@ class Serving:
             while remaining:
                 item = await fan.next()
                 if isinstance(item, _Failed):
+                    if fan.dump is not None:
+                        fan.dump.write(error=str(item.error))
                     err = engine_error(item.error)
                     if err is item.error:
                         raise err
                     raise err from item.error
                 events[item.index].append(item)
+                if fan.dump is not None:
+                    fan.dump.add(item)
                 if item.finished:
                     remaining -= 1
         finally:
             watcher.cancel()
             fan.cancel()
+        if fan.dump is not None:
+            fan.dump.write()
         return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
 
     def stream_response(self, request: Request, fan: Fanout,
@@ -213,24 +236,40 @@ class Serving:
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
         finals: list[ChoiceEvent] = []
         remaining = len(fan.specs)
+        dump = fan.dump
+        error: str | None = None
+        # --diagnostic-fault drop_stream:N: this stream is cut after N chunks (a drill).
+        drop_after = self.faults.take_drop_stream() if self.faults is not None else None
+        sent = 0
         try:
             for line in first:
                 yield f"data: {line}\n\n"
             while remaining:
+                if drop_after is not None and sent >= drop_after:
+                    log.warning("stream cut after %d chunks by --diagnostic-fault drop_stream",
+                                sent)
+                    error = f"dropped by --diagnostic-fault drop_stream:{drop_after}"
+                    fan.disconnect()  # as when the client leaves: its requests are aborted
+                    raise StreamDropped(error)
                 try:
                     item = await fan.next()
                 except ClientGone:
+                    error = "client disconnected"  # the dump keeps the partial output
                     return
                 if isinstance(item, _Failed):
+                    error = str(item.error)
                     err = engine_error(item.error)
                     log.error("request failed mid-stream: %r", err, exc_info=item.error)
                     api_err = err if isinstance(err, APIError) else APIError(
                         500, f"internal error: {type(err).__name__}: {err}")
                     yield f"data: {json.dumps(api_err.body())}\n\n"
                     break
+                if dump is not None:
+                    dump.add(item)
                 # A step that added no text or logprobs and finished nothing has nothing to send.
                 if item.text or item.logprobs or item.finished:
                     yield f"data: {render(item)}\n\n"
+                    sent += 1
                 if item.finished:
                     finals.append(item)
                     remaining -= 1
@@ -242,6 +281,8 @@ class Serving:
         finally:
             watcher.cancel()
             fan.cancel()
+            if dump is not None:
+                dump.write(error=error)
 
 
 class Fanout:
@@ -252,6 +293,7 @@ class Fanout:
         self.specs = specs
         self.queue: asyncio.Queue[ChoiceEvent | _Failed | _Disconnected] = asyncio.Queue()
         self.disconnected = False
+        self.dump: RequestDump | None = None  # --request-dump-dir
         loop = asyncio.get_running_loop()
         self._started: list[asyncio.Future[None]] = [loop.create_future() for _ in specs]
         self.tasks = [asyncio.create_task(self._pump(serving, spec, self._started[i]))

@@ -63,7 +63,7 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
     head: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
     k = params.logprobs or 0
     want_lp = params.logprobs is not None
-    fan = await sv.start(request, specs)
+    fan = await sv.start(request, specs, body=req)
 
     def usage(finals: list[ChoiceEvent]) -> UsageInfo:
         completion = sum(e.num_output_tokens for e in finals)

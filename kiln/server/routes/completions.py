@@ -69,7 +69,7 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
     k = req.logprobs or 0
     # Every response and chunk of this request carries the same id, time and model.
     head: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
-    fan = await sv.start(request, specs)
+    fan = await sv.start(request, specs, body=req)
 
     def usage(finals: list[ChoiceEvent]) -> UsageInfo:
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
