@@ -187,12 +187,12 @@ def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
               device: torch.device, moe: str = "", invariant: bool = False) -> Decision:
     if not config.compile:
         return Decision(False, "--compile is off")
+    if moe:
+        return Decision(False, moe)
     if invariant:
         return Decision(False, "--batch-invariant: inductor's fused decode graphs round "
                                "differently from the eager steps that mix decodes with prefill "
                                "chunks (and from one batch bucket to another)")
-    if moe:
-        return Decision(False, moe)
     if not buckets:
         return Decision(False, f"decode steps of up to {kernel_rows} rows run kiln's layer "
                                "kernel: nothing to compile")
