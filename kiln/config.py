@@ -274,6 +274,15 @@ SETTINGS: list[Setting] = [
             affects="performance"),
     Setting("compile", parse_bool, False, "torch.compile the decode step", ("--compile",),
             neg_flags=("--no-compile",), affects="performance"),
+    Setting("batch_invariant", parse_bool, True,
+            "a greedy request's tokens and logprobs do not depend on the batch it runs in, the "
+            "chunking of its prefill or prefix-cache hits: attention per row in one fixed order "
+            "(kiln's AVX2 kernel), one kernel per layer whatever the step's row count, and off: "
+            "torch.compile of decode (its fused graphs round differently from the eager steps "
+            "that mix decodes with prefill) and cascade attention (another merge order for "
+            "shared prefixes)",
+            ("--batch-invariant",), neg_flags=("--no-batch-invariant",), affects="correctness",
+            engines=("kiln",)),
     Setting("cpu_kernels", parse_bool, True,
             "kiln's C++ CPU kernels (decode attention, int4/int8 linears; AVX512-BF16, built "
             "once per machine)",
@@ -601,6 +610,7 @@ class EngineConfig:
     seed: int = _table_default("seed")
     compile: bool = _table_default("compile")
     cpu_kernels: bool = _table_default("cpu_kernels")
+    batch_invariant: bool = _table_default("batch_invariant")
     prefix_rendezvous_max_wait_ms: int | None = _table_default("prefix_rendezvous_max_wait_ms")
     session_cache: str = _table_default("session_cache")
     session_cache_max_entries: int = _table_default("session_cache_max_entries")

@@ -474,7 +474,8 @@ def test_runner_decisions_record_the_kernel_decode_path_and_nothing_compiled(tmp
     assert d.dense_weights.value is True
     assert "int4 layers on kiln's kernels keep none" in d.dense_weights.reason
     out = json.loads(json.dumps(d.to_dict()))
-    assert set(out) == {"kv_cache_dtype", "decode_path", "compiled", "dense_weights"}
+    assert set(out) == {"kv_cache_dtype", "decode_path", "compiled", "dense_weights",
+                        "batch_invariant", "cascade"}
     assert out["compiled"] == {"value": False, "reason": d.compiled.reason}
 
 

@@ -4,9 +4,11 @@ its flags, prefix rendezvous, and the session cache."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
+from kiln.engine.decisions import Decision
 from kiln.sampling_params import SamplingParams
 
 SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short sentence, be "
@@ -274,6 +276,11 @@ def test_cascade_decode_over_a_shared_prefix_matches_no_sharing(smollm2_runner, 
         return n
 
     monkeypatch.setattr(type(runner), "_shared_prefix_blocks", spy)
+    # The shared runner is batch-invariant (no cascade): this test is about the other mode.
+    for layer in runner.model.attention_layers():
+        monkeypatch.setattr(layer.kv, "invariant", False)
+    monkeypatch.setattr(runner, "decisions", dataclasses.replace(
+        runner.decisions, cascade=Decision(True, "test: --no-batch-invariant's cascade")))
 
     def run(**kw) -> dict[str, list[int]]:
         eng = build_engine(runner, gguf_path, **kw)

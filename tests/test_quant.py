@@ -308,7 +308,8 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     folder = make_tiny_model("llama", tmp_path / "tiny")
     cfg = EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
-                       max_num_seqs=4, max_num_batched_tokens=64, compile=True)
+                       max_num_seqs=4, max_num_batched_tokens=64, compile=True,
+                       batch_invariant=False)  # (which turns compile and cascade off)
     eng = Engine(cfg)
     runner = eng.runner
     assert runner.graphs.buckets == [1, 2, 4] and runner.compile_seconds > 0

@@ -35,6 +35,8 @@ class RuntimeDecisions:
     decode_path: Decision  # "kernel" | "kernel+compiled" | "kernel+eager" | "compiled" | "eager"
     compiled: Decision  # bool: torch.compile built graphs
     dense_weights: Decision  # bool: quantized layers keep a dense copy of their weight
+    batch_invariant: Decision  # bool: a row's numbers do not depend on the rest of its step
+    cascade: Decision  # bool: cascade attention over shared prefixes
     # What the runner's step reads: decode steps of up to this many rows run the layer kernel
     # (0: none), and the batch buckets that have compiled graphs (empty: nothing compiled).
     decode_kernel_rows: int
@@ -85,16 +87,25 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
     kernel needs a pool the kernels read). Nothing here runs per step."""
     kernel_rows, kernel_why = _decode_kernel_rows(config, model, device)
     moe = _moe_eager(model)
+    # Batch invariance, where its attention kernel runs, turns compile and cascade off.
+    invariant = _batch_invariant(config, model, kernel_rows)
     buckets = (decode_buckets(kernel_rows, config.max_num_seqs)
-               if config.compile and not moe else [])
+               if config.compile and not moe and not invariant.value else [])
     reads = any(getattr(layer.kv, "kernel", False) for layer in model.attention_layers())
     kv = Decision(kv_cache_dtype.value, kv_cache_dtype.reason + (
         "; kiln's CPU attention kernels read the pool" if reads else ""))
     return RuntimeDecisions(
         kv_cache_dtype=kv,
-        decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device, moe),
-        compiled=_compiled(config, kernel_rows, buckets, device, moe),
+        decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device,
+                                 moe or ("--batch-invariant" if invariant.value else "")),
+        compiled=_compiled(config, kernel_rows, buckets, device, moe, invariant.value),
         dense_weights=_dense_weights(config, model),
+        batch_invariant=invariant,
+        cascade=(Decision(False, "--batch-invariant: every decode row reads its whole context "
+                                 "in one order (a shared prefix read once for all rows would "
+                                 "merge in another)")
+                 if invariant.value else
+                 Decision(True, "decode rows sharing a cached prefix attend to it once")),
         decode_kernel_rows=kernel_rows,
         compile_buckets=tuple(buckets))
 
@@ -153,12 +164,35 @@ def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, bucket
     return Decision("eager", f"eager modules: {why}; no layer kernel: {kernel_why}")
 
 
+def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
+                     kernel_rows: int) -> Decision:
+    """Whether every row's arithmetic is its own (see the batch_invariant setting)."""
+    if not config.batch_invariant:
+        return Decision(False, "--no-batch-invariant: kernels chosen by each step's row count, "
+                               "compiled decode and cascade attention allowed")
+    layers = list(model.attention_layers()) if hasattr(model, "attention_layers") else []
+    if not layers or not all(getattr(layer.kv, "invariant", False) for layer in layers):
+        return Decision(False, "asked, but the batch-invariant attention kernel does not run "
+                               "here (it needs kiln's AVX2 kernels, --cpu-kernels, an fp32/bf16 "
+                               "KV pool in the model dtype)")
+    if kernel_rows:
+        return Decision(False, "asked, but decode steps of up to "
+                               f"{kernel_rows} rows run the AVX512 one-call layer kernel")
+    return Decision(True, "attention row by row in one fixed order (kiln's AVX2 kernel), one "
+                          "kernel per quantized layer at every row count; decode not compiled, "
+                          "no cascade attention")
+
+
 def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
-              device: torch.device, moe: str = "") -> Decision:
+              device: torch.device, moe: str = "", invariant: bool = False) -> Decision:
     if not config.compile:
         return Decision(False, "--compile is off")
     if moe:
         return Decision(False, moe)
+    if invariant:
+        return Decision(False, "--batch-invariant: inductor's fused decode graphs round "
+                               "differently from the eager steps that mix decodes with prefill "
+                               "chunks (and from one batch bucket to another)")
     if not buckets:
         return Decision(False, f"decode steps of up to {kernel_rows} rows run kiln's layer "
                                "kernel: nothing to compile")

@@ -78,6 +78,10 @@ class ModelRunner:
                                  # share moves there once placed
                                  experts_device="cpu" if config.cpu_offload_experts else None)
         self.load_seconds = time.monotonic() - t0
+        if config.batch_invariant:
+            # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
+            from kiln.layers.quant import fix_kernel_choice
+            fix_kernel_choice(self.model)
         stage("weights_loaded")
         ckpt.release()
         if self.device.type == "cpu":
@@ -178,7 +182,8 @@ class ModelRunner:
                 if v_row:
                     vs = memory.kv_zeros((num_slots, v_row[0]), INT8_SCALE_DTYPE, self.device)
             layer.attach(KVStore(k, v, ks, vs, compute_dtype=self.dtype, v_dim=layer.v_head_dim),
-                         use_kernels=self.config.cpu_kernels)
+                         use_kernels=self.config.cpu_kernels,
+                         invariant=self.config.batch_invariant)
 
     def _allocate_kv(self, num_blocks: int) -> None:
         # One block more than the plan: the scratch block, never handed to the block manager,
@@ -244,6 +249,7 @@ class ModelRunner:
         if dec is not None:
             meta.decode_gather = self._to_device(dec.gather)
             meta.decode_mask = self._to_device(dec.mask)[:, None, None, :]
+            meta.decode_lens = self._to_device(dec.positions[:nd] + 1)
             if dec.shared is not None:
                 meta.decode_shared = self._to_device(dec.shared)
         input_ids = self._to_device(_cat(id_parts))
@@ -312,7 +318,7 @@ class ModelRunner:
         """How many leading KV blocks every decode row shares (the same physical blocks: a
         prefix-cache hit), when enough rows share enough of them for cascade attention to pay;
         else 0. Only full blocks before each row's current one count."""
-        if len(decodes) < CASCADE_MIN_ROWS:
+        if len(decodes) < CASCADE_MIN_ROWS or not self.decisions.cascade.value:
             return 0
         reqs = [s.request for s in decodes]
         limit = min(r.num_computed_tokens for r in reqs) // self.block_size

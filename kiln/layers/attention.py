@@ -86,6 +86,8 @@ class AttentionMetadata:
     # Cascade decode: slots of the leading blocks every decode row shares (a prefix-cache hit);
     # decode_gather/decode_mask then cover only what follows them. See Attention._cascade.
     decode_shared: torch.Tensor | None = None  # [P] slots
+    # Context length of each decode row (what the batch-invariant kernel reads of its gather).
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -142,6 +144,8 @@ class KVStore:
         # Decode rows and prefill chunks read this pool with kiln's CPU kernels (set by
         # Attention.attach).
         self.kernel = False
+        # Every row attends with kiln's batch-invariant kernel (cpu_kernels.attend_rows).
+        self.invariant = False
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """Queries that attend to keys read from this store: q [..., D] in the store's basis."""
@@ -222,7 +226,7 @@ class Attention(nn.Module):
         v = None if self.v_in_k else (self.num_kv_heads, self.v_head_dim)
         return (self.num_kv_heads, self.head_dim), v
 
-    def attach(self, kv: KVStore, use_kernels: bool = True) -> None:
+    def attach(self, kv: KVStore, use_kernels: bool = True, invariant: bool = False) -> None:
         """Give the layer its slice of the KV pool; decode and prefill with kiln's CPU
         kernels where they run (a bf16 pool on a CPU with AVX512-BF16: see
         kiln.layers.cpu_kernels) unless `use_kernels` (--no-cpu-kernels) is off. The kernels
@@ -231,6 +235,17 @@ class Attention(nn.Module):
         kv.kernel = (use_kernels and not kv.quantized and not kv.v_in_k
                      and kv.k.dtype == kv.compute_dtype
                      and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
+        # `invariant` (--batch-invariant): every row, decode or prefill, through attend_rows,
+        # where it runs (AVX2, an fp32/bf16 pool in the compute dtype, K and V apart, head dims
+        # multiples of 8). The AVX512 kernels above keep their own paths.
+        kv.invariant = (invariant and use_kernels and not kv.kernel and not kv.quantized
+                        and not kv.v_in_k and kv.k.device.type == "cpu"
+                        and kv.k.dtype == kv.compute_dtype
+                        and kv.k.dtype in (torch.float32, torch.bfloat16)
+                        and self.head_dim % 8 == 0 and self.v_head_dim % 8 == 0
+                        and self.head_dim <= 256 and self.v_head_dim <= 256
+                        and self.num_heads // self.num_kv_heads <= 16
+                        and cpu_kernels.avx2_available())
         self.kv = kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
@@ -247,6 +262,8 @@ class Attention(nn.Module):
             assert kv.kernel, "k/v already written: only the kernels' paths read the pool alone"
         else:
             kv.write(meta.slot_mapping, k, v)
+        if kv.invariant:
+            return self._invariant(q, kv, meta)
         out = q.new_empty((*q.shape[:-1], self.v_head_dim))
         nd = meta.num_decodes
         if nd and kv.kernel:
@@ -280,6 +297,29 @@ class Attention(nn.Module):
                     attn_mask=c.mask, scale=self.scale, enable_gqa=True)
             out[c.start:c.end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
+
+    def _invariant(self, q: torch.Tensor, kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
+        """Every row of the step through cpu_kernels.attend_rows, reading the pool (this step's
+        K/V are written already): a decode row over its gathered slots up to its length, a
+        prefill row over its chunk's context up to its own position. A row's arithmetic depends
+        only on its query and context, so it is the same alone or batched, in one prefill chunk
+        or several, after a prefix-cache hit or not (see the kernel's notes)."""
+        qf = q.float()
+        out = q.new_empty((q.shape[0], self.num_heads, self.v_head_dim), dtype=torch.float32)
+        nd = meta.num_decodes
+        if nd:
+            assert meta.decode_gather is not None and meta.decode_lens is not None
+            rows = torch.arange(nd, device=q.device)
+            out[:nd] = cpu_kernels.attend_rows(qf[:nd], kv.k, kv.v, meta.decode_gather, rows,
+                                               meta.decode_lens, self.scale)
+        for c in meta.prefills:
+            slots = meta.slot_mapping[c.start:c.end] if c.gather is None else c.gather
+            n = c.end - c.start
+            lens = torch.arange(c.context_start + 1, c.context_start + n + 1, device=q.device)
+            out[c.start:c.end] = cpu_kernels.attend_rows(
+                qf[c.start:c.end], kv.k, kv.v, slots.view(1, -1),
+                torch.zeros(n, dtype=torch.long, device=q.device), lens, self.scale)
+        return out.to(q.dtype).reshape(q.shape[0], self.num_heads * self.v_head_dim)
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates q and k of a fused qkv [T, (Hq + 2 Hk) * D] and writes k and v to the pool in

@@ -443,6 +443,32 @@ def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     return torch.ops.kiln_avx2.moe_q4(x, ids, weights, w13, w2, threads)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                row_of: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Batch-invariant attention over the pool (cpu_kernels_avx2.cpp): query row t (q [T, Hq,
+    D] fp32) attends to the first lens[t] slots of table[row_of[t]] (k [S, Hk, D], v [S, Hk,
+    Dv], fp32 or bf16, read in place) -> fp32 [T, Hq, Dv]. Each (row, head) is computed alone,
+    in an order fixed by its own context length: the same bits whatever else is in the step."""
+    return torch.ops.kiln_avx2.attend_rows(q, k, v, table, row_of, lens, scale)
+
+
+def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          table: torch.Tensor, row_of: torch.Tensor, lens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """attend_rows in PyTorch, one row at a time (where the AVX2 library is not built; tests):
+    every row's ops see only its own context, so it is batch-invariant too, only slower."""
+    t_n, hq, _ = q.shape
+    hk = k.shape[1]
+    out = q.new_empty((t_n, hq, v.shape[-1]), dtype=torch.float32)
+    for t in range(t_n):
+        slots = table[int(row_of[t]), : int(lens[t])]
+        kt = k.index_select(0, slots).float().repeat_interleave(hq // hk, dim=1)  # [n, Hq, D]
+        vt = v.index_select(0, slots).float().repeat_interleave(hq // hk, dim=1)
+        s = (kt * q[t].float()).sum(-1) * scale  # [n, Hq]
+        out[t] = (torch.softmax(s, dim=0).unsqueeze(-1) * vt).sum(0)
+    return out
+
+
 def quantize_act_q8(x: torch.Tensor) -> torch.Tensor:
     """What the AVX2 kernels see of an activation x [M, K]: int8 per group of 32 (scale
     amax/127, round half to even), returned dequantized in fp32 (tests, self-check)."""
@@ -469,6 +495,10 @@ def _register_avx2_fakes() -> None:
     @torch.library.register_fake("kiln_avx2::q4_linear")
     def _(x, packed, n):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("kiln_avx2::attend_rows")
+    def _(q, k, v, table, row_of, lens, scale):
+        return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
 
     @torch.library.register_fake("kiln_avx2::moe_q4")
     def _(x, ids, weights, w13, w2):

@@ -433,6 +433,141 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// Batch-invariant attention (kiln/layers/attention.py, `KVStore.invariant`): each query row t
+// attends to the first lens[t] slots of its table row, table[row_of[t]], read from the pool in
+// place. One (row, head) pair is one work item, computed in a fixed order that depends on
+// nothing but its own context: scores j = 0..len-1 (a dot product over D in 8 fp32 lanes,
+// summed horizontally in one order), their max, e_j = exp(s_j - max) summed in j order, then
+// sum_j e_j v_j in 8-lane vectors over Dv, divided by the sum. So a row's output is the same
+// bits alone, in a batch of any size, in a prefill chunk of any length, or after a prefix-cache
+// hit (no padding, no split points, no merge: nothing another row can move).
+//   q      [T, Hq, D]   fp32
+//   k      [S, Hk, D]   pool keys, fp32 or bf16 (contiguous)
+//   v      [S, Hk, Dv]  pool values, same dtype (contiguous)
+//   table  [R, L]       int64 slots; row_of [T] int64 in 0..R-1; lens [T] int64 in 1..L
+//   -> out [T, Hq, Dv]  fp32
+#if KILN_HAVE_AVX2
+// One fixed tree: (lanes 0-3 + 4-7), then pairs, then the last two.
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGroup = 16;
+
+template <typename T>
+void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* table,
+                      const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
+                      int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale) {
+  const int64_t group = Hq / Hk;
+#pragma omp parallel num_threads(threads())
+  {
+    // scores of the group's heads, [group][L] (+ 8 for the vector tail of exp)
+    std::vector<float> sbuf(group * (L + 8));
+    __m256 acc[kMaxHeadDim / 8];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < Tn * Hk; ++item) {
+      // A work item is one query row and one KV head: its `group` query heads read each key
+      // and value row once. Every head's arithmetic is its own, in j order.
+      const int64_t t = item / Hk, kh = item % Hk;
+      const int64_t n = lens[t];
+      const int64_t* slots = table + row_of[t] * L;
+      float top[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* kr = k + (slots[j] * Hk + kh) * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qr = q + (t * Hq + kh * group + g) * D;
+          __m256 a = _mm256_mul_ps(load8(qr), load8(kr));
+          for (int64_t c = 8; c < D; c += 8) a = _mm256_fmadd_ps(load8(qr + c), load8(kr + c), a);
+          const float sj = hsum8(a) * scale;
+          sbuf[g * (L + 8) + j] = sj;
+          top[g] = std::max(top[g], sj);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = sbuf.data() + g * (L + 8);
+        // e_j = exp(s_j - max), elementwise (exp_vec; the tail padded with -inf -> 0), and
+        // their sum in 8 lanes by j mod 8, reduced by hsum8's tree.
+        const int64_t n8 = (n + 7) / 8 * 8;
+        for (int64_t j = n; j < n8; ++j) s[j] = -INFINITY;
+        const __m256 mx = _mm256_set1_ps(top[g]);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n8; j += 8) {
+          __m256 e = exp_vec(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
+          // exp_vec clamps at 2^-126: masked tail lanes must be exactly 0
+          if (j + 8 > n) {
+            alignas(32) float m[8];
+            for (int i = 0; i < 8; ++i) m[i] = (j + i < n) ? 1.0f : 0.0f;
+            e = _mm256_mul_ps(e, _mm256_load_ps(m));
+          }
+          _mm256_storeu_ps(s + j, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        const float sum = hsum8(sum8);
+        for (int64_t c = 0; c < Dv / 8; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vr = v + (slots[j] * Hk + kh) * Dv;
+          const __m256 e = _mm256_set1_ps(s[j]);
+          for (int64_t c = 0; c < Dv / 8; ++c)
+            acc[c] = _mm256_fmadd_ps(e, load8(vr + 8 * c), acc[c]);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        float* o = out + (t * Hq + kh * group + g) * Dv;
+        for (int64_t c = 0; c < Dv / 8; ++c)
+          _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
+      }
+    }
+  }
+}
+#endif
+
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_rows: q must be fp32 [T, Hq, D]");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                  k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "attend_rows: k, v must be contiguous fp32/bf16 [S, Hk, D]");
+  const int64_t Tn = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1), Dv = v.size(2);
+  TORCH_CHECK(k.size(2) == D && D % 8 == 0 && Dv % 8 == 0 && Hq % Hk == 0 && D <= 256 &&
+                  Dv <= 256 && Hq / Hk <= 16,
+              "attend_rows: head dims must match, be multiples of 8 and at most 256; at most 16 "
+              "query heads per KV head");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && row_of.numel() == Tn &&
+                  lens.numel() == Tn,
+              "attend_rows: table [R, L] int64, row_of and lens [T] int64");
+  auto out = at::empty({Tn, Hq, Dv}, q.options());
+#if KILN_HAVE_AVX2
+  if (Tn == 0) return out;
+  const auto qc = q.contiguous();
+  const auto tc = table.contiguous();
+  const auto rc = row_of.to(at::kLong).contiguous();
+  const auto lc = lens.to(at::kLong).contiguous();
+  const int64_t L = tc.size(1);
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < Tn; ++t)
+    TORCH_CHECK(lp[t] >= 1 && lp[t] <= L && rp[t] >= 0 && rp[t] < tc.size(0),
+                "attend_rows: row ", t, " has length ", lp[t], " (table width ", L, ")");
+  if (k.scalar_type() == at::kFloat)
+    attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                     tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
+                     static_cast<float>(scale));
+  else
+    attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
+                     tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
+                     static_cast<float>(scale));
+#else
+  TORCH_CHECK(false, "attend_rows: built without AVX2/FMA/F16C");
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_avx2, m) {
@@ -440,7 +575,10 @@ TORCH_LIBRARY(kiln_avx2, m) {
   m.def("q4_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("moe_q4(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int threads=0) "
         "-> Tensor");
+  m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor table, Tensor row_of, Tensor lens, "
+        "float scale) -> Tensor");
   m.impl("supported", &supported);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);
+  m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
 }

@@ -248,6 +248,9 @@ class _QuantizedLinear(nn.Module):
         self.avx2 = False  # Int4Linear on kiln's AVX2 kernel
         self.register_buffer("dense", None)  # [N, K] in out_dtype, see keep_dense
         self.dense_packed = False  # dense is in oneDNN's layout (kiln.layers.linear.pack_weight)
+        # --batch-invariant: one path for every row count (fix_kernel_choice), so a row's
+        # numbers do not depend on how many other rows share its step.
+        self.fixed = False
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -261,7 +264,7 @@ class _QuantizedLinear(nn.Module):
             self.dense_min_m = PACKED_DENSE_MIN_M
 
     def _use_dense(self, rows: int) -> bool:
-        return self.dense is not None and rows >= self.dense_min_m
+        return self.dense is not None and (self.fixed or rows >= self.dense_min_m)
 
     def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x.to(self.out_dtype), self.dense, self.dense_packed)
@@ -308,7 +311,7 @@ class Int8Linear(_QuantizedLinear):
             y = self._dense_linear(x2)
         elif self.kiln:
             y = cpu_kernels.w8_linear(x2.to(KERNEL_DTYPE), self.weight, self.scales)
-        elif self.native and x2.shape[0] <= self.kernel_max_m:
+        elif self.native and (self.fixed or x2.shape[0] <= self.kernel_max_m):
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         else:
             # Per-row scales commute with the matmul: scale the output, not the weight.
@@ -401,14 +404,14 @@ class Int4Linear(_QuantizedLinear):
         m = x2.shape[0]
         if self._use_dense(m):
             y = self._dense_linear(x2)
-        elif self.kiln and m >= KILN_INT4_A8_MIN_M:
+        elif self.kiln and (self.fixed or m >= KILN_INT4_A8_MIN_M):
             y = cpu_kernels.w4a8_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.kiln:
             y = cpu_kernels.w4_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.avx2:
             xa = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
             y = cpu_kernels.q4_linear(xa, self.packed, self.out_features)
-        elif self.native and (m <= self.kernel_max_m or self.block_n is None):
+        elif self.native and (self.fixed or m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
         elif self.native:
@@ -461,6 +464,21 @@ class Int4Linear(_QuantizedLinear):
 
 
 # --------------------------------------------------------------------------- the pass
+
+
+def fix_kernel_choice(model: nn.Module) -> int:
+    """--batch-invariant: every quantized linear runs one path whatever a step's row count:
+    its dense copy where it keeps one, else its kernel (int4 on kiln's AVX512 kernels: the
+    int8-activation one, as the AVX2 kernel does at every size). Each of these computes a row
+    alone, in an order that does not depend on the other rows (the size thresholds above
+    switch between paths that round differently: a decode row's logits then depended on how
+    many requests were decoding with it). Returns the number of layers fixed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, _QuantizedLinear):
+            m.fixed = True
+            n += 1
+    return n
 
 
 def _groups_of(lin: Linear) -> GroupQuant:
