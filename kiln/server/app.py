@@ -21,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kiln.server.errors import APIError, ClientGone, validation_error
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
+    CompletionChunk,
     CompletionResponse,
     ErrorResponse,
     ModelList,
@@ -98,13 +100,25 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
 
 # What each path answers with 200 (the routes return JSONResponse / SSE themselves, so FastAPI
 # cannot infer it): model, and the media types besides JSON.
+def _sse(chunk: type, what: str) -> dict[str, Any]:
+    """stream=true: each event's data is a chunk, an error object (a failure mid-stream), or the
+    closing `[DONE]`."""
+    # An SSE event is an object of fields; `data` holds the JSON text (contentSchema says of what).
+    return {"text/event-stream": {"schema": {
+        "description": f"SSE: {what} events, then [DONE] (stream=true)",
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                                "contentSchema": {"anyOf": [
+                                    {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                    {"$ref": "#/components/schemas/ErrorResponse"}]},
+                                "description": f"a {what} JSON object, an error object, or "
+                                               "[DONE]"}}}}}
+
+
 _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
-    "/v1/chat/completions": (ChatCompletionResponse, {"text/event-stream": {
-        "schema": {"type": "string", "description": "SSE: chat.completion.chunk events, then "
-                   "[DONE] (stream=true)"}}}),
-    "/v1/completions": (CompletionResponse, {"text/event-stream": {
-        "schema": {"type": "string", "description": "SSE: text_completion events, then [DONE] "
-                   "(stream=true)"}}}),
+    "/v1/chat/completions": (ChatCompletionResponse,
+                             _sse(ChatCompletionChunk, "chat.completion.chunk")),
+    "/v1/completions": (CompletionResponse, _sse(CompletionChunk, "text_completion")),
     "/v1/models": (ModelList, {}),
     "/health": (None, {}),
     "/version": (None, {}),
@@ -123,7 +137,8 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList):
+        for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
+                      ChatCompletionChunk, CompletionChunk):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
