@@ -21,7 +21,8 @@ from kiln.engine import expert_placement
 from kiln.engine.engine import Engine
 from kiln.engine.expert_placement import CALIBRATION_PROMPTS, place_layer, rank
 from kiln.engine.model_runner import ModelRunner
-from kiln.layers.moe import SplitExperts, experts_of, reset_routing_counts
+from kiln.layers.moe import experts_of, reset_routing_counts
+from kiln.layers.moe_pools import SplitExperts
 from kiln.models.gguf_writer import write_gguf
 from kiln.models.loader import iter_tensors, open_checkpoint
 from kiln.sampling_params import SamplingParams

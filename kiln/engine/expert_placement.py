@@ -272,8 +272,12 @@ def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan
     dtype_bytes = 4 if s.get("dtype") == "float32" else 2
     per = estimate_expert_bytes(mc.hidden_size, mc.moe_intermediate_size, quant, dtype_bytes)
     device = s.get("device") or "cpu"
-    n, rule = _choose_n(s, device, mc.num_experts, moe_layers, per, hw=hw,
-                        dense_bytes=_dense_bytes_estimate(mc, per, moe_layers))
+    gpus = getattr(hw, "gpus", None) or []
+    n, rule = _choose_n(s.get("num_gpu_experts"), s.source("num_gpu_experts"), device,
+                        mc.num_experts, moe_layers, per,
+                        float(s.get("gpu_memory_utilization") or 0.9),
+                        min((g.total_memory_bytes for g in gpus), default=0),
+                        _dense_bytes_estimate(mc, per, moe_layers))
     counts = None
     if s.get("expert_calibration") == "off":
         hot = "the first N: calibration is off (--expert-calibration off)"
@@ -303,51 +307,30 @@ def _dense_bytes_estimate(mc: Any, per_expert: int, moe_layers: list[int]) -> in
     return int(total * per_weight)
 
 
-def _choose_n(s: Any, device: str, num_experts: int, moe_layers: list[int], per_expert: int,
-              *, hw: Any = None, dense_bytes: int = 0, device_total: int | None = None
-              ) -> tuple[int, str]:
-    asked = s.get("num_gpu_experts")
+def _choose_n(asked: int | None, asked_how: str, device: str, num_experts: int,
+              moe_layers: list[int], per_expert: int, utilization: float, device_total: int,
+              dense_bytes: int) -> tuple[int, str]:
+    """N and why: asked for (capped at the layer's experts), half on a CPU "device", else what
+    the device memory holds (auto_device_experts)."""
     if asked is not None:
         n = min(int(asked), num_experts)
-        return n, (f"--num-gpu-experts {asked} ({s.source('num_gpu_experts')})"
+        return n, (f"--num-gpu-experts {asked} ({asked_how})"
                    + (f", capped at the layer's {num_experts}" if n < int(asked) else ""))
     if not str(device).startswith("cuda"):
         return cpu_device_experts(num_experts)
-    if device_total is None:
-        gpus = getattr(hw, "gpus", None) or []
-        device_total = min((g.total_memory_bytes for g in gpus), default=0)
-    util = float(s.get("gpu_memory_utilization") or 0.9)
-    return auto_device_experts(num_experts, len(moe_layers), per_expert, device_total, util,
-                               dense_bytes)
+    return auto_device_experts(num_experts, len(moe_layers), per_expert, device_total,
+                               utilization, dense_bytes)
 
 
 # --------------------------------------------------------------------------- applying it
-
-
-class _Settings:
-    """EngineConfig seen through the ResolvedSettings accessors `_choose_n` reads."""
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-
-    def get(self, name: str) -> Any:
-        return getattr(self.config, name, None)
-
-    def source(self, name: str) -> str:
-        return "asked for"
 
 
 def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> PlacementPlan | None:
     """Splits the loaded model's experts as planned (ModelRunner calls it after loading, before
     the memory plan): measures the bytes per expert, calibrates (or reads the cached ranking),
     chooses N, and swaps every layer's Experts for a SplitExperts. None for a dense model."""
-    from kiln.layers.moe import (
-        Experts,
-        HostExecutor,
-        SplitExperts,
-        reset_routing_counts,
-        routing_counts,
-    )
+    from kiln.layers.moe import Experts, reset_routing_counts, routing_counts
+    from kiln.layers.moe_pools import HostExecutor, SplitExperts
 
     config, model, device = runner.config, runner.model, runner.device
     blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), Experts)]
@@ -358,14 +341,12 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
     num_experts = experts[0].num_experts
     moe_layers = [e.layer for e in experts]
     per = max(1, sum(e.storage_bytes() for e in experts) // (len(experts) * num_experts))
-    cfg = _Settings(config)
-    device_total = None
-    dense = 0
+    device_total = dense = 0
     if device.type == "cuda":
         device_total = torch.cuda.get_device_properties(device).total_memory
         dense = torch.cuda.memory_allocated(device)
-    n, rule = _choose_n(cfg, str(device), num_experts, moe_layers, per,
-                        dense_bytes=dense, device_total=device_total)
+    n, rule = _choose_n(config.num_gpu_experts, "asked for", str(device), num_experts,
+                        moe_layers, per, config.gpu_memory_utilization, device_total, dense)
     model_file = config.gguf_file or config.model
     quant = config.quantization
     calibrate = config.expert_calibration == "on"
