@@ -68,10 +68,11 @@ class SplitExperts(nn.Module):
     pool's local ids, -1 for the others); the host pools start first, the device pool runs
     on the calling thread meanwhile (on a CPU "device" they take turns: see `overlap`), and
     the outputs are added in a fixed order (device, then host pools in order), so a split
-    layer computes the same sum as one pool up to float rounding. Steps of `stream_threshold` rows or more (long prefill chunks) run the host
-    experts on the device instead: their weights are copied there for the layer (on a CPU
-    "device" the copy is the pool itself), which beats the CPU once a chunk is long enough to
-    amortise the transfer (kt-kernel's GPU-prefill threshold).
+    layer computes the same sum as one pool up to float rounding. Steps of `stream_threshold`
+    rows or more (long prefill chunks) run the host experts on the device instead: their
+    weights are copied there for the layer (on a CPU "device" the copy is the pool itself),
+    which beats the CPU once a chunk is long enough to amortise the transfer (kt-kernel's
+    GPU-prefill threshold).
 
     Routing is counted here, in global expert ids, for /metrics and the calibration pass."""
 
