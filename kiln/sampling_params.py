@@ -20,6 +20,26 @@ class SamplingParamsError(KilnError):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's `structured_outputs`): exactly one of `json` (a
+    JSON schema, as a dict or its text), `json_object` (any JSON object), `regex`, `choice` (one
+    of these strings) or `grammar` (EBNF/Lark text). The engine compiles it once per distinct
+    value (cached) and masks the logits of the constrained rows each step."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def kinds(self) -> list[str]:
+        return [k for k, v in (("json", self.json is not None), ("json_object", self.json_object),
+                               ("regex", self.regex is not None),
+                               ("choice", self.choice is not None),
+                               ("grammar", self.grammar is not None)) if v]
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -38,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +107,10 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        so = self.structured_outputs
+        if so is not None and len(so.kinds()) != 1:
+            bad("structured_outputs", "structured_outputs takes exactly one of json, json_object, "
+                f"regex, choice, grammar; got {so.kinds() or 'none'}")
 
     def for_choice(self, index: int) -> SamplingParams:
         """Parameters of choice `index` of an n>1 request: one sequence each, distinct seeds."""
