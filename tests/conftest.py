@@ -93,6 +93,26 @@ TINY_MOE["deepseek_v2"] = {**_TINY_MLA, "q_lora_rank": None, "topk_method": "gro
 TINY_MOE["deepseek_v3"] = {**_TINY_MLA, "q_lora_rank": 32, "routed_scaling_factor": 2.5,
                            "norm_topk_prob": True}
 
+# Dense families beyond Llama: windows shorter than the tests' prompts (so the sliding layers
+# really differ from global ones), soft-caps low enough to bite, non-trivial multipliers.
+_GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
+          "num_hidden_layers": 3}
+TINY_DENSE: dict[str, dict] = {
+    "gemma2": {**_GEMMA, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    # layers 0, 1 slide, 2 is global; the local RoPE base differs from the global one
+    "gemma3": {**_GEMMA, "layer_types": ["sliding_attention", "sliding_attention",
+                                         "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default",
+                                                      "rope_theta": 1000000.0}}},
+    "phi3": {"sliding_window": 24, "partial_rotary_factor": 0.5, "pad_token_id": 0,
+             "eos_token_id": 1, "bos_token_id": 2},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+                "attention_multiplier": 0.2, "logits_scaling": 2.5},
+    "olmo2": {"eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 2},
+}
+
 
 def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
     """A random-weight HF model of `family`, saved as safetensors: the transformers reference."""
@@ -108,8 +128,13 @@ def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
            "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+           "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+           "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+           "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
            }[family]
-    kw = {**TINY, **TINY_MOE.get(family, {}), **overrides}
+    kw = {**TINY, **TINY_MOE.get(family, {}), **TINY_DENSE.get(family, {}), **overrides}
     if family.startswith("qwen3"):
         kw.setdefault("head_dim", 16)
     cfg = cls[0](**kw)
@@ -121,6 +146,10 @@ def make_tiny_model(family: str, folder: Path, **overrides) -> Path:
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0, 0.02)
+            elif "norm" in name and family in TINY_DENSE:
+                # Gemma's norms are zero-centred (x * (1 + w)) and init to 0: random, so that a
+                # lost or doubled offset shows; others around their init of 1.
+                p.add_(torch.randn_like(p) * 0.1)
         # DeepSeek-V3's selection bias is a buffer (zeros): random, so that it matters.
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

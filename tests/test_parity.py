@@ -31,7 +31,14 @@ FAMILIES = {
     "qwen3_moe": {},
     "qwen2_moe": {},
     "mixtral": {},
+    "gemma2": {},
+    "gemma3": {},
+    "phi3": {},
+    "granite": {},
+    "olmo2": {},
 }
+# Families whose tiny config has sliding-window layers (windows shorter than the prompts).
+WINDOWED = ("gemma2", "gemma3", "phi3")
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -51,25 +58,36 @@ def test_tiny_model_logits_match_transformers(tmp_path, name):
     assert got.shape == expected.shape
     diff = (got - expected).abs().max().item()
     assert diff < 1e-3, f"{name}: max abs logit diff {diff}"
+    if family in WINDOWED:
+        # The window matters here: without it transformers' own logits move.
+        ref.config.sliding_window = 10_000
+        with torch.no_grad():
+            unwindowed = ref(torch.tensor([ids])).logits[0]
+        assert (unwindowed - expected).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
-                                    "mixtral"])
+                                    "mixtral", "gemma2", "gemma3", "phi3", "granite", "olmo2",
+                                    "gemma3-no-batch-invariant"])
 def test_tiny_model_greedy_decode_matches_transformers(tmp_path, family):
     """The decode path (paged KV gather, batched, the 40-token prompt prefilled in chunks)
-    gives transformers' greedy tokens."""
+    gives transformers' greedy tokens. Sliding-window families decode past their window, in
+    the batch-invariant kernel's windowed gathers and (-no-batch-invariant) the PyTorch
+    paths' windowed masks."""
     import transformers
 
     from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
     from kiln.sampling_params import SamplingParams
 
+    family, _, variant = family.partition("-")
     folder = make_tiny_model(family, tmp_path / family)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40)]
     eng = Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
-                              max_num_batched_tokens=32))
+                              max_num_batched_tokens=32,
+                              batch_invariant=variant != "no-batch-invariant"))
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
     out: dict[str, list[int]] = {}

@@ -101,11 +101,7 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
         compiled=_compiled(config, kernel_rows, buckets, device, moe, invariant.value),
         dense_weights=_dense_weights(config, model),
         batch_invariant=invariant,
-        cascade=(Decision(False, "--batch-invariant: every decode row reads its whole context "
-                                 "in one order (a shared prefix read once for all rows would "
-                                 "merge in another)")
-                 if invariant.value else
-                 Decision(True, "decode rows sharing a cached prefix attend to it once")),
+        cascade=_cascade(model, invariant.value),
         decode_kernel_rows=kernel_rows,
         compile_buckets=tuple(buckets))
 
@@ -171,6 +167,10 @@ def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
         return Decision(False, "--no-batch-invariant: kernels chosen by each step's row count, "
                                "compiled decode and cascade attention allowed")
     layers = list(model.attention_layers()) if hasattr(model, "attention_layers") else []
+    if any(getattr(layer, "softcap", None) is not None for layer in layers):
+        return Decision(False, "asked, but this model soft-caps its attention scores (Gemma "
+                               "2), which kiln's batch-invariant kernel (attend_rows) does not: "
+                               "its layers attend through PyTorch")
     if not layers or not all(getattr(layer.kv, "invariant", False) for layer in layers):
         return Decision(False, "asked, but the batch-invariant attention kernel does not run "
                                "here (it needs kiln's AVX2 kernels, --cpu-kernels, an fp32/bf16 "
@@ -181,6 +181,30 @@ def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
     return Decision(True, "attention row by row in one fixed order (kiln's AVX2 kernel), one "
                           "kernel per quantized layer at every row count; decode not compiled, "
                           "no cascade attention")
+
+
+def _windowed_or_capped(model: torch.nn.Module) -> str:
+    """Why some attention layer reads each row's context its own way ("" if none does):
+    a sliding window (its start differs per row) or soft-capped scores."""
+    layers = list(model.attention_layers()) if hasattr(model, "attention_layers") else []
+    if any(getattr(layer, "softcap", None) is not None for layer in layers):
+        return "attention-logit soft-capping (Gemma 2)"
+    if any(getattr(layer, "sliding_window", None) is not None for layer in layers):
+        return "sliding-window attention layers"
+    return ""
+
+
+def _cascade(model: torch.nn.Module, invariant: bool) -> Decision:
+    if invariant:
+        return Decision(False, "--batch-invariant: every decode row reads its whole context in "
+                               "one order (a shared prefix read once for all rows would merge "
+                               "in another)")
+    special = _windowed_or_capped(model)
+    if special:
+        return Decision(False, f"{special}: each decode row attends over its own context "
+                               "(a prefix shared by all rows may lie outside a row's window, "
+                               "and the cascade kernels neither slide nor cap)")
+    return Decision(True, "decode rows sharing a cached prefix attend to it once")
 
 
 def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],

@@ -210,7 +210,11 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  scale: float | None = None, v_head_dim: int | None = None,
-                 v_in_k: bool = False) -> None:
+                 v_in_k: bool = False, sliding_window: int | None = None,
+                 softcap: float | None = None) -> None:
+        """`sliding_window`: a query attends to the keys less than that many positions back
+        (itself included), as transformers' sliding-window mask does; `softcap`: scores become
+        softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -218,6 +222,8 @@ class Attention(nn.Module):
         self.v_head_dim = v_head_dim or head_dim
         self.v_in_k = v_in_k
         self.scale = scale if scale is not None else head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.kv: KVStore | None = None  # attached by the model runner
 
     def kv_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -231,14 +237,19 @@ class Attention(nn.Module):
         kernels where they run (a bf16 pool on a CPU with AVX512-BF16: see
         kiln.layers.cpu_kernels) unless `use_kernels` (--no-cpu-kernels) is off. The kernels
         read queries and pool in one dtype, so the pool must be kept in the compute dtype."""
-        # kiln's kernels take K and V of one width, in separate tensors.
+        # kiln's kernels take K and V of one width, in separate tensors, and attend to the
+        # whole causal context with plain softmax scores: windowed or soft-capped layers stay on
+        # the PyTorch paths below (kiln/layers/cpu_kernels.cpp has neither).
         kv.kernel = (use_kernels and not kv.quantized and not kv.v_in_k
+                     and self.sliding_window is None and self.softcap is None
                      and kv.k.dtype == kv.compute_dtype
                      and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
         # `invariant` (--batch-invariant): every row, decode or prefill, through attend_rows,
         # where it runs (AVX2, an fp32/bf16 pool in the compute dtype, K and V apart, head dims
-        # multiples of 8). The AVX512 kernels above keep their own paths.
+        # multiples of 8). The AVX512 kernels above keep their own paths. A sliding window is
+        # a shorter gather per row (`_window_rows`); soft-capped scores are not in attend_rows.
         kv.invariant = (invariant and use_kernels and not kv.kernel and not kv.quantized
+                        and self.softcap is None
                         and not kv.v_in_k and kv.k.device.type == "cpu"
                         and kv.k.dtype == kv.compute_dtype
                         and kv.k.dtype in (torch.float32, torch.bfloat16)
@@ -271,11 +282,25 @@ class Attention(nn.Module):
         elif nd:
             assert meta.decode_gather is not None
             ck, cv = kv.gather(meta.decode_gather)  # [nd, kv, Hk, D]
+            mask = meta.decode_mask
+            if self.sliding_window is not None and mask is not None:
+                # The gather holds positions 0.. in order and the mask is each row's prefix
+                # (cascade is off for such models: see decisions.py), so the row's position
+                # is its mask's count - 1.
+                length = mask.shape[-1]
+                ctx = mask.sum(-1, keepdim=True)
+                mask = mask & (torch.arange(length, device=mask.device)
+                               >= ctx - self.sliding_window)
             if meta.decode_shared is not None:
+                assert self.sliding_window is None and self.softcap is None
                 sk, sv = kv.gather(meta.decode_shared)  # [P, Hk, D]
-                out[:nd] = self._cascade(kv.query(q[:nd]), sk, sv, ck, cv, meta.decode_mask)
+                out[:nd] = self._cascade(kv.query(q[:nd]), sk, sv, ck, cv, mask)
+            elif self.softcap is not None:
+                o = self._explicit(kv.query(q[:nd]).unsqueeze(2), ck.transpose(1, 2),
+                                   cv.transpose(1, 2), mask)
+                out[:nd] = o.squeeze(2)
             else:
-                out[:nd] = self._decode(kv.query(q[:nd]), ck, cv, meta.decode_mask)
+                out[:nd] = self._decode(kv.query(q[:nd]), ck, cv, mask)
         for c in meta.prefills:
             if kv.kernel:
                 slots = meta.slot_mapping[c.start:c.end] if c.gather is None else c.gather
@@ -283,6 +308,9 @@ class Attention(nn.Module):
                     q[c.start:c.end], kv.k, kv.v, slots, c.context_start, self.scale)
                 continue
             qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            if self.sliding_window is not None or self.softcap is not None:
+                out[c.start:c.end] = self._chunk_explicit(qc, k, v, c, kv)
+                continue
             if c.context_start == 0:
                 kc = k[c.start:c.end].transpose(0, 1).unsqueeze(0)
                 vc = v[c.start:c.end].transpose(0, 1).unsqueeze(0)
@@ -298,6 +326,68 @@ class Attention(nn.Module):
             out[c.start:c.end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
 
+    def _chunk_explicit(self, qc: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                        c: PrefillChunk, kv: KVStore) -> torch.Tensor:
+        """One prefill chunk (qc [1, Hq, q, D]) of a windowed or soft-capped layer: its causal
+        mask narrowed to the window, through SDPA, or `_explicit` where scores are capped.
+        Returns [q, Hq, Dv]."""
+        n = c.end - c.start
+        q_pos = torch.arange(c.context_start, c.context_start + n, device=qc.device)[:, None]
+        if c.context_start == 0:
+            assert k is not None and v is not None
+            kc = k[c.start:c.end].transpose(0, 1).unsqueeze(0).to(qc.dtype)
+            vc = v[c.start:c.end].transpose(0, 1).unsqueeze(0).to(qc.dtype)
+        else:
+            assert c.gather is not None
+            ck, cv = kv.gather(c.gather)  # [kv, Hk, D]
+            qc = kv.query(qc)
+            kc, vc = ck.transpose(0, 1).unsqueeze(0), cv.transpose(0, 1).unsqueeze(0)
+        k_pos = torch.arange(kc.shape[2], device=qc.device)[None, :]
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask = mask & (k_pos > q_pos - self.sliding_window)
+        mask = mask[None, None]
+        if self.softcap is not None:
+            o = self._explicit(qc, kc, vc, mask)
+        else:
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention written out as transformers' eager path does it (Gemma 2 has no SDPA for
+        its soft-capped scores): q [B, Hq, Q, D], k/v [B, Hk, K, D], mask [B|1, 1, Q, K] bool
+        -> [B, Hq, Q, Dv]. Scores scaled and capped in the activation dtype, softmax in fp32."""
+        g = self.num_heads // k.shape[1]
+        k = k.to(q.dtype).repeat_interleave(g, dim=1)
+        v = v.to(q.dtype).repeat_interleave(g, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return probs @ v
+
+    def _window_rows(self, gather: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """attend_rows' (gather, rows, lens) narrowed to the sliding window: row i's context,
+        gather[rows[i], :lens[i]] in position order, becomes its last `sliding_window` slots,
+        one gather row per query row. The kernel's per-row arithmetic is unchanged, so rows
+        stay batch-invariant."""
+        w = self.sliding_window
+        assert w is not None
+        width = min(w, gather.shape[1])
+        start = (lens - w).clamp(min=0)
+        idx = (start[:, None] + torch.arange(width, device=lens.device)).clamp(
+            max=gather.shape[1] - 1)
+        # a prefill chunk's rows share one gather row: expanded, not copied per row
+        src = (gather.expand(rows.shape[0], -1) if gather.shape[0] == 1
+               else gather.index_select(0, rows))
+        own = src.gather(1, idx)
+        return own, torch.arange(rows.shape[0], device=rows.device), lens - start
+
     def _invariant(self, q: torch.Tensor, kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
         """Every row of the step through cpu_kernels.attend_rows, reading the pool (this step's
         K/V are written already): a decode row over its gathered slots up to its length, a
@@ -309,16 +399,22 @@ class Attention(nn.Module):
         nd = meta.num_decodes
         if nd:
             assert meta.decode_gather is not None and meta.decode_lens is not None
-            rows = torch.arange(nd, device=q.device)
-            out[:nd] = cpu_kernels.attend_rows(qf[:nd], kv.k, kv.v, meta.decode_gather, rows,
-                                               meta.decode_lens, self.scale)
+            gather, rows, lens = (meta.decode_gather, torch.arange(nd, device=q.device),
+                                  meta.decode_lens)
+            if self.sliding_window is not None:
+                gather, rows, lens = self._window_rows(gather, rows, lens)
+            out[:nd] = cpu_kernels.attend_rows(qf[:nd], kv.k, kv.v, gather, rows, lens,
+                                               self.scale)
         for c in meta.prefills:
             slots = meta.slot_mapping[c.start:c.end] if c.gather is None else c.gather
             n = c.end - c.start
+            gather = slots.view(1, -1)
             lens = torch.arange(c.context_start + 1, c.context_start + n + 1, device=q.device)
+            rows = torch.zeros(n, dtype=torch.long, device=q.device)
+            if self.sliding_window is not None:
+                gather, rows, lens = self._window_rows(gather, rows, lens)
             out[c.start:c.end] = cpu_kernels.attend_rows(
-                qf[c.start:c.end], kv.k, kv.v, slots.view(1, -1),
-                torch.zeros(n, dtype=torch.long, device=q.device), lens, self.scale)
+                qf[c.start:c.end], kv.k, kv.v, gather, rows, lens, self.scale)
         return out.to(q.dtype).reshape(q.shape[0], self.num_heads * self.v_head_dim)
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,20 @@ from kiln.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """`offset`: Gemma's form, x * (1 + weight) with the weight stored as the checkpoint has it
+    (zero-centred) and the sum taken in fp32. `weight_in_float`: the weight multiplies the fp32
+    normalized x before the cast back (OLMo 2, Gemma), not after it (Llama)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, offset: bool = False,
+                 weight_in_float: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
+        self.weight_in_float = weight_in_float or offset
         # Eager bf16 CPU steps run kiln's one-pass kernel (cpu_kernels.use_elementwise_kernels);
-        # under torch.compile inductor fuses the ops below itself.
-        self.elementwise_kernel = False
+        # under torch.compile inductor fuses the ops below itself. Llama's form only.
+        self.elementwise_kernel = False if not self.weight_in_float else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.elementwise_kernel and x.dim() == 2 and x.dtype == self.weight.dtype
@@ -24,4 +31,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.weight_in_float:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)

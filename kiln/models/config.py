@@ -25,6 +25,14 @@ ARCHITECTURES = {
     "MixtralForCausalLM": {"norm_topk_prob": True},  # softmax over the selected logits
     "DeepseekV2ForCausalLM": {},
     "DeepseekV3ForCausalLM": {},
+    # Dense families beyond Llama: the switches their model code reads (see the fields below).
+    "Gemma2ForCausalLM": {"norm_layout": "sandwich", "norm_offset": True,
+                          "hidden_act": "gelu_pytorch_tanh", "scale_embeddings": True},
+    "Gemma3ForCausalLM": {"norm_layout": "sandwich", "norm_offset": True, "qk_norm": True,
+                          "hidden_act": "gelu_pytorch_tanh", "scale_embeddings": True},
+    "Phi3ForCausalLM": {},
+    "GraniteForCausalLM": {},
+    "Olmo2ForCausalLM": {"norm_layout": "post", "qk_norm": True, "qk_norm_full": True},
 }
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mixtral as "llama" with experts,
@@ -37,7 +45,17 @@ GGUF_ARCH = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
+# Which layers of a GGUF slide when its metadata has no pattern: llama.cpp's fixed ones (every
+# n-th layer global, the rest windowed).
+GGUF_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# Gemma 3's local (sliding-window) RoPE base where a GGUF does not say (llama.cpp's constant).
+GEMMA3_LOCAL_THETA = 10000.0
 # llama.cpp's `expert_gating_func` values
 GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
@@ -91,16 +109,45 @@ class ModelConfig:
     # checkpoints (HF `rope_interleave`, V2 always) and llama.cpp's deepseek2 lay the rope dims
     # out that way.
     rope_interleave: bool = False
+    # Sliding-window attention: `sliding_window` keys back from each query (itself included),
+    # in the layers `layer_types` marks "sliding_attention" (HF's list; None: every layer slides
+    # when there is a window, as Mistral and Phi-3 do).
+    layer_types: tuple[str, ...] | None = None
+    # RoPE over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75).
+    partial_rotary_factor: float = 1.0
+    # Gemma 3: the sliding layers' own RoPE base (no scaling); None: one table for all layers.
+    rope_local_theta: float | None = None
+    # The dense families' switches (Llama's values by default).
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" | "gelu_pytorch_tanh"
+    # "pre": x + attn(norm(x)) (Llama); "sandwich": x + norm(attn(norm(x))), the MLP alike
+    # (Gemma 2/3); "post": x + norm(attn(x)) (OLMo 2).
+    norm_layout: str = "pre"
+    norm_offset: bool = False  # Gemma's RMSNorm: x * (1 + weight)
+    qk_norm_full: bool = False  # OLMo 2: q/k RMSNorm over the whole projection, not per head
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    # Gemma multiplies embeddings by sqrt(hidden) (rounded to the embedding dtype first), Granite
+    # by its embedding_multiplier (a Python float).
+    scale_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # Granite: x + f(x) * m
+    logits_scaling: float = 1.0  # Granite: logits / s
 
     @property
     def context_length(self) -> int:
-        """The longest sequence kiln runs exactly: the position limit, or the sliding window
-        where that is shorter (sliding-window attention is not implemented; within the window
-        full attention is the same thing). The one rule the settings table, the startup caps
+        """The longest sequence kiln runs: the position limit (sliding-window layers attend
+        within their window at any length). The one rule the settings table, the startup caps
         and the runner read."""
-        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
-            return self.sliding_window
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def is_moe(self) -> bool:
@@ -112,8 +159,11 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims RoPE rotates per head: MLA rotates only its `qk_rope_head_dim` part."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        """The dims RoPE rotates per head: MLA rotates only its `qk_rope_head_dim` part, a
+        partial rotary factor its leading share."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -134,7 +184,17 @@ class ModelConfig:
         extra = ARCHITECTURES.get(arch, {})
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        local_theta = None
+        if "full_attention" in rope:  # per layer type (Gemma 3): the global table's parameters
+            local_theta = float((rope.get("sliding_attention") or {}).get("rope_theta")
+                                or GEMMA3_LOCAL_THETA)
+            rope = dict(rope["full_attention"] or {})
+        elif arch == "Gemma3ForCausalLM":
+            local_theta = float(d.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA)
+        partial = float(rope.pop("partial_rotary_factor", None) or
+                        d.get("partial_rotary_factor") or 1.0)
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or (
+            1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0)
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                             else None)
         if scaling is not None and "original_max_position_embeddings" not in scaling and \
@@ -143,6 +203,13 @@ class ModelConfig:
                        "original_max_position_embeddings": d["original_max_position_embeddings"]}
         eos = d.get("eos_token_id")
         sliding = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+        layer_types = d.get("layer_types")
+        pattern = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM":
+                   int(d.get("sliding_window_pattern") or 6)}.get(arch)
+        if layer_types is None and pattern:  # configs written before transformers' layer_types
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(int(d["num_hidden_layers"]))]
+        qpas = d.get("query_pre_attn_scalar")
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -163,6 +230,22 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=bool(extra.get("qk_norm", False)),
             sliding_window=sliding,
+            layer_types=tuple(layer_types) if layer_types else None,
+            partial_rotary_factor=partial,
+            rope_local_theta=local_theta,
+            hidden_act=str(d.get("hidden_activation") or d.get("hidden_act") or "silu"),
+            norm_layout=extra.get("norm_layout", "pre"),
+            norm_offset=bool(extra.get("norm_offset", False)),
+            qk_norm_full=bool(extra.get("qk_norm_full", False)),
+            attention_scale=(float(qpas) ** -0.5 if qpas else
+                             float(d["attention_multiplier"]) if d.get("attention_multiplier")
+                             else None),
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            scale_embeddings=bool(extra.get("scale_embeddings", False)),
+            embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
+            residual_multiplier=float(d.get("residual_multiplier") or 1.0),
+            logits_scaling=float(d.get("logits_scaling") or 1.0),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -204,6 +287,9 @@ class ModelConfig:
                 m = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
                 scaling.update(mscale=m, mscale_all_dim=m)
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        head_dim = int(get("attention.key_length") or hidden // heads)
+        layers = int(get("block_count"))
+        extra = ARCHITECTURES.get(arch, {})
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -212,7 +298,7 @@ class ModelConfig:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length") or hidden // heads),
+            head_dim=head_dim,
             max_position_embeddings=int(get("context_length", 4096)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -223,6 +309,7 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
             **_moe_from_gguf(get, arch, tensor_names),
+            **_dense_from_gguf(get, str(arch_name), extra, hidden, heads, head_dim, layers),
         )
 
     def kv_bytes_per_token(self, bytes_per_elem: float) -> float:
@@ -231,6 +318,46 @@ class ModelConfig:
                 bytes_per_elem
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * \
             bytes_per_elem
+
+
+def _dense_from_gguf(get: Any, arch_name: str, extra: dict[str, Any], hidden: int, heads: int,
+                     head_dim: int, layers: int) -> dict[str, Any]:
+    """The dense families' switches from llama.cpp's metadata keys (Llama's values where a key
+    is absent)."""
+    out: dict[str, Any] = {k: extra[k] for k in ("norm_layout", "norm_offset", "qk_norm_full",
+                                                 "hidden_act", "scale_embeddings") if k in extra}
+    window = get("attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+        pattern = get("attention.sliding_window_pattern", GGUF_SWA_PATTERN.get(arch_name))
+        if isinstance(pattern, list):  # per layer: true = sliding
+            out["layer_types"] = tuple("sliding_attention" if p else "full_attention"
+                                       for p in pattern)
+        elif pattern:
+            out["layer_types"] = tuple("sliding_attention" if (i + 1) % int(pattern)
+                                       else "full_attention" for i in range(layers))
+    rope_dims = get("rope.dimension_count")
+    if rope_dims and int(rope_dims) < head_dim:
+        out["partial_rotary_factor"] = int(rope_dims) / head_dim
+    if arch_name == "gemma3":
+        out["rope_local_theta"] = float(get("rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+    scale = get("attention.scale")
+    if scale:
+        out["attention_scale"] = float(scale)
+    elif arch_name in GGUF_SWA_PATTERN and layers in (46, 62):
+        # llama.cpp's rule for Gemma 2/3 27B (query_pre_attn_scalar = hidden / heads, not
+        # head_dim), which its GGUFs do not store
+        out["attention_scale"] = (hidden / heads) ** -0.5
+    for key, field_name in (("attn_logit_softcapping", "attn_logit_softcapping"),
+                            ("final_logit_softcapping", "final_logit_softcapping")):
+        if get(key):
+            out[field_name] = float(get(key))
+    for key, field_name in (("embedding_scale", "embedding_multiplier"),
+                            ("residual_scale", "residual_multiplier"),
+                            ("logit_scale", "logits_scaling")):
+        if get(key):
+            out[field_name] = float(get(key))
+    return out
 
 
 def _moe_from_hf(d: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,8 @@
-"""Llama-family decoder: Llama, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+"""Llama-family decoder: Llama, SmolLM, Mistral (sliding window), Qwen2 (qkv bias), Qwen3
+(per-head q/k RMSNorm), Phi-3/Phi-4 (fused qkv and gate_up checkpoints, partial RoPE, sliding
+window) and Granite (embedding/residual/attention/logit multipliers): one decoder, switched by
+ModelConfig's fields. Gemma 2/3 and OLMo 2 reuse its attention and MLP with their own layers
+(kiln/models/gemma.py, olmo2.py).
 
 Attribute names mirror the Hugging Face checkpoint (`model.layers.N.self_attn...`), except that
 q/k/v and gate/up are packed (`PACKED` tells the loader where each checkpoint tensor goes).
@@ -14,6 +18,7 @@ same casts happen in the same places.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -45,45 +50,72 @@ DECODE_KERNEL_MAX_ROWS = 64
 _NO_SCALE = torch.empty(0)  # decode_layer's scale for a w4 weight
 
 
+# The MLP's gate activations (HF's hidden_act names).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # Per head (Qwen3, Gemma 3), or over the whole projection before the heads are split
+        # (OLMo 2).
+        self.qk_norm_full = cfg.qk_norm_full
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            q_dim, k_dim = ((self.q_size, self.kv_size) if cfg.qk_norm_full
+                            else (self.head_dim, self.head_dim))
+            norm_kw = {"offset": cfg.norm_offset, "weight_in_float": cfg.norm_layout != "pre"}
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, **norm_kw)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary  # shared by all layers; not a child module's parameter
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=cfg.attention_scale, sliding_window=cfg.layer_window(layer),
+                              softcap=cfg.attn_logit_softcapping)
         self.elementwise_kernel = False  # see RMSNorm.elementwise_kernel
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """cos, sin: [T, 1, head_dim] from `RotaryEmbedding.lookup` (sin signed)."""
+        """cos, sin: [T, 1, rotary_dim] from `RotaryEmbedding.lookup` (sin signed)."""
         qkv = self.qkv_proj(x)
         kv = self.attn.kv
         if (self.elementwise_kernel and not self.qk_norm and kv is not None and kv.kernel
+                and self.rotary_dim == self.head_dim
                 and qkv.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
             return self.o_proj(self.attn(self.attn.rope_write(qkv, cos, sin), None, None))
         t = qkv.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size:].view(t, hk, d)
         if self.qk_norm:
-            q = self.q_norm(qkv[:, :self.q_size].view(t, hq, d))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hk, d))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            if self.qk_norm_full:
+                q, k = self.q_norm(q).view(t, hq, d), self.k_norm(k).view(t, hk, d)
+            else:
+                q, k = self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hk, d))
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         else:
             # q and k rotated in one pass: the rotation is per head.
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, hq + hk, d), cos, sin)
+            qk = self._rotate(qkv[:, :self.q_size + self.kv_size].view(t, hq + hk, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
         return self.o_proj(self.attn(q, k, v))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE over each head's first `rotary_dim` dims; the rest pass (partial rotary)."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -93,7 +125,11 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = i
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.elementwise_kernel = False  # see RMSNorm.elementwise_kernel
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise NotImplementedError(f"MLP activation {cfg.hidden_act!r} is not supported yet")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        # see RMSNorm.elementwise_kernel; the kernel is SiLU's only
+        self.elementwise_kernel = False if cfg.hidden_act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
@@ -101,21 +137,26 @@ class LlamaMLP(nn.Module):
                 and not torch.compiler.is_compiling()):
             return self.down_proj(cpu_kernels.silu_mul(gu))
         i = self.intermediate_size
-        return self.down_proj(F.silu(gu[:, :i]) * gu[:, i:])
+        return self.down_proj(self.act(gu[:, :i]) * gu[:, i:])
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg)  # a MoE block in MoE families
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
         # (weights, w8 scales) for forward_decode_kernel, gathered on its first call.
         self._kernel_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        m = self.residual_multiplier
+        if m != 1.0:
+            x = x + self.self_attn(cos, sin, self.input_layernorm(x)) * m
+            return x + self.mlp(self.post_attention_layernorm(x)) * m
         x = x + self.self_attn(cos, sin, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -127,6 +168,10 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         kv = attn.attn.kv
         if attn.qk_norm or kv is None or not kv.kernel or not isinstance(mlp, LlamaMLP):
+            return 0
+        # The kernel's layer is Llama's: full RoPE, SiLU, plain residual adds.
+        if (attn.rotary_dim != attn.head_dim or mlp.act is not F.silu
+                or self.residual_multiplier != 1.0):
             return 0
         if self.input_layernorm.weight.dtype != torch.bfloat16:
             return 0
@@ -174,19 +219,38 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max_positions,
                                  cfg.rope_scaling, cfg.max_position_embeddings)
-        # Kept outside the layers' module tree: one table for all layers.
+        # Kept outside the layers' module tree: one table for all layers, or (Gemma 3) a
+        # second one, with its own base and no scaling, for the sliding-window layers.
         self._rotary = [rotary]
+        if cfg.rope_local_theta is not None:
+            self._rotary.append(RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta,
+                                                max_positions, None, cfg.max_position_embeddings))
+        # layer -> index of its table in _rotary
+        self._layer_rope = [1 if len(self._rotary) > 1 and cfg.layer_window(i) else 0
+                            for i in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(
-            make_layer(i, rotary) if make_layer is not None else
-            LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None)
+            make_layer(i, self._rotary[self._layer_rope[i]]) if make_layer is not None else
+            LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None, i)
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm_kw = {"offset": cfg.norm_offset, "weight_in_float": cfg.norm_layout != "pre"}
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
+        # Gemma: sqrt(hidden) rounded to the activation dtype, as its embedding module does;
+        # Granite: its multiplier as a Python float.
+        self.embed_scale: float | None = (
+            cfg.hidden_size ** 0.5 if cfg.scale_embeddings else
+            cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else None)
+        self.embed_scale_in_dtype = cfg.scale_embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 layer_call: LayerCall | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self._rotary[0].lookup(positions, x.dtype)  # once per step, not per layer
-        for layer in self.layers:
+        if self.embed_scale is not None:
+            x = x * (torch.tensor(self.embed_scale).to(x.dtype) if self.embed_scale_in_dtype
+                     else self.embed_scale)
+        # cos/sin once per step and table, not per layer
+        tables = [r.lookup(positions, x.dtype) for r in self._rotary]
+        for layer, rope in zip(self.layers, self._layer_rope):
+            cos, sin = tables[rope]
             x = layer(cos, sin, x) if layer_call is None else layer_call(layer, cos, sin, x)
         return self.norm(x)
 
@@ -215,7 +279,14 @@ class LlamaForCausalLM(nn.Module):
     make_layer: Callable[[int, RotaryEmbedding], nn.Module] | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cfg = self.config
+        if cfg.logits_scaling != 1.0:  # Granite
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcapping:  # Gemma 2
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

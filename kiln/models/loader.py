@@ -401,7 +401,12 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
                             f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                             f"the model expects {tuple(param.shape)}")
                     param.data.copy_(tensor.to(param.dtype))
-        loaded.add((pname, shard))
+        shards = getattr(module, "shards", None)
+        if shard is None and shards:
+            # a checkpoint that stores the packed matrix itself (Phi-3's qkv_proj / gate_up_proj)
+            loaded.update((pname, s) for s in shards)
+        else:
+            loaded.add((pname, shard))
     missing = sorted(f"{p}[{s}]" if s else p for p, s in expected - loaded)
     if missing:
         raise ModelLoadError(

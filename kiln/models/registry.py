@@ -17,6 +17,11 @@ _MODELS = {
     "MixtralForCausalLM": ("kiln.models.mixtral", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("kiln.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kiln.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Phi3ForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+    "GraniteForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("kiln.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("kiln.models.gemma", "GemmaForCausalLM"),
+    "Olmo2ForCausalLM": ("kiln.models.olmo2", "Olmo2ForCausalLM"),
 }
 
 
