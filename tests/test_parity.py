@@ -126,3 +126,47 @@ def test_smollm2_greedy_matches_transformers_gguf(gguf_path, smollm2_runner, mak
             want = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
                                 do_sample=False)[0, len(ids):].tolist()
         assert out[str(i)] == want, f"{p!r}: {tok.decode(out[str(i)])!r} != {tok.decode(want)!r}"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "granite", "olmo2"])
+def test_tiny_model_gguf_twin_matches_transformers(tmp_path, family):
+    """The tiny model written as a GGUF under llama.cpp's names and keys for its architecture
+    (gemma2, gemma3, phi3, granite, olmo2: Gemma's norms stored with the 1 added, Phi-3's fused
+    attn_qkv / ffn_up, Granite's permuted Q/K and scales, the sliding-window pattern), loaded
+    back: the same config switches, and logits within 1e-3 of transformers'."""
+    import re
+
+    import gguf
+    import transformers
+
+    from kiln.models.config import GGUF_ARCH
+    from kiln.models.gguf_writer import write_gguf
+    from kiln.models.loader import iter_tensors, open_checkpoint
+
+    folder = make_tiny_model(family, tmp_path / family)
+    ck = open_checkpoint(folder)
+    path = write_gguf(tmp_path / f"{family}.gguf", ck.config, iter_tensors(ck), qtype="F32")
+    twin = open_checkpoint(path)
+    assert twin.gguf_meta is not None
+    arch = twin.gguf_meta["general.architecture"]
+    assert GGUF_ARCH[arch] == ck.config.architecture
+    # every tensor name is one llama.cpp's architecture table has (the gguf package's copy)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]}
+    for t in twin.gguf_reader().tensors:
+        assert re.sub(r"\.\d+\.", ".{bid}.", t.name).rsplit(".", 1)[0] in known, t.name
+    for key in ("layer_types", "sliding_window", "norm_layout", "norm_offset", "qk_norm",
+                "qk_norm_full", "hidden_act", "scale_embeddings", "partial_rotary_factor",
+                "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
+                "tie_word_embeddings"):
+        assert getattr(twin.config, key) == getattr(ck.config, key), key
+    for key in ("attention_scale", "embedding_multiplier", "residual_multiplier",
+                "logits_scaling"):  # float32 in the GGUF
+        assert getattr(twin.config, key) == pytest.approx(getattr(ck.config, key)), key
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = _kiln_runner(path).prompt_logits(ids)
+    diff = (got - expected).abs().max().item()
+    assert diff < 1e-3, f"{family} GGUF: max abs logit diff {diff}"

@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from kiln.models.config import GGUF_ARCH, ModelConfig
-from kiln.models.loader import _EXPERT, _EXPERT_PART, _GGUF_LAYER, _GGUF_TOP
+from kiln.models.loader import (
+    _EXPERT,
+    _EXPERT_PART,
+    _GGUF_ARCH_LAYER,
+    _GGUF_LAYER,
+    _GGUF_NORM_SHIFT,
+    _GGUF_PERMUTED_QK,
+    _GGUF_TOP,
+)
 
 # HF architecture -> GGUF general.architecture
 GGUF_ARCH_OF = {hf: name for name, hf in GGUF_ARCH.items()}
@@ -39,10 +47,13 @@ def _file_types() -> dict[str, int]:
 # The loader's tables, inverted: HF name -> llama.cpp name.
 _TOP = {hf: name for name, hf in _GGUF_TOP.items()}
 _LAYER = {hf: name for name, hf in _GGUF_LAYER.items()}
+_ARCH_LAYER = {arch: {hf: name for name, hf in table.items()}
+               for arch, table in _GGUF_ARCH_LAYER.items()}
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """The llama.cpp name of an HF tensor name (None: not a tensor llama.cpp stores)."""
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    """The llama.cpp name of an HF tensor name in a GGUF of `arch` (None: not a tensor
+    llama.cpp stores)."""
     if hf_name in _TOP:
         return _TOP[hf_name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
@@ -50,7 +61,7 @@ def gguf_name(hf_name: str) -> str | None:
         return None
     rest = m.group(2).replace("block_sparse_moe.", "mlp.").replace("shared_experts.",
                                                                     "shared_expert.")
-    name = _LAYER.get(rest)
+    name = _ARCH_LAYER.get(arch, {}).get(rest) or _LAYER.get(rest)
     return f"blk.{m.group(1)}.{name}" if name else None
 
 
@@ -103,12 +114,14 @@ def write_gguf(path: str | Path, cfg: ModelConfig,
             layer = int(m["module"].split(".")[2])  # model.layers.N.<block>.experts
             experts.setdefault((layer, _EXPERT_PART[m["proj"]]), {})[int(m["expert"])] = t
             continue
-        gname = gguf_name(hf)
+        gname = gguf_name(hf, arch)
         if gname is None:
             if hf.endswith("rotary_emb.inv_freq"):
                 continue
             raise ValueError(f"no GGUF name for {hf!r}")
-        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch in _GGUF_NORM_SHIFT and gname.endswith("norm.weight"):
+            t = torch.as_tensor(t).float() + 1.0  # llama.cpp's Gemma norms hold 1 + w
+        if arch in _GGUF_PERMUTED_QK and gname.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
             t = _permute(t, heads)
         if gname == "output.weight" and cfg.tie_word_embeddings:
@@ -144,7 +157,8 @@ def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str,
     if not cfg.is_mla:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.rotary_dim)
+    _write_dense_metadata(w, cfg, arch)
     if cfg.is_moe:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -159,6 +173,32 @@ def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str,
         w.add_bos_token_id(cfg.bos_token_id)
     if special_ids and cfg.eos_token_ids:
         w.add_eos_token_id(cfg.eos_token_ids[0])
+
+
+def _write_dense_metadata(w: object, cfg: ModelConfig, arch: str) -> None:
+    """The dense families' keys (config.py's `_dense_from_gguf` reads them back)."""
+    import gguf
+
+    assert isinstance(w, gguf.GGUFWriter)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+        if cfg.layer_types is not None:
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if cfg.rope_local_theta is not None:
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+    if cfg.attention_scale is not None and abs(cfg.attention_scale * cfg.head_dim ** 0.5 - 1) \
+            > 1e-7:
+        w.add_attention_scale(cfg.attention_scale)
+    if cfg.attn_logit_softcapping:
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if cfg.embedding_multiplier != 1.0:
+        w.add_embedding_scale(cfg.embedding_multiplier)
+    if cfg.residual_multiplier != 1.0:
+        w.add_residual_scale(cfg.residual_multiplier)
+    if cfg.logits_scaling != 1.0:
+        w.add_logit_scale(cfg.logits_scaling)
 
 
 def _copy_tokenizer(w: object, source: Path) -> None:

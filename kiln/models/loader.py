@@ -79,8 +79,26 @@ _GGUF_TOP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Per-architecture names where a family's layer differs from Llama's (llama.cpp reuses
+# `ffn_norm` for Gemma's pre-MLP norm, stores Phi-3's fused matrices as attn_qkv / ffn_up).
+_GEMMA_NORMS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GGUF_ARCH_LAYER: dict[str, dict[str, str]] = {
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
+    "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted (interleaved RoPE).
-_GGUF_PERMUTED_QK = {"llama", "mistral"}
+_GGUF_PERMUTED_QK = {"llama", "mistral", "granite"}
+# Architectures whose norm weights llama.cpp stores with Gemma's 1 added (x * w, not
+# x * (1 + w)); kiln's modules hold the checkpoint's zero-centred weight.
+_GGUF_NORM_SHIFT = {"gemma2", "gemma3"}
 
 # A checkpoint's expert tensor: per expert (`experts.3.gate_proj.weight`, Mixtral's `w1`) or
 # stacked (GGUF's `*_exps` mapped above, transformers-5's fused `experts.gate_up_proj`).
@@ -207,7 +225,7 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
                        _join_kv_b(halves["k"], halves["v"]))
                 del kv_b_halves[split[1]]
             continue
-        name = _gguf_to_hf(t.name)
+        name = _gguf_to_hf(t.name, arch)
         if name is None:
             raise ModelLoadError(f"unknown GGUF tensor {t.name!r} in {ckpt.path}",
                                  hint="this GGUF has tensors kiln's Llama-family model lacks")
@@ -216,6 +234,9 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
         if name == "rope_freqs":
             yield name, tensor
             continue
+        if arch in _GGUF_NORM_SHIFT and name.endswith("norm.weight"):
+            assert isinstance(tensor, torch.Tensor)
+            tensor = tensor.float() - 1.0
         if arch in _GGUF_PERMUTED_QK:
             heads = (cfg.num_attention_heads if name.endswith("q_proj.weight")
                      else cfg.num_key_value_heads if name.endswith("k_proj.weight") else None)
@@ -227,14 +248,16 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
         yield name, tensor
 
 
-def _gguf_to_hf(name: str) -> str | None:
+def _gguf_to_hf(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_TOP:
         return _GGUF_TOP[name]
     if name == "rope_freqs.weight":
         return "rope_freqs"
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _GGUF_LAYER:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+    if m:
+        layer = _GGUF_ARCH_LAYER.get(arch, {}).get(m.group(2)) or _GGUF_LAYER.get(m.group(2))
+        if layer:
+            return f"model.layers.{m.group(1)}.{layer}"
     return None
 
 
