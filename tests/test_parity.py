@@ -17,6 +17,9 @@ def _kiln_runner(folder, **kw):
     return ModelRunner(cfg, open_checkpoint(folder))
 
 
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                 "short_factor": [1.0, 1.3, 2.1, 3.5], "long_factor": [1.2, 2.5, 6.0, 11.0],
+                 "original_max_position_embeddings": 256}
 FAMILIES = {
     "llama": {},
     "llama-untied-llama3-rope": {"tie_word_embeddings": False, "rope_scaling": {
@@ -34,6 +37,8 @@ FAMILIES = {
     "gemma2": {},
     "gemma3": {},
     "phi3": {},
+    # Phi-3.5 / Phi-4-mini's LongRoPE, within the original context (short factors)
+    "phi3-longrope": {"rope_parameters": PHI3_LONGROPE, "original_max_position_embeddings": 256},
     "granite": {},
     "olmo2": {},
 }
@@ -170,6 +175,17 @@ def test_tiny_model_gguf_twin_matches_transformers(tmp_path, family):
     got = _kiln_runner(path).prompt_logits(ids)
     diff = (got - expected).abs().max().item()
     assert diff < 1e-3, f"{family} GGUF: max abs logit diff {diff}"
+    # The export for vLLM/SGLang (GGUF -> HF folder) describes the same model: transformers
+    # built from its config, with kiln's tensors, gives the same logits.
+    from kiln.backends.export import _hf_config
+
+    exported = transformers.AutoModelForCausalLM.from_config(
+        _hf_config(twin), dtype=torch.float32).eval()
+    exported.load_state_dict(dict(iter_tensors(twin)), strict=False)
+    with torch.no_grad():
+        again = exported(torch.tensor([ids])).logits[0]
+    assert type(exported).__name__ == ck.config.architecture
+    assert (again - expected).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma3-no-batch-invariant", "gemma2"])
@@ -222,3 +238,27 @@ def _greedy_without_cache(ref, ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[-n:]
+
+
+def test_longrope_positions_past_the_original_context_use_the_long_factors(tmp_path):
+    """LongRoPE tables: below original_max_position_embeddings the short factors, from it on
+    the long ones, each row equal to transformers' cos/sin in that regime (with its attention
+    factor)."""
+    import transformers
+
+    from kiln.layers.rotary import RotaryEmbedding
+    from kiln.models.loader import read_hf_config
+
+    folder = make_tiny_model("phi3", tmp_path / "phi3", rope_parameters=PHI3_LONGROPE,
+                             original_max_position_embeddings=256)
+    cfg = read_hf_config(folder)
+    ours = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, 512, cfg.rope_scaling,
+                           cfg.max_position_embeddings)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.zeros(1, dtype=torch.float32)
+    for pos in (10, 255, 256, 400):
+        # transformers picks the factors from the forward's length (position + 1 here): short
+        # up to 256, long past it; a table of one kind fails on one side
+        cos, sin = ref.model.rotary_emb(x, torch.tensor([[pos]]))
+        torch.testing.assert_close(ours.cos[pos], cos[0, 0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours.sin[pos], sin[0, 0], rtol=1e-6, atol=1e-6)

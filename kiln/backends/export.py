@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kiln.models.config import ModelConfig
     from kiln.models.loader import Checkpoint
 
 from kiln.paths import cache_dir
@@ -71,10 +72,42 @@ def _hf_config(ckpt: Checkpoint) -> Any:
     eos: int | list[int] | None = (c.eos_token_ids[0] if len(c.eos_token_ids) == 1
                                    else c.eos_token_ids or None)
     same_name = {k: getattr(c, k) for k in _HF_FIELDS}
+    arch = str(meta["general.architecture"])
     return AutoConfig.for_model(
-        str(meta["general.architecture"]), architectures=[c.architecture], eos_token_id=eos,
+        _MODEL_TYPE.get(arch, arch), architectures=[c.architecture], eos_token_id=eos,
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"), **same_name)
+        unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"), **same_name,
+        **_family_fields(c))
+
+
+# GGUF architectures whose transformers model type is spelled otherwise.
+_MODEL_TYPE = {"gemma3": "gemma3_text"}
+
+
+def _family_fields(c: ModelConfig) -> dict[str, Any]:
+    """The dense families' switches under transformers' names (ModelConfig's fields are kiln's),
+    so the exported config describes the same model: windows, soft-caps, multipliers."""
+    out: dict[str, Any] = {}
+    if c.sliding_window:
+        out["sliding_window"] = c.sliding_window
+        if c.layer_types is not None:
+            out["layer_types"] = list(c.layer_types)
+    if c.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = c.partial_rotary_factor
+    if c.architecture.startswith("Gemma"):
+        scale = c.attention_scale or c.head_dim ** -0.5
+        out.update(hidden_activation=c.hidden_act,
+                   query_pre_attn_scalar=round(scale ** -2),  # an int; kiln keeps 1 / sqrt
+                   attn_logit_softcapping=c.attn_logit_softcapping,
+                   final_logit_softcapping=c.final_logit_softcapping)
+        if c.rope_local_theta is not None:
+            out["rope_local_base_freq"] = c.rope_local_theta
+    if c.architecture == "GraniteForCausalLM":
+        out.update(embedding_multiplier=c.embedding_multiplier,
+                   residual_multiplier=c.residual_multiplier,
+                   attention_multiplier=c.attention_scale or c.head_dim ** -0.5,
+                   logits_scaling=c.logits_scaling)
+    return out
 
 
 # ModelConfig fields that transformers' configs spell the same way.

@@ -92,16 +92,19 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
     buckets = (decode_buckets(kernel_rows, config.max_num_seqs)
                if config.compile and not moe and not invariant.value else [])
     reads = any(getattr(layer.kv, "kernel", False) for layer in model.attention_layers())
+    cascade = _cascade(model, invariant.value)
     kv = Decision(kv_cache_dtype.value, kv_cache_dtype.reason + (
         "; kiln's CPU attention kernels read the pool" if reads else ""))
     return RuntimeDecisions(
         kv_cache_dtype=kv,
         decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device,
-                                 moe or ("--batch-invariant" if invariant.value else "")),
-        compiled=_compiled(config, kernel_rows, buckets, device, moe, invariant.value),
+                                 moe or ("--batch-invariant" if invariant.value else ""),
+                                 cascade.value),
+        compiled=_compiled(config, kernel_rows, buckets, device, moe, invariant.value,
+                           cascade.value),
         dense_weights=_dense_weights(config, model),
         batch_invariant=invariant,
-        cascade=_cascade(model, invariant.value),
+        cascade=cascade,
         decode_kernel_rows=kernel_rows,
         compile_buckets=tuple(buckets))
 
@@ -143,9 +146,10 @@ def _moe_eager(model: torch.nn.Module) -> str:
 
 
 def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, buckets: list[int],
-                 device: torch.device, moe: str = "") -> Decision:
+                 device: torch.device, moe: str = "", cascade: bool = True) -> Decision:
     graphs = (f"compiled graphs for batch buckets {buckets} (padded up to the bucket"
-              + ("; cascade variants for shared prefixes)" if device.type == "cpu" else ")"))
+              + ("; cascade variants for shared prefixes)" if device.type == "cpu" and cascade
+                 else ")"))
     if kernel_rows:
         kernel = f"decode steps of up to {kernel_rows} rows run kiln's one-call decode-layer kernel"
         if kernel_rows >= config.max_num_seqs:
@@ -208,7 +212,8 @@ def _cascade(model: torch.nn.Module, invariant: bool) -> Decision:
 
 
 def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
-              device: torch.device, moe: str = "", invariant: bool = False) -> Decision:
+              device: torch.device, moe: str = "", invariant: bool = False,
+              cascade: bool = True) -> Decision:
     if not config.compile:
         return Decision(False, "--compile is off")
     if moe:
@@ -220,8 +225,8 @@ def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
     if not buckets:
         return Decision(False, f"decode steps of up to {kernel_rows} rows run kiln's layer "
                                "kernel: nothing to compile")
-    cascade = " and their cascade variants" if device.type == "cpu" else ""
-    return Decision(True, f"the decode layer for batch buckets {buckets}{cascade}, compiled "
+    variants = " and their cascade variants" if device.type == "cpu" and cascade else ""
+    return Decision(True, f"the decode layer for batch buckets {buckets}{variants}, compiled "
                           "at startup; prefill and mixed steps run eager")
 
 

@@ -124,7 +124,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.decisions.compile_buckets:
             self.graphs = DecodeGraphs(self.model, list(self.decisions.compile_buckets),
-                                       cascade=self.device.type == "cpu",
+                                       # no cascade graphs where cascade is off (windowed
+                                       # or soft-capped layers: see decisions.py)
+                                       cascade=(self.device.type == "cpu"
+                                                and self.decisions.cascade.value),
                                        scratch_block=self._scratch_block,
                                        block_size=self.block_size, device=self.device)
         elif config.compile:  # not even torch._dynamo's import (~2 s) is needed

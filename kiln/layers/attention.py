@@ -358,17 +358,21 @@ class Attention(nn.Module):
                   mask: torch.Tensor | None) -> torch.Tensor:
         """Attention written out as transformers' eager path does it (Gemma 2 has no SDPA for
         its soft-capped scores): q [B, Hq, Q, D], k/v [B, Hk, K, D], mask [B|1, 1, Q, K] bool
-        -> [B, Hq, Q, Dv]. Scores scaled and capped in the activation dtype, softmax in fp32."""
-        g = self.num_heads // k.shape[1]
-        k = k.to(q.dtype).repeat_interleave(g, dim=1)
-        v = v.to(q.dtype).repeat_interleave(g, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale
+        -> [B, Hq, Q, Dv]. Scores scaled and capped in the activation dtype, softmax in fp32.
+        The G query heads of a KV head are stacked as G*Q rows against that head's keys, so K
+        and V are read as they are, never repeated per query head."""
+        b, hq, nq, _ = q.shape
+        hk = k.shape[1]
+        g = hq // hk
+        scores = (q.reshape(b, hk, g * nq, -1) @ k.to(q.dtype).transpose(-1, -2)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.view(b, hk, g, nq, -1)
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return probs @ v
+        o = probs.view(b, hk, g * nq, -1) @ v.to(q.dtype)
+        return o.view(b, hq, nq, -1)
 
     def _window_rows(self, gather: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

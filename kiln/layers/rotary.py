@@ -71,7 +71,34 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None,
         pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
         inv = (1.0 / (factor * pos_freqs)) * (1 - extrap_factor) + (1.0 / pos_freqs) * extrap_factor
         return inv, float(attn)
+    if kind == "longrope":
+        return _longrope(dim, base, scaling, max_position_embeddings, long=False)
     raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported by kiln yet")
+
+
+def _longrope(dim: int, base: float, scaling: dict[str, Any], max_position_embeddings: int,
+              long: bool) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: the inverse frequencies divided per dim by its short (or long)
+    factors, cos/sin scaled by sqrt(1 + ln(factor) / ln(original length)), as transformers
+    computes them."""
+    orig = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = float(scaling.get("factor") or max_position_embeddings / orig)
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32,
+                       device="cpu")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (ext * base ** shape), float(attn)
+
+
+def longrope_switch(scaling: dict[str, Any] | None) -> int | None:
+    """The first position LongRoPE tables take from the long factors (None: not LongRoPE)."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind != "longrope":
+        return None
+    assert scaling is not None
+    return int(scaling.get("original_max_position_embeddings") or 0) or None
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,6 +122,16 @@ class RotaryEmbedding(nn.Module):
         # torch.device("meta"), where these factories would go through slow reference code).
         t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
+        switch = longrope_switch(self.args[2])
+        if switch is not None and switch < self.max_positions:
+            # LongRoPE: positions past the original context rotate by the long factors. (HF
+            # switches a whole forward to them once its length passes that point; a paged cache
+            # cannot re-rotate keys already stored, so the choice is made per position: exact
+            # below the switch, where almost every request lives.)
+            dim, base, scaling, max_pos = self.args
+            assert scaling is not None
+            long_inv, _ = _longrope(dim, base, scaling, max_pos, long=True)
+            freqs[switch:] = torch.outer(t[switch:], long_inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         # Not parameters: rebuilt at init, so the meta-device build materializes them itself.
         if device is None and hasattr(self, "cos") and self.cos.device.type != "meta":
