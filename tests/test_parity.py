@@ -133,12 +133,14 @@ def test_smollm2_greedy_matches_transformers_gguf(gguf_path, smollm2_runner, mak
         assert out[str(i)] == want, f"{p!r}: {tok.decode(out[str(i)])!r} != {tok.decode(want)!r}"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "granite", "olmo2"])
-def test_tiny_model_gguf_twin_matches_transformers(tmp_path, family):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "phi3-longrope", "granite",
+                                  "olmo2"])
+def test_tiny_model_gguf_twin_matches_transformers(tmp_path, name):
     """The tiny model written as a GGUF under llama.cpp's names and keys for its architecture
     (gemma2, gemma3, phi3, granite, olmo2: Gemma's norms stored with the 1 added, Phi-3's fused
     attn_qkv / ffn_up, Granite's permuted Q/K and scales, the sliding-window pattern), loaded
-    back: the same config switches, and logits within 1e-3 of transformers'."""
+    back: the same config switches, and logits within 1e-3 of transformers'. LongRoPE's factors
+    travel as llama.cpp's rope_factors_long / _short tensors."""
     import re
 
     import gguf
@@ -148,7 +150,8 @@ def test_tiny_model_gguf_twin_matches_transformers(tmp_path, family):
     from kiln.models.gguf_writer import write_gguf
     from kiln.models.loader import iter_tensors, open_checkpoint
 
-    folder = make_tiny_model(family, tmp_path / family)
+    family = name.split("-")[0]
+    folder = make_tiny_model(family, tmp_path / family, **FAMILIES[name])
     ck = open_checkpoint(folder)
     path = write_gguf(tmp_path / f"{family}.gguf", ck.config, iter_tensors(ck), qtype="F32")
     twin = open_checkpoint(path)
@@ -165,6 +168,10 @@ def test_tiny_model_gguf_twin_matches_transformers(tmp_path, family):
                 "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping",
                 "tie_word_embeddings"):
         assert getattr(twin.config, key) == getattr(ck.config, key), key
+    theirs, ours = ck.config.rope_scaling or {}, twin.config.rope_scaling or {}
+    assert ours.get("rope_type") == theirs.get("rope_type")
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        assert ours.get(key) == pytest.approx(theirs.get(key)), key
     for key in ("attention_scale", "embedding_multiplier", "residual_multiplier",
                 "logits_scaling"):  # float32 in the GGUF
         assert getattr(twin.config, key) == pytest.approx(getattr(ck.config, key)), key

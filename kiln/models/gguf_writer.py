@@ -129,6 +129,10 @@ def write_gguf(path: str | Path, cfg: ModelConfig,
         if gname.endswith("ffn_gate_inp_shexp.weight"):
             t = t.reshape(-1)  # HF's [1, H] is llama.cpp's {n_embd}
         add(gname, t)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":  # llama.cpp keeps the factors as tensors
+        add("rope_factors_long.weight", torch.tensor(scaling["long_factor"]))
+        add("rope_factors_short.weight", torch.tensor(scaling["short_factor"]))
     for (layer, part), per_expert in sorted(experts.items()):
         stacked = torch.stack([per_expert[e] for e in range(len(per_expert))])
         add(f"blk.{layer}.ffn_{part}_exps.weight", stacked)
@@ -186,6 +190,16 @@ def _write_dense_metadata(w: object, cfg: ModelConfig, arch: str) -> None:
             w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if cfg.rope_local_theta is not None:
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        import math
+
+        orig = int(scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_orig_ctx_len(orig)
+        factor = float(scaling.get("factor") or cfg.max_position_embeddings / orig)
+        w.add_rope_scaling_attn_factors(float(
+            scaling.get("attention_factor") or
+            (1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig)))))
     if cfg.attention_scale is not None and abs(cfg.attention_scale * cfg.head_dim ** 0.5 - 1) \
             > 1e-7:
         w.add_attention_scale(cfg.attention_scale)

@@ -147,6 +147,7 @@ def open_checkpoint(path: str | Path, gguf_file: str | Path | None = None) -> Ch
         meta, names = read_gguf_metadata(reader)
         cfg = ModelConfig.from_gguf(meta, names)
         cfg.quantization = gguf_file_type_name(meta)
+        _gguf_longrope(reader, meta, cfg)
         return Checkpoint(path, cfg, "gguf", [path], meta, reader)
     if path.is_dir():
         cfg_file = path / "config.json"
@@ -162,6 +163,32 @@ def open_checkpoint(path: str | Path, gguf_file: str | Path | None = None) -> Ch
                                  hint=msg("load.no_safetensors.hint"))
         return Checkpoint(path, cfg, "safetensors", files)
     raise ModelLoadError(msg("load.not_a_model", path=path))
+
+
+# llama.cpp stores LongRoPE's per-dim factors as tensors; kiln's RoPE reads them from the config
+_GGUF_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor",
+                      "rope_factors_long.weight": "long_factor"}
+
+
+def _gguf_longrope(reader: GGUFFile, meta: dict[str, Any], cfg: ModelConfig) -> None:
+    """Phi-3's LongRoPE from a GGUF: the factor tensors and llama.cpp's keys into the config's
+    rope_scaling, in transformers' form (rope/rotary.py computes the tables from it)."""
+    found = {_GGUF_ROPE_FACTORS[t.name]: t for t in reader.tensors if t.name in _GGUF_ROPE_FACTORS}
+    if not found:
+        return
+    arch = meta["general.architecture"]
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for key, t in found.items():
+        factors = gguf_tensor(reader, t)
+        assert isinstance(factors, torch.Tensor)
+        scaling[key] = factors.float().reshape(-1).tolist()
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if orig:
+        scaling["original_max_position_embeddings"] = int(orig)
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn:
+        scaling["attention_factor"] = float(attn)
+    cfg.rope_scaling = scaling
 
 
 def read_hf_config(folder: str | Path, *, require_supported: bool = True) -> ModelConfig:
@@ -214,6 +241,8 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
     gf = ckpt.gguf_reader()
     kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}  # layer -> "k"/"v" -> tensor
     for t in gf.tensors:
+        if t.name in _GGUF_ROPE_FACTORS:  # in the config already (_gguf_longrope)
+            continue
         split = _GGUF_KV_B_SPLIT.fullmatch(t.name)
         if split:
             halves = kv_b_halves.setdefault(split[1], {})
