@@ -25,7 +25,11 @@ ARCHITECTURES = {
     "MixtralForCausalLM": {"norm_topk_prob": True},  # softmax over the selected logits
     "DeepseekV2ForCausalLM": {},
     "DeepseekV3ForCausalLM": {},
+    # Encoders: they serve embeddings only (--kind embed, kiln/kinds/embedding.py).
+    "BertModel": {"encoder": True},
 }
+# Architectures without a causal LM head: what `--kind auto` serves as embedding models.
+ENCODER_ARCHITECTURES = frozenset(a for a, x in ARCHITECTURES.items() if x.get("encoder"))
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mixtral as "llama" with experts,
 # and DeepSeek-V2 and V3 both as "deepseek2" (V3 is told apart by its sigmoid gating).
@@ -91,6 +95,15 @@ class ModelConfig:
     # checkpoints (HF `rope_interleave`, V2 always) and llama.cpp's deepseek2 lay the rope dims
     # out that way.
     rope_interleave: bool = False
+    # Encoders (BERT): token type embeddings (0: none), the MLP's activation, the padding id.
+    type_vocab_size: int = 0
+    hidden_act: str = "silu"
+    pad_token_id: int | None = None
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT): no KV cache, no LM head; it only embeds."""
+        return self.architecture in ENCODER_ARCHITECTURES
 
     @property
     def context_length(self) -> int:
@@ -155,7 +168,7 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=d.get("rms_norm_eps", d.get("layer_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -167,6 +180,9 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
+            type_vocab_size=int(d.get("type_vocab_size") or 0),
+            hidden_act=str(d.get("hidden_act") or d.get("hidden_activation") or "silu"),
+            pad_token_id=d.get("pad_token_id"),
             **_moe_from_hf(d, extra),
         )
 

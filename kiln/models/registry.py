@@ -17,6 +17,7 @@ _MODELS = {
     "MixtralForCausalLM": ("kiln.models.mixtral", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("kiln.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kiln.models.deepseek", "DeepseekV3ForCausalLM"),
+    "BertModel": ("kiln.models.bert", "BertModel"),
 }
 
 
