@@ -229,9 +229,13 @@ def _model_kind(sp: StartupPlan, mc: Any) -> tuple[str, str]:
     from kiln.kinds import detect_kind
 
     assert sp.source is not None
-    if sp.source.format == "remote":
-        return "generate", "a model the external engine downloads: generating is the default"
-    return detect_kind(sp.source.path, mc.architecture if mc is not None else None)
+    entry = sp.source.registry_entry
+    found = (("generate", "a model the external engine downloads: generating is the default")
+             if sp.source.format == "remote" else
+             detect_kind(sp.source.path, mc.architecture if mc is not None else None))
+    if found[0] == "generate" and entry is not None and entry.serves != "generate":
+        return entry.serves, f"kiln's registry entry {entry.name} serves {entry.serves}"
+    return found
 
 
 def _check_kind(s: C.ResolvedSettings, mc: Any) -> None:

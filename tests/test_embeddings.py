@@ -414,3 +414,20 @@ def test_embedding_endpoints_answer_as_their_schema_says(embed_server: tuple[str
     for op in ops:
         fuzz(op)
     assert 200 in statuses  # some generated requests were embedded, and matched the schema
+
+
+def test_pull_fetches_the_sentence_transformers_files() -> None:
+    """kiln pull of a sentence-transformers repo takes its pooling config and modules.json
+    (without them MiniLM would pool by CLS, not by mean), not its ONNX / OpenVINO copies."""
+    from kiln.resolve.download import plan_download
+    from kiln.resolve.registry import lookup
+
+    listing = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json",
+               "modules.json", "sentence_bert_config.json", "1_Pooling/config.json",
+               "onnx/model.onnx", "openvino/openvino_model.xml", "README.md"]
+    files = plan_download("sentence-transformers/all-MiniLM-L6-v2", listing, None).files
+    assert {"modules.json", "1_Pooling/config.json", "sentence_bert_config.json",
+            "model.safetensors"} <= set(files)
+    assert not any(f.startswith(("onnx/", "openvino/")) or f.endswith(".bin") for f in files)
+    entry = lookup("minilm")
+    assert entry is not None and entry.serves == "embed"
