@@ -499,6 +499,12 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     open_for_kiln(sp)
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
+    if s["kind"] != "generate":  # kiln run, LLM, bench: they generate
+        r = s.values["kind"]
+        raise C.ConfigError(f"{src.name} is served as --kind {r.value} ({r.source}: "
+                            f"{r.reason}): it does not generate text",
+                            hint="serve it with `kiln serve` (/v1/embeddings, /v1/rerank), or "
+                            "pass --kind generate for a causal LM")
     sp.phase = "load"
     t0 = time.monotonic()
     cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))

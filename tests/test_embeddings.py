@@ -113,16 +113,20 @@ def _reference(folder: Path, texts: list[str]) -> torch.Tensor:
 # --------------------------------------------------------------------------- the encoder
 
 
-def test_bert_hidden_states_match_transformers_on_a_tiny_random_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_encoder_hidden_states_match_transformers_on_a_tiny_random_config(
+        tmp_path: Path, family: str) -> None:
     import transformers
 
     from kiln.models.bert import BertModel
 
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3,
-                                  num_attention_heads=4, intermediate_size=128,
-                                  max_position_embeddings=64, type_vocab_size=2)
-    ref = transformers.BertModel(cfg, add_pooling_layer=True).eval()
+    config_cls, model_cls = {
+        "bert": (transformers.BertConfig, transformers.BertModel),
+        "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel)}[family]
+    cfg = config_cls(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=66, type_vocab_size=2)
+    ref = model_cls(cfg, add_pooling_layer=True).eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.1)
@@ -132,12 +136,15 @@ def test_bert_hidden_states_match_transformers_on_a_tiny_random_config(tmp_path:
     from kiln.models.loader import iter_tensors
 
     ours.load_checkpoint_tensors(iter_tensors(ckpt))
-    ids = torch.randint(1, 300, (3, 17))
+    ids = torch.randint(2, 300, (3, 17))  # no padding id inside the real tokens
     mask = torch.ones(3, 17, dtype=torch.long)
     mask[1, 9:] = 0  # padded rows: the padding must not leak into the real tokens
     mask[2, 3:] = 0
     with torch.inference_mode():
-        want = ref(input_ids=ids, attention_mask=mask).last_hidden_state
+        # transformers numbers RoBERTa positions from the ids: pad the padding with its id.
+        pad = ckpt.config.pad_token_id or 0
+        want = ref(input_ids=ids.masked_fill(mask == 0, pad), attention_mask=mask
+                   ).last_hidden_state
         got = ours(ids, mask.bool())
     real = mask.bool()
     assert (got[real] - want[real]).abs().max().item() < 1e-4

@@ -228,8 +228,10 @@ def build_embedder(ckpt: Any, *, pooling_mode: str | None, dtype: str, device: s
         pooling = PoolingConfig(pooling_mode, pooling.normalize, f"--pooling {pooling_mode} "
                                 f"(the model's: {pooling.reason})", pooling.matryoshka,
                                 pooling.any_dimensions)
-    limit = min(n for n in (cfg.max_position_embeddings, sentence_max_len(folder),
-                            max_model_len) if n)
+    positions = cfg.max_position_embeddings
+    if cfg.architecture in ("RobertaModel", "XLMRobertaModel"):  # they start after the padding
+        positions -= (cfg.pad_token_id if cfg.pad_token_id is not None else 1) + 1
+    limit = min(n for n in (positions, sentence_max_len(folder), max_model_len) if n)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16}[dtype]
     dev = torch.device(device)

@@ -1,4 +1,5 @@
-"""BERT-family encoder (BertModel: all-MiniLM-L6-v2, bge, e5, ...), for embeddings only.
+"""BERT-family encoders (BertModel: all-MiniLM-L6-v2, bge; RobertaModel / XLMRobertaModel:
+bge-m3, multilingual-e5), for embeddings only.
 
 An encoder attends both ways over the whole input at once, so it has no KV cache and no decode
 step: a batch is padded to its longest input ([B, L]) and run once, the padding masked out of
@@ -29,7 +30,7 @@ _ACT = {
 # Checkpoint tensors an embedding does not read: BertModel's pooler (a tanh layer over [CLS]
 # for next-sentence prediction), the MLM/NSP heads of a *ForPreTraining checkpoint, and the
 # position_ids buffer some exporters save.
-_UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
+_UNUSED = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids")
 
 
 def _empty_linear(n_in: int, n_out: int) -> nn.Linear:
@@ -45,13 +46,19 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h))
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h,
                                                 _weight=torch.empty(cfg.max_position_embeddings, h))
+        # RoBERTa numbers positions from padding_idx + 1 (transformers'
+        # create_position_ids_from_input_ids); padding rows are masked, so their ids don't matter.
+        roberta = cfg.architecture in ("RobertaModel", "XLMRobertaModel")
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 1
+        self.position_offset = pad + 1 if roberta else 0
         types = max(1, cfg.type_vocab_size)
         self.token_type_embeddings = nn.Embedding(types, h, _weight=torch.zeros(types, h))
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
                 ) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + \
+            self.position_offset
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]
         if token_type_ids is None:  # one segment: type 0 everywhere, as transformers defaults
             x = x + self.token_type_embeddings.weight[0]
@@ -153,11 +160,11 @@ class BertModel(nn.Module):
     def load_checkpoint_tensors(self, tensors: object) -> None:
         """Fills every parameter from (name, tensor) pairs (`kiln.models.loader.iter_tensors`);
         a tensor the encoder does not know, or a parameter left unfilled, is an error naming
-        it. Names may carry the `bert.` prefix of a *ForMaskedLM checkpoint."""
+        it. Names may carry the `bert.` / `roberta.` prefix of a *ForMaskedLM checkpoint."""
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in tensors:  # type: ignore[attr-defined]
-            name = name.removeprefix("bert.")
+            name = name.removeprefix("bert.").removeprefix("roberta.")
             if name.startswith(_UNUSED):
                 continue
             if name not in params:

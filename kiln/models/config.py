@@ -27,6 +27,9 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": {},
     # Encoders: they serve embeddings only (--kind embed, kiln/kinds/embedding.py).
     "BertModel": {"encoder": True},
+    # RoBERTa's layout is BERT's; positions start after the padding id (bge-m3, e5: XLM-R).
+    "RobertaModel": {"encoder": True},
+    "XLMRobertaModel": {"encoder": True},
 }
 # Architectures without a causal LM head: what `--kind auto` serves as embedding models.
 ENCODER_ARCHITECTURES = frozenset(a for a, x in ARCHITECTURES.items() if x.get("encoder"))

@@ -18,6 +18,8 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("kiln.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kiln.models.deepseek", "DeepseekV3ForCausalLM"),
     "BertModel": ("kiln.models.bert", "BertModel"),
+    "RobertaModel": ("kiln.models.bert", "BertModel"),
+    "XLMRobertaModel": ("kiln.models.bert", "BertModel"),
 }
 
 
