@@ -9,6 +9,7 @@ package prints when imported), extracted once into ~/.cache/kiln/test-models/.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import shutil
@@ -92,13 +93,17 @@ def sentences(n: int = 100) -> list[str]:
     return out
 
 
+@functools.cache
+def _transformers_model(folder: Path) -> tuple[Any, Any]:
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder)), AutoModel.from_pretrained(str(folder)).eval()
+
+
 def _reference(folder: Path, texts: list[str]) -> torch.Tensor:
     """transformers' BertModel + the model's pooling (mean over the attention mask) +
     normalize, as sentence-transformers computes it."""
-    from transformers import AutoModel, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModel.from_pretrained(str(folder)).eval()
+    tok, model = _transformers_model(folder)
     outs = []
     for i in range(0, len(texts), 32):
         b = tok(texts[i:i + 32], padding=True, truncation=True, max_length=256,
