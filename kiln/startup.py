@@ -225,17 +225,14 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
 
 
 def _model_kind(sp: StartupPlan, mc: Any) -> tuple[str, str]:
-    """What the model's files say it is for (kiln.kinds.detect_kind), before settings."""
-    from kiln.kinds import detect_kind
+    """What the model's files (or kiln's registry) say it is for, before settings."""
+    from kiln.kinds import kind_of
 
     assert sp.source is not None
-    entry = sp.source.registry_entry
-    found = (("generate", "a model the external engine downloads: generating is the default")
-             if sp.source.format == "remote" else
-             detect_kind(sp.source.path, mc.architecture if mc is not None else None))
-    if found[0] == "generate" and entry is not None and entry.serves != "generate":
-        return entry.serves, f"kiln's registry entry {entry.name} serves {entry.serves}"
-    return found
+    if sp.source.format == "remote":
+        return kind_of(None, "", sp.source.registry_entry)
+    return kind_of(sp.source.path, mc.architecture if mc is not None else None,
+                   sp.source.registry_entry)
 
 
 def _check_kind(s: C.ResolvedSettings, mc: Any) -> None:

@@ -62,5 +62,17 @@ def detect_kind(path: Path | str | None, architecture: str | None) -> tuple[str,
     if arch.startswith("Whisper"):
         return "transcribe", f"{arch} is a speech-to-text model"
     if not arch:
-        return "generate", "the model does not name an architecture: generating is the default"
+        return "generate", ("generating is the default: no sentence-transformers files, no "
+                            "encoder architecture")
     return "generate", f"{arch} is a causal LM"
+
+
+def kind_of(path: Path | str | None, architecture: str | None,
+            entry: Any = None) -> tuple[str, str]:
+    """`detect_kind`, and where the files say only "generate", kiln's registry entry's
+    `serves` (a repo whose sentence-transformers files were not fetched, a GGUF)."""
+    found = detect_kind(path, architecture)
+    serves = getattr(entry, "serves", "generate")
+    if found[0] == "generate" and serves != "generate":
+        return serves, f"kiln's registry entry {entry.name} serves {serves}"
+    return found
