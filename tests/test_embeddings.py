@@ -443,3 +443,40 @@ def test_pull_fetches_the_sentence_transformers_files() -> None:
     assert not any(f.startswith(("onnx/", "openvino/")) or f.endswith(".bin") for f in files)
     entry = lookup("minilm")
     assert entry is not None and entry.serves == "embed"
+
+
+def test_batching_loop_keeps_each_requests_order_and_the_budget() -> None:
+    """The engine thread's loop, over an embedder whose vector is (input length, first id):
+    every request gets one row per input in its order, batches stay within --max-num-seqs and
+    the token budget (longest x rows), and inputs of concurrent requests share batches."""
+    import asyncio
+
+    from kiln.kinds.embedding import Embedder, EmbeddingEngine
+
+    batches: list[list[int]] = []
+
+    class Lengths(Embedder):
+        dim, max_len = 2, 64
+        pooling = PoolingConfig("mean", False, "test")
+
+        def run(self, batch: list[list[int]]) -> torch.Tensor:
+            batches.append([len(ids) for ids in batch])
+            return torch.tensor([[len(ids), ids[0]] for ids in batch], dtype=torch.float32)
+
+    engine = EmbeddingEngine(Lengths, max_batch_tokens=40, max_batch_seqs=4).start()
+    requests = [[[r * 100 + i] * (1 + (r * 7 + i * 3) % 13) for i in range(1 + r % 5)]
+                for r in range(12)]
+
+    async def all_at_once() -> list[torch.Tensor]:
+        return await asyncio.gather(*(engine.embed(req) for req in requests))
+
+    try:
+        results = asyncio.run(all_at_once())
+    finally:
+        engine.shutdown()
+    for req, got in zip(requests, results, strict=True):
+        assert got.tolist() == [[float(len(ids)), float(ids[0])] for ids in req]
+    assert all(len(b) <= 4 and max(b) * len(b) <= 40 for b in batches)
+    assert sum(map(len, batches)) == sum(map(len, requests))
+    assert len(batches) < sum(map(len, requests))  # inputs were batched together
+    assert engine.stats()["num_waiting"] == 0

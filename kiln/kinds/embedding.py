@@ -1,8 +1,9 @@
 """Embeddings in kiln's engine: pooling, the embedder (encoder or decoder), and its batching loop.
 
     /v1/embeddings --token ids--> EmbeddingEngine.embed (event loop)
-        --queue--> engine thread: pending inputs sorted by length, cut into batches by
-                   the token budget (--max-num-batched-tokens) and --max-num-seqs
+        --queue--> engine thread: pending inputs in arrival order; each batch cut from the
+                   oldest of them, longest first, within the token budget
+                   (--max-num-batched-tokens) and --max-num-seqs
         --> Embedder.run(batch): one forward, pool, normalize --> float32 vectors
         --loop.call_soon_threadsafe--> the request's future, once all its inputs are done
 
@@ -376,16 +377,23 @@ class EmbeddingEngine:
                 job = None
 
     def _step(self) -> None:
-        """One forward over the longest-first batch that fits the budget: sorting by length
-        keeps padding (encoder) small; a lone input longer than the budget still runs."""
+        """One forward over a batch that fits the budget. Inputs wait in arrival order; the
+        batch is cut from the oldest `4 x max_batch_seqs` of them, longest first (less padding
+        for an encoder; sentence-transformers sorts by length too), so reordering is bounded
+        and no input waits behind an endless stream of longer ones. A lone input longer than
+        the budget still runs."""
         assert self.embedder is not None
-        self._pending.sort(key=lambda p: -len(p[0].inputs[p[1]]))
+        window = self._pending[:4 * self.max_batch_seqs]
+        order = sorted(range(len(window)), key=lambda k: -len(window[k][0].inputs[window[k][1]]))
+        longest = len(window[order[0]][0].inputs[window[order[0]][1]])
         take = 1
-        longest = len(self._pending[0][0].inputs[self._pending[0][1]])
-        while take < min(len(self._pending), self.max_batch_seqs) and \
+        while take < min(len(order), self.max_batch_seqs) and \
                 longest * (take + 1) <= self.max_batch_tokens:
             take += 1
-        batch, self._pending = self._pending[:take], self._pending[take:]
+        chosen = set(order[:take])
+        batch = [window[k] for k in order[:take]]
+        self._pending = [p for k, p in enumerate(window) if k not in chosen] + \
+            self._pending[len(window):]
         ids = [job.inputs[i] for job, i in batch]
         self._stats["num_running"] = len(batch)
         t0 = time.perf_counter()
