@@ -32,6 +32,8 @@ class AutoContext:
     numa_nodes: int = 1
     cpu_amx: bool = False  # Intel AMX tiles (amx_tile/amx_int8/amx_bf16): kt-kernel's AMX methods
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
+    # What the model's files say it is for (kiln.kinds.detect_kind): (kind, reason).
+    model_kind: tuple[str, str] | None = None
     # Settings a person set (cli, env, file; any row of the table): filled by resolve_settings
     # before any rule runs, so a rule can tell "asked for" from "defaulted".
     explicit: set[str] = field(default_factory=set)
@@ -237,6 +239,12 @@ def auto_cpu_offload_experts(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, 
     if given:
         return True, f"{', '.join('--' + n.replace('_', '-') for n in given)} given"
     return False, "a dense model: every weight stays on the GPU"
+
+
+def auto_kind(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if ctx.model_kind is None:
+        return "generate", "no model files to read: generating is the default"
+    return ctx.model_kind
 
 
 def auto_lang(_: AutoContext, __: dict[str, Any]) -> tuple[Any, str]:

@@ -29,6 +29,7 @@ from kiln.auto_rules import (
     auto_device,
     auto_dtype,
     auto_engine,
+    auto_kind,
     auto_kt_cpuinfer,
     auto_kt_gpu_prefill_token_threshold,
     auto_kt_method,
@@ -219,6 +220,17 @@ SETTINGS: list[Setting] = [
     Setting("model_dirs", parse_str_list, None, "extra folders searched for models",
             ("--model-dir",), affects="correctness", group="model", metavar="DIR",
             engines=("kiln",)),
+    Setting("kind", str, "auto",
+            "what the model serves: generate (chat, completions), embed (/v1/embeddings, "
+            "/v1/rerank; a causal LM then embeds with its hidden states), transcribe, speech "
+            "(auto: from the model's config and files)", ("--kind",),
+            choices=("auto", "generate", "embed", "transcribe", "speech"),
+            affects="correctness", auto=auto_kind, group="model", engines=("kiln",)),
+    Setting("pooling", str, "auto",
+            "--kind embed: how token states become one vector (auto: the model's "
+            "sentence-transformers 1_Pooling config; else CLS for an encoder, the last token "
+            "for a decoder)", ("--pooling",), choices=("auto", "mean", "cls", "last", "max"),
+            affects="correctness", group="model", engines=("kiln",)),
     # -- engine
     Setting("engine", str, "kiln", "which engine runs the model", ("--engine",),
             choices=("kiln", "vllm", "sglang", "auto"), affects="correctness",

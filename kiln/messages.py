@@ -213,6 +213,7 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "pull.format": {"en": "  format: {format}{quant}, {files} file(s), {size}",
                     "zh": "  格式：  {format}{quant}，{files} 个文件，{size}"},
     "pull.run_it": {"en": "  run it: kiln serve {model}", "zh": "  运行：  kiln serve {model}"},
+    "pull.serves": {"en": "  serves: {kind} ({reason})", "zh": "  用途：  {kind}（{reason}）"},
     # -- the --dry-run summary (labels padded to one column; a CJK character is two wide)
     "dry.hardware": {"en": "hardware:", "zh": "硬件："},
     "dry.cpu": {"en": "  cpu      {model} ({cores} physical cores, {numa} NUMA node(s))",

@@ -152,9 +152,15 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     entry = sp.source.registry_entry
     preset_vals: dict[str, Any] = {}
     explicit_preset = _first(cli, env, file_settings, key="runtime_preset")
+    model_kind = _model_kind(sp, mc)
+    kind = _first(cli, env, file_settings, key="kind") or "auto"
     if explicit_preset:
         sp.preset = explicit_preset
         sp.preset_reason = "asked for"
+    elif not external and (kind if kind != "auto" else model_kind[0]) == "embed":
+        sp.preset = "embed"
+        sp.preset_reason = ("--kind embed" if kind == "embed" else
+                            "--kind auto found an embedding model")
     elif external or mc is None:
         sp.preset_reason = "none inferred: the external engine picks its own defaults"
     else:
@@ -178,6 +184,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         model_quant=sp.source.quant or (mc.quantization if mc else None),
         numa_nodes=hw.numa_nodes,
         cpu_amx=any(hw.has_flag(f) for f in AMX_FLAGS),
+        model_kind=model_kind,
     )
     registry_vals = dict(entry.recommended) if entry else {}
     # A preset value for a knob the preset's device does not have is noise; keep it anyway:
@@ -210,10 +217,35 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
                    source=s.source("device"))
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
+        _check_kind(s, mc)
         _plan_expert_placement(sp)
         if not args.dry_run:
             _install_stages(s)
     return sp
+
+
+def _model_kind(sp: StartupPlan, mc: Any) -> tuple[str, str]:
+    """What the model's files (or kiln's registry) say it is for, before settings."""
+    from kiln.kinds import kind_of
+
+    assert sp.source is not None
+    if sp.source.format == "remote":
+        return kind_of(None, "", sp.source.registry_entry)
+    return kind_of(sp.source.path, mc.architecture if mc is not None else None,
+                   sp.source.registry_entry)
+
+
+def _check_kind(s: C.ResolvedSettings, mc: Any) -> None:
+    """The kinds kiln's engine serves, and an encoder only as an embedder."""
+    r = s.values["kind"]
+    if r.value in ("transcribe", "speech"):
+        raise C.ConfigError(f"--kind {r.value} ({r.source}: {r.reason}) is not served by kiln's "
+                            "engine yet", hint="kiln's engine serves --kind generate and "
+                            "--kind embed")
+    if r.value == "generate" and mc is not None and mc.is_encoder:
+        raise C.ConfigError(f"{mc.architecture} is an encoder: it has no LM head to generate "
+                            f"with ({r.source} asked --kind generate)",
+                            hint="serve it with --kind embed (or --kind auto)")
 
 
 def _install_stages(s: C.ResolvedSettings) -> None:
@@ -464,6 +496,12 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     open_for_kiln(sp)
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
+    if s["kind"] != "generate":  # kiln run, LLM, bench: they generate
+        r = s.values["kind"]
+        raise C.ConfigError(f"{src.name} is served as --kind {r.value} ({r.source}: "
+                            f"{r.reason}): it does not generate text",
+                            hint="serve it with `kiln serve` (/v1/embeddings, /v1/rerank), or "
+                            "pass --kind generate for a causal LM")
     sp.phase = "load"
     t0 = time.monotonic()
     cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
@@ -475,6 +513,35 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
                     trace_meta=meta)
     record_engine(sp, engine, time.monotonic() - t0)
     return engine
+
+
+def build_embedder(sp: StartupPlan) -> Any:
+    """--kind embed: the planned model as an embedder (kiln/kinds/embedding.py: an encoder as
+    itself, a causal LM by its hidden states); what loading decided (pooling, the longest
+    input) is written back into the settings, as build_engine does."""
+    from kiln.kinds.embedding import build_embedder as build
+
+    open_for_kiln(sp)
+    s, src = sp.settings, sp.source
+    assert s is not None and src is not None and sp.checkpoint is not None
+    sp.phase = "load"
+    t0 = time.monotonic()
+    cfg = C.EngineConfig.from_settings(s, str(src.gguf_file or src.path))
+    asked = s["pooling"]
+    emb = build(sp.checkpoint, pooling_mode=None if asked == "auto" else asked, dtype=cfg.dtype,
+                device=cfg.device, num_threads=cfg.num_threads, max_model_len=s["max_model_len"])
+    if asked == "auto":
+        s.override("pooling", emb.pooling.mode, emb.pooling.reason, source="engine")
+    if emb.max_len != s["max_model_len"]:
+        s.override("max_model_len", emb.max_len, "the longest input the embedder takes: "
+                   "sentence-transformers' max_seq_length (sentence_bert_config.json), as vLLM "
+                   "reads it, or the position limit", source="engine")
+    sp.extra = {"engine": {"name": "kiln", "kind": "embed", "embedder": emb.description,
+                           "dimensions": emb.dim, "normalize": emb.pooling.normalize,
+                           "matryoshka": emb.pooling.matryoshka or emb.pooling.any_dimensions,
+                           "max_input_tokens": emb.max_len,
+                           "load_seconds": round(time.monotonic() - t0, 2)}}
+    return emb
 
 
 def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:

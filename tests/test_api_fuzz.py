@@ -95,3 +95,12 @@ def test_server_still_answers_after_the_fuzzing(fuzz_server: str) -> None:
     body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
     r = httpx.post(f"{fuzz_server}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_embeddings_on_a_generating_model_say_how(fuzz_server: str) -> None:
+    """/v1/embeddings on a chat model: a 400 that says to serve it with --kind embed."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fuzz_server}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="--kind embed"):
+        client.embeddings.create(model=client.models.list().data[0].id, input="hello")

@@ -103,9 +103,9 @@ def test_list_shows_embedded_cache_and_folder_models(
     assert run("list", "--model-dir", str(models)) == 0
     out = capsys.readouterr().out
     header, *rows = out.splitlines()
-    assert header.split() == ["NAME", "SIZE", "FORMAT", "QUANT", "SOURCE", "PATH"]
+    assert header.split() == ["NAME", "SIZE", "FORMAT", "QUANT", "SERVES", "SOURCE", "PATH"]
     by_name = {r.split()[0]: r.split() for r in rows}
-    assert by_name["smollm2"][1:6] == ["94", "MiB", "gguf", "Q4_1", "embedded"]
+    assert by_name["smollm2"][1:7] == ["94", "MiB", "gguf", "Q4_1", "generate", "embedded"]
     assert "hf-cache" in by_name["acme/tiny-GGUF:Q4_K_M"]
     assert "folder" in by_name["my-model"] and "safetensors" in by_name["my-model"]
 

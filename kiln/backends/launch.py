@@ -56,8 +56,10 @@ def _url_host(host: str) -> str:
 
 
 def format_running_block(model_name: str, engine: str, host: str, port: int,
-                         extra: Mapping[str, Any] | None = None) -> str:
-    """The block printed once the server answers; kiln's native server prints the same."""
+                         extra: Mapping[str, Any] | None = None,
+                         routes: list[str] | None = None) -> str:
+    """The block printed once the server answers; kiln's native server prints the same.
+    `routes`: "METHOD /path" of what the model serves (default: the generating ones)."""
     base = f"http://{_url_host(host)}:{port}"
     rows: list[tuple[str, str]] = [("model", model_name), ("engine", engine)]
     if host in ("0.0.0.0", "::", "", "*"):
@@ -66,9 +68,10 @@ def format_running_block(model_name: str, engine: str, host: str, port: int,
     width = max(len(k) for k, _ in rows + [("endpoints", "")])
     lines = ["kiln: server running"]
     lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    endpoints = [f"{base}/v1", f"POST {base}/v1/chat/completions",
-                 f"POST {base}/v1/completions", f"GET  {base}/v1/models",
-                 f"GET  {base}/health"]
+    routes = routes or ["POST /v1/chat/completions", "POST /v1/completions"]
+    endpoints = [f"{base}/v1", *(f"{r.split()[0].ljust(4)} {base}{r.split()[1]}"
+                                 for r in routes),
+                 f"GET  {base}/v1/models", f"GET  {base}/health"]
     lines.append(f"  {'endpoints'.ljust(width)}  {endpoints[0]}")
     lines += [f"  {''.ljust(width)}  {e}" for e in endpoints[1:]]
     lines.append(msg("launch.press_ctrl_c"))

@@ -23,6 +23,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kiln.kinds import detect_kind
     from kiln.resolve.hardware import format_bytes
     from kiln.resolve.registry import load_registry
     from kiln.resolve.sources import configured_model_dirs, list_local_models
@@ -36,19 +37,24 @@ def main(args: argparse.Namespace) -> int:
         # An MoE model's speed follows its active parameters, its memory its total.
         rows = [
             [e.name, e.params + (f" ({e.active_params} active)" if e.active_params else ""),
-             e.kind, e.experts or "-", e.hf_repo, ", ".join(e.aliases), e.description]
+             e.kind, e.serves, e.experts or "-", e.hf_repo, ", ".join(e.aliases),
+             e.description]
             for e in entries
         ]
-        print(format_table(rows, ["NAME", "PARAMS", "KIND", "EXPERTS", "HF REPO", "ALIASES",
-                            "DESCRIPTION"]))
+        print(format_table(rows, ["NAME", "PARAMS", "KIND", "SERVES", "EXPERTS", "HF REPO",
+                                  "ALIASES", "DESCRIPTION"]))
         return 0
     try:
         models = list_local_models(configured_model_dirs(getattr(args, "model_dir", None)))
     except KilnError as e:
         print(f"kiln list: {e}", file=sys.stderr)
         return e.exit_code
+    # What each serves (--kind auto's rule): a sentence-transformers folder or an encoder embeds.
+    serves = [detect_kind(m.path if m.path.is_dir() else None, None)[0] for m in models]
     if as_json:
-        print(json.dumps([m.to_dict() for m in models], indent=2))
+        print(json.dumps([{**m.to_dict(), "serves": k} for m, k in zip(models, serves,
+                                                                         strict=True)],
+                         indent=2))
         return 0
     if not models:
         print(
@@ -57,8 +63,9 @@ def main(args: argparse.Namespace) -> int:
         )
         return 0
     rows = [
-        [m.name, format_bytes(m.size_bytes), m.format, m.quantization or "-", m.source, str(m.path)]
-        for m in models
+        [m.name, format_bytes(m.size_bytes), m.format, m.quantization or "-", k, m.source,
+         str(m.path)]
+        for m, k in zip(models, serves, strict=True)
     ]
-    print(format_table(rows, ["NAME", "SIZE", "FORMAT", "QUANT", "SOURCE", "PATH"]))
+    print(format_table(rows, ["NAME", "SIZE", "FORMAT", "QUANT", "SERVES", "SOURCE", "PATH"]))
     return 0

@@ -53,5 +53,14 @@ def main(args: argparse.Namespace) -> int:
     print(msg("pull.path", path=src.path))
     print(msg("pull.format", format=src.format, quant=quant, files=len(src.files),
               size=format_bytes(src.total_bytes)))
+    kind, reason = _serves(src)
+    print(msg("pull.serves", kind=kind, reason=reason))
     print(msg("pull.run_it", model=args.model))
     return 0
+
+
+def _serves(src: Any) -> tuple[str, str]:
+    """What the pulled model serves: `--kind auto`'s rule."""
+    from kiln.kinds import kind_of
+
+    return kind_of(src.path if src.path.is_dir() else None, None, src.registry_entry)

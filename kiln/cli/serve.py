@@ -97,11 +97,8 @@ def _choose_engine(sp: startup.StartupPlan) -> str:
 
 
 def _serve_kiln(sp: startup.StartupPlan) -> int:
-    import uvicorn
-
     from kiln import __version__
-    from kiln.backends import format_running_block
-    from kiln.engine.async_engine import AsyncEngine, wait_idle
+    from kiln.engine.async_engine import AsyncEngine
     from kiln.obs import trace
     from kiln.server.app import build_app
     from kiln.server.protocol import RequestLimits
@@ -118,6 +115,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     sp.phase = "load"
     print(msg("serve.loading", name=src.name, path=src.gguf_file or src.path), file=sys.stderr)
     tokenizer = startup.load_tokenizer(sp)
+    if s["kind"] == "embed":
+        return _serve_embed(sp, tokenizer, names)
     # The engine is built on its own thread (see kiln/engine/async_engine.py for why).
     aengine = AsyncEngine(lambda: startup.build_engine(sp, tokenizer, progress=_progress_bar()),
                           max_queue=s["max_queue"]).start(wait=False)
@@ -137,6 +136,67 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                     limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults)
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
+
+    def details() -> dict[str, str]:
+        return {
+            "weights": str(src.gguf_file or src.path),
+            "device": f"{cfg.device}, {cfg.dtype}, {engine.runner.config.num_threads or ''}"
+                      f"{' threads' if cfg.device == 'cpu' else ''}".rstrip(", "),
+            "kv cache": f"{plan.num_blocks} blocks x {plan.block_size} tokens "
+                        f"({engine.runner.kv_dtype_name}, {plan.kv_bytes / 2**30:.2f} GiB)",
+            "context": f"{engine.max_model_len} tokens",
+            "ready in": f"{time.monotonic() - sp.started:.1f} s",
+        }
+
+    return _run_server(sp, app, aengine, names, details)
+
+
+def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> int:
+    """--kind embed: the embedder on its own thread (kiln/kinds/embedding.py), the same app
+    (its generating routes refuse with a clear 400) and the same server loop."""
+    from kiln import __version__
+    from kiln.kinds.embedding import EmbeddingEngine
+    from kiln.obs import trace
+    from kiln.server.app import build_app
+    from kiln.server.protocol import RequestLimits
+
+    s, src = sp.settings, sp.source
+    assert s is not None and src is not None
+    eng = EmbeddingEngine(lambda: startup.build_embedder(sp),
+                          max_batch_tokens=s["max_num_batched_tokens"],
+                          max_batch_seqs=s["max_num_seqs"], max_queue=s["max_queue"])
+    emb = eng.start(wait=False).wait_built()
+    sp.phase = "serve"
+    app = build_app(eng, tokenizer, names, api_key=s["api_key"],  # type: ignore[arg-type]
+                    max_model_len=emb.max_len, version=__version__,
+                    limits=RequestLimits.from_settings(s), kind="embed", embedder=eng)
+    trace.stage("ready")
+    startup.write_artifacts(sp, "ok")
+
+    def details() -> dict[str, str]:
+        return {"weights": str(src.gguf_file or src.path), "kind": f"embed ({emb.description})",
+                "dimensions": f"{emb.dim}{', normalized' if emb.pooling.normalize else ''}",
+                "context": f"{emb.max_len} tokens per input",
+                "batches": f"up to {s['max_num_seqs']} inputs, "
+                           f"{s['max_num_batched_tokens']} tokens",
+                "ready in": f"{time.monotonic() - sp.started:.1f} s"}
+
+    return _run_server(sp, app, eng, names, details,
+                       ["POST /v1/embeddings", "POST /v1/rerank"])
+
+
+def _run_server(sp: startup.StartupPlan, app: Any, aengine: Any, names: list[str],
+                details: Any, routes: list[str] | None = None) -> int:
+    """uvicorn over `app` until SIGINT/SIGTERM (drained), the pid file while it serves."""
+    import uvicorn
+
+    from kiln import __version__
+    from kiln.backends import format_running_block
+    from kiln.engine.async_engine import wait_idle
+    from kiln.obs import trace
+
+    s, src = sp.settings, sp.source
+    assert s is not None and src is not None
     host, port = s["host"], s["port"]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
@@ -153,15 +213,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         await started(sockets)
         if server.started:
             _register(pid_files, record)
-            print(format_running_block(names[0], "kiln", host, port, {
-                "weights": str(src.gguf_file or src.path),
-                "device": f"{cfg.device}, {cfg.dtype}, {engine.runner.config.num_threads or ''}"
-                          f"{' threads' if cfg.device == 'cpu' else ''}".rstrip(", "),
-                "kv cache": f"{plan.num_blocks} blocks x {plan.block_size} tokens "
-                            f"({engine.runner.kv_dtype_name}, {plan.kv_bytes / 2**30:.2f} GiB)",
-                "context": f"{engine.max_model_len} tokens",
-                "ready in": f"{time.monotonic() - sp.started:.1f} s",
-            }), flush=True)
+            print(format_running_block(names[0], "kiln", host, port, details(), routes),
+                  flush=True)
 
     server.startup = startup_and_announce  # type: ignore[method-assign]
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]

@@ -33,7 +33,14 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": {},
     "GraniteForCausalLM": {},
     "Olmo2ForCausalLM": {"norm_layout": "post", "qk_norm": True, "qk_norm_full": True},
+    # Encoders: they serve embeddings only (--kind embed, kiln/kinds/embedding.py).
+    "BertModel": {"encoder": True},
+    # RoBERTa's layout is BERT's; positions start after the padding id (bge-m3, e5: XLM-R).
+    "RobertaModel": {"encoder": True},
+    "XLMRobertaModel": {"encoder": True},
 }
+# Architectures without a causal LM head: what `--kind auto` serves as embedding models.
+ENCODER_ARCHITECTURES = frozenset(a for a, x in ARCHITECTURES.items() if x.get("encoder"))
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mixtral as "llama" with experts,
 # and DeepSeek-V2 and V3 both as "deepseek2" (V3 is told apart by its sigmoid gating).
@@ -133,6 +140,14 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # Granite: x + f(x) * m
     logits_scaling: float = 1.0  # Granite: logits / s
+    # Encoders (BERT): token type embeddings (0: none), the MLP's activation, the padding id.
+    type_vocab_size: int = 0
+    pad_token_id: int | None = None
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT): no KV cache, no LM head; it only embeds."""
+        return self.architecture in ENCODER_ARCHITECTURES
 
     @property
     def context_length(self) -> int:
@@ -222,7 +237,7 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=d.get("rms_norm_eps", d.get("layer_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -250,6 +265,8 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
+            type_vocab_size=int(d.get("type_vocab_size") or 0),
+            pad_token_id=d.get("pad_token_id"),
             **_moe_from_hf(d, extra),
         )
 

@@ -22,6 +22,9 @@ _MODELS = {
     "Gemma2ForCausalLM": ("kiln.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("kiln.models.gemma", "GemmaForCausalLM"),
     "Olmo2ForCausalLM": ("kiln.models.olmo2", "Olmo2ForCausalLM"),
+    "BertModel": ("kiln.models.bert", "BertModel"),
+    "RobertaModel": ("kiln.models.bert", "BertModel"),
+    "XLMRobertaModel": ("kiln.models.bert", "BertModel"),
 }
 
 

@@ -22,6 +22,11 @@ _AUX_FILES = re.compile(
     r".*\.safetensors\.index\.json)$"
 )
 
+# sentence-transformers' own files (kiln/kinds/embedding.py reads them): the module list, the
+# pooling config in its numbered folder, the trained sequence length.
+_ST_FILES = re.compile(r"^(modules\.json|sentence_bert_config\.json|"
+                       r"config_sentence_transformers\.json|\d+_Pooling/config\.json)$")
+
 
 @dataclass
 class DownloadPlan:
@@ -39,7 +44,8 @@ def plan_download(
     st = safetensors_names(repo_files)
     has_config = "config.json" in repo_files
     if quant is None and has_config and st:
-        aux = [f for f in repo_files if "/" not in f and _AUX_FILES.match(f)]
+        aux = [f for f in repo_files
+               if ("/" not in f and _AUX_FILES.match(f)) or _ST_FILES.match(f)]
         return DownloadPlan("safetensors", sorted(set(st + aux)))
     if quant is not None or groups:
         parts, q = pick_gguf_group(groups, quant, default_quant, repo_id)

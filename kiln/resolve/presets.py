@@ -110,6 +110,15 @@ PRESETS: dict[str, Preset] = {
             },
         ),
         Preset(
+            "embed",
+            "an embedding model (--kind embed): no KV cache and no decode, so big batches of "
+            "whole inputs, one forward each",
+            {
+                "max_num_seqs": 128,
+                "max_num_batched_tokens": 16384,
+            },
+        ),
+        Preset(
             "latency",
             "one user at a time: single sequence, compiled decode, prefix cache for chat turns",
             {

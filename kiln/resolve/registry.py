@@ -80,6 +80,8 @@ class RegistryEntry:
     gguf_quant: str | None = None
     recommended: dict[str, Any] = field(default_factory=dict)
     gpu_experts_rule: GpuExpertsRule | None = None
+    # What the model is for (kiln/kinds/): "generate" | "embed" | "transcribe" | "speech".
+    serves: str = "generate"
 
     @property
     def names(self) -> list[str]:
@@ -127,6 +129,11 @@ def _entry_from_toml(raw: dict[str, Any], source: str) -> RegistryEntry:
         raise ConfigError(
             f"model registry {source}: entry {label!r} has kind {raw['kind']!r}",
             hint='kind must be "dense" or "moe"',
+        )
+    if raw.get("serves", "generate") not in ("generate", "embed", "transcribe", "speech"):
+        raise ConfigError(
+            f"model registry {source}: entry {label!r} serves {raw['serves']!r}",
+            hint='serves must be "generate", "embed", "transcribe" or "speech"',
         )
     data = dict(raw)
     rule = data.pop("gpu_experts_rule", None)

@@ -25,16 +25,19 @@ from kiln.server.protocol import (
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    EmbeddingResponse,
     ErrorResponse,
     ModelList,
     RequestLimits,
+    RerankResponse,
 )
-from kiln.server.routes import admin, generation
+from kiln.server.routes import admin, embeddings, generation
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
+    from kiln.kinds.embedding import EmbeddingEngine
     from kiln.obs.dump import RequestDumper
     from kiln.obs.faults import Faults
 
@@ -44,13 +47,17 @@ log = logging.getLogger(__name__)
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str], *,
               api_key: str | None, max_model_len: int, version: str,
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
-              faults: Faults | None = None) -> FastAPI:
+              faults: Faults | None = None, kind: str = "generate",
+              embedder: EmbeddingEngine | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
-    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's)."""
+    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's).
+    `kind` (kiln/kinds/): what the model serves; with "embed", `embedder` runs /v1/embeddings
+    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
-                 version=version, limits=limits, dumper=dumper, faults=faults)
+                 version=version, limits=limits, dumper=dumper, faults=faults, kind=kind,
+                 embedder=embedder)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 
@@ -86,9 +93,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    for r in (generation.router(sv), admin.models_router(sv)):
+    for r in (generation.router(sv), admin.models_router(sv), embeddings.router(sv)):
         v1.include_router(r)
     app.include_router(v1)
+    # Rerank at the root too, as vLLM and llama-server serve it (behind the key all the same).
+    app.add_api_route("/rerank", embeddings.rerank_endpoint(sv), methods=["POST"],
+                      dependencies=[Depends(check_api_key)])
     # One registry per app: several apps (tests) in one process keep their own series.
     metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
                             max_model_len)
@@ -120,6 +130,9 @@ _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
                              _sse(ChatCompletionChunk, "chat.completion.chunk")),
     "/v1/completions": (CompletionResponse, _sse(CompletionChunk, "text_completion")),
     "/v1/models": (ModelList, {}),
+    "/v1/embeddings": (EmbeddingResponse, {}),
+    "/v1/rerank": (RerankResponse, {}),
+    "/rerank": (RerankResponse, {}),
     "/health": (None, {}),
     "/version": (None, {}),
     "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
@@ -138,7 +151,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
-                      ChatCompletionChunk, CompletionChunk):
+                      ChatCompletionChunk, CompletionChunk, EmbeddingResponse, RerankResponse):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
@@ -157,7 +170,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 codes = ["500"]
                 if "requestBody" in op:
                     codes += ["400", "404", "503"]
-                if path.startswith("/v1/") and auth:
+                if (path.startswith("/v1/") or path == "/rerank") and auth:
                     codes.append("401")
                 for code in codes:
                     op["responses"][code] = error

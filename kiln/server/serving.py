@@ -38,6 +38,7 @@ from kiln.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
     from kiln.engine.request import TokenLogprob
+    from kiln.kinds.embedding import EmbeddingEngine
     from kiln.obs.dump import RequestDump, RequestDumper
     from kiln.obs.faults import Faults
 
@@ -99,6 +100,11 @@ class _Disconnected:
     """Queue sentinel: the client went away, stop waiting for events."""
 
 
+# "an ..." before each
+_KIND_NAME = {"generate": "LLM (text generating)", "embed": "embedding",
+              "transcribe": "audio transcription", "speech": "audio speech"}
+
+
 def clamp_logprob(lp: float) -> float:
     return max(MIN_LOGPROB, lp)
 
@@ -106,7 +112,10 @@ def clamp_logprob(lp: float) -> float:
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str],
                  *, max_model_len: int, version: str, limits: RequestLimits | None = None,
-                 dumper: RequestDumper | None = None, faults: Faults | None = None) -> None:
+                 dumper: RequestDumper | None = None, faults: Faults | None = None,
+                 kind: str = "generate", embedder: EmbeddingEngine | None = None) -> None:
+        """`kind`: what the model serves (kiln/kinds/): the generating routes refuse an
+        embedding model, /v1/embeddings a generating one; `embedder` runs /v1/embeddings."""
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -118,8 +127,22 @@ class Serving:
         self.created = int(time.time())
         self.dumper = dumper
         self.faults = faults
+        self.kind = kind
+        self.embedder = embedder
 
-    def check_model(self, model: str | None) -> str:
+    def check_model(self, model: str | None, kind: str = "generate") -> str:
+        """The served name `model` asks for; refuses (400) a request for another kind of model
+        than the one served (chat on an embedding model, embeddings on a chat model)."""
+        if kind != self.kind:
+            from kiln.kinds import ENDPOINTS
+
+            how = (" Restart it with `--kind embed` to embed with this model's hidden states "
+                   "(a decoder as embedder: last-token pooling, as Qwen3-Embedding)"
+                   if kind == "embed" and self.kind == "generate" else "")
+            raise APIError(400, f"`{self.names[0]}` is served as an {_KIND_NAME[self.kind]} "
+                           f"model (--kind {self.kind}): it answers {ENDPOINTS[self.kind]}, not "
+                           f"{_KIND_NAME[kind]} requests.{how}", param="model",
+                           code="wrong_model_kind")
         if model is None:
             return self.names[0]
         if model not in self.names:
