@@ -25,11 +25,15 @@ from kiln.server.protocol import (
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     RequestLimits,
+    TokenizeResponse,
 )
-from kiln.server.routes import admin, generation
+from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
+from kiln.server.routes import admin, generation, responses, tokenize
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
@@ -44,13 +48,17 @@ log = logging.getLogger(__name__)
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str], *,
               api_key: str | None, max_model_len: int, version: str,
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
-              faults: Faults | None = None) -> FastAPI:
+              faults: Faults | None = None, responses_store_size: int = 1024,
+              coalesce_system: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
-    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's)."""
+    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's);
+    `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
+    `coalesce_system`: --enable-interleaved-system-coalescing."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
-                 version=version, limits=limits, dumper=dumper, faults=faults)
+                 version=version, limits=limits, dumper=dumper, faults=faults,
+                 coalesce_system=coalesce_system)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 
@@ -86,9 +94,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    for r in (generation.router(sv), admin.models_router(sv)):
+    store = responses.ResponseStore(responses_store_size)
+    for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv)):
         v1.include_router(r)
     app.include_router(v1)
+    app.state.responses = store
+    # vLLM serves these at the root; they render prompts, so the key guards them too.
+    app.include_router(tokenize.router(sv), dependencies=[Depends(check_api_key)])
     # One registry per app: several apps (tests) in one process keep their own series.
     metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
                             max_model_len)
@@ -100,26 +112,33 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
 
 # What each path answers with 200 (the routes return JSONResponse / SSE themselves, so FastAPI
 # cannot infer it): model, and the media types besides JSON.
-def _sse(chunk: type, what: str) -> dict[str, Any]:
+def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
     """stream=true: each event's data is a chunk, an error object (a failure mid-stream), or the
-    closing `[DONE]`."""
+    closing `[DONE]` (not in the Responses API, whose events are named by their type)."""
     # An SSE event is an object of fields; `data` holds the JSON text (contentSchema says of what).
+    end = ", then [DONE]" if done else ""
     return {"text/event-stream": {"schema": {
-        "description": f"SSE: {what} events, then [DONE] (stream=true)",
+        "description": f"SSE: {what} events{end} (stream=true)",
         "type": "object", "required": ["data"],
         "properties": {"data": {"type": "string", "contentMediaType": "application/json",
                                 "contentSchema": {"anyOf": [
                                     {"$ref": f"#/components/schemas/{chunk.__name__}"},
                                     {"$ref": "#/components/schemas/ErrorResponse"}]},
-                                "description": f"a {what} JSON object, an error object, or "
-                                               "[DONE]"}}}}}
+                                "description": f"a {what} JSON object, an error object"
+                                               + (", or [DONE]" if done else "")},
+                       **({} if done else {"event": {"type": "string"}})}}}}
 
 
 _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/chat/completions": (ChatCompletionResponse,
                              _sse(ChatCompletionChunk, "chat.completion.chunk")),
     "/v1/completions": (CompletionResponse, _sse(CompletionChunk, "text_completion")),
+    "/v1/responses": (ResponseObject, _sse(ResponseStreamEvent, "response event", done=False)),
+    "/v1/responses/{response_id}": (ResponseObject, {}),
     "/v1/models": (ModelList, {}),
+    "/v1/models/{model_id}": (ModelCard, {}),
+    "/tokenize": (TokenizeResponse, {}),
+    "/detokenize": (DetokenizeResponse, {}),
     "/health": (None, {}),
     "/version": (None, {}),
     "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
@@ -138,7 +157,8 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
-                      ChatCompletionChunk, CompletionChunk):
+                      ChatCompletionChunk, CompletionChunk, ResponseObject, ResponseStreamEvent,
+                      ModelCard, TokenizeResponse, DetokenizeResponse):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
@@ -157,7 +177,9 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 codes = ["500"]
                 if "requestBody" in op:
                     codes += ["400", "404", "503"]
-                if path.startswith("/v1/") and auth:
+                elif "{" in path:  # GET by id: an unknown one
+                    codes.append("404")
+                if (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) and auth:
                     codes.append("401")
                 for code in codes:
                     op["responses"][code] = error

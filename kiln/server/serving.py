@@ -33,7 +33,12 @@ from kiln.server.protocol import (
     RequestLimits,
     to_sampling_params,
 )
-from kiln.tokenizer import Tokenizer
+from kiln.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    coalesce_system_messages,
+    has_interleaved_system,
+)
 
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
@@ -99,6 +104,11 @@ class _Disconnected:
     """Queue sentinel: the client went away, stop waiting for events."""
 
 
+def data_frame(chunk: str) -> str:
+    """One SSE event carrying `chunk` (a JSON text) as its data."""
+    return f"data: {chunk}\n\n"
+
+
 def clamp_logprob(lp: float) -> float:
     return max(MIN_LOGPROB, lp)
 
@@ -106,7 +116,9 @@ def clamp_logprob(lp: float) -> float:
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str],
                  *, max_model_len: int, version: str, limits: RequestLimits | None = None,
-                 dumper: RequestDumper | None = None, faults: Faults | None = None) -> None:
+                 dumper: RequestDumper | None = None, faults: Faults | None = None,
+                 coalesce_system: bool = False) -> None:
+        """`coalesce_system`: --enable-interleaved-system-coalescing (see `chat_prompt`)."""
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -118,6 +130,7 @@ class Serving:
         self.created = int(time.time())
         self.dumper = dumper
         self.faults = faults
+        self.coalesce_system = coalesce_system
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -126,6 +139,28 @@ class Serving:
             raise APIError(404, f"The model `{model}` does not exist. Served models: "
                            f"{', '.join(self.names)}", param="model", code="model_not_found")
         return model
+
+    def chat_prompt(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None, param: str = "messages"
+                    ) -> list[int]:
+        """Token ids of a conversation through the chat template: what chat completions,
+        /v1/responses and /tokenize all render. With --enable-interleaved-system-coalescing the
+        system messages are first merged into one at the start; without it a template that
+        refuses them is a 400 that names the flag."""
+        if self.coalesce_system:
+            messages = coalesce_system_messages(messages)
+        try:
+            return self.tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except TokenizerError as e:
+            if has_interleaved_system(messages):
+                e = TokenizerError(
+                    f"{e.message} (a system message that is not the first: the server's "
+                    "--enable-interleaved-system-coalescing merges them into one at the start)")
+            raise bad_param(e, param) from e
 
     def params_for(self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
                    ) -> SamplingParams:
@@ -219,18 +254,24 @@ class Serving:
         return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
 
     def stream_response(self, request: Request, fan: Fanout,
-                        render: Callable[[ChoiceEvent], str], first: list[str],
-                        last: Callable[[list[ChoiceEvent]], str | None]) -> StreamingResponse:
+                        render: Callable[[ChoiceEvent], str | list[str]], first: list[str],
+                        last: Callable[[list[ChoiceEvent]], str | None], *,
+                        frame: Callable[[str], str] = data_frame, done: bool = True
+                        ) -> StreamingResponse:
         """`stream` as the SSE response a streaming route returns."""
-        return StreamingResponse(self.stream(request, fan, render, first, last),
+        return StreamingResponse(self.stream(request, fan, render, first, last, frame=frame,
+                                             done=done),
                                  media_type="text/event-stream")
 
     async def stream(self, request: Request, fan: Fanout,
-                     render: Callable[[ChoiceEvent], str], first: list[str],
-                     last: Callable[[list[ChoiceEvent]], str | None]) -> AsyncIterator[str]:
-        """Streaming: SSE lines for each event that says something (`render` makes its chunk);
-        `first` chunks go out before any event; `last` gets every choice's final event (for the
-        usage chunk)."""
+                     render: Callable[[ChoiceEvent], str | list[str]], first: list[str],
+                     last: Callable[[list[ChoiceEvent]], str | None], *,
+                     frame: Callable[[str], str] = data_frame, done: bool = True
+                     ) -> AsyncIterator[str]:
+        """Streaming: SSE lines for each event that says something (`render` makes its chunk,
+        or several); `first` chunks go out before any event; `last` gets every choice's final
+        event (for the usage chunk). `frame` turns a chunk into its SSE text (the Responses
+        API names each event); `done`: close with `data: [DONE]` (the completions APIs)."""
         # Starlette also cancels this generator on disconnect (ASGI spec < 2.4), but not on every
         # server; our own watcher makes the abort certain either way.
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
@@ -243,7 +284,7 @@ class Serving:
         sent = 0
         try:
             for line in first:
-                yield f"data: {line}\n\n"
+                yield frame(line)
             while remaining:
                 if drop_after is not None and sent >= drop_after:
                     log.warning("stream cut after %d chunks by --diagnostic-fault drop_stream",
@@ -262,13 +303,15 @@ class Serving:
                     log.error("request failed mid-stream: %r", err, exc_info=item.error)
                     api_err = err if isinstance(err, APIError) else APIError(
                         500, f"internal error: {type(err).__name__}: {err}")
-                    yield f"data: {json.dumps(api_err.body())}\n\n"
+                    yield frame(json.dumps(api_err.body()))
                     break
                 if dump is not None:
                     dump.add(item)
                 # A step that added no text or logprobs and finished nothing has nothing to send.
                 if item.text or item.logprobs or item.finished:
-                    yield f"data: {render(item)}\n\n"
+                    chunks = render(item)
+                    for c in [chunks] if isinstance(chunks, str) else chunks:
+                        yield frame(c)
                     sent += 1
                 if item.finished:
                     finals.append(item)
@@ -276,8 +319,9 @@ class Serving:
             if not remaining:
                 tail = last(finals)
                 if tail is not None:
-                    yield f"data: {tail}\n\n"
-            yield "data: [DONE]\n\n"
+                    yield frame(tail)
+            if done:
+                yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             fan.cancel()

@@ -10,7 +10,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kiln.engine.request import TokenLogprob
-from kiln.server.errors import bad_param
 from kiln.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -26,7 +25,7 @@ from kiln.server.protocol import (
     UsageInfo,
 )
 from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving, clamp_logprob
-from kiln.tokenizer import Tokenizer, TokenizerError
+from kiln.tokenizer import Tokenizer
 
 
 def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoiceLogprobs:
@@ -44,14 +43,10 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoice
 async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
                                  ) -> Any:
     model = sv.check_model(req.model)
-    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    try:
-        prompt_ids = sv.tok.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-            tools=req.template_tools(), continue_final_message=req.continue_final_message,
-            **kwargs)
-    except TokenizerError as e:
-        raise bad_param(e, "messages") from e
+    prompt_ids = sv.chat_prompt(
+        req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+        tools=req.template_tools(), continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs)
     params = sv.params_for(req, len(prompt_ids))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.
