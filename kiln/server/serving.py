@@ -30,6 +30,8 @@ from kiln.server.protocol import (
     MIN_LOGPROB,
     ChatCompletionRequest,
     CompletionRequest,
+    PromptLogprob,
+    PromptLogprobs,
     RequestLimits,
     to_sampling_params,
 )
@@ -63,6 +65,7 @@ class ChoiceEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # the new output token ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first event
 
     @property
     def finished(self) -> bool:
@@ -73,6 +76,8 @@ class ChoiceEvent:
         """A choice's events as one: all its text, logprobs and offsets (offsets already count
         from the choice's start); reasons and token counts are the last event's, the totals."""
         return replace(evs[-1], text="".join(e.text for e in evs),
+                       prompt_logprobs=next((e.prompt_logprobs for e in evs
+                                             if e.prompt_logprobs is not None), None),
                        token_ids=[t for e in evs for t in e.token_ids],
                        logprobs=[lp for e in evs for lp in e.logprobs],
                        text_offsets=[o for e in evs for o in e.text_offsets])
@@ -111,6 +116,26 @@ def data_frame(chunk: str) -> str:
 
 def clamp_logprob(lp: float) -> float:
     return max(MIN_LOGPROB, lp)
+
+
+def prompt_logprobs_json(tok: Tokenizer, lps: list[TokenLogprob | None] | None
+                         ) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: logprob, rank,
+    decoded_token} for the prompt's token and the k likeliest."""
+    if lps is None:
+        return None
+    out: PromptLogprobs = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                                 decoded_token=tok.token_str(lp.token_id))}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=clamp_logprob(v), rank=rank,
+                                                   decoded_token=tok.token_str(t)))
+        out.append(entry)
+    return out
 
 
 class Serving:
@@ -185,12 +210,13 @@ class Serving:
                     finish_reason=(out.finish_reason or "stop") if out.finished else None,
                     stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
                     num_output_tokens=out.num_output_tokens,
-                    num_cached_tokens=out.num_cached_tokens, token_ids=out.new_token_ids)
+                    num_cached_tokens=out.num_cached_tokens, token_ids=out.new_token_ids,
+                    prompt_logprobs=out.prompt_logprobs)
                 if ev.finished:
                     done = True
                     yield ev
                     return
-                if ev.text or ev.logprobs or ev.token_ids:
+                if ev.text or ev.logprobs or ev.token_ids or ev.prompt_logprobs:
                     yield ev
             # The engine stream ended without a finished output: treat as aborted.
             done = True
@@ -308,7 +334,7 @@ class Serving:
                 if dump is not None:
                     dump.add(item)
                 # A step that added no text or logprobs and finished nothing has nothing to send.
-                if item.text or item.logprobs or item.finished:
+                if item.text or item.logprobs or item.finished or item.prompt_logprobs:
                     chunks = render(item)
                     for c in [chunks] if isinstance(chunks, str) else chunks:
                         yield frame(c)

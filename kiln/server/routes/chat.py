@@ -24,7 +24,13 @@ from kiln.server.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving, clamp_logprob
+from kiln.server.serving import (
+    ChoiceEvent,
+    ChoiceSpec,
+    Serving,
+    clamp_logprob,
+    prompt_logprobs_json,
+)
 from kiln.tokenizer import Tokenizer
 
 
@@ -74,7 +80,11 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
             logprobs=chat_logprobs(sv.tok, out.logprobs, k) if want_lp else None,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             for i, out in outs.items()]
-        resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())))
+        # vLLM reports them once, for the (shared) prompt: the first choice's
+        first = next(iter(outs.values()))
+        resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())),
+                                      prompt_logprobs=prompt_logprobs_json(
+                                          sv.tok, first.prompt_logprobs))
         return JSONResponse(resp.model_dump(mode="json"))
 
     def chunk(choices: list[ChatCompletionStreamChoice], u: UsageInfo | None = None) -> str:
