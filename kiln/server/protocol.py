@@ -13,7 +13,7 @@ Choices made here, documented for users:
   * `logit_bias` with any entry -> 400: silently ignoring it would change outputs unnoticed.
   * `suffix` -> 400 "suffix is not supported"; `best_of` must be None or equal to `n`.
   * `response_format` other than {"type": "text"} -> 400 (no constrained decoding yet).
-  * `echo` together with `logprobs` -> 400 (the engine returns no prompt logprobs).
+  * `echo` together with `logprobs` -> 400 (echoed tokens get no logprobs; `prompt_logprobs` has them).
   * content given as a list of parts: only "text" parts; they are joined with "\\n".
   * role "developer" is rendered as "system" (chat templates predate it).
 """
