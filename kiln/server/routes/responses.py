@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.server.errors import APIError
@@ -111,10 +112,14 @@ def _sampling_params(sv: Serving, req: ResponsesRequest, messages: list[dict[str
                      prompt_len: int) -> SamplingParams:
     """The chat endpoint's translation (ranges, context length, caps), with text.format as
     structured outputs."""
-    chat = ChatCompletionRequest(
-        messages=messages, model=req.model, temperature=req.temperature, top_p=req.top_p,
-        max_completion_tokens=req.max_output_tokens, seed=req.seed, top_k=req.top_k,
-        min_p=req.min_p, repetition_penalty=req.repetition_penalty, user=req.user)
+    try:
+        chat = ChatCompletionRequest(
+            messages=messages, model=req.model, temperature=req.temperature, top_p=req.top_p,
+            max_completion_tokens=req.max_output_tokens, seed=req.seed, top_k=req.top_k,
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty, user=req.user)
+    except ValidationError as e:  # the fields were validated already; a 400 all the same
+        raise APIError(400, f"invalid request: {e.errors()[0].get('msg')}",
+                       code="invalid_value") from e
     try:
         params = sv.params_for(chat, prompt_len)
     except APIError as e:
