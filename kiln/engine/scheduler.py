@@ -140,10 +140,13 @@ class Scheduler:
         while (idx < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs and not out.preempted):
             req = self.waiting[idx]
-            # Prompt logprobs need every prompt row's logits: no cached prefix (as in vLLM).
+            # Prompt logprobs need every prompt row's logits: no cached prefix (as in vLLM),
+            # so nothing to wait for either.
+            whole = req.params.prompt_logprobs is not None
             hits = (self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0
-                    and req.params.prompt_logprobs is None else [])
-            if rendezvous:
+                    and not whole else [])
+            verdict = "go"
+            if rendezvous and not whole:
                 verdict = self._rendezvous(req, len(hits), in_flight)
                 if verdict == "wait":
                     idx += 1  # stays in line; the requests behind it may go
