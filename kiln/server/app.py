@@ -98,7 +98,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv)):
         v1.include_router(r)
     app.include_router(v1)
-    app.state.responses = store
     # vLLM serves these at the root; they render prompts, so the key guards them too.
     app.include_router(tokenize.router(sv), dependencies=[Depends(check_api_key)])
     # One registry per app: several apps (tests) in one process keep their own series.
