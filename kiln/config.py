@@ -214,6 +214,19 @@ SETTINGS: list[Setting] = [
     Setting("max_stop_length", positive_int, 1024,
             "longest stop string, in characters", ("--max-stop-length",),
             affects="server", group="server", engines=("kiln",)),
+    # /v1/responses keeps finished responses (and their conversations) for
+    # previous_response_id and GET /v1/responses/{id}: in memory, least recently used go first.
+    Setting("responses_store_size", positive_int, 1024,
+            "most /v1/responses answers kept for previous_response_id and GET (LRU)",
+            ("--responses-store-size",), affects="server", group="server", metavar="N",
+            engines=("kiln",)),
+    # Some chat templates raise on a system message that is not the first; ferrum's flag.
+    Setting("interleaved_system_coalescing", parse_bool, False,
+            "merge every system message into one at the start of the conversation (templates "
+            "that refuse a later system message then render; off: such a request is a 400)",
+            ("--enable-interleaved-system-coalescing",),
+            neg_flags=("--disable-interleaved-system-coalescing",), affects="correctness",
+            group="server", engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),

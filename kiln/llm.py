@@ -40,6 +40,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs
 
 
 class LLM:
@@ -94,6 +95,8 @@ class LLM:
                 co.token_ids.extend(out.new_token_ids)
                 if co.logprobs is not None and out.new_logprobs:
                     co.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
+                    ro.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     co.finish_reason, co.stop_reason = out.finish_reason, out.stop_reason
                     ro.num_cached_tokens = max(ro.num_cached_tokens, out.num_cached_tokens)

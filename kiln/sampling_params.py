@@ -57,6 +57,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 = only the sampled one)
+    # vLLM's: logprobs of each prompt token (the first has none), with this many top tokens;
+    # the whole prompt is computed then (no prefix-cache hit could give its rows' logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
 
@@ -107,6 +110,9 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"prompt_logprobs must be in [0, 20], got "
+                f"{self.prompt_logprobs}")
         so = self.structured_outputs
         if so is not None and len(so.kinds()) != 1:
             bad("structured_outputs", "structured_outputs takes exactly one of json, json_object, "

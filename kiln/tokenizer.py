@@ -341,6 +341,22 @@ def load_tokenizer(source: Path, gguf_file: Path | None = None) -> Tokenizer:
 # --------------------------------------------------------------------------------------------
 
 
+def coalesce_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every system message merged, in order (contents joined by a blank line), into one system
+    message at the start; the others keep their order. Many chat templates raise on a system
+    message that is not the first (--enable-interleaved-system-coalescing, ferrum's flag)."""
+    systems = [m for m in messages if m.get("role") == "system"]
+    if len(systems) <= 1 and (not systems or messages[0] is systems[0]):
+        return messages  # nothing interleaved: rendered as sent
+    text = "\n\n".join(str(m.get("content") or "") for m in systems)
+    return [{**systems[0], "content": text}, *(m for m in messages if m.get("role") != "system")]
+
+
+def has_interleaved_system(messages: list[dict[str, Any]]) -> bool:
+    """A system message anywhere but first (what such templates refuse)."""
+    return any(m.get("role") == "system" for m in messages[1:])
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas whose concatenation is the final text.
 

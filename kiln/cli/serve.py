@@ -133,7 +133,9 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         dumper = RequestDumper(s["request_dump_dir"], startup.config_hash(sp))
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__,
-                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults)
+                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
+                    responses_store_size=s["responses_store_size"],
+                    coalesce_system=s["interleaved_system_coalescing"])
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 

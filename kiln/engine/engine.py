@@ -16,7 +16,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
-from kiln.engine.model_runner import ModelRunner
+from kiln.engine.model_runner import ModelRunner, PromptLogprobs
 from kiln.engine.output import OutputProcessor, RequestOutput
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
 from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -184,8 +184,8 @@ class Engine:
         if self.sched_trace is not None:
             self._trace_schedule(sched)
         t0 = time.perf_counter()
-        sampled, logprobs = self._execute(sched)
-        touched = self.scheduler.update(sched, sampled, logprobs)
+        sampled, logprobs, prompt_lps = self._execute(sched)
+        touched = self.scheduler.update(sched, sampled, logprobs, prompt_lps)
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.tokens_computed += sched.num_tokens
@@ -193,7 +193,7 @@ class Engine:
         return outputs
 
     def _execute(self, sched: SchedulerOutput, marks: dict[str, float] | None = None
-                 ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+                 ) -> tuple[dict[str, int], dict[str, TokenLogprob], PromptLogprobs]:
         """The model step. If it raises, the step's requests cannot go on (their KV is not
         what their counters say): they are aborted, their blocks freed, and `StepFailedError`
         names them, so the front-end fails just those and keeps serving."""
@@ -233,9 +233,9 @@ class Engine:
         kinds = self._trace_schedule(sched)
         marks: dict[str, float] = {"schedule": clock() - t0}
         t1 = clock()
-        sampled, logprobs = self._execute(sched, marks)
+        sampled, logprobs, prompt_lps = self._execute(sched, marks)
         t2 = clock()
-        touched = self.scheduler.update(sched, sampled, logprobs)
+        touched = self.scheduler.update(sched, sampled, logprobs, prompt_lps)
         self.stats.steps += 1
         self.stats.step_seconds += clock() - t1
         self.stats.tokens_computed += sched.num_tokens

@@ -24,7 +24,7 @@ from kiln.engine.decisions import RuntimeDecisions, choose_kv_cache_dtype, decid
 from kiln.engine.expert_placement import PlacementPlan, place_experts
 from kiln.engine.memory import KV_DTYPES, MemoryPlan
 from kiln.engine.request import Request, TokenLogprob
-from kiln.engine.sampler import Sampler
+from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.errors import ConfigError, DeviceError
 from kiln.layers.attention import (
@@ -41,6 +41,12 @@ from kiln.obs.trace import stage
 log = logging.getLogger("kiln.runner")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Prompt logprobs are scored this many rows at a time: [rows, vocab] fp32 logits stay small.
+PROMPT_LOGPROB_ROWS = 256
+
+# request id -> (the prompt position the first entry scores, its TokenLogprobs in order)
+PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
 
 
 class ModelRunner:
@@ -200,11 +206,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
                 marks: dict[str, float] | None = None
-                ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+                ) -> tuple[dict[str, int], dict[str, TokenLogprob], PromptLogprobs]:
         """One model step over the scheduler's batch; returns the sampled token (and logprobs)
-        of every request whose chunk reached the end of its sequence. The only host sync is the
-        sampler's single transfer of the chosen tokens. With `marks` (a profiled step), the
-        seconds of its prepare, forward and sample phases are put there."""
+        of every request whose chunk reached the end of its sequence, and the prompt logprobs
+        of the prompt tokens this step's rows predict (requests with prompt_logprobs only).
+        The only host sync is the sampler's single transfer of the chosen tokens (and, for
+        prompt logprobs, theirs). With `marks` (a profiled step), the seconds of its prepare,
+        forward and sample phases are put there."""
         if marks is not None:
             t0 = time.perf_counter()
         # Decodes (one token) first, then prefill chunks: see the layout in layers/attention.py.
@@ -290,10 +298,11 @@ class ModelRunner:
             self._sync()
             t2 = time.perf_counter()
             marks["forward"] = t2 - t1
+        prompt_lps = self._prompt_logprobs(decodes, chunks, padded, hidden)
         if not sample_reqs:
             if marks is not None:
                 marks["sample"] = 0.0
-            return {}, {}
+            return {}, {}, prompt_lps
         if len(sample_rows) == hidden.shape[0]:
             rows_hidden = hidden  # every row samples (plain decode): no gather
         elif sample_rows == list(range(len(sample_rows))):
@@ -307,7 +316,36 @@ class ModelRunner:
                     if lp is not None}
         if marks is not None:
             marks["sample"] = time.perf_counter() - t2  # token ids are on the host: synced
-        return sampled, logprobs
+        return sampled, logprobs, prompt_lps
+
+    def _prompt_logprobs(self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest],
+                         padded: int, hidden: torch.Tensor) -> PromptLogprobs:
+        """For each request that asked for prompt logprobs: the row at position q scores prompt
+        token q + 1, so this step's rows up to the prompt's second-to-last position do. (Its
+        last prompt row samples the first output token instead.)"""
+        out: PromptLogprobs = {}
+        rows = [(s, i) for i, s in enumerate(decodes)]
+        t = padded
+        for s in chunks:
+            rows.append((s, t))
+            t += s.num_new_tokens
+        for s, row in rows:
+            r = s.request
+            if r.params.prompt_logprobs is None:
+                continue
+            start = r.num_computed_tokens
+            end = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            targets = r.prompt_token_ids[start + 1:end + 1]
+            scored: list[TokenLogprob] = []
+            for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                n = min(PROMPT_LOGPROB_ROWS, len(targets) - a)
+                logits = self.model.compute_logits(hidden[row + a:row + a + n])
+                scored += score_tokens(logits[:, :self.model_config.vocab_size],
+                                       targets[a:a + n], r.params.prompt_logprobs)
+            out[r.request_id] = (start + 1, scored)
+        return out
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -74,6 +74,9 @@ class RequestOutput:
     stop_token_id: int | None = None  # the EOS / stop token that ended it
     stop_reason: str | int | None = None  # the stop string, or the stop_token_ids entry, that hit
     metrics: RequestMetrics | None = None  # on the output that finishes the request
+    # params.prompt_logprobs: one per prompt token (the first None), on the request's first
+    # output (its prompt is computed by then)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class _Stream:
     first_token_time: float | None = None
     last_token_time: float = 0.0
     itl: list[float] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -150,6 +154,10 @@ class OutputProcessor:
                 st.itl.append(now - st.last_token_time)
             st.last_token_time = now
         finished = req.is_finished or stopped
+        prompt_lps = None
+        if p.prompt_logprobs is not None and not st.prompt_logprobs_sent:
+            st.prompt_logprobs_sent = True
+            prompt_lps = list(req.prompt_logprobs) or [None]  # one token: nothing to score
         if stopped:
             finish_reason: str | None = "stop"
             stop_reason: str | int | None = st.matcher.stop_reason
@@ -172,4 +180,5 @@ class OutputProcessor:
             finish_reason=finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=num_out, num_cached_tokens=req.num_cached_tokens,
             text="".join(parts), text_offsets=offsets if lps is not None else [],
-            stop_token_id=stop_tok, stop_reason=stop_reason, metrics=metrics), stopped
+            stop_token_id=stop_tok, stop_reason=stop_reason, metrics=metrics,
+            prompt_logprobs=prompt_lps), stopped

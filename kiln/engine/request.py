@@ -37,6 +37,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs report it)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: entry p scores prompt token p given the ones before; [0] is None
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)

@@ -163,6 +163,18 @@ class Sampler:
 _TOP_WINDOWS = (256, 4096)
 
 
+def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """The logprob and rank of targets[i] under row i of `logits` ([N, V], unpenalized), with
+    the row's k best: prompt logprobs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    idx = torch.tensor(targets, device=lp.device).unsqueeze(1)
+    chosen = lp.gather(1, idx)
+    ranks = (lp > chosen).sum(dim=1).add_(1).tolist()
+    tops = _top_logprobs(lp, k) if k else [[] for _ in targets]
+    return [TokenLogprob(t, v, top, rank=r)
+            for t, v, top, r in zip(targets, chosen.squeeze(1).tolist(), tops, ranks)]
+
+
 def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Each row's k best (token, logprob), ties broken by the lowest token id as argmax breaks
     them (common with bf16 logits), so a greedy pick is first. topk finds the k-th value; only

@@ -140,8 +140,13 @@ class Scheduler:
         while (idx < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs and not out.preempted):
             req = self.waiting[idx]
-            hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            if rendezvous:
+            # Prompt logprobs need every prompt row's logits: no cached prefix (as in vLLM),
+            # so nothing to wait for either.
+            whole = req.params.prompt_logprobs is not None
+            hits = (self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0
+                    and not whole else [])
+            verdict = "go"
+            if rendezvous and not whole:
                 verdict = self._rendezvous(req, len(hits), in_flight)
                 if verdict == "wait":
                     idx += 1  # stays in line; the requests behind it may go
@@ -213,14 +218,19 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict[str, TokenLogprob] | None = None) -> list[Request]:
+               logprobs: dict[str, TokenLogprob] | None = None,
+               prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None
+               ) -> list[Request]:
         """Advances the scheduled requests by what the model computed; appends sampled tokens and
-        finishes requests that hit a stop. Returns the requests that got a token or finished."""
+        finishes requests that hit a stop. Returns the requests that got a token or finished.
+        `prompt_logprobs`: request id -> (first prompt position scored, its logprobs)."""
         touched: list[Request] = []
         for s in out.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                _add_prompt_logprobs(req, *prompt_logprobs[req.request_id])
             req.num_computed_tokens += s.num_new_tokens
             if not s.sample:
                 self.stats.num_prefill_tokens += s.num_new_tokens
@@ -264,3 +274,13 @@ class Scheduler:
 
     def all_requests(self) -> list[Request]:
         return list(self.running) + list(self.waiting)
+
+
+def _add_prompt_logprobs(req: Request, first: int, lps: list[TokenLogprob]) -> None:
+    """Each prompt position once: a preempted request recomputes its prompt, and the positions
+    it already scored are skipped."""
+    if not req.prompt_logprobs:
+        req.prompt_logprobs.append(None)  # the first prompt token has nothing before it
+    for p, lp in enumerate(lps, start=first):
+        if p == len(req.prompt_logprobs):
+            req.prompt_logprobs.append(lp)

@@ -25,13 +25,17 @@ from kiln.server.protocol import (
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    DetokenizeResponse,
     EmbeddingResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     RequestLimits,
     RerankResponse,
+    TokenizeResponse,
 )
-from kiln.server.routes import admin, embeddings, generation
+from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
+from kiln.server.routes import admin, embeddings, generation, responses, tokenize
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
@@ -48,16 +52,19 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
               api_key: str | None, max_model_len: int, version: str,
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
               faults: Faults | None = None, kind: str = "generate",
-              embedder: EmbeddingEngine | None = None) -> FastAPI:
+              embedder: EmbeddingEngine | None = None, responses_store_size: int = 1024,
+              coalesce_system: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
     request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's).
     `kind` (kiln/kinds/): what the model serves; with "embed", `embedder` runs /v1/embeddings
-    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse."""
+    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse.
+    `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
+    `coalesce_system`: --enable-interleaved-system-coalescing."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
                  version=version, limits=limits, dumper=dumper, faults=faults, kind=kind,
-                 embedder=embedder)
+                 embedder=embedder, coalesce_system=coalesce_system)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 
@@ -93,12 +100,16 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    for r in (generation.router(sv), admin.models_router(sv), embeddings.router(sv)):
+    store = responses.ResponseStore(responses_store_size)
+    for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv),
+              embeddings.router(sv)):
         v1.include_router(r)
     app.include_router(v1)
     # Rerank at the root too, as vLLM and llama-server serve it (behind the key all the same).
     app.add_api_route("/rerank", embeddings.rerank_endpoint(sv), methods=["POST"],
                       dependencies=[Depends(check_api_key)])
+    # vLLM serves these at the root; they render prompts, so the key guards them too.
+    app.include_router(tokenize.router(sv), dependencies=[Depends(check_api_key)])
     # One registry per app: several apps (tests) in one process keep their own series.
     metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
                             max_model_len)
@@ -110,29 +121,36 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
 
 # What each path answers with 200 (the routes return JSONResponse / SSE themselves, so FastAPI
 # cannot infer it): model, and the media types besides JSON.
-def _sse(chunk: type, what: str) -> dict[str, Any]:
+def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
     """stream=true: each event's data is a chunk, an error object (a failure mid-stream), or the
-    closing `[DONE]`."""
+    closing `[DONE]` (not in the Responses API, whose events are named by their type)."""
     # An SSE event is an object of fields; `data` holds the JSON text (contentSchema says of what).
+    end = ", then [DONE]" if done else ""
     return {"text/event-stream": {"schema": {
-        "description": f"SSE: {what} events, then [DONE] (stream=true)",
+        "description": f"SSE: {what} events{end} (stream=true)",
         "type": "object", "required": ["data"],
         "properties": {"data": {"type": "string", "contentMediaType": "application/json",
                                 "contentSchema": {"anyOf": [
                                     {"$ref": f"#/components/schemas/{chunk.__name__}"},
                                     {"$ref": "#/components/schemas/ErrorResponse"}]},
-                                "description": f"a {what} JSON object, an error object, or "
-                                               "[DONE]"}}}}}
+                                "description": f"a {what} JSON object, an error object"
+                                               + (", or [DONE]" if done else "")},
+                       **({} if done else {"event": {"type": "string"}})}}}}
 
 
 _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/chat/completions": (ChatCompletionResponse,
                              _sse(ChatCompletionChunk, "chat.completion.chunk")),
     "/v1/completions": (CompletionResponse, _sse(CompletionChunk, "text_completion")),
+    "/v1/responses": (ResponseObject, _sse(ResponseStreamEvent, "response event", done=False)),
+    "/v1/responses/{response_id}": (ResponseObject, {}),
     "/v1/models": (ModelList, {}),
     "/v1/embeddings": (EmbeddingResponse, {}),
     "/v1/rerank": (RerankResponse, {}),
     "/rerank": (RerankResponse, {}),
+    "/v1/models/{model_id}": (ModelCard, {}),
+    "/tokenize": (TokenizeResponse, {}),
+    "/detokenize": (DetokenizeResponse, {}),
     "/health": (None, {}),
     "/version": (None, {}),
     "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
@@ -151,7 +169,9 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
-                      ChatCompletionChunk, CompletionChunk, EmbeddingResponse, RerankResponse):
+                      ChatCompletionChunk, CompletionChunk, EmbeddingResponse, RerankResponse,
+                      ResponseObject, ResponseStreamEvent, ModelCard, TokenizeResponse,
+                      DetokenizeResponse):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
@@ -170,7 +190,10 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 codes = ["500"]
                 if "requestBody" in op:
                     codes += ["400", "404", "503"]
-                if (path.startswith("/v1/") or path == "/rerank") and auth:
+                elif "{" in path:  # GET by id: an unknown one
+                    codes.append("404")
+                if (path.startswith("/v1/") or path in ("/rerank", "/tokenize", "/detokenize")) \
+                        and auth:
                     codes.append("401")
                 for code in codes:
                     op["responses"][code] = error

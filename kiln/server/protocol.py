@@ -13,7 +13,7 @@ Choices made here, documented for users:
   * `logit_bias` with any entry -> 400: silently ignoring it would change outputs unnoticed.
   * `suffix` -> 400 "suffix is not supported"; `best_of` must be None or equal to `n`.
   * `response_format` other than {"type": "text"} -> 400 (no constrained decoding yet).
-  * `echo` together with `logprobs` -> 400 (the engine returns no prompt logprobs).
+  * `echo` together with `logprobs` -> 400 (echoed tokens get no logprobs; `prompt_logprobs` has them).
   * content given as a list of parts: only "text" parts; they are joined with "\\n".
   * role "developer" is rendered as "system" (chat templates predate it).
 """
@@ -161,6 +161,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -284,6 +285,10 @@ def to_sampling_params(
             raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         logprobs_param = "top_logprobs"
+        if req.stream and req.prompt_logprobs is not None:
+            raise SamplingParamsError(
+                "prompt_logprobs", "prompt_logprobs is not supported with stream=true on chat "
+                "completions: ask without streaming, or on /v1/completions")
     else:
         # OpenAI's legacy completions default is 16 tokens.
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -317,6 +322,7 @@ def to_sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            prompt_logprobs=req.prompt_logprobs,
         )
     except SamplingParamsError as e:
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
@@ -394,9 +400,21 @@ class _Envelope(BaseModel, Generic[ChoiceT]):
     system_fingerprint: str | None = None
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: PromptLogprob}
+# for the prompt's token and the k likeliest.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_Envelope[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra
 
 
 class DeltaMessage(BaseModel):
@@ -434,6 +452,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra
 
 
 class CompletionResponse(_Envelope[CompletionChoice]):
@@ -564,3 +583,39 @@ class RerankResponse(BaseModel):
     # How the scores were made: kiln ranks by the cosine similarity of embeddings (a
     # bi-encoder), not with a cross-encoder.
     scoring: str = "cosine similarity of the query's and each document's embeddings"
+# --------------------------------------------------------------------------------------------
+# /tokenize and /detokenize (vLLM's shapes)
+# --------------------------------------------------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

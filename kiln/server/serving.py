@@ -30,10 +30,17 @@ from kiln.server.protocol import (
     MIN_LOGPROB,
     ChatCompletionRequest,
     CompletionRequest,
+    PromptLogprob,
+    PromptLogprobs,
     RequestLimits,
     to_sampling_params,
 )
-from kiln.tokenizer import Tokenizer
+from kiln.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    coalesce_system_messages,
+    has_interleaved_system,
+)
 
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
@@ -59,6 +66,7 @@ class ChoiceEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # the new output token ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first event
 
     @property
     def finished(self) -> bool:
@@ -69,6 +77,8 @@ class ChoiceEvent:
         """A choice's events as one: all its text, logprobs and offsets (offsets already count
         from the choice's start); reasons and token counts are the last event's, the totals."""
         return replace(evs[-1], text="".join(e.text for e in evs),
+                       prompt_logprobs=next((e.prompt_logprobs for e in evs
+                                             if e.prompt_logprobs is not None), None),
                        token_ids=[t for e in evs for t in e.token_ids],
                        logprobs=[lp for e in evs for lp in e.logprobs],
                        text_offsets=[o for e in evs for o in e.text_offsets])
@@ -105,17 +115,44 @@ _KIND_NAME = {"generate": "LLM (text generating)", "embed": "embedding",
               "transcribe": "audio transcription", "speech": "audio speech"}
 
 
+def data_frame(chunk: str) -> str:
+    """One SSE event carrying `chunk` (a JSON text) as its data."""
+    return f"data: {chunk}\n\n"
+
+
 def clamp_logprob(lp: float) -> float:
     return max(MIN_LOGPROB, lp)
+
+
+def prompt_logprobs_json(tok: Tokenizer, lps: list[TokenLogprob | None] | None
+                         ) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: logprob, rank,
+    decoded_token} for the prompt's token and the k likeliest."""
+    if lps is None:
+        return None
+    out: PromptLogprobs = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                                 decoded_token=tok.token_str(lp.token_id))}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=clamp_logprob(v), rank=rank,
+                                                   decoded_token=tok.token_str(t)))
+        out.append(entry)
+    return out
 
 
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str],
                  *, max_model_len: int, version: str, limits: RequestLimits | None = None,
                  dumper: RequestDumper | None = None, faults: Faults | None = None,
-                 kind: str = "generate", embedder: EmbeddingEngine | None = None) -> None:
+                 kind: str = "generate", embedder: EmbeddingEngine | None = None,
+                 coalesce_system: bool = False) -> None:
         """`kind`: what the model serves (kiln/kinds/): the generating routes refuse an
-        embedding model, /v1/embeddings a generating one; `embedder` runs /v1/embeddings."""
+        embedding model, /v1/embeddings a generating one; `embedder` runs /v1/embeddings.
+        `coalesce_system`: --enable-interleaved-system-coalescing (see `chat_prompt`)."""
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -129,6 +166,7 @@ class Serving:
         self.faults = faults
         self.kind = kind
         self.embedder = embedder
+        self.coalesce_system = coalesce_system
 
     def check_model(self, model: str | None, kind: str = "generate") -> str:
         """The served name `model` asks for; refuses (400) a request for another kind of model
@@ -149,6 +187,28 @@ class Serving:
             raise APIError(404, f"The model `{model}` does not exist. Served models: "
                            f"{', '.join(self.names)}", param="model", code="model_not_found")
         return model
+
+    def chat_prompt(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None, param: str = "messages"
+                    ) -> list[int]:
+        """Token ids of a conversation through the chat template: what chat completions,
+        /v1/responses and /tokenize all render. With --enable-interleaved-system-coalescing the
+        system messages are first merged into one at the start; without it a template that
+        refuses them is a 400 that names the flag."""
+        if self.coalesce_system:
+            messages = coalesce_system_messages(messages)
+        try:
+            return self.tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except TokenizerError as e:
+            if has_interleaved_system(messages):
+                e = TokenizerError(
+                    f"{e.message} (a system message that is not the first: the server's "
+                    "--enable-interleaved-system-coalescing merges them into one at the start)")
+            raise bad_param(e, param) from e
 
     def params_for(self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
                    ) -> SamplingParams:
@@ -173,12 +233,13 @@ class Serving:
                     finish_reason=(out.finish_reason or "stop") if out.finished else None,
                     stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
                     num_output_tokens=out.num_output_tokens,
-                    num_cached_tokens=out.num_cached_tokens, token_ids=out.new_token_ids)
+                    num_cached_tokens=out.num_cached_tokens, token_ids=out.new_token_ids,
+                    prompt_logprobs=out.prompt_logprobs)
                 if ev.finished:
                     done = True
                     yield ev
                     return
-                if ev.text or ev.logprobs or ev.token_ids:
+                if ev.text or ev.logprobs or ev.token_ids or ev.prompt_logprobs:
                     yield ev
             # The engine stream ended without a finished output: treat as aborted.
             done = True
@@ -242,18 +303,24 @@ class Serving:
         return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
 
     def stream_response(self, request: Request, fan: Fanout,
-                        render: Callable[[ChoiceEvent], str], first: list[str],
-                        last: Callable[[list[ChoiceEvent]], str | None]) -> StreamingResponse:
+                        render: Callable[[ChoiceEvent], str | list[str]], first: list[str],
+                        last: Callable[[list[ChoiceEvent]], str | None], *,
+                        frame: Callable[[str], str] = data_frame, done: bool = True
+                        ) -> StreamingResponse:
         """`stream` as the SSE response a streaming route returns."""
-        return StreamingResponse(self.stream(request, fan, render, first, last),
+        return StreamingResponse(self.stream(request, fan, render, first, last, frame=frame,
+                                             done=done),
                                  media_type="text/event-stream")
 
     async def stream(self, request: Request, fan: Fanout,
-                     render: Callable[[ChoiceEvent], str], first: list[str],
-                     last: Callable[[list[ChoiceEvent]], str | None]) -> AsyncIterator[str]:
-        """Streaming: SSE lines for each event that says something (`render` makes its chunk);
-        `first` chunks go out before any event; `last` gets every choice's final event (for the
-        usage chunk)."""
+                     render: Callable[[ChoiceEvent], str | list[str]], first: list[str],
+                     last: Callable[[list[ChoiceEvent]], str | None], *,
+                     frame: Callable[[str], str] = data_frame, done: bool = True
+                     ) -> AsyncIterator[str]:
+        """Streaming: SSE lines for each event that says something (`render` makes its chunk,
+        or several); `first` chunks go out before any event; `last` gets every choice's final
+        event (for the usage chunk). `frame` turns a chunk into its SSE text (the Responses
+        API names each event); `done`: close with `data: [DONE]` (the completions APIs)."""
         # Starlette also cancels this generator on disconnect (ASGI spec < 2.4), but not on every
         # server; our own watcher makes the abort certain either way.
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
@@ -266,7 +333,7 @@ class Serving:
         sent = 0
         try:
             for line in first:
-                yield f"data: {line}\n\n"
+                yield frame(line)
             while remaining:
                 if drop_after is not None and sent >= drop_after:
                     log.warning("stream cut after %d chunks by --diagnostic-fault drop_stream",
@@ -285,13 +352,15 @@ class Serving:
                     log.error("request failed mid-stream: %r", err, exc_info=item.error)
                     api_err = err if isinstance(err, APIError) else APIError(
                         500, f"internal error: {type(err).__name__}: {err}")
-                    yield f"data: {json.dumps(api_err.body())}\n\n"
+                    yield frame(json.dumps(api_err.body()))
                     break
                 if dump is not None:
                     dump.add(item)
                 # A step that added no text or logprobs and finished nothing has nothing to send.
-                if item.text or item.logprobs or item.finished:
-                    yield f"data: {render(item)}\n\n"
+                if item.text or item.logprobs or item.finished or item.prompt_logprobs:
+                    chunks = render(item)
+                    for c in [chunks] if isinstance(chunks, str) else chunks:
+                        yield frame(c)
                     sent += 1
                 if item.finished:
                     finals.append(item)
@@ -299,8 +368,9 @@ class Serving:
             if not remaining:
                 tail = last(finals)
                 if tail is not None:
-                    yield f"data: {tail}\n\n"
-            yield "data: [DONE]\n\n"
+                    yield frame(tail)
+            if done:
+                yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             fan.cancel()

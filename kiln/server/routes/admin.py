@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /version, /metrics: what is served and how the engine is doing."""
+"""GET /v1/models, /v1/models/{id}, /health, /version, /metrics: what is served and how the engine is doing."""
 
 from __future__ import annotations
 
@@ -16,11 +16,18 @@ def models_router(sv: Serving) -> APIRouter:
     """Under /v1, behind the API key."""
     r = APIRouter()
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=sv.created, root=sv.names[0],
+                         max_model_len=sv.max_model_len)
+
     @r.get("/models")
     async def models() -> Any:
-        cards = [ModelCard(id=name, created=sv.created, root=sv.names[0],
-                           max_model_len=sv.max_model_len) for name in sv.names]
-        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+        return JSONResponse(ModelList(data=[card(n) for n in sv.names]).model_dump(mode="json"))
+
+    # `:path`: a served name may hold slashes (owner/repo), as in OpenAI's ids.
+    @r.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        return JSONResponse(card(sv.check_model(model_id)).model_dump(mode="json"))
 
     return r
 

@@ -10,7 +10,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kiln.engine.request import TokenLogprob
-from kiln.server.errors import bad_param
 from kiln.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -25,8 +24,14 @@ from kiln.server.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving, clamp_logprob
-from kiln.tokenizer import Tokenizer, TokenizerError
+from kiln.server.serving import (
+    ChoiceEvent,
+    ChoiceSpec,
+    Serving,
+    clamp_logprob,
+    prompt_logprobs_json,
+)
+from kiln.tokenizer import Tokenizer
 
 
 def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoiceLogprobs:
@@ -44,14 +49,10 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoice
 async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
                                  ) -> Any:
     model = sv.check_model(req.model)
-    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    try:
-        prompt_ids = sv.tok.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-            tools=req.template_tools(), continue_final_message=req.continue_final_message,
-            **kwargs)
-    except TokenizerError as e:
-        raise bad_param(e, "messages") from e
+    prompt_ids = sv.chat_prompt(
+        req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+        tools=req.template_tools(), continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs)
     params = sv.params_for(req, len(prompt_ids))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.
@@ -79,7 +80,11 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
             logprobs=chat_logprobs(sv.tok, out.logprobs, k) if want_lp else None,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             for i, out in outs.items()]
-        resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())))
+        # vLLM reports them once, for the (shared) prompt: the first choice's
+        first = next(iter(outs.values()))
+        resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())),
+                                      prompt_logprobs=prompt_logprobs_json(
+                                          sv.tok, first.prompt_logprobs))
         return JSONResponse(resp.model_dump(mode="json"))
 
     def chunk(choices: list[ChatCompletionStreamChoice], u: UsageInfo | None = None) -> str:

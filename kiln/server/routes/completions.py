@@ -20,7 +20,13 @@ from kiln.server.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving, clamp_logprob
+from kiln.server.serving import (
+    ChoiceEvent,
+    ChoiceSpec,
+    Serving,
+    clamp_logprob,
+    prompt_logprobs_json,
+)
 from kiln.tokenizer import Tokenizer
 
 
@@ -94,7 +100,8 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
                                        echo_len[s.index]) if want_lp else None)
             choices.append(CompletionChoice(
                 index=s.index, text=(s.prompt_text if req.echo else "") + out.text, logprobs=lps,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                prompt_logprobs=prompt_logprobs_json(sv.tok, out.prompt_logprobs)))
         resp = CompletionResponse(**head, choices=choices, usage=usage(list(outs.values())))
         return JSONResponse(resp.model_dump(mode="json"))
 
@@ -106,7 +113,9 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
               if want_lp and ev.logprobs else None)
         return chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=lp,
                                        finish_reason=ev.finish_reason,
-                                       stop_reason=ev.stop_reason)])
+                                       stop_reason=ev.stop_reason,
+                                       prompt_logprobs=prompt_logprobs_json(
+                                           sv.tok, ev.prompt_logprobs))])
 
     first = ([chunk([CompletionChoice(index=s.index, text=s.prompt_text)])
               for s in specs if s.prompt_text] if req.echo else [])

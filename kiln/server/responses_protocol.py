@@ -1,0 +1,238 @@
+"""Pydantic models of OpenAI's Responses API (POST /v1/responses, its stream events, GET by id).
+
+The request is turned into chat messages (routes/responses.py), so everything a chat completion
+validates, renders and samples is shared. What is accepted:
+
+  * `input`: a string (one user message) or a list of items: messages (roles user, system,
+    developer, assistant; content a string or input_text / output_text parts), `function_call`
+    items (the model's earlier calls, rendered as an assistant message with tool_calls) and
+    `function_call_output` items (rendered as `role: tool` messages);
+  * `tools`: function tools in the Responses' flat shape {type, name, description, parameters};
+    other tool types (web_search, file_search, ...) are a 400: kiln runs no hosted tools;
+  * `text.format`: text, json_schema or json_object (passed on as SamplingParams'
+    structured_outputs).
+Unknown fields are ignored, as for the other endpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kiln.server.protocol import _Request
+
+
+class InputTextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str = ""
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, v: str) -> str:
+        if v not in ("input_text", "output_text", "text"):
+            raise ValueError(f"content part type {v!r} is not supported; only input_text and "
+                             "output_text parts are")
+        return v
+
+
+class InputMessageItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier (sent back so the conversation shows it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(p.text for p in self.output)
+
+
+InputItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionToolParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _only_functions(cls, v: str) -> str:
+        if v != "function":
+            raise ValueError(f"tool type {v!r} is not supported; kiln runs no hosted tools, "
+                             "only function tools")
+        return v
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The chat completions' nested shape, which chat templates expect."""
+        fn: dict[str, Any] = {"name": self.name,
+                              "parameters": self.parameters or {"type": "object",
+                                                                "properties": {}}}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_schema", "json_object"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None  # None = the primary served model
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionToolParam] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # vLLM extras, the same knobs as on the other endpoints
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, v: str | list[InputItem]) -> str | list[InputItem]:
+        if isinstance(v, list) and not v:
+            raise ValueError("input must contain at least one item")
+        return v
+
+
+# -- the response ------------------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    store: bool = True
+    user: str | None = None
+
+
+# The stream: every event carries its type and a sequence number; which other fields it has
+# depends on the type (OpenAI's ResponseStreamEvent union), so they are optional here.
+class ResponseStreamEvent(BaseModel):
+    type: Literal["response.created", "response.in_progress", "response.output_item.added",
+                  "response.content_part.added", "response.output_text.delta",
+                  "response.output_text.done", "response.content_part.done",
+                  "response.output_item.done", "response.completed", "response.incomplete"]
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    item_id: str | None = None
+    item: OutputItem | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
