@@ -213,6 +213,27 @@ SETTINGS: list[Setting] = [
     Setting("max_stop_length", positive_int, 1024,
             "longest stop string, in characters", ("--max-stop-length",),
             affects="server", group="server", engines=("kiln",)),
+    # -- chat output: tool calls and reasoning (kiln/server/tool_parsers.py, reasoning_parsers.py)
+    Setting("tool_call_parser", str, "auto",
+            "how tool calls are read out of the model's text (auto: the format the chat template "
+            "writes, decided when the tokenizer loads; none: calls stay text)",
+            ("--tool-call-parser",), choices=("auto", "none", "hermes", "llama3_json", "mistral"),
+            affects="correctness", group="server", engines=("kiln",)),
+    Setting("enable_auto_tool_choice", parse_bool, True,
+            "read tool calls for tool_choice auto (vLLM wants this flag; kiln has it on: off "
+            "leaves the calls of tool_choice auto in the content)",
+            ("--enable-auto-tool-choice",), neg_flags=("--no-enable-auto-tool-choice",),
+            affects="correctness", group="server", engines=("kiln",)),
+    Setting("reasoning_parser", str, "auto",
+            "split <think>...</think> into the message's reasoning_content (auto: when the chat "
+            "template knows <think>; none: it stays in the content)",
+            ("--reasoning-parser",), choices=("auto", "none", "qwen3", "deepseek_r1"),
+            affects="correctness", group="server", engines=("kiln",)),
+    Setting("enable_thinking", parse_bool, None,
+            "the chat template's enable_thinking for requests whose chat_template_kwargs do not "
+            "set it (unset: the template's own default)",
+            ("--enable-thinking",), neg_flags=("--disable-thinking",), affects="correctness",
+            group="server", engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),

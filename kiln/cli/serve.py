@@ -104,6 +104,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.engine.async_engine import AsyncEngine, wait_idle
     from kiln.obs import trace
     from kiln.server.app import build_app
+    from kiln.server.chat_output import ChatFormat
     from kiln.server.protocol import RequestLimits
 
     s = sp.settings
@@ -134,7 +135,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         dumper = RequestDumper(s["request_dump_dir"], startup.config_hash(sp))
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__,
-                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults)
+                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
+                    chat=ChatFormat.from_settings(s))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
     host, port = s["host"], s["port"]

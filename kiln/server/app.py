@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.server.chat_output import ChatFormat
 from kiln.server.errors import APIError, ClientGone, validation_error
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
@@ -44,13 +45,14 @@ log = logging.getLogger(__name__)
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str], *,
               api_key: str | None, max_model_len: int, version: str,
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
-              faults: Faults | None = None) -> FastAPI:
+              faults: Faults | None = None, chat: ChatFormat | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
-    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's)."""
+    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's);
+    `chat`: tool-call and reasoning parsers, enable_thinking (default: none of them)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
-                 version=version, limits=limits, dumper=dumper, faults=faults)
+                 version=version, limits=limits, dumper=dumper, faults=faults, chat=chat)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 

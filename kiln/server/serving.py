@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kiln.sampling_params import SamplingParams, SamplingParamsError
+from kiln.server.chat_output import ChatFormat
 from kiln.server.errors import APIError, ClientGone, bad_param, engine_error
 from kiln.server.protocol import (
     MIN_LOGPROB,
@@ -106,7 +107,8 @@ def clamp_logprob(lp: float) -> float:
 class Serving:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str],
                  *, max_model_len: int, version: str, limits: RequestLimits | None = None,
-                 dumper: RequestDumper | None = None, faults: Faults | None = None) -> None:
+                 dumper: RequestDumper | None = None, faults: Faults | None = None,
+                 chat: ChatFormat | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -118,6 +120,7 @@ class Serving:
         self.created = int(time.time())
         self.dumper = dumper
         self.faults = faults
+        self.chat = chat or ChatFormat()  # tool-call / reasoning parsers, enable_thinking
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -219,14 +222,14 @@ class Serving:
         return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
 
     def stream_response(self, request: Request, fan: Fanout,
-                        render: Callable[[ChoiceEvent], str], first: list[str],
+                        render: Callable[[ChoiceEvent], str | None], first: list[str],
                         last: Callable[[list[ChoiceEvent]], str | None]) -> StreamingResponse:
         """`stream` as the SSE response a streaming route returns."""
         return StreamingResponse(self.stream(request, fan, render, first, last),
                                  media_type="text/event-stream")
 
     async def stream(self, request: Request, fan: Fanout,
-                     render: Callable[[ChoiceEvent], str], first: list[str],
+                     render: Callable[[ChoiceEvent], str | None], first: list[str],
                      last: Callable[[list[ChoiceEvent]], str | None]) -> AsyncIterator[str]:
         """Streaming: SSE lines for each event that says something (`render` makes its chunk);
         `first` chunks go out before any event; `last` gets every choice's final event (for the
@@ -266,10 +269,13 @@ class Serving:
                     break
                 if dump is not None:
                     dump.add(item)
-                # A step that added no text or logprobs and finished nothing has nothing to send.
+                # A step that added no text or logprobs and finished nothing has nothing to send;
+                # nor has one whose text the route holds back (render gives None).
                 if item.text or item.logprobs or item.finished:
-                    yield f"data: {render(item)}\n\n"
-                    sent += 1
+                    line = render(item)
+                    if line is not None:
+                        yield f"data: {line}\n\n"
+                        sent += 1
                 if item.finished:
                     finals.append(item)
                     remaining -= 1
