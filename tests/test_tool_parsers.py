@@ -195,7 +195,7 @@ def test_plan_tools_per_tool_choice() -> None:
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     text = ('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    content, calls = assemble(ToolCallStream(hermes(), max_calls=1), list(text))
+    _, calls = assemble(ToolCallStream(hermes(), max_calls=1), list(text))
     assert calls == [("get_weather", "{}")]
 
 
