@@ -16,6 +16,8 @@ Choices made here, documented for users:
   * `echo` together with `logprobs` -> 400 (the engine returns no prompt logprobs).
   * content given as a list of parts: only "text" parts; they are joined with "\\n".
   * role "developer" is rendered as "system" (chat templates predate it).
+  * `tool_choice` other than none without `tools`, or naming a function not among them -> 400;
+    an assistant message's tool call `arguments` (JSON text) reach the template as an object.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def finish(reason: str | None, p: ChoiceParser) -> str | None:
-        # OpenAI: a message that ends in tool calls finishes with "tool_calls" (not "length").
+        # OpenAI: a message that ends in tool calls finishes with "tool_calls"; one cut by
+        # max_tokens keeps "length".
         return "tool_calls" if reason == "stop" and p.called else reason
 
     if not req.stream:
