@@ -227,6 +227,27 @@ SETTINGS: list[Setting] = [
             ("--enable-interleaved-system-coalescing",),
             neg_flags=("--disable-interleaved-system-coalescing",), affects="correctness",
             group="server", engines=("kiln",)),
+    # -- chat output: tool calls and reasoning (kiln/server/tool_parsers.py, reasoning_parsers.py)
+    Setting("tool_call_parser", str, "auto",
+            "how tool calls are read out of the model's text (auto: the format the chat template "
+            "writes, decided when the tokenizer loads; none: calls stay text)",
+            ("--tool-call-parser",), choices=("auto", "none", "hermes", "llama3_json", "mistral"),
+            affects="correctness", group="server", engines=("kiln",)),
+    Setting("enable_auto_tool_choice", parse_bool, True,
+            "read tool calls for tool_choice auto (vLLM wants this flag; kiln has it on: off "
+            "leaves the calls of tool_choice auto in the content)",
+            ("--enable-auto-tool-choice",), neg_flags=("--no-enable-auto-tool-choice",),
+            affects="correctness", group="server", engines=("kiln",)),
+    Setting("reasoning_parser", str, "auto",
+            "split <think>...</think> into the message's reasoning_content (auto: when the chat "
+            "template knows <think>; none: it stays in the content)",
+            ("--reasoning-parser",), choices=("auto", "none", "qwen3", "deepseek_r1"),
+            affects="correctness", group="server", engines=("kiln",)),
+    Setting("enable_thinking", parse_bool, None,
+            "the chat template's enable_thinking for requests whose chat_template_kwargs do not "
+            "set it (unset: the template's own default)",
+            ("--enable-thinking",), neg_flags=("--disable-thinking",), affects="correctness",
+            group="server", engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),
@@ -280,7 +301,8 @@ SETTINGS: list[Setting] = [
             ("--max-num-batched-tokens",), affects="performance", auto=auto_batched_tokens),
     Setting("block_size", positive_int, 16, "tokens per KV cache block",
             ("--block-size", "--kv-block-size"), affects="memory"),
-    Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype", ("--kv-cache-dtype", "--kv-dtype"),
+    Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype",
+            ("--kv-cache-dtype", "--kv-dtype"),
             choices=("auto", "fp32", "bf16", "fp16", "int8"), affects="memory",
             auto=auto_kv_cache_dtype),
     Setting("gpu_memory_utilization", fraction, 0.9,
@@ -381,7 +403,8 @@ SETTINGS: list[Setting] = [
             engines=("kiln", "sglang")),
     Setting("kt_gpu_prefill_token_threshold", positive_int, None,
             "prefill chunks of at least this many tokens run every expert on the GPU, the CPU "
-            "experts' weights streamed there (auto: 4096, kt-cli's)", ("--kt-gpu-prefill-token-threshold",), affects="performance",
+            "experts' weights streamed there (auto: 4096, kt-cli's)",
+            ("--kt-gpu-prefill-token-threshold",), affects="performance",
             auto=auto_kt_gpu_prefill_token_threshold, engines=("kiln", "sglang")),
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),

@@ -483,7 +483,24 @@ def load_tokenizer(sp: StartupPlan) -> Any:
 
     assert sp.source is not None
     sp.phase = "load"
-    return load(sp.source.path, sp.source.gguf_file)
+    tok = load(sp.source.path, sp.source.gguf_file)
+    record_chat_parsers(sp, tok.chat_template)
+    return tok
+
+
+def record_chat_parsers(sp: StartupPlan, template: str | None) -> None:
+    """--tool-call-parser / --reasoning-parser auto: the format the chat template writes,
+    decided once the tokenizer (and so the template) is loaded, written back with the reason."""
+    from kiln.server import reasoning_parsers, tool_parsers
+
+    s = sp.settings
+    if s is None:
+        return
+    for name, choose in (("tool_call_parser", tool_parsers.choose_for_template),
+                         ("reasoning_parser", reasoning_parsers.choose_for_template)):
+        if name in s.values and s[name] == "auto":
+            value, reason = choose(template)
+            s.override(name, value, reason)
 
 
 def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:

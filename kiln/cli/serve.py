@@ -101,6 +101,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.engine.async_engine import AsyncEngine
     from kiln.obs import trace
     from kiln.server.app import build_app
+    from kiln.server.chat_output import ChatFormat
     from kiln.server.protocol import RequestLimits
 
     s = sp.settings
@@ -135,7 +136,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                     max_model_len=engine.max_model_len, version=__version__,
                     limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
                     responses_store_size=s["responses_store_size"],
-                    coalesce_system=s["interleaved_system_coalescing"])
+                    coalesce_system=s["interleaved_system_coalescing"],
+                    chat=ChatFormat.from_settings(s))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.server.chat_output import ChatFormat
 from kiln.server.errors import APIError, ClientGone, validation_error
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
@@ -53,7 +54,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
               faults: Faults | None = None, kind: str = "generate",
               embedder: EmbeddingEngine | None = None, responses_store_size: int = 1024,
-              coalesce_system: bool = False) -> FastAPI:
+              coalesce_system: bool = False, chat: ChatFormat | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
@@ -61,10 +62,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     `kind` (kiln/kinds/): what the model serves; with "embed", `embedder` runs /v1/embeddings
     and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse.
     `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
-    `coalesce_system`: --enable-interleaved-system-coalescing."""
+    `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
+    parsers, enable_thinking (default: none of them)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
                  version=version, limits=limits, dumper=dumper, faults=faults, kind=kind,
-                 embedder=embedder, coalesce_system=coalesce_system)
+                 embedder=embedder, coalesce_system=coalesce_system, chat=chat)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 

@@ -16,14 +16,24 @@ Choices made here, documented for users:
   * `echo` together with `logprobs` -> 400 (echoed tokens get no logprobs; `prompt_logprobs` has them).
   * content given as a list of parts: only "text" parts; they are joined with "\\n".
   * role "developer" is rendered as "system" (chat templates predate it).
+  * `tool_choice` other than none without `tools`, or naming a function not among them -> 400;
+    an assistant message's tool call `arguments` (JSON text) reach the template as an object.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from kiln.sampling_params import SamplingParams, SamplingParamsError
 
@@ -114,10 +124,23 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             d["name"] = self.name
         if self.tool_calls is not None:
-            d["tool_calls"] = self.tool_calls
+            d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         return d
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call as templates read it: OpenAI sends `arguments` as JSON
+    text, templates (Qwen's `arguments | tojson`, Llama's) expect the object (vLLM does this)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 class ResponseFormat(BaseModel):
@@ -199,6 +222,46 @@ class ChatCompletionRequest(_SamplingFields):
     def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages must contain at least one message")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(v or []):
+            fn = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict) or \
+                    not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                 "{\"name\": ..., \"parameters\": {...}}}")
+            if not isinstance(fn.get("parameters", {}), dict):
+                # pydantic turns ValueError (not TypeError) into a 400
+                raise ValueError(  # noqa: TRY004
+                    f"tools[{i}].function.parameters must be a JSON schema object")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_choice(cls, v: str | dict[str, Any] | None, info: ValidationInfo
+                      ) -> str | dict[str, Any] | None:
+        # `tools` is declared before tool_choice, so it is validated and in info.data.
+        tools = info.data.get("tools") or []
+        if v is None:
+            return v
+        if isinstance(v, str):
+            if v not in ("none", "auto", "required"):
+                raise ValueError(f"tool_choice must be none, auto, required or "
+                                 f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                                 f"got {v!r}")
+            if v != "none" and not tools:
+                raise ValueError(f"tool_choice {v!r} needs tools")
+            return v
+        fn = v.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if v.get("type") != "function" or not isinstance(name, str):
+            raise ValueError("a named tool_choice is {\"type\": \"function\", \"function\": "
+                             "{\"name\": ...}}")
+        if name not in [t["function"]["name"] for t in tools]:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         return v
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -369,10 +432,23 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    # vLLM's field: the model's reasoning (<think>...</think>) under --reasoning-parser
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -417,9 +493,32 @@ class ChatCompletionResponse(_Envelope[ChatCompletionChoice]):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extra
 
 
+class _Compact(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        # A delta lists only what changed: {"content": "x"}, and {} in the final chunk.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Compact):
+    name: str | None = None
+    arguments: str | None = None
+
+
+# A tool call in a stream: its first delta has id, type and the name, later ones only
+# argument pieces; `index` says which call of the message a piece belongs to (OpenAI's shape).
+class DeltaToolCall(_Compact):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

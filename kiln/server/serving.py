@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kiln.sampling_params import SamplingParams, SamplingParamsError
+from kiln.server.chat_output import ChatFormat
 from kiln.server.errors import APIError, ClientGone, bad_param, engine_error
 from kiln.server.protocol import (
     MIN_LOGPROB,
@@ -149,10 +150,12 @@ class Serving:
                  *, max_model_len: int, version: str, limits: RequestLimits | None = None,
                  dumper: RequestDumper | None = None, faults: Faults | None = None,
                  kind: str = "generate", embedder: EmbeddingEngine | None = None,
-                 coalesce_system: bool = False) -> None:
+                 coalesce_system: bool = False, chat: ChatFormat | None = None
+                 ) -> None:
         """`kind`: what the model serves (kiln/kinds/): the generating routes refuse an
         embedding model, /v1/embeddings a generating one; `embedder` runs /v1/embeddings.
-        `coalesce_system`: --enable-interleaved-system-coalescing (see `chat_prompt`)."""
+        `coalesce_system`: --enable-interleaved-system-coalescing (see `chat_prompt`);
+        `chat`: tool-call / reasoning parsers, enable_thinking."""
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
@@ -167,6 +170,7 @@ class Serving:
         self.kind = kind
         self.embedder = embedder
         self.coalesce_system = coalesce_system
+        self.chat = chat or ChatFormat()  # tool-call / reasoning parsers, enable_thinking
 
     def check_model(self, model: str | None, kind: str = "generate") -> str:
         """The served name `model` asks for; refuses (400) a request for another kind of model
@@ -188,21 +192,30 @@ class Serving:
                            f"{', '.join(self.names)}", param="model", code="model_not_found")
         return model
 
-    def chat_prompt(self, messages: list[dict[str, Any]], *,
-                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None, param: str = "messages"
-                    ) -> list[int]:
-        """Token ids of a conversation through the chat template: what chat completions,
-        /v1/responses and /tokenize all render. With --enable-interleaved-system-coalescing the
-        system messages are first merged into one at the start; without it a template that
-        refuses them is a 400 that names the flag."""
+    def chat_prompt(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
+        """Token ids of a conversation through the chat template (see `chat_prompt_text`)."""
+        # The template already writes BOS/role tokens; adding special tokens again would double BOS.
+        return self.tok.encode(self.chat_prompt_text(messages, **kw), add_special_tokens=False)
+
+    def chat_prompt_text(self, messages: list[dict[str, Any]], *,
+                         tools: list[dict[str, Any]] | None = None,
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         template_kwargs: dict[str, Any] | None = None, param: str = "messages"
+                         ) -> str:
+        """A conversation through the chat template: what chat completions, /v1/responses and
+        /tokenize all render. --enable-thinking/--disable-thinking is the template's
+        enable_thinking unless the request's kwargs set it. With
+        --enable-interleaved-system-coalescing the system messages are first merged into one at
+        the start; without it a template that refuses them is a 400 that names the flag."""
+        kwargs = dict(template_kwargs or {})
+        if self.chat.enable_thinking is not None:
+            kwargs.setdefault("enable_thinking", self.chat.enable_thinking)
         if self.coalesce_system:
             messages = coalesce_system_messages(messages)
         try:
-            return self.tok.apply_chat_template(
+            return self.tok.apply_chat_template_text(
                 messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                continue_final_message=continue_final_message, **(template_kwargs or {}))
+                continue_final_message=continue_final_message, **kwargs)
         except TokenizerError as e:
             if has_interleaved_system(messages):
                 e = TokenizerError(
@@ -303,7 +316,7 @@ class Serving:
         return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
 
     def stream_response(self, request: Request, fan: Fanout,
-                        render: Callable[[ChoiceEvent], str | list[str]], first: list[str],
+                        render: Callable[[ChoiceEvent], str | list[str] | None], first: list[str],
                         last: Callable[[list[ChoiceEvent]], str | None], *,
                         frame: Callable[[str], str] = data_frame, done: bool = True
                         ) -> StreamingResponse:
@@ -313,14 +326,15 @@ class Serving:
                                  media_type="text/event-stream")
 
     async def stream(self, request: Request, fan: Fanout,
-                     render: Callable[[ChoiceEvent], str | list[str]], first: list[str],
+                     render: Callable[[ChoiceEvent], str | list[str] | None], first: list[str],
                      last: Callable[[list[ChoiceEvent]], str | None], *,
                      frame: Callable[[str], str] = data_frame, done: bool = True
                      ) -> AsyncIterator[str]:
         """Streaming: SSE lines for each event that says something (`render` makes its chunk,
-        or several); `first` chunks go out before any event; `last` gets every choice's final
-        event (for the usage chunk). `frame` turns a chunk into its SSE text (the Responses
-        API names each event); `done`: close with `data: [DONE]` (the completions APIs)."""
+        or several, or None to hold the text back); `first` chunks go out before any event;
+        `last` gets every choice's final event (for the usage chunk). `frame` turns a chunk into
+        its SSE text (the Responses API names each event); `done`: close with `data: [DONE]`
+        (the completions APIs)."""
         # Starlette also cancels this generator on disconnect (ASGI spec < 2.4), but not on every
         # server; our own watcher makes the abort certain either way.
         watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
@@ -356,12 +370,14 @@ class Serving:
                     break
                 if dump is not None:
                     dump.add(item)
-                # A step that added no text or logprobs and finished nothing has nothing to send.
+                # A step that added no text or logprobs and finished nothing has nothing to send;
+                # nor has one whose text the route holds back (render gives None).
                 if item.text or item.logprobs or item.finished or item.prompt_logprobs:
                     chunks = render(item)
-                    for c in [chunks] if isinstance(chunks, str) else chunks:
-                        yield frame(c)
-                    sent += 1
+                    if chunks is not None:
+                        for c in [chunks] if isinstance(chunks, str) else chunks:
+                            yield frame(c)
+                        sent += 1
                 if item.finished:
                     finals.append(item)
                     remaining -= 1

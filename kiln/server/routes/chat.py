@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kiln.engine.request import TokenLogprob
+from kiln.server.chat_output import ChoiceParser, plan_tools, reasoning_parser
 from kiln.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -21,7 +22,9 @@ from kiln.server.protocol import (
     ChatLogprobTop,
     ChatResponseMessage,
     DeltaMessage,
+    DeltaToolCall,
     PromptTokensDetails,
+    ToolCall,
     UsageInfo,
 )
 from kiln.server.serving import (
@@ -31,6 +34,7 @@ from kiln.server.serving import (
     clamp_logprob,
     prompt_logprobs_json,
 )
+from kiln.server.tool_parsers import ToolCallStream
 from kiln.tokenizer import Tokenizer
 
 
@@ -49,11 +53,24 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoice
 async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
                                  ) -> Any:
     model = sv.check_model(req.model)
-    prompt_ids = sv.chat_prompt(
+    prompt_text = sv.chat_prompt_text(
         req.template_messages(), add_generation_prompt=req.add_generation_prompt,
         tools=req.template_tools(), continue_final_message=req.continue_final_message,
         template_kwargs=req.chat_template_kwargs)
+    # The template already writes BOS/role tokens; adding special tokens again would double BOS.
+    prompt_ids = sv.tok.encode(prompt_text, add_special_tokens=False)
     params = sv.params_for(req, len(prompt_ids))
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, sv.chat)
+    if tools.structured is not None:  # required / a named function: the grammar engine enforces
+        params.structured_outputs = tools.structured
+    if tools.parser is not None and tools.parser.keep_special_tokens:
+        params.skip_special_tokens = False
+
+    def choice_parser() -> ChoiceParser:
+        stream = ToolCallStream(tools.parser, tools.max_calls) if tools.parser else None
+        # Whether the template opened (or closed) the reasoning is at the prompt's end.
+        return ChoiceParser(reasoning_parser(sv.chat, prompt_text[-64:]), stream)
+
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.
     session = request.headers.get("x-session-id") or req.user
@@ -73,13 +90,26 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
                          total_tokens=len(prompt_ids) + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
+    def finish(reason: str | None, p: ChoiceParser) -> str | None:
+        # OpenAI: a message that ends in tool calls finishes with "tool_calls"; one cut by
+        # max_tokens keeps "length".
+        return "tool_calls" if reason == "stop" and p.called else reason
+
     if not req.stream:
         outs = await sv.collect(request, fan)
-        choices = [ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content=out.text),
-            logprobs=chat_logprobs(sv.tok, out.logprobs, k) if want_lp else None,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-            for i, out in outs.items()]
+        choices = []
+        for i, out in outs.items():
+            p = choice_parser()
+            p.feed(out.text, final=True)
+            r = p.result
+            calls = [ToolCall.model_validate(c) for c in r.tool_calls]
+            message = ChatResponseMessage(content=None if calls and not r.content else r.content,
+                                          reasoning_content=r.reasoning or None,
+                                          tool_calls=calls or None)
+            choices.append(ChatCompletionChoice(
+                index=i, message=message,
+                logprobs=chat_logprobs(sv.tok, out.logprobs, k) if want_lp else None,
+                finish_reason=finish(out.finish_reason, p), stop_reason=out.stop_reason))
         # vLLM reports them once, for the (shared) prompt: the first choice's
         first = next(iter(outs.values()))
         resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())),
@@ -90,11 +120,20 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
     def chunk(choices: list[ChatCompletionStreamChoice], u: UsageInfo | None = None) -> str:
         return ChatCompletionChunk(**head, choices=choices, usage=u).model_dump_json()
 
-    def render(ev: ChoiceEvent) -> str:
+    parsers = {i: choice_parser() for i in range(req.n)}
+
+    def render(ev: ChoiceEvent) -> str | None:
+        p = parsers[ev.index]
+        d = p.feed(ev.text, final=ev.finished)
+        delta = DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
+                             tool_calls=[DeltaToolCall.model_validate(c) for c in d.tool_calls]
+                             or None)
+        lps = chat_logprobs(sv.tok, ev.logprobs, k) if want_lp and ev.logprobs else None
+        if not (d.content or d.reasoning or d.tool_calls or lps or ev.finished):
+            return None  # held back (a tag or call not decided yet): nothing to say
         return chunk([ChatCompletionStreamChoice(
-            index=ev.index, delta=DeltaMessage(content=ev.text) if ev.text else DeltaMessage(),
-            logprobs=chat_logprobs(sv.tok, ev.logprobs, k) if want_lp and ev.logprobs else None,
-            finish_reason=ev.finish_reason, stop_reason=ev.stop_reason)])
+            index=ev.index, delta=delta, logprobs=lps,
+            finish_reason=finish(ev.finish_reason, p), stop_reason=ev.stop_reason)])
 
     first = [chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                            content=""))])

@@ -1,0 +1,309 @@
+"""Tool-call and reasoning parsers without a model: each format whole and streamed, split at
+every character boundary (the streamed deltas, assembled, must equal the whole answer)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kiln.sampling_params import StructuredOutputsParams
+from kiln.server import reasoning_parsers, tool_parsers
+from kiln.server.chat_output import ChatFormat, ChoiceParser, plan_tools, required_schema
+from kiln.server.protocol import ChatCompletionRequest, DeltaMessage, DeltaToolCall
+from kiln.server.reasoning_parsers import DeepSeekR1Parser, Qwen3Parser
+from kiln.server.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    NamedParser,
+    RequiredParser,
+    ToolCallStream,
+    ToolParser,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}}}}
+
+
+def whole(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str]]]:
+    p = parser.parse(text, final=True)
+    return p.content, [(c.name, c.arguments) for c in p.calls]
+
+
+def assemble(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Feed the pieces as a server would, assemble the deltas the way a client does."""
+    content, calls, text = "", {}, ""
+    for n, piece in enumerate(pieces):
+        text += piece
+        c, deltas = stream.update(text, final=n == len(pieces) - 1)
+        content += c
+        for d in deltas:
+            if "id" in d:  # a call's first delta: id, type, name, then only argument pieces
+                assert d["index"] not in calls and d["type"] == "function"
+                assert re.fullmatch(r"call_[0-9a-f]{24}", d["id"])
+                calls[d["index"]] = [d["function"]["name"], ""]
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]][1] += d["function"].get("arguments", "")
+    return content, [tuple(calls[i]) for i in sorted(calls)]  # type: ignore[misc]
+
+
+def check_every_split(make: Any, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """The whole parse, checked against streams split at every boundary (one character per
+    step, and two pieces cut at each position)."""
+    expected = whole(make(), text)
+    assert assemble(ToolCallStream(make()), list(text)) == expected, "one char per step"
+    for cut in range(len(text) + 1):
+        assert assemble(ToolCallStream(make()), [text[:cut], text[cut:]]) == expected, cut
+    return expected
+
+
+def hermes() -> HermesParser:
+    return HermesParser(["get_weather", "get_time"])
+
+
+# --------------------------------------------------------------------------- hermes / Qwen
+
+
+def test_hermes_tagged_calls_with_content_before() -> None:
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+            "</tool_call>")
+    assert check_every_split(hermes, text) == (
+        "Let me look.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET"}')])
+
+
+def test_hermes_arguments_are_the_raw_json_even_with_braces_and_tags_in_strings() -> None:
+    args = '{"q": "a } b { \\" </tool_call> ]", "n": [1, {"x": null}], "u": "Zürich 🌧"}'
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    content, calls = check_every_split(hermes, text)
+    assert content == "" and calls == [("get_weather", args)]
+    assert json.loads(calls[0][1])["u"] == "Zürich 🌧"
+
+
+def test_hermes_bare_and_fenced_calls_naming_an_offered_tool() -> None:
+    # Qwen2.5-Coder-0.5B writes its calls without the tags (measured: greedy, kiln serve).
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert check_every_split(hermes, bare) == ("", [("get_weather", '{"city": "Paris"}')])
+    fenced = f"```json\n{bare}\n```"
+    assert check_every_split(hermes, fenced) == ("", [("get_weather", '{"city": "Paris"}')])
+    two = f'{bare}\n{{"name": "get_time", "parameters": {{}}}}'
+    assert check_every_split(hermes, two)[1] == [("get_weather", '{"city": "Paris"}'),
+                                                 ("get_time", "{}")]
+
+
+def test_hermes_text_that_only_looks_like_a_call_stays_content() -> None:
+    for text in ('{"name": "rm_rf", "arguments": {}}',  # not an offered tool
+                 '{"answer": 42}', "```python\nprint(1)\n```", "a <tool_x> b < c",
+                 "<tool_call>not json</tool_call>", "   Paris is sunny.  "):
+        content, calls = check_every_split(hermes, text)
+        assert calls == [] and content == text.strip(), text
+    # Without tools offered, a bare object is never a call.
+    assert HermesParser([]).parse('{"name": "f", "arguments": {}}', True).calls == []
+
+
+def test_hermes_call_cut_by_max_tokens_keeps_what_was_written() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert check_every_split(hermes, text) == ("", [("get_weather", '{"city": "Par')])
+
+
+def test_hermes_arguments_given_as_a_json_string() -> None:
+    text = '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
+    assert check_every_split(hermes, text) == ("", [("get_time", '{"tz": "UTC"}')])
+
+
+# --------------------------------------------------------------------------- llama3_json, mistral
+
+
+def test_llama3_json_calls_joined_by_semicolons() -> None:
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+            '{"name": "get_time", "parameters": {"tz": "CET"}}')
+    assert check_every_split(Llama3JsonParser, text) == (
+        "", [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "CET"}')])
+    assert check_every_split(Llama3JsonParser, "It is sunny.") == ("It is sunny.", [])
+    assert check_every_split(Llama3JsonParser, '{"city": "Oslo"}') == ('{"city": "Oslo"}', [])
+
+
+def test_mistral_tool_calls_array() -> None:
+    text = ('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+            '{"name": "get_time", "arguments": {}}]')
+    assert check_every_split(MistralParser, text) == (
+        "Sure.", [("get_weather", '{"city": "Rome"}'), ("get_time", "{}")])
+    assert check_every_split(MistralParser, "No calls [TOOL here].") == ("No calls [TOOL here].",
+                                                                       [])
+
+
+# --------------------------------------------------------------------------- required / named
+
+
+def test_required_reads_the_constrained_array_and_named_the_arguments() -> None:
+    text = '[{"name": "get_weather", "parameters": {"city": "Lima"}}]'
+    assert check_every_split(lambda: RequiredParser(["get_weather"], hermes()), text) == (
+        "", [("get_weather", '{"city": "Lima"}')])
+    # Unconstrained output (no grammar engine) that is not an array: the server's parser reads it.
+    bare = '{"name": "get_weather", "arguments": {"city": "Lima"}}'
+    assert whole(RequiredParser(["get_weather"], hermes()), bare)[1] == [
+        ("get_weather", '{"city": "Lima"}')]
+    assert check_every_split(lambda: NamedParser("get_time"), ' {"tz": "UTC"}\n') == (
+        "", [("get_time", '{"tz": "UTC"}')])
+
+
+def test_required_schema_is_vllms_array_of_name_and_parameters() -> None:
+    defs_tool = {"type": "function", "function": {"name": "geo", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}},
+        "$defs": {"Point": {"type": "object"}}}}}
+    schema = required_schema([WEATHER, defs_tool], parallel=False)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    first = schema["items"]["anyOf"][0]
+    assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert first["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert first["required"] == ["name", "parameters"]
+    # $defs move to the top, where "#/$defs/Point" points; the tool itself is not changed.
+    assert schema["$defs"] == {"Point": {"type": "object"}}
+    assert "$defs" not in schema["items"]["anyOf"][1]["properties"]["parameters"]
+    assert "$defs" in defs_tool["function"]["parameters"]
+    assert "maxItems" not in required_schema([WEATHER], parallel=True)
+
+
+def test_plan_tools_per_tool_choice() -> None:
+    fmt = ChatFormat(tool_parser="hermes")
+    assert plan_tools(None, None, None, fmt).parser is None
+    assert plan_tools([WEATHER], "none", None, fmt).parser is None
+    auto = plan_tools([WEATHER], None, None, fmt)
+    assert isinstance(auto.parser, HermesParser) and auto.structured is None
+    assert plan_tools([WEATHER], "auto", None, ChatFormat()).parser is None  # no parser set
+    assert plan_tools([WEATHER], "auto", None, ChatFormat("hermes", auto_tool_choice=False)
+                      ).parser is None
+    req = plan_tools([WEATHER, TIME], "required", False, fmt)
+    assert isinstance(req.parser, RequiredParser) and req.max_calls == 1
+    assert req.structured == StructuredOutputsParams(json=required_schema([WEATHER, TIME],
+                                                                          parallel=False))
+    named = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
+                       None, fmt)
+    assert isinstance(named.parser, NamedParser) and named.parser.function == "get_time"
+    assert named.structured == StructuredOutputsParams(json=TIME["function"]["parameters"])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    text = ('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    _, calls = assemble(ToolCallStream(hermes(), max_calls=1), list(text))
+    assert calls == [("get_weather", "{}")]
+
+
+def test_stream_deltas_serialize_like_openais() -> None:
+    stream = ToolCallStream(hermes())
+    _, first = stream.update('<tool_call>{"name": "get_time", "arguments": {"tz', False)
+    _, later = stream.update('<tool_call>{"name": "get_time", "arguments": {"tz": 1}}', True)
+    d1 = DeltaMessage(tool_calls=[DeltaToolCall.model_validate(d) for d in first]).model_dump()
+    assert d1 == {"tool_calls": [{"index": 0, "id": stream.sent[0].id, "type": "function",
+                                  "function": {"name": "get_time", "arguments": '{"tz'}}]}
+    d2 = DeltaMessage(tool_calls=[DeltaToolCall.model_validate(d) for d in later]).model_dump()
+    assert d2 == {"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]}
+    assert stream.tool_calls() == [{"id": stream.sent[0].id, "type": "function", "function": {
+        "name": "get_time", "arguments": '{"tz": 1}'}}]
+
+
+def test_auto_parser_from_the_chat_template() -> None:
+    assert tool_parsers.choose_for_template("... <tool_call>\\n{...} ...")[0] == "hermes"
+    assert tool_parsers.choose_for_template("[AVAILABLE_TOOLS] [TOOL_CALLS]")[0] == "mistral"
+    assert tool_parsers.choose_for_template("<|python_tag|>{{ x }}")[0] == "llama3_json"
+    assert tool_parsers.choose_for_template("{{ messages }}")[0] == "none"
+    assert tool_parsers.choose_for_template(None)[0] == "none"
+    assert reasoning_parsers.choose_for_template("<think>\\n\\n</think>")[0] == "qwen3"
+    assert reasoning_parsers.choose_for_template(
+        "<｜Assistant｜>{{ c.split('</think>')[-1] }}")[0] == "deepseek_r1"
+    assert reasoning_parsers.choose_for_template("{{ messages }}")[0] == "none"
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def chat(**kw: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+@pytest.mark.parametrize("choice", ["always", {"type": "function", "function": {"name": "nope"}},
+                                    {"type": "function"}, {"name": "get_weather"}])
+def test_bad_tool_choice_is_refused(choice: Any) -> None:
+    with pytest.raises(ValidationError, match="tool_choice"):
+        chat(tools=[WEATHER], tool_choice=choice)
+
+
+def test_tool_choice_needs_tools_and_tools_must_be_functions() -> None:
+    with pytest.raises(ValidationError, match="needs tools"):
+        chat(tool_choice="required")
+    with pytest.raises(ValidationError, match="tools"):
+        chat(tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert chat(tool_choice="none").tool_choice == "none"
+
+
+def test_earlier_tool_calls_reach_the_template_with_object_arguments() -> None:
+    req = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "17 C"}])
+    msgs = req.template_messages()
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert msgs[1]["content"] is None and msgs[2]["tool_call_id"] == "call_1"
+
+
+# --------------------------------------------------------------------------- reasoning
+
+
+def split_every(parser_factory: Any, text: str) -> tuple[str, str]:
+    full = parser_factory().parse(text, True)
+    expected = (full.reasoning, full.content)
+    for cut in [*range(len(text) + 1)]:
+        for pieces in ([text[:cut], text[cut:]], list(text)):
+            p = ChoiceParser(parser_factory(), None)
+            got_r = got_c = ""
+            for n, piece in enumerate(pieces):
+                d = p.feed(piece, final=n == len(pieces) - 1)
+                got_r, got_c = got_r + d.reasoning, got_c + d.content
+            assert (got_r, got_c) == expected, (cut, pieces[:3])
+            assert (p.result.reasoning, p.result.content) == expected
+    return expected
+
+
+def test_qwen3_reasoning_opened_by_the_model() -> None:
+    text = "<think>\nThe user greets me.\n</think>\n\nHello!"
+    assert split_every(Qwen3Parser, text) == ("The user greets me.", "Hello!")
+    assert split_every(Qwen3Parser, "Hello <think> there") == ("", "Hello <think> there")
+    assert split_every(Qwen3Parser, "  just text\n") == ("", "  just text\n")
+
+
+def test_reasoning_opened_by_the_prompt_and_closed_by_it() -> None:
+    # DeepSeek-R1's template (and Qwen3's with thinking) ends the prompt inside <think>.
+    assert split_every(lambda: Qwen3Parser("<|im_start|>assistant\n<think>\n"),
+                       "Hmm, 2+2.\n</think>\n\n4") == ("Hmm, 2+2.", "4")
+    # enable_thinking=False renders an empty <think></think>: nothing to split.
+    assert split_every(lambda: Qwen3Parser("assistant\n<think>\n\n</think>\n\n"),
+                       "4 </think>") == ("", "4 </think>")
+    # DeepSeek-R1: the output starts inside the reasoning even when the prompt did not open it.
+    assert split_every(DeepSeekR1Parser, "2+2 is 4</think>4") == ("2+2 is 4", "4")
+    assert split_every(DeepSeekR1Parser, "<think>a</think>b") == ("a", "b")
+    # Cut by max_tokens inside the reasoning: it stays reasoning.
+    assert split_every(DeepSeekR1Parser, "still thinking </thi") == ("still thinking </thi", "")
+
+
+def test_reasoning_then_a_tool_call() -> None:
+    text = ('<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Oslo"}}\n</tool_call>')
+    p = ChoiceParser(Qwen3Parser(), ToolCallStream(hermes()))
+    for n in range(1, len(text) + 1):
+        p.feed(text[n - 1], final=n == len(text))
+    assert p.result.reasoning == "I need the weather." and p.result.content == ""
+    assert [c["function"] for c in p.result.tool_calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert p.called
