@@ -231,3 +231,49 @@ def test_attend_rows_matches_reference_and_is_batch_invariant(dtype, hq, hk, d, 
                                dec[:1])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_q8_linear_matches_reference_and_is_row_invariant(scale_dtype):
+    """q8_linear (an int8 weight, one scale per row, fp32 activations) against float64, and
+    each row the same bits alone as among 9 rows, with 1 or 3 threads; N not a multiple of 4."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 203, 96
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.rand(n, generator=g) * 0.01).to(scale_dtype)
+    x = torch.randn(9, k, generator=g)
+    got = ck.q8_linear(x, q, s)
+    want = x.double() @ (q.double() * s.double().unsqueeze(1)).t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, torch.cat([ck.q8_linear(x[i:i + 1], q, s) for i in range(9)]))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(ck.q8_linear(x, q, s), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fixed_int8_head_runs_q8_at_every_row_count():
+    """fix_kernel_choice (--batch-invariant) puts an int8 head with a dense copy on q8_linear
+    and drops the copy (other int8 layers keep theirs): a row's logits are the same alone as in
+    a batch of 16."""
+    from torch import nn
+
+    from kiln.layers.quant import Int8Linear, fix_kernel_choice
+
+    head = Int8Linear.from_float(torch.randn(72, 64), None, torch.float32)
+    body = Int8Linear.from_float(torch.randn(64, 64), None, torch.float32)
+    if not head.q8_ok:
+        pytest.skip("the AVX512 kernels run here")
+    head.keep_dense()
+    body.keep_dense()
+    model = nn.Module()
+    model.body, model.lm_head = body, head
+    assert fix_kernel_choice(model) == 2
+    assert head.q8 and head.dense is None and not body.q8 and body.dense is not None
+    x = torch.randn(16, 64)
+    y = head(x)
+    assert torch.equal(y, torch.cat([head(x[i:i + 1]) for i in range(16)]))
+    torch.testing.assert_close(y, x @ head.dequantize(torch.float32).t(), rtol=1e-5, atol=1e-5)

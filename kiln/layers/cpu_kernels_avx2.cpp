@@ -667,6 +667,53 @@ void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* tab
     }
   }
 }
+// q8_linear: y = x @ (q * scale)^T for an int8 weight q [N, K] (row-major, as Int8Linear keeps
+// it) with one scale per output row, x fp32: the int8 head (--batch-invariant). Each output
+// y[m, n] is one FMA chain over K in column order from 0 (the weight row converted to fp32
+// exactly), the same add tree as score4's, then times scale[n]: it depends on nothing but x's
+// row m and weight row n, so a row's logits are the same bits whatever else is in the step
+// and whatever the thread count. Work: tiles of 4 weight rows, converted once into an L1
+// buffer and reused by every activation row, 3 at a time (score4's 12 accumulators).
+template <typename S>
+void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, int64_t M,
+                    int64_t N, int64_t K) {
+  const int64_t tiles = (N + kScoreKeys - 1) / kScoreKeys;
+#pragma omp parallel num_threads(threads())
+  {
+    std::vector<float> wbuf(kScoreKeys * K);
+    std::vector<float> tail(kHeadChunk * kScoreKeys);
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t n0 = tile * kScoreKeys, valid = std::min<int64_t>(kScoreKeys, N - n0);
+      const float* wr[kScoreKeys];
+      alignas(16) float sc[kScoreKeys];
+      for (int kk = 0; kk < kScoreKeys; ++kk) {
+        const int64_t n = n0 + std::min<int64_t>(kk, valid - 1);  // pad with the last row
+        float* b = wbuf.data() + kk * K;
+        for (int64_t c = 0; c < K; c += 8)
+          _mm256_storeu_ps(b + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                                          w + n * K + c)))));
+        wr[kk] = b;
+        sc[kk] = static_cast<float>(scale[n]);
+      }
+      const __m128 s4 = _mm_load_ps(sc);
+      for (int64_t m = 0; m < M; m += kHeadChunk) {
+        const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, M - m));
+        const float* xv[kHeadChunk];
+        float* out[kHeadChunk];
+        for (int i = 0; i < nq; ++i) {
+          xv[i] = x + (m + i) * K;
+          out[i] = valid == kScoreKeys ? y + (m + i) * N : tail.data() + i * kScoreKeys;
+        }
+        score4_n<float>(nq, xv, wr, K, s4, out, valid == kScoreKeys ? n0 : 0);
+        if (valid < kScoreKeys)
+          for (int i = 0; i < nq; ++i)
+            std::memcpy(y + (m + i) * N + n0, out[i], valid * sizeof(float));
+      }
+    }
+  }
+}
 #endif
 
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -712,6 +759,31 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q8_linear: x must be fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
+                  w.size(1) == x.size(1) && x.size(1) % 8 == 0,
+              "q8_linear: w must be contiguous int8 [N, K] with K = x's, a multiple of 8");
+  TORCH_CHECK(scale.dim() == 1 && scale.numel() == w.size(0) && scale.is_contiguous() &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
+              "q8_linear: scale must be contiguous fp32/bf16 [N]");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+#if KILN_HAVE_AVX2
+  if (M == 0 || N == 0) return y;
+  const auto xc = x.contiguous();
+  if (scale.scalar_type() == at::kFloat)
+    q8_linear_impl(xc.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                   y.data_ptr<float>(), M, N, K);
+  else
+    q8_linear_impl(xc.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<at::BFloat16>(),
+                   y.data_ptr<float>(), M, N, K);
+#else
+  TORCH_CHECK(false, "q8_linear: built without AVX2/FMA/F16C");
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_avx2, m) {
@@ -721,8 +793,10 @@ TORCH_LIBRARY(kiln_avx2, m) {
         "-> Tensor");
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor table, Tensor row_of, Tensor lens, "
         "float scale) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.impl("supported", &supported);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);
   m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
+  m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
 }
