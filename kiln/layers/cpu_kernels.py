@@ -28,9 +28,11 @@ logged once.
 cpu_kernels_avx2.cpp, built by the same `_build` (`avx2_available()`), serves x86 CPUs with
 AVX2 + FMA + F16C but no AVX512-BF16 (this project's AMD EPYC CI): `q4_linear` (int4 weights in
 pack_q4's layout x activations quantized to int8 per group of 32, llama.cpp's Q4_0 x Q8_0
-scheme) and `moe_q4`, a whole MoE layer's routed experts in one call. Why: PyTorch's
-`_weight_int4pack_mm_for_cpu` is compute-bound there ([1,1024] x [768,1024]: ~140 us on one
-Zen 3 thread, vs ~38 us for q4_linear), and a MoE step made 2 module calls per active expert.
+scheme), `moe_q4`, a whole MoE layer's routed experts in one call, and for --batch-invariant
+`attend_rows` (attention row by row in one fixed order) and `q8_linear` (the int8 head). Why:
+PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound there ([1,1024] x [768,1024]: ~140 us
+on one Zen 3 thread, vs ~38 us for q4_linear), and a MoE step made 2 module calls per active
+expert.
 """
 
 from __future__ import annotations

@@ -105,7 +105,12 @@ KILN_INT8_DENSE_MIN_M = 16
 # 3.3 vs 0.62 / 2.2 / 4.3), so there is no threshold to switch at.
 # AVX2_INT8: there, under --batch-invariant, the int8 head runs kiln's q8_linear (fp32
 # activations x int8 rows, each output one FMA chain) at every row count and drops the dense
-# copy that this mode used to run at every size. MEASURE
+# copy that this mode used to run at every size. The 49152 x 576 head, one thread of a 2-core
+# EPYC shared with ~16 other busy processes (ms, min of 5, two runs: ratios only), q8 vs the
+# fp32 copy vs PyTorch's int8 kernel: M=1 13-28 vs 54-57 vs 26-44, M=4 41-43 vs 65-74 vs 50-69,
+# M=16 147-157 vs 119-153 vs 238-260. A head sees one row per sequence (at most --max-num-seqs
+# 16): the int8 bytes win 2-4x at one row and the copy's GEMM is at most ~20% faster at 16
+# (the same FMA count), so q8 is the one path. Prefill-sized int8 layers keep their copy.
 
 
 # --------------------------------------------------------------------------- quantizers
