@@ -104,6 +104,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.engine.async_engine import AsyncEngine, wait_idle
     from kiln.obs import trace
     from kiln.server.app import build_app
+    from kiln.server.http import Cors, h11_protocol
     from kiln.server.protocol import RequestLimits
 
     s = sp.settings
@@ -134,13 +135,15 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
         dumper = RequestDumper(s["request_dump_dir"], startup.config_hash(sp))
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__,
-                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults)
+                    limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
+                    cors=Cors.from_settings(s))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
     host, port = s["host"], s["port"]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
-                            access_log=False)
+                            access_log=False, http=h11_protocol(s["max_header_bytes"]),
+                            h11_max_incomplete_event_size=s["max_header_bytes"])
     server = uvicorn.Server(config)
 
     started = server.startup

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server.errors import APIError, ClientGone, validation_error
+from kiln.server.http import BodyTooLarge, Cors, HttpLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
     ChatCompletionChunk,
@@ -44,15 +45,30 @@ log = logging.getLogger(__name__)
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: list[str], *,
               api_key: str | None, max_model_len: int, version: str,
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
-              faults: Faults | None = None) -> FastAPI:
+              faults: Faults | None = None, cors: Cors | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
-    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's)."""
+    request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's);
+    `cors`: the origins browsers may call from (None: CORS off)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
                  version=version, limits=limits, dumper=dumper, faults=faults)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
+
+    limits = sv.limits
+    app.add_middleware(HttpLimits, limit=limits.max_body_bytes,
+                       max_header_bytes=limits.max_header_bytes)
+    if cors is not None:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors.origins,
+                           allow_methods=cors.methods, allow_headers=cors.headers,
+                           allow_credentials=cors.credentials)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        return exc.error.response()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -89,6 +105,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     for r in (generation.router(sv), admin.models_router(sv)):
         v1.include_router(r)
     app.include_router(v1)
+    app.include_router(admin.debug_router(sv), dependencies=[Depends(check_api_key)])
     # One registry per app: several apps (tests) in one process keep their own series.
     metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
                             max_model_len)
@@ -123,6 +140,7 @@ _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/health": (None, {}),
     "/version": (None, {}),
     "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
+    "/debug/kv": (None, {}),
 }
 
 
@@ -157,11 +175,11 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 codes = ["500"]
                 if "requestBody" in op:
                     codes += ["400", "404", "503"]
-                if path.startswith("/v1/") and auth:
+                if path.startswith(("/v1/", "/debug/")) and auth:
                     codes.append("401")
                 for code in codes:
                     op["responses"][code] = error
-                if path == "/health":  # a dead engine: {"status": "error", "error": ...}
+                if path in ("/health", "/debug/kv"):  # a dead engine: {"status": "error", "error": ...}
                     op["responses"]["503"] = {"description": "engine down", "content": {
                         "application/json": {"schema": {"type": "object"}}}}
         for name in ("HTTPValidationError", "ValidationError"):

@@ -44,6 +44,7 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoice
 async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
                                  ) -> Any:
     model = sv.check_model(req.model)
+    sv.check_limits(req)
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     try:
         prompt_ids = sv.tok.apply_chat_template(
