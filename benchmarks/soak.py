@@ -9,7 +9,8 @@ It starts `kiln serve` (the embedded SmolLM2 unless --model) on a free 127.0.0.1
 client loops until its phase ends: it picks one of `--pool` distinct requests (chat or
 completions, random prompt length, random max_tokens, streamed or not; greedy, with logprobs),
 and with probability `--disconnect-rate` it hangs up at a random point (before any answer, or
-after a few streamed chunks). About one request in ten is sampled (n=2, temperature 1), so the
+after a few streamed chunks). Requests still running `--drain-timeout` seconds after a phase's
+end are cut too (counted apart), so the script ends in bounded time however slow the machine. About one request in ten is sampled (n=2, temperature 1), so the
 engine also runs several sequences of one request; those are not compared.
 
 Between phases the clients stop, the server goes idle, and GET /debug/kv must show the KV
@@ -336,9 +337,16 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
         for p in range(args.phases):
             deadline = time.monotonic() + per_phase
             before = (stats.started, stats.completed, sum(stats.disconnects.values()))
-            await asyncio.gather(*(client_loop(i, http, pool, args.seed + p, deadline, stats,
-                                               args.disconnect_rate)
-                                   for i in range(args.clients)))
+            tasks = [asyncio.create_task(client_loop(i, http, pool, args.seed + p, deadline,
+                                                     stats, args.disconnect_rate))
+                     for i in range(args.clients)]
+            # The phase ends at its deadline; requests still running get --drain-timeout more
+            # seconds, then are cut (the script stays bounded however slow the machine is).
+            _, late = await asyncio.wait(tasks, timeout=per_phase + args.drain_timeout)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            stats.disconnects["cut_at_phase_end"] += len(late)
             kv = await wait_idle_kv(http)
             phases.append({"phase": p + 1, "ended_s": round(time.monotonic() - t0, 1),
                            "requests": stats.started - before[0],
@@ -391,7 +399,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
         "completed_sampled": stats.completed_sampled,
         "distinct_greedy_requests_completed": len(stats.answers),
         "disconnects": dict(stats.disconnects),
-        "disconnects_total": sum(stats.disconnects.values()),
+        "disconnects_total": sum(n for k, n in stats.disconnects.items()
+                                 if k != "cut_at_phase_end"),
         "errors": dict(stats.errors),
         "completion_tokens": stats.completion_tokens,
         "output_tokens_per_s": round(stats.completion_tokens / soak_s, 1),
@@ -424,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disconnect-rate", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="what kiln serve serves (default: SmolLM2)")
+    ap.add_argument("--drain-timeout", type=float, default=60.0,
+                    help="seconds a phase's last requests may run past its end before they are cut")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=None,

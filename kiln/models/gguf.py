@@ -129,7 +129,8 @@ class GGUFFile:
         # that lies beyond all the tensors' bytes together, means a damaged tensor table (not
         # a short file).
         packed = sum((t.nbytes + align - 1) // align * align for t in self.tensors)
-        for t in self.tensors:
+        sized = all(t.type_id in GGML_TYPES for t in self.tensors)  # else sizes are unknown
+        for t in self.tensors if sized else ():
             rel = t.offset - data_start
             if rel % align or rel + t.nbytes > packed:
                 raise ModelLoadError(
