@@ -10,8 +10,9 @@ client loops until its phase ends: it picks one of `--pool` distinct requests (c
 completions, random prompt length, random max_tokens, streamed or not; greedy, with logprobs),
 and with probability `--disconnect-rate` it hangs up at a random point (before any answer, or
 after a few streamed chunks). Requests still running `--drain-timeout` seconds after a phase's
-end are cut too (counted apart), so the script ends in bounded time however slow the machine. About one request in ten is sampled (n=2, temperature 1), so the
-engine also runs several sequences of one request; those are not compared.
+end are cut too (counted apart), so the script ends in bounded time however slow the machine.
+About one request in ten is sampled (n=2, temperature 1), so the engine also runs several
+sequences of one request; those are not compared.
 
 Between phases the clients stop, the server goes idle, and GET /debug/kv must show the KV
 manager's invariants intact and 0 leaked blocks. The server's RSS is sampled every few seconds.
@@ -427,13 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load, all phases")
     ap.add_argument("--phases", type=int, default=3, help="KV integrity checked after each")
-    ap.add_argument("--pool", type=int, default=96, help="distinct requests the clients draw")
-    ap.add_argument("--max-prompt-words", type=int, default=600)
-    ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens drawn from 1..N")
+    ap.add_argument("--pool", type=int, default=64, help="distinct requests the clients draw")
+    ap.add_argument("--max-prompt-words", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=48, help="max_tokens drawn from 1..N")
     ap.add_argument("--disconnect-rate", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="what kiln serve serves (default: SmolLM2)")
-    ap.add_argument("--drain-timeout", type=float, default=60.0,
+    ap.add_argument("--drain-timeout", type=float, default=120.0,
                     help="seconds a phase's last requests may run past its end before they are cut")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)

@@ -212,11 +212,12 @@ class Scheduler:
         counts = Counter(r.group_key for r in self.running)
         if max(counts.values()) < 2:
             return
-        starved: list[str] = []
+        starved: dict[str, None] = {}  # groups, in arrival order
         for req in self.waiting:
-            g = req.group_key
-            if counts.get(g, 0) == 0 and g not in starved:
-                starved.append(g)
+            if counts.get(req.group_key, 0) == 0:
+                starved[req.group_key] = None
+                if len(starved) >= self.config.max_num_seqs:
+                    break
         for g in starved:
             top_group, top = counts.most_common(1)[0]
             if top < 2:
@@ -226,6 +227,7 @@ class Scheduler:
             out.preempted.append(victim)
             counts[top_group] -= 1
             counts[g] += 1  # its slot, taken when it is admitted below
+
     # ------------------------------------------------------------------ prefix rendezvous
 
     def _uncached_hashes(self, req: Request) -> list[int]:

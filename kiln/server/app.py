@@ -56,9 +56,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
 
-    limits = sv.limits
-    app.add_middleware(HttpLimits, limit=limits.max_body_bytes,
-                       max_header_bytes=limits.max_header_bytes)
+    app.add_middleware(HttpLimits, limit=sv.limits.max_body_bytes,
+                       max_header_bytes=sv.limits.max_header_bytes)
     if cors is not None:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -179,7 +178,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                     codes.append("401")
                 for code in codes:
                     op["responses"][code] = error
-                if path in ("/health", "/debug/kv"):  # a dead engine: {"status": "error", "error": ...}
+                if path in ("/health", "/debug/kv"):  # dead engine: {"status": "error", ...}
                     op["responses"]["503"] = {"description": "engine down", "content": {
                         "application/json": {"schema": {"type": "object"}}}}
         for name in ("HTTPValidationError", "ValidationError"):
