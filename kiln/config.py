@@ -95,6 +95,28 @@ def parse_str_list(value: Any) -> list[str]:
     return [v for v in str(value).split(",") if v]
 
 
+def parse_http_list(value: Any) -> list[str]:
+    """vLLM's spelling of an HTTP list, a JSON list ('["GET", "POST"]'), or 'GET,POST'."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    text = str(value).strip()
+    if text.startswith("["):
+        import json
+
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise ValueError(f"expected a list, got {value!r}")
+        return [str(v) for v in items]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def positive_bytes(value: Any) -> int:
+    n = parse_bytes(value)
+    if n <= 0:
+        raise ValueError(f"must be a positive size, got {value!r}")
+    return n
+
+
 def positive_int(value: Any) -> int:
     n = int(value)
     if n <= 0:
@@ -206,7 +228,7 @@ SETTINGS: list[Setting] = [
     # n <= 128 and 4 stop sequences), low enough that one request cannot occupy the engine or
     # its memory for everyone else ("n": 1000000 once queued 242k sequences and 6 GB).
     Setting("max_n", positive_int, 128,
-            "most sequences one request may start (n, best_of)", ("--max-n",),
+            "most sequences one request may start (n, best_of; n x prompts)", ("--max-n",),
             affects="server", group="server", engines=("kiln",)),
     Setting("max_stop_sequences", positive_int, 64,
             "most stop strings, and most stop token ids, one request may give",
@@ -248,6 +270,30 @@ SETTINGS: list[Setting] = [
             "set it (unset: the template's own default)",
             ("--enable-thinking",), neg_flags=("--disable-thinking",), affects="correctness",
             group="server", engines=("kiln",)),
+    # HTTP limits, checked before a request reaches the API: a body over the limit is a 413
+    # from its Content-Length (or as soon as a chunked body passes it), never read whole; the
+    # request line and headers together beyond the header limit are a 431.
+    Setting("max_request_body_bytes", positive_bytes, 32 << 20,
+            "largest request body accepted (413 beyond)", ("--max-request-body-bytes",),
+            affects="server", group="server", engines=("kiln",), metavar="BYTES"),
+    Setting("max_header_bytes", positive_bytes, 64 << 10,
+            "largest request line + headers accepted (431 beyond)", ("--max-header-bytes",),
+            affects="server", group="server", engines=("kiln",), metavar="BYTES"),
+    # CORS is off unless origins are named: a browser page from elsewhere cannot call the API
+    # (vLLM's flags, but vLLM allows every origin by default).
+    Setting("allowed_origins", parse_http_list, None,
+            "origins browsers may call the API from (CORS; off unless set; '*' for any)",
+            ("--allowed-origins",), affects="server", group="server", engines=("kiln",),
+            metavar="A,B"),
+    Setting("allowed_methods", parse_http_list, ["*"],
+            "CORS: methods allowed from those origins", ("--allowed-methods",),
+            affects="server", group="server", engines=("kiln",), metavar="A,B"),
+    Setting("allowed_headers", parse_http_list, ["*"],
+            "CORS: request headers allowed from those origins", ("--allowed-headers",),
+            affects="server", group="server", engines=("kiln",), metavar="A,B"),
+    Setting("allow_credentials", parse_bool, False,
+            "CORS: allow cookies / credentials from those origins", ("--allow-credentials",),
+            affects="server", group="server", engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),

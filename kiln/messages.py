@@ -407,6 +407,12 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "zh": "--max-model-len {wanted} 超过了模型的上下文长度 {model_len}"},
     "load.context_too_long.hint": {"en": "use --max-model-len {model_len} or less",
                                    "zh": "请把 --max-model-len 设为 {model_len} 或更小"},
+    "load.bad_safetensors": {"en": "{path} is not a valid safetensors file ({error})",
+                             "zh": "{path} 不是有效的 safetensors 文件（{error}）"},
+    "load.bad_weights.hint": {
+        "en": "the file is damaged or was cut short: fetch it again (`kiln pull`), or copy it "
+              "again",
+        "zh": "文件已损坏或不完整：请重新获取（`kiln pull`）或重新复制"},
     "load.unknown_kv_dtype": {"en": "unknown --kv-cache-dtype {name}",
                               "zh": "未知的 --kv-cache-dtype {name}"},
     # -- downloads
@@ -430,6 +436,23 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "it resumes where it stopped",
         "zh": "请检查网络（或 HF_ENDPOINT / 代理设置）后重新运行 `kiln pull {repo}`，"
               "会从中断处继续下载"},
+    "download.disk_full": {
+        "en": "downloading {repo} failed: the disk is full ({error}) under {path}",
+        "zh": "下载 {repo} 失败：磁盘已满（{error}），位置 {path}"},
+    "download.disk_full.hint": {
+        "en": "free some space, or point HF_HOME (or HF_HUB_CACHE) at a disk with room, then "
+              "run `kiln pull {repo}` again; nothing half-written was kept",
+        "zh": "请释放磁盘空间，或把 HF_HOME（或 HF_HUB_CACHE）指向有空间的磁盘，然后重新运行 "
+              "`kiln pull {repo}`；没有留下写了一半的文件"},
+    "download.cut": {
+        "en": "downloading {repo} failed: the connection kept dropping mid-file ({error})",
+        "zh": "下载 {repo} 失败：连接在传输文件时多次中断（{error}）"},
+    "download.cut.hint": {
+        "en": "the download was resumed several times before giving up and nothing half-written "
+              "was kept: check the network (or HF_ENDPOINT / proxy) and run `kiln pull {repo}` "
+              "again, or serve a local copy (a path, or one in KILN_MODEL_DIRS)",
+        "zh": "已多次续传后放弃，没有留下写了一半的文件：请检查网络（或 HF_ENDPOINT / 代理）后重新"
+              "运行 `kiln pull {repo}`，或改用本地副本（路径，或 KILN_MODEL_DIRS 中的模型）"},
     "download.unreachable": {
         "en": "cannot reach the Hugging Face hub at {endpoint} to fetch {repo}: {error}",
         "zh": "无法连接 Hugging Face hub（{endpoint}）来获取 {repo}：{error}"},

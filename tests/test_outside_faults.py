@@ -1,11 +1,18 @@
-"""Faults outside kiln, as a user meets them: no network, and a Hugging Face hub that answers
-401/404/429/5xx (faked by a local HTTP server that HF_ENDPOINT points at). Each is one line
-naming the cause and what to do, never a traceback, and fails fast."""
+"""Faults outside kiln, as a user meets them: no network; a Hugging Face hub that answers
+401/404/429/5xx, or whose connection drops half way through a file (faked by a local HTTP server
+that HF_ENDPOINT points at); a full disk; truncated or corrupt weights; a port in use; an
+unwritable cache folder. Each is one line naming the cause and what to do, never a traceback,
+fails fast, and leaves nothing half-written under a final name."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import resource
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -49,19 +56,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pull(endpoint: str, tmp: Path) -> tuple[int, str, float]:
+def _pull(endpoint: str, tmp: Path, max_file_bytes: int | None = None
+          ) -> tuple[int, str, float]:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_ENDPOINT": endpoint,
            "HF_HOME": str(tmp / "hf"), "KILN_CACHE_DIR": str(tmp / "kiln"),
-           "HF_HUB_DISABLE_TELEMETRY": "1"}
+           "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+
+    def limit_file_size() -> None:  # a full disk, as far as this process can tell
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "kiln", "pull", "someone/some-model"], env=env,
-                       capture_output=True, text=True, timeout=120, check=False)
+                       capture_output=True, text=True, timeout=120, check=False,
+                       preexec_fn=limit_file_size if max_file_bytes else None)
     return p.returncode, p.stderr + p.stdout, time.monotonic() - t0
 
 
 def _one_error(out: str) -> list[str]:
     assert "Traceback" not in out, out
-    lines = [ln for ln in out.splitlines() if ln.startswith("kiln")]
+    lines = [ln for ln in out.splitlines()
+             if ln.startswith("kiln") and not ln.startswith("kiln: downloading")]
     assert len(lines) == 1, out
     return lines
 
@@ -147,3 +162,189 @@ def test_unwritable_cache_dir_is_one_line_naming_it(tmp_path: Path,
     assert "Traceback" not in err
     assert f"kiln's cache folder {blocker / 'kiln'} cannot be written" in err
     assert "KILN_CACHE_DIR" in err
+
+
+# -- a hub that serves a real file, and drops the connection half way -------------------------
+
+REPO = "someone/some-model"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class _RepoHub(BaseHTTPRequestHandler):
+    """A one-file repo (model.gguf). The first `cuts` GETs of the file send half of what they
+    promise, then hang up; every Range header asked for is recorded."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        srv = self.server
+        data: bytes = srv.data  # type: ignore[attr-defined]
+        if "/api/models/" in self.path:
+            body = json.dumps([{"type": "file", "path": "model.gguf", "size": len(data),
+                                "oid": "f" * 40, "lfs": {"oid": srv.sha, "size": len(data),
+                                                         "pointerSize": 134}}]).encode()
+            self._head(200, len(body), "application/json")
+            self.wfile.write(body)
+            return
+        if not self.path.endswith("/model.gguf"):
+            self._head(404, 0, "text/plain")
+            return
+        start = 0
+        rng = self.headers.get("Range")
+        if self.command == "GET":
+            srv.ranges.append(rng)  # type: ignore[attr-defined]
+        if rng:
+            start = int(rng.removeprefix("bytes=").split("-")[0])
+        body = data[start:]
+        self._head(206 if rng else 200, len(body), "application/octet-stream",
+                   extra={"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"}
+                   if rng else {})
+        if self.command == "HEAD":
+            return
+        if srv.cuts > 0:  # type: ignore[attr-defined]
+            srv.cuts -= 1  # type: ignore[attr-defined]
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def _head(self, status: int, length: int, ctype: str, extra: dict[str, str] | None = None
+              ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(length))
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("ETag", f'"{self.server.sha}"')  # type: ignore[attr-defined]
+        self.send_header("Accept-Ranges", "bytes")
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def repo_hub(gguf_path: Path) -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RepoHub)
+    server.data = gguf_path.read_bytes()  # type: ignore[attr-defined]
+    server.sha = hashlib.sha256(server.data).hexdigest()  # type: ignore[attr-defined]
+    server.cuts = 0  # type: ignore[attr-defined]
+    server.ranges = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def _hub_files(tmp: Path) -> list[Path]:
+    return [p for p in (tmp / "hf").rglob("*") if p.is_file() or p.is_symlink()]
+
+
+def test_a_download_cut_half_way_resumes_and_is_complete(repo_hub, tmp_path: Path) -> None:
+    repo_hub.cuts = 1
+    rc, out, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path)
+    assert rc == 0, out
+    assert "Traceback" not in out
+    first, resumed = repo_hub.ranges  # the whole file, then from where it was cut
+    start = int(resumed.removeprefix("bytes=").removesuffix("-"))
+    assert first is None and 0 < start <= len(repo_hub.data) // 2  # resumed, not restarted
+    (got,) = [p for p in _hub_files(tmp_path) if p.name == "model.gguf"]
+    assert hashlib.sha256(got.read_bytes()).hexdigest() == repo_hub.sha
+    assert not [p for p in _hub_files(tmp_path) if p.name.endswith(".incomplete")]
+
+
+def test_a_download_that_keeps_dropping_is_one_line_and_leaves_nothing(repo_hub,
+                                                                       tmp_path: Path) -> None:
+    repo_hub.cuts = 100
+    rc, out, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path)
+    assert rc != 0
+    (line,) = _one_error(out)
+    assert "the connection kept dropping mid-file" in line and REPO in line
+    assert "kiln pull someone/some-model" in out and "KILN_MODEL_DIRS" in out
+    assert len(repo_hub.ranges) > 2  # it did resume before giving up
+    left = [p.name for p in _hub_files(tmp_path)]
+    assert "model.gguf" not in left and not [n for n in left if n.endswith(".incomplete")]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(repo_hub, tmp_path: Path) -> None:
+    rc, out, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path,
+                       max_file_bytes=4 << 20)
+    assert rc != 0
+    (line,) = _one_error(out)
+    assert "the disk is full" in line and REPO in line
+    assert "free some space" in out and "HF_HOME" in out
+    left = [p.name for p in _hub_files(tmp_path)]
+    assert "model.gguf" not in left and not [n for n in left if n.endswith(".incomplete")]
+
+
+# -- corrupt weights ----------------------------------------------------------------------------
+
+
+def _first_tensor_offset_pos(path: Path, data: bytes) -> int:
+    """Where the first tensor's offset field sits in a GGUF header (kiln's own parser gives the
+    tensor's name and rank)."""
+    from kiln.models.gguf import GGUFFile
+
+    first = GGUFFile(path).tensors[0]
+    name = first.name.encode()
+    pos = data.index(struct.pack("<Q", len(name)) + name)
+    return pos + 8 + len(name) + 4 + 8 * len(first.shape) + 4
+
+
+@pytest.mark.parametrize("damage", ["bad magic", "garbage offset", "unaligned offset"])
+def test_a_corrupt_gguf_is_one_line_naming_it(tmp_path: Path, gguf_path: Path, damage: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from kiln.cli.main import main
+
+    data = bytearray(gguf_path.read_bytes())
+    if damage == "bad magic":
+        data[:4] = b"GGUX"
+        says = "is not a GGUF file (bad magic"
+    else:
+        pos = _first_tensor_offset_pos(gguf_path, bytes(data))
+        data[pos:pos + 8] = struct.pack("<Q", 1 << 40 if damage == "garbage offset" else 7)
+        says = "is corrupt: tensor"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    assert main(["serve", str(bad), "--dry-run"]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("kiln")]
+    assert len(lines) == 1 and f"{bad} {says}" in lines[0], err
+    assert "fetch it again" in err
+
+
+@pytest.mark.parametrize("damage", ["header length", "offsets", "not json"])
+def test_a_corrupt_safetensors_file_is_one_line_naming_it(
+        tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import add_word_tokenizer, make_tiny_model
+
+    from kiln.cli.main import main
+
+    folder = make_tiny_model("llama", tmp_path / "tiny")
+    add_word_tokenizer(folder)
+    st = folder / "model.safetensors"
+    raw = st.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    if damage == "header length":
+        raw = struct.pack("<Q", 1 << 40) + raw[8:]
+    elif damage == "offsets":  # a header that lies: a tensor's bytes run past the file
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"][1] += 1 << 30
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        raw = struct.pack("<Q", len(h)) + h + raw[8 + n:]
+    else:
+        raw = raw[:8] + b"{" * n + raw[8 + n:]
+    st.write_bytes(raw)
+    assert main(["run", str(folder), "hello", "--max-tokens", "1", "--no-compile"]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("kiln")]
+    assert len(lines) == 1 and f"{st} is not a valid safetensors file" in lines[0], err
+    assert "fetch it again" in err

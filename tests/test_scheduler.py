@@ -234,6 +234,57 @@ def test_the_most_recent_running_request_is_preempted_first():
     assert d.outputs["new"] == expected_output(new.prompt_token_ids, 8)
 
 
+def test_a_request_with_many_sequences_does_not_starve_the_next_request():
+    """n=12 long sequences of one API request fill every slot; a one-sequence request that
+    arrives later runs from the next step and finishes while the big one is far from done;
+    every output is still exactly right (the preempted sequences were recomputed)."""
+    s = make_sched(num_blocks=256, budget=64, max_seqs=4)
+    d = Driver(s)
+    big = [make_req(f"big-{i}", 6, max_tokens=40, group="big") for i in range(12)]
+    for r in big:
+        s.add_request(r)
+    for _ in range(3):
+        d.step()
+    assert len(s.running) == 4 and all(r.group == "big" for r in s.running)
+    small = make_req("small", 5, max_tokens=3)
+    s.add_request(small)
+    out = d.step()
+    assert small in [x.request for x in out.scheduled]  # at once, not after 12 x 40 tokens
+    assert len(out.preempted) == 1 and out.preempted[0].group == "big"
+    while not small.is_finished:
+        d.step()
+    assert sum(not r.is_finished for r in big) >= 8
+    d.run()
+    assert d.outputs["small"] == expected_output(small.prompt_token_ids, 3)
+    for r in big:
+        assert d.outputs[r.request_id] == expected_output(r.prompt_token_ids, 40)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_single_sequence_requests_never_preempt_each_other_for_fairness():
+    s = make_sched(num_blocks=256, budget=64, max_seqs=2)
+    d = Driver(s)
+    for i in range(4):
+        s.add_request(make_req(f"r{i}", 4, max_tokens=6))
+    while s.has_work:
+        assert not d.step().preempted
+
+
+def test_short_blocks_preempt_the_group_running_the_most():
+    s = make_sched(num_blocks=9, budget=64, max_seqs=8)
+    d = Driver(s)
+    for i in range(2):
+        s.add_request(make_req(f"big-{i}", 8, max_tokens=8, group="big"))
+    solo = make_req("solo", 8, max_tokens=8)  # the newest: it used to be the victim
+    s.add_request(solo)
+    out = d.step()
+    while not out.preempted:  # 3 x 3 blocks fill the pool; the 4th blocks do not fit
+        out = d.step()
+    assert [v.request_id for v in out.preempted] == ["big-1"]
+    d.run()
+    assert d.outputs["solo"] == expected_output(solo.prompt_token_ids, 8)
+
+
 def test_a_request_alone_in_a_full_pool_always_fits():
     s = make_sched(num_blocks=4, budget=8)  # max_model_len = pool capacity = 16
     s.add_request(make_req("r", 6, max_tokens=10))

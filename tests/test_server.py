@@ -311,6 +311,9 @@ def test_unknown_model_is_404(server: Server, client: Any) -> None:
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": float("inf")}, "top_p"),
         ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"max_tokens": 10**12}, "max_tokens"),
+        ({"max_completion_tokens": 2**70}, "max_completion_tokens"),
     ],
 )
 def test_invalid_parameters_are_400_naming_the_parameter(
@@ -320,6 +323,61 @@ def test_invalid_parameters_are_400_naming_the_parameter(
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and err["type"] == "BadRequestError" and err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        # n sequences for each prompt of a batch: 129 x 1 and 2 x 65 both start 129 sequences
+        ({"prompt": ["hi"] * 129}, "prompt", "129 sequences"),
+        ({"prompt": ["a", "b"], "n": 65}, "prompt", "--max-n"),
+        ({"prompt": [[1, 2]] * 100_000}, "prompt", "100000 prompts"),
+        ({"prompt": "x", "n": 200, "best_of": 200}, "n", "--max-n"),
+        ({"prompt": "x", "best_of": 500}, "best_of", "--max-n"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", "maximum context length"),
+        ({"prompt": "x", "seed": float("inf")}, "seed", ""),
+    ],
+)
+def test_completions_caps_are_400_naming_the_parameter(
+    server: Server, body: dict[str, Any], param: str, says: str
+) -> None:
+    t0 = time.monotonic()
+    resp = _raw(server, "/v1/completions", {"model": NAMES[0], **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert time.monotonic() - t0 < 10  # refused before any tokenizing or engine work
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_sent(server: Server) -> None:
+    """A Content-Length over --max-request-body-bytes (32 MiB) is answered at once: the server
+    does not wait for (or read) the 40 MB it announces."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 40000000\r\n\r\n{")
+        head = sock.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413"), head
+    err = json.loads(head.split("\r\n\r\n", 1)[1])["error"]
+    assert "--max-request-body-bytes" in err["message"] and "40000000" in err["message"]
+
+
+def test_headers_over_the_limit_are_431(server: Server, client: Any) -> None:
+    resp = httpx.get(f"{server.base_url}/health", headers={"X-Big": "a" * 100_000}, timeout=10)
+    assert resp.status_code == 431
+    assert "--max-header-bytes" in resp.json()["error"]["message"]
+    assert client.models.list().data  # the server goes on
+
+
+def test_cors_is_off_unless_configured(server: Server) -> None:
+    """No --allowed-origins: no CORS headers, so a browser page elsewhere cannot read replies."""
+    pre = httpx.options(f"{server.base_url}/v1/models", timeout=10, headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+    get = httpx.get(f"{server.base_url}/health", headers={"Origin": "http://evil.example"})
+    for r in (pre, get):
+        assert not any(h.startswith("access-control-") for h in r.headers), r.headers
 
 
 def test_openai_client_sees_bad_request(client: Any) -> None:

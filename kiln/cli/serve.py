@@ -102,6 +102,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.obs import trace
     from kiln.server.app import build_app
     from kiln.server.chat_output import ChatFormat
+    from kiln.server.http import Cors
     from kiln.server.protocol import RequestLimits
 
     s = sp.settings
@@ -137,7 +138,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                     limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
                     responses_store_size=s["responses_store_size"],
                     coalesce_system=s["interleaved_system_coalescing"],
-                    chat=ChatFormat.from_settings(s))
+                    chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 
@@ -162,6 +163,7 @@ def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> i
     from kiln.kinds.embedding import EmbeddingEngine
     from kiln.obs import trace
     from kiln.server.app import build_app
+    from kiln.server.http import Cors
     from kiln.server.protocol import RequestLimits
 
     s, src = sp.settings, sp.source
@@ -173,7 +175,8 @@ def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> i
     sp.phase = "serve"
     app = build_app(eng, tokenizer, names, api_key=s["api_key"],  # type: ignore[arg-type]
                     max_model_len=emb.max_len, version=__version__,
-                    limits=RequestLimits.from_settings(s), kind="embed", embedder=eng)
+                    limits=RequestLimits.from_settings(s), kind="embed", embedder=eng,
+                    cors=Cors.from_settings(s))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 
@@ -198,13 +201,15 @@ def _run_server(sp: startup.StartupPlan, app: Any, aengine: Any, names: list[str
     from kiln.backends import format_running_block
     from kiln.engine.async_engine import wait_idle
     from kiln.obs import trace
+    from kiln.server.http import h11_protocol
 
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
     host, port = s["host"], s["port"]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
-                            access_log=False)
+                            access_log=False, http=h11_protocol(s["max_header_bytes"]),
+                            h11_max_incomplete_event_size=s["max_header_bytes"])
     server = uvicorn.Server(config)
 
     started = server.startup

@@ -62,6 +62,7 @@ class _Add:
     stream: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     session_id: str | None = None
+    group: str | None = None
 
 
 class AsyncEngine:
@@ -119,7 +120,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, *, cache_salt: str | None = None,
-                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, group: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if self._stats.get("num_waiting", 0) >= self.max_queue:
@@ -128,7 +130,8 @@ class AsyncEngine:
                 hint="retry later, or raise --max-queue")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        cmd = _Add(request_id, prompt_token_ids, params, cache_salt, stream, loop, session_id)
+        cmd = _Add(request_id, prompt_token_ids, params, cache_salt, stream, loop, session_id,
+                   group)
         self._commands.put(("add", cmd))
         # Validation errors (prompt too long, bad token id) come back before any output.
         first = await stream.get()
@@ -158,6 +161,16 @@ class AsyncEngine:
         s = dict(self._stats)
         s["num_inflight"] = self.num_inflight
         return s
+
+    async def kv_report(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Engine.kv_report, run on the engine thread between two steps (the KV manager is
+        only ever touched there)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._commands.put(("kv_report", fut, loop))
+        return await asyncio.wait_for(fut, timeout)
 
     def routing_stats(self) -> dict[int, list[int]]:
         """{MoE layer: tokens routed to each expert} as of the last step ({} for a dense
@@ -241,7 +254,8 @@ class AsyncEngine:
             a: _Add = cmd[1]
             try:
                 self.engine.add_request(a.request_id, a.prompt_token_ids, a.params,
-                                        cache_salt=a.cache_salt, session_id=a.session_id)
+                                        cache_salt=a.cache_salt, session_id=a.session_id,
+                                        group=a.group)
             except BaseException as e:  # noqa: BLE001 - the handler re-raises it
                 a.loop.call_soon_threadsafe(a.stream.put_nowait, e)
                 return
@@ -251,6 +265,10 @@ class AsyncEngine:
             if self.engine.abort(rid):
                 log.debug("aborted %s", rid)
             self._streams.pop(rid, None)
+        elif kind == "kv_report":
+            _, fut, loop = cmd
+            report = self.engine.kv_report()
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(report))
         self._snapshot(self.engine)
 
     def _check_integrity(self, eng: Engine) -> None:

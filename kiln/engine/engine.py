@@ -135,9 +135,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, cache_salt: str | None = None,
-                    session_id: str | None = None) -> Request:
+                    session_id: str | None = None, group: str | None = None) -> Request:
         """`session_id` names the conversation (the OpenAI `user` field or X-Session-Id): with
-        the session cache on, this turn's prefix stays pinned for the next one."""
+        the session cache on, this turn's prefix stays pinned for the next one. `group`: the API
+        request this sequence is one of (see Scheduler's fairness)."""
         if not prompt_token_ids:
             raise KilnError("the prompt is empty: send at least one token")
         n = len(prompt_token_ids)
@@ -152,7 +153,7 @@ class Engine:
             raise KilnError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.eos_token_ids,
-                      cache_salt=cache_salt, session_id=session_id or None)
+                      cache_salt=cache_salt, session_id=session_id or None, group=group)
         limit = self.max_model_len - n
         req.max_tokens = min(params.max_tokens or limit, limit)
         self.output.add(req)
@@ -274,6 +275,25 @@ class Engine:
         pinned = self.kv.sessions.num_pinned_blocks if self.kv.sessions is not None else 0
         assert self.kv.num_free_blocks + pinned == self.kv.num_blocks, (
             f"{self.kv.num_blocks - self.kv.num_free_blocks - pinned} KV block(s) leaked")
+
+    def kv_report(self) -> dict[str, Any]:
+        """The KV cache's blocks and its integrity check (GET /debug/kv), between steps: the
+        manager's invariants with every request's holdings; idle, `leaked_blocks` counts the
+        blocks neither free (or cached) nor pinned by a session, which must be 0."""
+        kv = self.kv
+        pinned = kv.sessions.num_pinned_blocks if kv.sessions is not None else 0
+        try:
+            kv.check_integrity(self.scheduler.all_requests())
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"broken: {e}"
+        idle = not self.scheduler.has_work
+        used = kv.num_blocks - kv.num_free_blocks
+        return {"idle": idle, "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting), "blocks_total": kv.num_blocks,
+                "blocks_free": kv.num_free_blocks, "blocks_used": used,
+                "blocks_pinned": pinned, "blocks_cached": len(kv.cached),
+                "integrity": integrity, "leaked_blocks": used - pinned if idle else None}
 
     # ------------------------------------------------------------------ observability
 

@@ -48,6 +48,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None  # extra key of the prefix-cache hashes: no sharing across salts
     session_id: str | None = None  # conversation: the session cache pins its prefix between turns
+    # The API request it belongs to (its n choices, its prompts): the scheduler shares sequence
+    # slots fairly between groups. None: a group of its own.
+    group: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # When the scheduler first gave it tokens (the end of its queue time, for /metrics).
     first_scheduled_time: float | None = None
@@ -67,6 +70,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     max_tokens: int = 0  # resolved by the engine: params.max_tokens capped by the context
+
+    @property
+    def group_key(self) -> str:
+        return self.group or self.request_id
 
     @property
     def num_tokens(self) -> int:

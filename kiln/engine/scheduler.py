@@ -7,6 +7,15 @@ sequence slot. When blocks run out, the most recently arrived running request is
 blocks are freed and it waits again, to be recomputed from scratch (prompt + what it generated so
 far), so nothing is ever lost. Plain Python, no torch.
 
+Fairness between API requests: the sequences of one request (its n choices, its prompts) are a
+group. Waiting requests are admitted in order of how many sequences their group runs (fewest
+first, then arrival), and when every slot is taken while a group runs nothing, the newest sequence
+of the group running the most (two or more) gives up its slot (preempted, recomputed later, its
+full blocks found again in the prefix cache). Blocks run short: the victim is taken from the group
+running the most too. So `n=128` with `max_tokens` up to the context cannot make a request that
+comes after it wait for all of it: the newcomer runs from the next step. With one sequence per
+request (the usual case) this is plain first come, first served.
+
 Prefix rendezvous (off unless `prefix_rendezvous_max_wait_ms` is set): a waiting request whose
 next uncached prefix block is being prefilled right now by a running request stays in the waiting
 queue, for at most that many milliseconds in all, until those blocks are published; requests
@@ -17,7 +26,7 @@ once instead of twice.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -107,8 +116,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._make_room(out)
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        kv_preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -118,13 +129,14 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate(req, n):
-                victim = self.running[-1]
+                victim = self._victim(i)
                 self._preempt(victim)
                 out.preempted.append(victim)
+                kv_preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break  # req preempted itself: nothing after it in `running` remains either
+                break  # req preempted itself: the blocks are short, nothing more this step
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n
                                                   == req.num_tokens))
             scheduled_ids.add(req.request_id)
@@ -136,9 +148,10 @@ class Scheduler:
         rendezvous = (self.config.prefix_rendezvous_max_wait_ms is not None
                       and self.kv.enable_prefix_caching)
         in_flight = self._blocks_in_flight() if rendezvous and self.waiting else set()
-        idx = 0
-        while (idx < len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs and not out.preempted):
+        admitted: list[int] = []
+        for idx in self._admission_order() if not kv_preempted else []:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             req = self.waiting[idx]
             # Prompt logprobs need every prompt row's logits: no cached prefix (as in vLLM),
             # so nothing to wait for either.
@@ -149,8 +162,7 @@ class Scheduler:
             if rendezvous and not whole:
                 verdict = self._rendezvous(req, len(hits), in_flight)
                 if verdict == "wait":
-                    idx += 1  # stays in line; the requests behind it may go
-                    continue
+                    continue  # stays in line; the requests behind it may go
             num_computed = len(hits) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             req_computed_before = req.num_computed_tokens
@@ -158,7 +170,7 @@ class Scheduler:
             if not self.kv.allocate(req, n, hits):
                 req.num_computed_tokens = req_computed_before
                 break
-            del self.waiting[idx]
+            admitted.append(idx)
             if rendezvous:
                 in_flight.update(self._uncached_hashes(req))
                 if verdict == "timeout":
@@ -172,7 +184,54 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, num_computed + n == req.num_tokens))
             budget -= n
+        for idx in sorted(admitted, reverse=True):
+            del self.waiting[idx]
         return out
+
+    # ------------------------------------------------------------------ fairness
+
+    def _admission_order(self) -> list[int]:
+        """Indices into `waiting`: requests whose group runs fewer sequences first, arrival
+        order among equals (plain FCFS when every request is one sequence)."""
+        counts = Counter(r.group_key for r in self.running)
+        order = range(len(self.waiting))
+        if not counts:
+            return list(order)
+        return sorted(order, key=lambda i: counts.get(self.waiting[i].group_key, 0))
+
+    def _victim(self, start: int) -> Request:
+        """Whom to preempt when blocks run short, among running[start:] (those not yet given
+        tokens this step): the newest sequence of the group running the most; with one
+        sequence per request, the newest."""
+        counts = Counter(r.group_key for r in self.running)
+        candidates = self.running[start:]
+        top = max(counts[r.group_key] for r in candidates)
+        return next(r for r in reversed(candidates) if counts[r.group_key] == top)
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Every slot taken and a waiting group runs nothing: for each such group (in arrival
+        order) the newest sequence of the group running the most, if it runs two or more, gives
+        up its slot. No ping-pong: a preempted sequence's group still runs one or more."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        counts = Counter(r.group_key for r in self.running)
+        if max(counts.values()) < 2:
+            return
+        starved: dict[str, None] = {}  # groups, in arrival order
+        for req in self.waiting:
+            if counts.get(req.group_key, 0) == 0:
+                starved[req.group_key] = None
+                if len(starved) >= self.config.max_num_seqs:
+                    break
+        for g in starved:
+            top_group, top = counts.most_common(1)[0]
+            if top < 2:
+                break
+            victim = next(r for r in reversed(self.running) if r.group_key == top_group)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            counts[top_group] -= 1
+            counts[g] += 1  # its slot, taken when it is admitted below
 
     # ------------------------------------------------------------------ prefix rendezvous
 

@@ -82,14 +82,16 @@ class GGUFFile:
         self.tensors: list[GGUFTensorInfo] = []
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, IndexError) as e:
+        except (struct.error, UnicodeDecodeError, IndexError, ZeroDivisionError,
+                OverflowError) as e:
             raise ModelLoadError(f"{self.path} is not a valid GGUF file ({e})",
                                  hint="the download may be truncated; fetch it again") from e
 
     def _parse(self) -> None:
         mm = self._mm
         if mm[:4] != b"GGUF":
-            raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic {bytes(mm[:4])!r})")
+            raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic {bytes(mm[:4])!r})",
+                                 hint="if it was one, it is damaged: fetch it again")
         version, = struct.unpack_from("<I", mm, 4)
         if version < 2:
             raise ModelLoadError(f"{self.path}: GGUF version {version} is too old",
@@ -123,6 +125,18 @@ class GGUFFile:
             else:
                 nbytes = 0  # unknown type: an error if the tensor is ever read
             self.tensors.append(GGUFTensorInfo(name, dims, type_id, data_start + offset, nbytes))
+        # Tensors are packed after the header, each at an aligned offset: one that is not, or
+        # that lies beyond all the tensors' bytes together, means a damaged tensor table (not
+        # a short file).
+        packed = sum((t.nbytes + align - 1) // align * align for t in self.tensors)
+        sized = all(t.type_id in GGML_TYPES for t in self.tensors)  # else sizes are unknown
+        for t in self.tensors if sized else ():
+            rel = t.offset - data_start
+            if rel % align or rel + t.nbytes > packed:
+                raise ModelLoadError(
+                    f"{self.path} is corrupt: tensor {t.name!r} is placed at byte {rel:,} of the "
+                    f"data, outside the {packed:,} bytes the tensors take",
+                    hint="the file is damaged: fetch it again, or convert the model again")
         end = max((t.offset + t.nbytes for t in self.tensors), default=0)
         if end > len(mm):
             # An interrupted download or copy: the header is whole, the data is not.

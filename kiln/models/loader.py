@@ -14,6 +14,7 @@ permuted for its interleaved RoPE; we undo that so the "rotate half" RoPE of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -225,12 +226,25 @@ def iter_tensors(ckpt: Checkpoint, keep_4bit: bool = False
     if ckpt.format == "gguf":
         yield from _iter_gguf(ckpt, keep_4bit)
         return
-    from safetensors import safe_open
-
     for f in ckpt.files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, sf.get_tensor(name)
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """safetensors' safe_open, with a damaged file (a header that is not JSON, too long, or
+    whose offsets lie outside the file) one ModelLoadError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        sf = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(msg("load.bad_safetensors", path=path, error=e),
+                             hint=msg("load.bad_weights.hint")) from None
+    with sf:
+        yield sf
 
 
 def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
@@ -470,10 +484,8 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
 def _count_tensors(ckpt: Checkpoint) -> int:
     if ckpt.format == "gguf":
         return len(ckpt.gguf_reader().tensors)
-    from safetensors import safe_open
-
     n = 0
     for f in ckpt.files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             n += len(list(sf.keys()))
     return n

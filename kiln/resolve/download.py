@@ -69,6 +69,11 @@ def _hub_error(repo_id: str, e: Exception) -> KilnError:
             f"no Hugging Face repo {repo_id!r} (or it is private)",
             extra="private repos need `hf auth login` or HF_TOKEN",
         )
+    disk = _disk_error(e)
+    if disk is not None:
+        return KilnError(msg("download.disk_full", repo=repo_id, path=hf_cache_dir(),
+                             error=_short(disk)),
+                         hint=msg("download.disk_full.hint", repo=repo_id))
     status = getattr(getattr(e, "response", None), "status_code", None)
     if isinstance(e, HfHubHTTPError) and isinstance(status, int):
         hint_key = ("download.http.401" if status in (401, 403) else
@@ -77,6 +82,9 @@ def _hub_error(repo_id: str, e: Exception) -> KilnError:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         return KilnError(msg("download.http", repo=repo_id, status=status, reason=reason),
                          hint=msg(hint_key, repo=repo_id))
+    if _is_cut(e):
+        return KilnError(msg("download.cut", repo=repo_id, error=_short(e)),
+                         hint=msg("download.cut.hint", repo=repo_id))
     if _is_connection_error(e):
         from huggingface_hub import constants
 
@@ -84,6 +92,28 @@ def _hub_error(repo_id: str, e: Exception) -> KilnError:
                              error=_short(e)), hint=msg("download.unreachable.hint"))
     return KilnError(msg("download.failed", repo=repo_id, error=_short(e)),
                      hint=msg("download.failed.hint", repo=repo_id))
+
+
+def _disk_error(e: BaseException) -> OSError | None:
+    """The OSError (here or in the causes) that says the disk is full: no space, over quota,
+    or over the process's file size limit."""
+    import errno
+
+    full = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in full:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _is_cut(e: BaseException) -> bool:
+    """A download whose connection kept dropping mid-file: the hub client resumes a few times
+    (HTTP Range), then gives up with the transport's error or its size check."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"RemoteProtocolError", "ReadError", "ChunkedEncodingError"}) or (
+        isinstance(e, OSError) and "Consistency check failed" in str(e))
 
 
 def _short(e: BaseException) -> str:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server.chat_output import ChatFormat
 from kiln.server.errors import APIError, ClientGone, validation_error
+from kiln.server.http import BodyTooLarge, Cors, HttpLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
     ChatCompletionChunk,
@@ -54,7 +55,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
               limits: RequestLimits | None = None, dumper: RequestDumper | None = None,
               faults: Faults | None = None, kind: str = "generate",
               embedder: EmbeddingEngine | None = None, responses_store_size: int = 1024,
-              coalesce_system: bool = False, chat: ChatFormat | None = None) -> FastAPI:
+              coalesce_system: bool = False, chat: ChatFormat | None = None,
+              cors: Cors | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
@@ -63,12 +65,26 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse.
     `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
     `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
-    parsers, enable_thinking (default: none of them)."""
+    parsers, enable_thinking (default: none of them); `cors`: the origins browsers may call from
+    (None: CORS off)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
                  version=version, limits=limits, dumper=dumper, faults=faults, kind=kind,
                  embedder=embedder, coalesce_system=coalesce_system, chat=chat)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
+
+    app.add_middleware(HttpLimits, limit=sv.limits.max_body_bytes,
+                       max_header_bytes=sv.limits.max_header_bytes)
+    if cors is not None:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors.origins,
+                           allow_methods=cors.methods, allow_headers=cors.headers,
+                           allow_credentials=cors.credentials)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        return exc.error.response()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -112,6 +128,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
                       dependencies=[Depends(check_api_key)])
     # vLLM serves these at the root; they render prompts, so the key guards them too.
     app.include_router(tokenize.router(sv), dependencies=[Depends(check_api_key)])
+    app.include_router(admin.debug_router(sv), dependencies=[Depends(check_api_key)])
     # One registry per app: several apps (tests) in one process keep their own series.
     metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
                             max_model_len)
@@ -156,6 +173,7 @@ _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/health": (None, {}),
     "/version": (None, {}),
     "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
+    "/debug/kv": (None, {}),
 }
 
 
@@ -194,12 +212,13 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                     codes += ["400", "404", "503"]
                 elif "{" in path:  # GET by id: an unknown one
                     codes.append("404")
-                if (path.startswith("/v1/") or path in ("/rerank", "/tokenize", "/detokenize")) \
-                        and auth:
+                guarded = (path.startswith(("/v1/", "/debug/"))
+                           or path in ("/rerank", "/tokenize", "/detokenize"))
+                if guarded and auth:
                     codes.append("401")
                 for code in codes:
                     op["responses"][code] = error
-                if path == "/health":  # a dead engine: {"status": "error", "error": ...}
+                if path in ("/health", "/debug/kv"):  # dead engine: {"status": "error", ...}
                     op["responses"]["503"] = {"description": "engine down", "content": {
                         "application/json": {"schema": {"type": "object"}}}}
         for name in ("HTTPValidationError", "ValidationError"):

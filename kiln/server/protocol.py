@@ -49,24 +49,37 @@ class _Request(BaseModel):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Caps on one request (the settings max_n, max_stop_sequences, max_stop_length)."""
+    """Caps on one request (the settings max_n, max_stop_sequences, max_stop_length,
+    max_request_body_bytes, max_header_bytes)."""
 
     max_n: int = 128
     max_stop_sequences: int = 64
     max_stop_length: int = 1024
+    max_body_bytes: int = 32 << 20
+    max_header_bytes: int = 64 << 10
 
     @classmethod
     def from_settings(cls, s: Any) -> RequestLimits:
-        return cls(s["max_n"], s["max_stop_sequences"], s["max_stop_length"])
+        return cls(s["max_n"], s["max_stop_sequences"], s["max_stop_length"],
+                   s["max_request_body_bytes"], s["max_header_bytes"])
 
 
-def _check_limits(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:
+def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:
+    """Raises SamplingParamsError naming the field (and the flag) a request goes over; cheap,
+    so routes call it before tokenizing anything."""
     best_of = getattr(req, "best_of", None)
     for name, value in (("n", req.n), ("best_of", best_of)):
         if value is not None and value > limits.max_n:
             raise SamplingParamsError(
                 name, f"{name} is {value}; this server allows at most {limits.max_n} sequences "
                 "per request (--max-n)")
+    if isinstance(req, CompletionRequest):
+        # A batch of prompts starts n sequences for each.
+        num_prompts = len(req.prompts())
+        if num_prompts * req.n > limits.max_n:
+            raise SamplingParamsError(
+                "prompt", f"{num_prompts} prompts x n={req.n} is {num_prompts * req.n} "
+                f"sequences; this server allows at most {limits.max_n} per request (--max-n)")
     stops = req.stop_list()
     if len(stops) > limits.max_stop_sequences:
         raise SamplingParamsError(
@@ -308,7 +321,8 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: int | None) -> None:
+def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: int | None,
+                   tokens_param: str = "max_tokens") -> None:
     what = "messages" if param == "messages" else "prompt"
     if max_tokens is None:
         raise SamplingParamsError(
@@ -318,7 +332,7 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
             f"Please reduce the length of the {what}.",
         )
     raise SamplingParamsError(
-        "max_tokens" if prompt_len < max_model_len else param,
+        tokens_param if prompt_len < max_model_len else param,
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the "
         f"completion). Please reduce the length of the {what} or completion.",
@@ -335,7 +349,7 @@ def to_sampling_params(
     max_tokens that does not fit `max_model_len` (vLLM's message, with both numbers), and
     anything over the server's `limits`.
     """
-    _check_limits(req, limits or RequestLimits())
+    check_limits(req, limits or RequestLimits())
     is_chat = isinstance(req, ChatCompletionRequest)
     prompt_param = "messages" if is_chat else "prompt"
 
@@ -397,7 +411,8 @@ def to_sampling_params(
         params.max_tokens = max_model_len - prompt_len
         params.validate()
     elif prompt_len + params.max_tokens > max_model_len:
-        _context_error(prompt_param, max_model_len, prompt_len, params.max_tokens)
+        _context_error(prompt_param, max_model_len, prompt_len, params.max_tokens,
+                       max_tokens_param)
     return params
 
 

@@ -34,6 +34,7 @@ from kiln.server.protocol import (
     PromptLogprob,
     PromptLogprobs,
     RequestLimits,
+    check_limits,
     to_sampling_params,
 )
 from kiln.tokenizer import (
@@ -223,6 +224,13 @@ class Serving:
                     "--enable-interleaved-system-coalescing merges them into one at the start)")
             raise bad_param(e, param) from e
 
+    def check_limits(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """The server's caps on one request (n, prompts x n, stops), before any work."""
+        try:
+            check_limits(req, self.limits)
+        except SamplingParamsError as e:
+            raise bad_param(e) from e
+
     def params_for(self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
                    ) -> SamplingParams:
         try:
@@ -230,13 +238,15 @@ class Serving:
         except SamplingParamsError as e:
             raise bad_param(e) from e
 
-    async def run_choice(self, spec: ChoiceSpec, on_started: Callable[[], None]
-                         ) -> AsyncIterator[ChoiceEvent]:
+    async def run_choice(self, spec: ChoiceSpec, on_started: Callable[[], None],
+                         group: str | None = None) -> AsyncIterator[ChoiceEvent]:
         """One engine request as events: one per step that adds text or logprobs, and a final
-        one with finish_reason set. Aborts the engine request on any early exit."""
+        one with finish_reason set. Aborts the engine request on any early exit. `group`: the
+        API request's name when it has several choices (the scheduler shares slots by it)."""
         done = False
         gen = self.engine.generate(spec.request_id, spec.prompt_ids, spec.params,
-                                   cache_salt=spec.cache_salt, session_id=spec.session_id)
+                                   cache_salt=spec.cache_salt, session_id=spec.session_id,
+                                   group=group)
         try:
             async for out in gen:
                 on_started()
@@ -405,6 +415,9 @@ class Fanout:
         self.dump: RequestDump | None = None  # --request-dump-dir
         loop = asyncio.get_running_loop()
         self._started: list[asyncio.Future[None]] = [loop.create_future() for _ in specs]
+        # The choices of one API request are one group to the scheduler: n=128 cannot take
+        # every sequence slot from the requests that come after it.
+        self.group = specs[0].request_id if len(specs) > 1 else None
         self.tasks = [asyncio.create_task(self._pump(serving, spec, self._started[i]))
                       for i, spec in enumerate(specs)]
 
@@ -415,7 +428,7 @@ class Fanout:
                 started.set_result(None)
 
         try:
-            async for ev in serving.run_choice(spec, on_started):
+            async for ev in serving.run_choice(spec, on_started, self.group):
                 await self.queue.put(ev)
         except Exception as e:  # noqa: BLE001 - surfaced to the handler via the queue / future
             if not started.done():

@@ -1,4 +1,5 @@
-"""GET /v1/models, /v1/models/{id}, /health, /version, /metrics: what is served and how the engine is doing."""
+"""GET /v1/models, /v1/models/{id}, /health, /version, /metrics: what is served and how the
+engine is doing; GET /debug/kv: the KV cache's blocks and integrity check (behind the API key)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,23 @@ def models_router(sv: Serving) -> APIRouter:
     @r.get("/models/{model_id:path}")
     async def model(model_id: str) -> Any:
         return JSONResponse(card(sv.check_model(model_id)).model_dump(mode="json"))
+
+    return r
+
+
+def debug_router(sv: Serving) -> APIRouter:
+    """Behind the API key: what the soak benchmark and drills check between phases."""
+    r = APIRouter()
+
+    @r.get("/debug/kv")
+    async def kv() -> Any:
+        """Blocks total / free / used / pinned / cached, running and waiting requests, the KV
+        manager's integrity check ("ok" or what broke), and when idle the leaked blocks (0)."""
+        try:
+            report = await sv.engine.kv_report()
+        except Exception as e:  # noqa: BLE001 - a dead engine
+            return JSONResponse({"status": "error", "error": str(e)}, status_code=503)
+        return JSONResponse(report)
 
     return r
 

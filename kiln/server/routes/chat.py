@@ -53,6 +53,7 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoice
 async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
                                  ) -> Any:
     model = sv.check_model(req.model)
+    sv.check_limits(req)
     prompt_text = sv.chat_prompt_text(
         req.template_messages(), add_generation_prompt=req.add_generation_prompt,
         tools=req.template_tools(), continue_final_message=req.continue_final_message,

@@ -62,6 +62,7 @@ def completion_prompts(tok: Tokenizer, req: CompletionRequest) -> list[tuple[lis
 
 async def create_completion(sv: Serving, req: CompletionRequest, request: Request) -> Any:
     model = sv.check_model(req.model)
+    sv.check_limits(req)  # before tokenizing what may be thousands of prompts
     prompts = completion_prompts(sv.tok, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     specs: list[ChoiceSpec] = []
