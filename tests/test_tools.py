@@ -141,6 +141,26 @@ def test_named_tool_choice_calls_that_function(qwen: Server) -> None:
     assert set(json.loads(call.function.arguments)) == {"timezone"}
 
 
+def test_responses_api_returns_function_call_items_and_takes_their_output(qwen: Server) -> None:
+    """/v1/responses reads calls with the chat endpoint's parser: a function_call item, then
+    the tool's output sent back as a function_call_output item."""
+    flat = {"type": "function", **WEATHER["function"]}
+    client = qwen.client()
+    first = client.responses.create(model=NAMES[0], input="What's the weather in Paris?",
+                                    tools=[flat], temperature=0, max_output_tokens=32)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1, first.output
+    assert calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    final = client.responses.create(
+        model=NAMES[0], previous_response_id=first.id, tools=[flat], tool_choice="none",
+        temperature=0, max_output_tokens=32,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": "Sunny, 23 degrees Celsius"}])
+    assert not [o for o in final.output if o.type == "function_call"]
+    assert "23" in final.output_text, final.output_text
+
+
 # --------------------------------------------------------------------------- reasoning
 
 THINK_TEMPLATE = (

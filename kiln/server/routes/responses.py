@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.server.chat_output import plan_tools
 from kiln.server.errors import APIError
 from kiln.server.protocol import ChatCompletionRequest
 from kiln.server.responses_protocol import (
@@ -40,10 +41,11 @@ from kiln.server.responses_protocol import (
     ResponseUsage,
 )
 from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving
+from kiln.server.tool_parsers import ToolCallStream
 
-# The seam for tool calls: (the generated text, the request's tools in chat's shape) -> the text
-# left for the message and the calls found, each (name, arguments JSON). h-tools' parsers plug
-# in here; without one, every output is a message.
+# Tool calls: (the generated text, the request's tools in chat's shape) -> the text left for the
+# message and the calls found, each (name, arguments JSON). By default the chat endpoint's parser
+# (`_tool_extractor`); without one, every output is a message.
 ToolCallExtractor = Callable[[str, list[dict[str, Any]]], tuple[str, list[tuple[str, str]]]]
 
 # Errors name the Responses' own fields, not the chat request they are checked as.
@@ -219,6 +221,8 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
              if req.tools and req.tool_choice != "none" else None)
     prompt_ids = sv.chat_prompt(messages, tools=tools, param="input")
     params = _sampling_params(sv, req, messages, len(prompt_ids))
+    if tools and extract is None:
+        extract = _tool_extractor(sv, req, tools, params)
     turn = _Turn(sv, store, req, model, conversation, tools, len(prompt_ids), extract)
     session = request.headers.get("x-session-id") or req.user
     spec = ChoiceSpec(turn.id, 0, prompt_ids, params, session_id=session)
@@ -280,6 +284,40 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
 
     return sv.stream_response(request, fan, render, first, lambda _: None, frame=_frame,
                               done=False)
+
+
+def _tool_extractor(sv: Serving, req: ResponsesRequest, tools: list[dict[str, Any]],
+                    params: SamplingParams) -> ToolCallExtractor | None:
+    """The chat endpoint's tool handling (kiln/server/chat_output.py) for a Responses request:
+    tool_choice required / a function constrains the output (the request's structured
+    outputs), and the same parser reads the calls out of the finished text."""
+    choice = req.tool_choice
+    if isinstance(choice, dict):  # Responses' flat {"type": "function", "name": ...}
+        name = choice.get("name") or (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or not any(
+                t["function"]["name"] == name for t in tools):
+            raise APIError(400, f"tool_choice {choice!r} names no function among the request's "
+                           "tools", param="tool_choice", code="invalid_value")
+        choice = {"type": "function", "function": {"name": name}}
+    elif choice not in (None, "auto", "none", "required"):
+        raise APIError(400, f"tool_choice must be auto, none, required or a function, got "
+                       f"{choice!r}", param="tool_choice", code="invalid_value")
+    plan = plan_tools(tools, choice, req.parallel_tool_calls, sv.chat)
+    if plan.structured is not None:
+        params.structured_outputs = plan.structured
+    parser = plan.parser
+    if parser is None:
+        return None
+
+    def extract(text: str, _: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]]]:
+        stream = ToolCallStream(parser, plan.max_calls)
+        stream.update(text, True)
+        assert stream.final is not None
+        calls = [(c["function"]["name"], c["function"]["arguments"])
+                 for c in stream.tool_calls()]
+        return stream.final.content, calls
+
+    return extract
 
 
 def _json(body: dict[str, Any]) -> str:
