@@ -137,13 +137,13 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             d["name"] = self.name
         if self.tool_calls is not None:
-            d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+            d["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         return d
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant's earlier tool call as templates read it: OpenAI sends `arguments` as JSON
     text, templates (Qwen's `arguments | tojson`, Llama's) expect the object (vLLM does this)."""
     fn = call.get("function")

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.server.chat_output import plan_tools
 from kiln.server.errors import APIError
-from kiln.server.protocol import ChatCompletionRequest
+from kiln.server.protocol import ChatCompletionRequest, template_tool_call
 from kiln.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -96,8 +96,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for item in req.input:
         if isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = template_tool_call({"id": item.call_id, "type": "function", "function": {
+                "name": item.name, "arguments": item.arguments}})
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -197,8 +197,9 @@ class _Turn:
         if self.req.store:
             said: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
-                said["tool_calls"] = [{"id": c.call_id, "type": "function",
-                                       "function": {"name": c.name, "arguments": c.arguments}}
+                said["tool_calls"] = [template_tool_call({"id": c.call_id, "type": "function",
+                                                          "function": {"name": c.name,
+                                                                       "arguments": c.arguments}})
                                       for c in output if isinstance(c, OutputFunctionCall)]
             self.store.put(self.id, StoredResponse(resp.model_dump(mode="json"),
                                                    [*self.conversation, said]))
