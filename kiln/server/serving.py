@@ -31,6 +31,7 @@ from kiln.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestLimits,
+    structured_outputs_of,
     to_sampling_params,
 )
 from kiln.tokenizer import Tokenizer
@@ -131,6 +132,25 @@ class Serving:
                    ) -> SamplingParams:
         try:
             return to_sampling_params(req, self.max_model_len, prompt_len, self.limits)
+        except SamplingParamsError as e:
+            raise bad_param(e) from e
+
+    async def check_structured(self, req: ChatCompletionRequest | CompletionRequest,
+                               params: SamplingParams) -> None:
+        """Compiles the request's output constraint (or finds it in the engine's cache) before
+        admission, so an invalid schema, regex or grammar is a 400 naming its field. On a worker
+        thread: a first compile can take milliseconds, the grammar vocabulary ~0.5 s once."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        found = structured_outputs_of(req)
+        param = found[1] if found is not None else "structured_outputs"
+        grammars = self.engine.structured
+        if grammars is None:
+            raise APIError(400, "structured output needs the model's tokenizer, and this engine "
+                           "has none", param=param, code="invalid_value")
+        try:
+            await asyncio.to_thread(grammars.compile, so, param)
         except SamplingParamsError as e:
             raise bad_param(e) from e
 

@@ -53,6 +53,7 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
     except TokenizerError as e:
         raise bad_param(e, "messages") from e
     params = sv.params_for(req, len(prompt_ids))
+    await sv.check_structured(req, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.
     session = request.headers.get("x-session-id") or req.user
