@@ -168,9 +168,12 @@ def test_unsupported_features_are_rejected_clearly() -> None:
     param, msg = invalid_field(ChatCompletionRequest, {"messages": USER, "logit_bias": {"5": 1}})
     assert param == "logit_bias" and "not supported" in msg
     param, msg = invalid_field(
-        ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_object"}}
+        ChatCompletionRequest, {"messages": USER, "response_format": {"type": "yaml"}}
     )
-    assert param == "response_format" and "json_object" in msg
+    assert param == "response_format" and "yaml" in msg
+    param, msg = invalid_field(CompletionRequest, {
+        "prompt": "x", "structured_outputs": {"structural_tag": {"a": 1}}})
+    assert param == "structured_outputs" and "structural_tag is not supported" in msg
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     param, msg = invalid_field(ChatCompletionRequest, {"messages": image})
     assert param == "messages" and "only 'text'" in msg

@@ -302,7 +302,11 @@ def test_unknown_model_is_404(server: Server, client: Any) -> None:
         ({"messages": []}, "messages"),
         ({"temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
         # hostile input: over the server's caps (--max-n, --max-stop-sequences,
         # --max-stop-length), and NaN / infinities, which Python's JSON parser accepts
         ({"n": 1_000_000}, "n"),

@@ -32,6 +32,7 @@ import torch
 
 from kiln.engine.engine import Engine, RequestOutput, StepFailedError
 from kiln.engine.output import RequestMetrics
+from kiln.engine.structured import StructuredOutputs
 from kiln.errors import KilnError
 from kiln.sampling_params import SamplingParams
 
@@ -87,6 +88,13 @@ class AsyncEngine:
         # histograms); a listener must be quick and thread-safe (prometheus_client's are).
         self.finished_listeners: list[Callable[[RequestMetrics], None]] = []
         self._kv_integrity: str | None = None  # checked only with diagnostic faults on
+
+    @property
+    def structured(self) -> StructuredOutputs | None:
+        """The engine's grammars (thread-safe), which the server compiles a request's output
+        constraint with before admitting it; None until the engine is built, or without a
+        tokenizer."""
+        return self.engine.structured if self.engine is not None else None
 
     @property
     def max_model_len(self) -> int:

@@ -20,6 +20,7 @@ from kiln.engine.model_runner import ModelRunner, PromptLogprobs
 from kiln.engine.output import OutputProcessor, RequestOutput
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
 from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.engine.structured import StructuredOutputs
 from kiln.errors import KilnError
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
 from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
@@ -106,6 +107,11 @@ class Engine:
         self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else ())
         self.output = OutputProcessor(tokenizer)
+        # Structured output's grammars (compiled on demand; the server shares this object to
+        # validate a request's constraint before admitting it). None without a tokenizer.
+        self.structured: StructuredOutputs | None = (
+            StructuredOutputs(tokenizer, self.ckpt.config.vocab_size)
+            if tokenizer is not None else None)
         self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
         # MoE routing counters ([] for a dense model), zeroed here: the runner's memory profile
@@ -151,9 +157,17 @@ class Engine:
             raise KilnError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if request_id in self.scheduler.requests:
             raise KilnError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise KilnError("structured output needs a tokenizer, and this engine was built "
+                                "without one", hint="build the engine with its tokenizer")
+            # An invalid constraint raises StructuredOutputError (a 400 naming the field).
+            grammar = self.structured.matcher(params.structured_outputs)
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.eos_token_ids,
-                      cache_salt=cache_salt, session_id=session_id or None, group=group)
+                      cache_salt=cache_salt, session_id=session_id or None, group=group,
+                      grammar=grammar)
         limit = self.max_model_len - n
         req.max_tokens = min(params.max_tokens or limit, limit)
         self.output.add(req)
@@ -301,7 +315,11 @@ class Engine:
         kv = self.kv
         sessions = kv.sessions
         sched = self.scheduler.stats
+        structured = (self.structured.stats() if self.structured is not None else
+                      {"structured_rows": 0, "structured_mask_seconds": 0.0,
+                       "structured_compiles": 0})
         return {
+            **structured,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks,

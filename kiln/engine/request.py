@@ -10,8 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kiln.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -19,6 +23,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, to recompute its KV from scratch
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_GRAMMAR = "finished_grammar"  # its grammar is complete (the last token is text)
     FINISHED_LENGTH = "finished_length"  # max_tokens or the context length
     FINISHED_ABORTED = "finished_aborted"
 
@@ -28,8 +33,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {"finished_stopped": "stop", "finished_length": "length",
-                "finished_aborted": "abort"}.get(self.value)
+        return {"finished_stopped": "stop", "finished_grammar": "stop",
+                "finished_length": "length", "finished_aborted": "abort"}.get(self.value)
 
 
 @dataclass
@@ -70,6 +75,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     max_tokens: int = 0  # resolved by the engine: params.max_tokens capped by the context
+    # params.structured_outputs' matcher (engine/structured.py), made at admission; None:
+    # unconstrained, and the sampler's only cost for such a row is testing this for None.
+    grammar: GrammarMatcher | None = None
 
     @property
     def group_key(self) -> str:

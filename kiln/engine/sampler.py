@@ -8,6 +8,9 @@ gives the same tokens whatever else is in the batch. (One random number per row,
 vocabulary entry as in the exponential race argmax(p / E): on CPU, filling [16, 49152] with
 Exp(1) noise took ~20 ms, a third of a decode step.) Results leave the device in one transfer
 (a single host sync per step).
+
+Rows whose request has a grammar (structured output, engine/structured.py) are masked before
+anything else; the grammar's mask is filled on the host and added as a 0 / -inf bias.
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ class Sampler:
         B = logits.shape[0]
         dev = logits.device
         logits = logits[:, : self.vocab_size]
+        # Structured output: the rows with a grammar lose the tokens it forbids, first, so that
+        # everything after (logprobs included, as in vLLM) sees the masked distribution. Other
+        # rows are not touched, and cost one None test each.
+        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if grammar_rows:
+            matchers = [reqs[i].grammar for i in grammar_rows]
+            logits = logits.clone()  # the caller's logits are left as they were
+            matchers[0].owner.mask_logits(logits, grammar_rows, matchers)  # type: ignore
         params = [r.params for r in reqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -60,7 +71,8 @@ class Sampler:
         bans: list[tuple[int, list[int]]] = []
         for i, r in enumerate(reqs):
             p = r.params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            if (p.min_tokens and r.num_output_tokens < p.min_tokens
+                    and (r.grammar is None or not r.grammar.done)):  # done: only EOS is left
                 banned = [t for t in (list(p.stop_token_ids)
                                       + ([] if p.ignore_eos else list(r.eos_token_ids)))
                           if 0 <= t < logits.shape[1]]
@@ -179,11 +191,13 @@ def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]
     """Each row's k best (token, logprob), ties broken by the lowest token id as argmax breaks
     them (common with bf16 logits), so a greedy pick is first. topk finds the k-th value; only
     the tokens at or above it (k, or a few more when tied) are ordered, with a stable sort over
-    ascending ids, instead of a stable sort of the whole vocabulary."""
+    ascending ids, instead of a stable sort of the whole vocabulary. Impossible tokens (-inf: a
+    grammar forbids them) are no alternative and are left out, so a row may list fewer."""
     kth = logprobs.topk(min(k, logprobs.shape[1]), dim=-1).values[:, -1:]
     out = []
     for row, t in zip(logprobs, kth):
-        ids = torch.nonzero(row >= t).flatten()  # ascending ids
+        keep = row >= t if t.item() > float("-inf") else row > t
+        ids = torch.nonzero(keep).flatten()  # ascending ids
         vals, order = row[ids].sort(descending=True, stable=True)
         out.append(list(zip(ids[order[:k]].tolist(), vals[:k].tolist())))
     return out

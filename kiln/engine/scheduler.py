@@ -303,6 +303,11 @@ class Scheduler:
                 req.output_logprobs.append(logprobs[req.request_id])
             self.stats.num_generated_tokens += 1
             status = self._check_stop(req, token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
+                if req.grammar.done and status is not RequestStatus.FINISHED_STOPPED:
+                    # Complete: nothing but EOS could follow, so it ends now, this token kept.
+                    status = RequestStatus.FINISHED_GRAMMAR
             if status is not None:
                 self.finish(req, status)
             touched.append(req)

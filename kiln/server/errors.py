@@ -73,6 +73,9 @@ def engine_error(e: BaseException) -> BaseException:
         return APIError(503, e.message, code="overloaded")
     if isinstance(e, EngineDeadError):
         return APIError(503, e.message, code="engine_dead")
+    if isinstance(e, SamplingParamsError):
+        # add_request's checks of a sampling field (an output constraint that does not compile)
+        return bad_param(e)
     if isinstance(e, KilnError):
         # add_request's own validation (the routes check the same things first, so rare).
         return APIError(400, english(e.message), code="invalid_value")

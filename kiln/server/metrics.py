@@ -63,6 +63,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                 "Steps a request waited for a prefix another was prefilling."),
     "prefix_rendezvous_timeouts": ("kiln:prefix_rendezvous_timeouts_total", "counter",
                                    "Rendezvous waits that ran out of time."),
+    "structured_rows": ("kiln:structured_output_rows_total", "counter",
+                        "Sampled rows masked by a structured-output grammar."),
+    "structured_mask_seconds": ("kiln:structured_output_mask_seconds_total", "counter",
+                                "Seconds spent filling and applying grammar masks."),
+    "structured_compiles": ("kiln:structured_output_compiles_total", "counter",
+                            "Grammars compiled (structured-output cache misses)."),
 }
 
 # The same snapshot under vLLM v1's names (same meaning; vLLM's KV usage is a 0..1 fraction too).

@@ -2,8 +2,8 @@
 chunks, plus the translation of a request into SamplingParams.
 
 Validation is split in two on purpose:
-  * types and "we don't do that" (suffix, logit_bias, response_format != text, non-text content
-    parts) are pydantic validators, so FastAPI rejects them before any work, with `param` taken
+  * types and "we don't do that" (suffix, logit_bias, response_format types other than text,
+    json_object and json_schema, non-text content parts) are pydantic validators, so FastAPI rejects them before any work, with `param` taken
     from the error location;
   * ranges (temperature < 0, top_p outside (0, 1], n < 1, ...) are SamplingParams.validate(), the
     single source of those rules, reached through `to_sampling_params`.
@@ -12,7 +12,12 @@ Unknown request fields are ignored (as vLLM does) so newer OpenAI clients keep w
 Choices made here, documented for users:
   * `logit_bias` with any entry -> 400: silently ignoring it would change outputs unnoticed.
   * `suffix` -> 400 "suffix is not supported"; `best_of` must be None or equal to `n`.
-  * `response_format` other than {"type": "text"} -> 400 (no constrained decoding yet).
+  * structured output: `response_format` json_object / json_schema, or vLLM's `guided_json`,
+    `guided_regex`, `guided_choice`, `guided_grammar` or `structured_outputs` object, on both
+    endpoints, become SamplingParams.structured_outputs (`structured_outputs_of`); more than
+    one -> 400. json_schema with strict=true forbids properties the schema does not list
+    (`strict_schema`); strict false or absent is enforced all the same (as vLLM does). Whether
+    the constraint compiles is checked by the server before admission (Serving.check_structured).
   * `echo` together with `logprobs` -> 400 (echoed tokens get no logprobs; `prompt_logprobs` has them).
   * content given as a list of parts: only "text" parts; they are joined with "\\n".
   * role "developer" is rendered as "system" (chat templates predate it).
@@ -35,7 +40,7 @@ from pydantic import (
     model_serializer,
 )
 
-from kiln.sampling_params import SamplingParams, SamplingParamsError
+from kiln.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 # Logprobs of -inf are not JSON; vLLM clamps to this value, and so do we.
 MIN_LOGPROB = -9999.0
@@ -156,18 +161,49 @@ def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's name, description, schema and strict."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute: kept under another name, read by its alias.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
     @field_validator("type")
     @classmethod
-    def _only_text(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(
-                f"response_format type {v!r} is not supported; only 'text' is "
-                "(kiln has no constrained decoding yet)"
-            )
+    def _known_type(cls, v: str) -> str:
+        if v not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type {v!r} is not supported; use 'text', "
+                             "'json_object' or 'json_schema'")
+        return v
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request object: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # `json` would shadow a BaseModel method: kept under another name, read by its alias.
+    json_schema: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("structural_tag is not supported; use json, regex, choice or "
+                             "grammar")
         return v
 
 
@@ -198,6 +234,13 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
+    # Structured output (at most one of these; see `structured_outputs_of`)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -224,7 +267,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -321,6 +363,74 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+def strict_schema(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that does not say whether other
+    properties are allowed forbids them: OpenAI's strict mode (which requires
+    `"additionalProperties": false` of every object) made of a schema that omits it. Subschemas
+    under properties, items, combinators and definitions are visited; `const`, `enum`,
+    `default` and `examples` values are data, left alone."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            out[k] = ({name: strict_schema(s) for name, s in v.items()} if isinstance(v, dict)
+                      else v)
+        else:
+            out[k] = strict_schema(v)
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and not any(k in out for k in ("additionalProperties", "patternProperties",
+                                                   "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
+def structured_outputs_of(req: ChatCompletionRequest | CompletionRequest
+                          ) -> tuple[StructuredOutputsParams, str] | None:
+    """The request's output constraint and the field that gave it (the `param` of its errors),
+    from `response_format`, vLLM's `guided_*` extras or its `structured_outputs` object; None
+    when unconstrained. More than one constraint is a 400."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append((StructuredOutputsParams(json_object=True), "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        js = rf.json_schema
+        if js is None:
+            raise SamplingParamsError("response_format", "response_format of type 'json_schema' "
+                                      "needs a json_schema object with the schema")
+        if js.json_schema is None:  # no schema: any JSON object
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        else:
+            schema = strict_schema(js.json_schema) if js.strict else js.json_schema
+            found.append((StructuredOutputsParams(json=schema), "response_format"))
+    if req.guided_json is not None:
+        found.append((StructuredOutputsParams(json=req.guided_json), "guided_json"))
+    if req.guided_regex is not None:
+        found.append((StructuredOutputsParams(regex=req.guided_regex), "guided_regex"))
+    if req.guided_choice is not None:
+        found.append((StructuredOutputsParams(choice=req.guided_choice), "guided_choice"))
+    if req.guided_grammar is not None:
+        found.append((StructuredOutputsParams(grammar=req.guided_grammar), "guided_grammar"))
+    so = req.structured_outputs
+    if so is not None:
+        params = StructuredOutputsParams(json=so.json_schema, json_object=bool(so.json_object),
+                                         regex=so.regex, choice=so.choice, grammar=so.grammar)
+        if len(params.kinds()) != 1:
+            raise SamplingParamsError(
+                "structured_outputs", "structured_outputs takes exactly one of json, "
+                f"json_object, regex, choice, grammar; got {params.kinds() or 'none'}")
+        found.append((params, "structured_outputs"))
+    if len(found) > 1:
+        raise SamplingParamsError(found[1][1], f"{found[0][1]} and {found[1][1]} both constrain "
+                                  "the output; give one")
+    return found[0] if found else None
+
+
 def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: int | None,
                    tokens_param: str = "max_tokens") -> None:
     what = "messages" if param == "messages" else "prompt"
@@ -380,6 +490,7 @@ def to_sampling_params(
                 "echo", "echo with logprobs is not supported (no prompt logprobs)"
             )
 
+    structured = structured_outputs_of(req)
     try:
         params = SamplingParams(
             n=req.n,
@@ -400,6 +511,7 @@ def to_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=req.prompt_logprobs,
+            structured_outputs=structured[0] if structured else None,
         )
     except SamplingParamsError as e:
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}

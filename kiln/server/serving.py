@@ -35,6 +35,7 @@ from kiln.server.protocol import (
     PromptLogprobs,
     RequestLimits,
     check_limits,
+    structured_outputs_of,
     to_sampling_params,
 )
 from kiln.tokenizer import (
@@ -235,6 +236,27 @@ class Serving:
                    ) -> SamplingParams:
         try:
             return to_sampling_params(req, self.max_model_len, prompt_len, self.limits)
+        except SamplingParamsError as e:
+            raise bad_param(e) from e
+
+    async def check_structured(self, req: ChatCompletionRequest | CompletionRequest | None,
+                               params: SamplingParams, param: str | None = None) -> None:
+        """Compiles the request's output constraint (or finds it in the engine's cache) before
+        admission, so an invalid schema, regex or grammar is a 400 naming its field (`param`,
+        else the field of `req` that gave it). On a worker thread: a first compile can take
+        milliseconds, the grammar vocabulary ~0.5 s once."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        if param is None:
+            found = structured_outputs_of(req) if req is not None else None
+            param = found[1] if found is not None else "tool_choice"
+        grammars = self.engine.structured
+        if grammars is None:
+            raise APIError(400, "structured output needs the model's tokenizer, and this engine "
+                           "has none", param=param, code="invalid_value")
+        try:
+            await asyncio.to_thread(grammars.compile, so, param)
         except SamplingParamsError as e:
             raise bad_param(e) from e
 

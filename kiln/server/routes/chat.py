@@ -66,6 +66,7 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
         params.structured_outputs = tools.structured
     if tools.parser is not None and tools.parser.keep_special_tokens:
         params.skip_special_tokens = False
+    await sv.check_structured(req, params)
 
     def choice_parser() -> ChoiceParser:
         stream = ToolCallStream(tools.parser, tools.max_calls) if tools.parser else None

@@ -72,6 +72,7 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
             idx = pi * req.n + i  # OpenAI's numbering for a batch of prompts
             specs.append(ChoiceSpec(f"{rid}-{idx}", idx, ids, params.for_choice(i), text,
                                     cache_salt=req.cache_salt))
+    await sv.check_structured(req, specs[0].params)  # one constraint for every prompt
     want_lp = req.logprobs is not None
     k = req.logprobs or 0
     # Every response and chunk of this request carries the same id, time and model.

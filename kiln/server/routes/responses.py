@@ -224,6 +224,8 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
     params = _sampling_params(sv, req, messages, len(prompt_ids))
     if tools and extract is None:
         extract = _tool_extractor(sv, req, tools, params)
+    await sv.check_structured(None, params, "tool_choice" if tools and req.tool_choice not in (
+        None, "auto", "none") else "text")
     turn = _Turn(sv, store, req, model, conversation, tools, len(prompt_ids), extract)
     session = request.headers.get("x-session-id") or req.user
     spec = ChoiceSpec(turn.id, 0, prompt_ids, params, session_id=session)
