@@ -11,10 +11,11 @@ the free ones with ignore_eos, the constrained ones under a JSON schema (an arra
 before then. Runs alternate free, constrained, constrained, free, ... so a drift of the
 machine's speed lands on both. Reported:
 
-  * ms per constrained row: the engine's own counters (filling the rows' bitmasks with
-    llguidance and adding them to the logits), over the constrained runs' sampled rows;
+  * ms per constrained row: the engine's own counters of grammar work (filling the rows'
+    bitmasks with llguidance, adding them to the logits, advancing the matchers by the sampled
+    tokens) over each constrained run's sampled rows; the median of the runs;
   * step time and throughput (output tokens / wall time, prefill included), per mode, and the
-    ratio constrained / free.
+    ratio constrained / free of each round's two runs (back to back), with their median.
 
 Prints a table and writes benchmarks/results/structured-<time>.json.
 """
@@ -68,15 +69,15 @@ def run(llm, constrained: bool, concurrency: int, tokens: int, tag: str) -> dict
     return {"wall_s": wall, "tokens": out_tokens, "tok_s": out_tokens / wall, "steps": steps,
             "step_ms": 1e3 * (after["step_seconds"] - before["step_seconds"]) / steps,
             "rows": rows,
-            "mask_s": after["structured_mask_seconds"] - before["structured_mask_seconds"]}
+            "grammar_s": after["structured_seconds"] - before["structured_seconds"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="MODEL (default: embedded SmolLM2)")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (after a warm-up pair)")
+    ap.add_argument("--tokens", type=int, default=48, help="output tokens per request")
+    ap.add_argument("--rounds", type=int, default=4, help="pairs of runs (after a warm-up pair)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a kiln setting, as LLM(**settings) takes it (repeatable)")
     args = ap.parse_args()
@@ -86,7 +87,8 @@ def main() -> None:
     settings = dict(s.split("=", 1) for s in args.setting)
     settings.setdefault("kv_cache_memory", "512MiB")
     llm = LLM(args.model, **settings)
-    print(f"loaded; {llm.config.dtype}, {llm.config.num_threads or 'default'} threads, "
+    print(f"loaded; {llm.config.dtype}, quantization {llm.config.quantization}, "
+          f"{llm.config.num_threads or 'default'} threads, "
           f"max_num_seqs {llm.config.max_num_seqs}", flush=True)
     run(llm, False, args.concurrency, 8, "warm-free")  # kernels, caches
     run(llm, True, args.concurrency, 8, "warm-json")  # and the grammar's vocabulary, compile
@@ -99,26 +101,32 @@ def main() -> None:
             print(f"round {r} {mode:4s}: {res['tok_s']:7.1f} tok/s, step {res['step_ms']:6.1f} "
                   f"ms, wall {res['wall_s']:5.1f} s", flush=True)
     free, js = results["free"], results["json"]
-    rows = sum(r["rows"] for r in js)
-    mask_ms_row = 1e3 * sum(r["mask_s"] for r in js) / rows
-    tok_free = statistics.mean(r["tok_s"] for r in free)
-    tok_json = statistics.mean(r["tok_s"] for r in js)
-    step_free = statistics.mean(r["step_ms"] for r in free)
-    step_json = statistics.mean(r["step_ms"] for r in js)
-    summary = {"mask_ms_per_row": mask_ms_row,
-               "mask_ms_per_step_c": mask_ms_row * args.concurrency,
-               "tok_s_free": tok_free, "tok_s_json": tok_json, "throughput_ratio":
-               tok_json / tok_free, "step_ms_free": step_free, "step_ms_json": step_json}
-    print(f"\ngrammar work: {mask_ms_row:.3f} ms per constrained row "
-          f"({summary['mask_ms_per_step_c']:.2f} ms per {args.concurrency}-row step)")
-    print(f"c={args.concurrency}: free {tok_free:.1f} tok/s, constrained {tok_json:.1f} tok/s, "
-          f"ratio {tok_json / tok_free:.3f}; step {step_free:.1f} vs {step_json:.1f} ms")
+    # Medians: on a shared machine one slow run should not move the figure. The ratio is taken
+    # per round (its two runs are back to back), then the median of those.
+    per_row = [1e3 * r["grammar_s"] / r["rows"] for r in js]
+    ratios = [j["tok_s"] / f["tok_s"] for f, j in zip(free, js)]
+    med = statistics.median
+    summary = {"grammar_ms_per_row": med(per_row), "grammar_ms_per_row_runs": per_row,
+               "grammar_ms_per_step_c": med(per_row) * args.concurrency,
+               "tok_s_free": med(r["tok_s"] for r in free),
+               "tok_s_json": med(r["tok_s"] for r in js),
+               "throughput_ratio": med(ratios), "throughput_ratio_rounds": ratios,
+               "step_ms_free": med(r["step_ms"] for r in free),
+               "step_ms_json": med(r["step_ms"] for r in js)}
+    print(f"\ngrammar work: {summary['grammar_ms_per_row']:.3f} ms per constrained row, median "
+          f"(runs: {', '.join(f'{x:.3f}' for x in per_row)}); "
+          f"{summary['grammar_ms_per_step_c']:.2f} ms per {args.concurrency}-row step")
+    print(f"c={args.concurrency}: free {summary['tok_s_free']:.1f} tok/s, constrained "
+          f"{summary['tok_s_json']:.1f} tok/s (medians); constrained / free per round: "
+          f"{', '.join(f'{x:.3f}' for x in ratios)}, median {summary['throughput_ratio']:.3f}; "
+          f"step {summary['step_ms_free']:.1f} vs {summary['step_ms_json']:.1f} ms")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = ROOT / "benchmarks" / "results" / f"structured-{stamp}.json"
     path.write_text(json.dumps({
         "args": vars(args), "machine": {"platform": platform.platform(),
                                         "cpus": os.cpu_count()},
-        "config": {"dtype": llm.config.dtype, "max_num_seqs": llm.config.max_num_seqs},
+        "config": {"dtype": llm.config.dtype, "quantization": llm.config.quantization,
+                   "num_threads": llm.config.num_threads, "max_num_seqs": llm.config.max_num_seqs},
         "runs": results, "summary": summary}, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
 

@@ -141,19 +141,19 @@ def allowed(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
 def test_the_mask_changes_only_constrained_rows_and_only_blocked_tokens() -> None:
     torch.manual_seed(0)
     V = 1000
-    logits = torch.randn(4, V)
-    before = logits.clone()
+    before = torch.randn(4, V)
+    kept = before.clone()
     bitmask = torch.randint(-2**31, 2**31 - 1, (2, (V + 31) // 32), dtype=torch.int32)
-    apply_bitmasks(logits, bitmask, [1, 3])
+    logits = apply_bitmasks(before, bitmask, [1, 3])
+    assert torch.equal(before, kept)  # a new tensor; the caller's is left alone
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     for i, row in enumerate((1, 3)):
         ok = allowed(bitmask, i, V)
         keep = torch.tensor([t in ok for t in range(V)])
         assert torch.equal(logits[row][keep], before[row][keep])  # the same bits
         assert torch.isneginf(logits[row][~keep]).all()
-    every = torch.randn(2, V)
-    want = every.clone()
-    apply_bitmasks(every, bitmask, [0, 1])  # all rows: one add over the tensor
+    want = torch.randn(2, V)
+    every = apply_bitmasks(want, bitmask, [0, 1])  # all rows: one add over the tensor
     for i in range(2):
         ok = allowed(bitmask, i, V)
         assert all((every[i, t] == want[i, t]) == (t in ok) for t in range(0, V, 7))
@@ -342,9 +342,10 @@ def test_offline_llm_n2_each_choice_its_own_matcher():
 
     llm = LLM(dtype="float32", compile=False, kv_cache_memory=32 << 20, max_model_len=512,
               max_num_batched_tokens=256)
+    # Strict (no other properties): a sampled answer cannot wander on past max_tokens.
     out = llm.chat(ask("point"), SamplingParams(
-        n=2, temperature=1.0, seed=3, max_tokens=60,
-        structured_outputs=SO(json=SCHEMAS["point"])))
+        n=2, temperature=1.0, seed=3, max_tokens=100,
+        structured_outputs=SO(json=strict_schema(SCHEMAS["point"]))))
     assert len(out[0].outputs) == 2
     for c in out[0].outputs:
         jsonschema.validate(json.loads(c.text), SCHEMAS["point"])

@@ -316,7 +316,7 @@ class Engine:
         sessions = kv.sessions
         sched = self.scheduler.stats
         structured = (self.structured.stats() if self.structured is not None else
-                      {"structured_rows": 0, "structured_mask_seconds": 0.0,
+                      {"structured_rows": 0, "structured_seconds": 0.0,
                        "structured_compiles": 0})
         return {
             **structured,

@@ -59,8 +59,8 @@ class Sampler:
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if grammar_rows:
             matchers = [reqs[i].grammar for i in grammar_rows]
-            logits = logits.clone()  # the caller's logits are left as they were
-            matchers[0].owner.mask_logits(logits, grammar_rows, matchers)  # type: ignore
+            # A new tensor: the caller's logits are left as they were.
+            logits = matchers[0].owner.mask_logits(logits, grammar_rows, matchers)  # type: ignore
         params = [r.params for r in reqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

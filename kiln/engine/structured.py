@@ -3,7 +3,7 @@
     StructuredOutputsParams --compile (LRU, per canonical value)--> pristine LLMatcher
         --deep_copy, per request (2 us)--> GrammarMatcher on Request.grammar
     each step, for the constrained rows only:
-        fill_bitmasks (llguidance, no GIL, parallel over rows)   one bit per token
+        fill_bitmasks (llguidance, without the GIL)              one bit per token
         apply_bitmasks (numpy unpack + one add of 0 / -inf)      on those rows of the logits
     each sampled token: GrammarMatcher.accept (Scheduler.update); once the grammar can take
         nothing more, the request ends there with finish_reason "stop".
@@ -12,21 +12,25 @@ The grammar engine is llguidance (PyPI `llguidance`), chosen over xgrammar after
 on this CPU (2 cores) with SmolLM2's 49,152-token vocabulary (benchmarks/grammar_engines.py;
 llguidance 1.9.1, xgrammar 0.2.9):
 
-                                         llguidance        xgrammar
-    tokenizer info, once                 0.3-0.6 s         0.2 s
-    compile a JSON schema (4 schemas)    0.9-1.4 ms        3.8-12.4 ms
-    compile json_object / a regex        0.6 / 1.4 ms      5.9 / 0.5 ms
-    mask fill per row, random walk       mean 0.12 ms,     mean 0.03 ms,
-      through the schemas (1,300 steps)  p99 0.7 ms        p99 0.08 ms
-    runtime dependencies                 none (abi3)       torch, triton, apache-tvm-ffi
-    unsupported keyword ({"not": ...})   refused (400)     silently ignored
+                                         llguidance          xgrammar
+    tokenizer info, once                 0.25-0.42 s         0.20-0.26 s
+    compile a JSON schema (4 schemas)    0.9-1.8 ms          1.0-23.6 ms (3 of 4: 7-24)
+    compile json_object / a regex        0.5-0.9 / 1.0-1.6   6.8-10.3 / 0.6-0.9 ms
+    mask fill per row, along valid       mean 0.08-0.13 ms   mean 0.006-0.009 ms
+      documents (114 steps)              p99 0.5-0.7 ms      p99 0.04-0.08 ms
+    mask fill per row, random walks      mean 0.06-0.17 ms   mean 0.012-0.07 ms
+      through the schemas (~1,300 steps) p99 0.46-0.78 ms    p99 0.045-0.12 ms
+    runtime dependencies                 none (abi3 wheel)   torch, triton, apache-tvm-ffi
+    unsupported keyword ({"not": ...})   refused (a 400)     silently ignored
 
-xgrammar fills a mask ~4x faster, but both are far below a decode step (tens of ms at c=16 on
-this CPU), and filling runs in parallel over the rows (16 rows in one state: 0.05 ms). What
-decided it: xgrammar declares triton as a dependency (hundreds of MB of a CUDA compiler a CPU
-install would pull), its compile is 5-10x slower on a cache miss, and it accepted a schema
-keyword it does not enforce, so its output could fail the user's own validation; llguidance
-installs alone and refuses what it cannot enforce.
+(Three runs, benchmarks/results/grammar_engines-20261204.jsonl, on a shared machine: the
+ranges are its noise.) xgrammar fills a mask several times faster, but both are far below a
+decode step (tens of ms at c=16 on this CPU; benchmarks/structured.py measures kiln's whole
+per-row cost). What decided it: xgrammar declares triton as a dependency (a GPU compiler of over
+100 MB that a CPU install would pull), its compile is up to ~10x slower on a cache miss
+(a new schema is a new request's latency), and it accepted a schema keyword it does not
+enforce, so its output could fail the user's own validation; llguidance installs alone and
+refuses what it cannot enforce.
 
 Choices, documented for users:
   * JSON comes out on one line, as `json.dumps` writes it (", " and ": ", no other whitespace):
@@ -45,6 +49,9 @@ Choices, documented for users:
   * When the grammar is complete (it can take no more bytes), the request finishes at once
     with "stop", without spending a step on the end-of-sequence token. When it is merely
     acceptable (a number that could go on), EOS is one of the allowed tokens.
+
+For speculative decoding later: llguidance's matcher can roll back (LLMatcher.rollback) and
+fill the masks of a row's draft tokens in one call; GrammarMatcher is where that would go.
 """
 
 from __future__ import annotations
@@ -96,7 +103,11 @@ def canonical(so: StructuredOutputsParams, param: str = "structured_outputs") ->
                 schema = json.loads(schema)
             except ValueError as e:
                 raise StructuredOutputError(param, f"the JSON schema is not valid JSON: {e}") from e
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:
+            schema = {}  # JSON Schema's "anything"
+        elif schema is False:
+            raise StructuredOutputError(param, "the JSON schema false allows no value")
+        if not isinstance(schema, dict):
             raise StructuredOutputError(param, "the JSON schema must be an object, got "
                                         f"{type(schema).__name__}")
         return kind, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
@@ -153,14 +164,13 @@ class StructuredOutputs:
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self.eos_token_ids = sorted(t for t in tokenizer.eos_token_ids if 0 <= t < vocab_size)
         # Counters (read by Engine.metrics and the benchmark).
         self.compiles = 0
         self.cache_hits = 0
         self.mask_rows = 0  # constrained rows masked
-        self.mask_seconds = 0.0  # filling and applying their masks
+        self.seconds = 0.0  # grammar work: masks filled and applied, matchers advanced
 
     # ------------------------------------------------------------------ the vocabulary
 
@@ -172,13 +182,6 @@ class StructuredOutputs:
                                                          self.eos_token_ids)
                 log.info("grammar vocabulary built in %.2f s", time.perf_counter() - t0)
             return self._ll_tokenizer
-
-    def executor(self) -> llguidance.LLExecutor:
-        if self._executor is None:
-            import llguidance as llg
-
-            self._executor = llg.LLExecutor(num_threads=max(1, min(torch.get_num_threads(), 8)))
-        return self._executor
 
     # ------------------------------------------------------------------ compiling
 
@@ -226,18 +229,17 @@ class StructuredOutputs:
     # ------------------------------------------------------------------ masking
 
     def mask_logits(self, logits: torch.Tensor, rows: list[int],
-                    matchers: list[GrammarMatcher]) -> None:
-        """Sets to -inf, in place, the logits of `rows` (row i under matchers[i]) that their
-        grammar does not allow next. Other rows are not touched."""
+                    matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """`logits` [B, V] with the tokens that the grammar of `rows` (row i under matchers[i])
+        does not allow next at -inf: a new tensor; the other rows are the same values."""
         t0 = time.perf_counter()
-        bitmask = fill_bitmasks(matchers, self.vocab_size,
-                                self.executor() if len(matchers) > 1 else None)
-        apply_bitmasks(logits, bitmask, rows)
+        out = apply_bitmasks(logits, fill_bitmasks(matchers, self.vocab_size), rows)
         self.mask_rows += len(rows)
-        self.mask_seconds += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def stats(self) -> dict[str, float]:
-        return {"structured_rows": self.mask_rows, "structured_mask_seconds": self.mask_seconds,
+        return {"structured_rows": self.mask_rows, "structured_seconds": self.seconds,
                 "structured_compiles": self.compiles}
 
 
@@ -255,7 +257,9 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advances past `token_id`; False (and the matcher stopped, in error) if the grammar
         does not allow it, which the mask should have prevented."""
+        t0 = time.perf_counter()
         ok = self._m.consume_token(token_id)
+        self.owner.seconds += time.perf_counter() - t0
         if not ok:
             log.warning("grammar refused sampled token %d: %s", token_id,
                         self._m.get_error()[:200])
@@ -275,36 +279,32 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
 
-def fill_bitmasks(matchers: list[GrammarMatcher], vocab_size: int,
-                  executor: llguidance.LLExecutor | None = None) -> torch.Tensor:
+def fill_bitmasks(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tensor:
     """[len(matchers), ceil(vocab/32)] int32: bit t of row i set when matchers[i] allows token
-    t. A matcher in error allows only EOS (llguidance's choice), so no row is ever empty."""
+    t. A matcher in error allows only EOS (llguidance's choice), so no row is ever empty. One
+    row after another: llguidance's thread pool (LLExecutor) filled 16 rows no faster on 2
+    cores (0.080-0.094 ms a row against 0.070-0.085), and slower on a loaded machine."""
     bitmask = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
-    if executor is None:
-        for i, m in enumerate(matchers):
-            m.fill(bitmask, i)
-    else:
-        executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)],
-                                         bitmask.data_ptr(), bitmask.shape[1] * 4,
-                                         bitmask.shape[0])
+    for i, m in enumerate(matchers):
+        m.fill(bitmask, i)
     return bitmask
 
 
-def apply_bitmasks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Adds -inf to the blocked tokens of `rows` of `logits` [B, V] (in place), 0 elsewhere:
-    logit + 0 is the logit, so allowed tokens keep their exact values. A bias added is ~5x
-    cheaper than a masked_fill (whose cost is branch misses on an irregular mask: 1.7 ms vs
-    0.3 ms for 16 rows of 49k). Bitmask row i belongs to logits row rows[i]."""
+def apply_bitmasks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+                   ) -> torch.Tensor:
+    """`logits` [B, V] plus -inf at the blocked tokens of `rows`, 0 elsewhere, as a new tensor
+    (the caller's is left as it was): logit + 0 is the logit, so allowed tokens and other rows
+    keep their exact values. A bias added is ~5x cheaper than a masked_fill (whose cost is
+    branch misses on an irregular mask: 1.7 ms vs 0.3 ms for 16 rows of 49k), and done out of
+    place it is the copy too. Bitmask row i belongs to logits row rows[i]."""
     V = logits.shape[1]
     blocked = np.unpackbits((~bitmask.numpy()).view(np.uint8), axis=1, bitorder="little",
                             count=V)
     bias = torch.from_numpy(blocked).to(torch.int32).mul_(_NEG_INF_BITS).view(torch.float32)
     bias = bias.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        logits.add_(bias)
-    else:
-        idx = torch.tensor(rows, device=logits.device)
-        logits.index_add_(0, idx, bias)
+        return logits + bias
+    return logits.index_add(0, torch.tensor(rows, device=logits.device), bias)
 
 
 def _build_ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: list[int]

@@ -65,8 +65,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                    "Rendezvous waits that ran out of time."),
     "structured_rows": ("kiln:structured_output_rows_total", "counter",
                         "Sampled rows masked by a structured-output grammar."),
-    "structured_mask_seconds": ("kiln:structured_output_mask_seconds_total", "counter",
-                                "Seconds spent filling and applying grammar masks."),
+    "structured_seconds": ("kiln:structured_output_seconds_total", "counter",
+                           "Seconds of grammar work: masks filled and applied, matchers advanced."),
     "structured_compiles": ("kiln:structured_output_compiles_total", "counter",
                             "Grammars compiled (structured-output cache misses)."),
 }
