@@ -229,3 +229,11 @@ def pypi_model(spec: dict) -> Path:
 def qwen_coder_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a real model whose chat template has tools."""
     return pypi_model(QWEN_CODER_05B)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests on the Qwen2.5-Coder model (a ~60 s load per server) are `heavy`: outside make
+    test's time budget, run with `pytest -m heavy`."""
+    for item in items:
+        if "qwen_coder_gguf" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.heavy)
