@@ -17,8 +17,8 @@ from kiln.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
-    to_sampling_params,
 )
+from kiln.server.request_params import to_sampling_params
 
 USER = [{"role": "user", "content": "hi"}]
 

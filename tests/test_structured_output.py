@@ -28,7 +28,7 @@ from kiln.engine.structured import (
 )
 from kiln.sampling_params import SamplingParams
 from kiln.sampling_params import StructuredOutputsParams as SO
-from kiln.server.protocol import strict_schema
+from kiln.server.request_params import strict_schema
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {"type": "object", "properties": {

@@ -103,7 +103,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.server.app import build_app
     from kiln.server.chat_output import ChatFormat
     from kiln.server.http import Cors
-    from kiln.server.protocol import RequestLimits
+    from kiln.server.request_params import RequestLimits
 
     s = sp.settings
     src = sp.source
@@ -164,7 +164,7 @@ def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> i
     from kiln.obs import trace
     from kiln.server.app import build_app
     from kiln.server.http import Cors
-    from kiln.server.protocol import RequestLimits
+    from kiln.server.request_params import RequestLimits
 
     s, src = sp.settings, sp.source
     assert s is not None and src is not None

@@ -38,7 +38,7 @@ Choices, documented for users:
     "x-guidance" options override this (llguidance's JSON options).
   * response_format json_schema with strict=true: an object schema that says nothing about
     additional properties gets "additionalProperties": false, as OpenAI's strict mode requires
-    of the schema (server/protocol.py's strict_schema; the output still validates against the
+    of the schema (server/request_params.py's strict_schema; the output still validates against the
     schema as sent).
   * Logprobs are those of the masked distribution (tokens the grammar forbids have -inf), as in
     vLLM, where the grammar bitmask is applied to the logits before the sampler computes them;

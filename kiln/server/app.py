@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.server.chat_output import ChatFormat
+from kiln.server.embeddings_protocol import EmbeddingResponse, RerankResponse
 from kiln.server.errors import APIError, ClientGone, validation_error
 from kiln.server.http import BodyTooLarge, Cors, HttpLimits
 from kiln.server.metrics import ServerMetrics
@@ -28,14 +29,12 @@ from kiln.server.protocol import (
     CompletionChunk,
     CompletionResponse,
     DetokenizeResponse,
-    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    RequestLimits,
-    RerankResponse,
     TokenizeResponse,
 )
+from kiln.server.request_params import RequestLimits
 from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
 from kiln.server.routes import admin, embeddings, generation, responses, tokenize
 from kiln.server.serving import Serving

@@ -33,6 +33,8 @@ from kiln.server.protocol import (
     CompletionRequest,
     PromptLogprob,
     PromptLogprobs,
+)
+from kiln.server.request_params import (
     RequestLimits,
     check_limits,
     structured_outputs_of,

@@ -19,8 +19,7 @@ import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from kiln.server.errors import APIError, engine_error
-from kiln.server.protocol import (
+from kiln.server.embeddings_protocol import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -31,6 +30,7 @@ from kiln.server.protocol import (
     RerankResult,
     RerankUsage,
 )
+from kiln.server.errors import APIError, engine_error
 from kiln.server.serving import Serving
 
 
