@@ -5,6 +5,7 @@ SmolLM2 (fp32, greedy, short answers) driven by the official openai client."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,27 @@ def test_instructions_items_and_tools_render_as_chat_messages(server: Server,
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAMES[0], input="hi", max_output_tokens=5000)
     assert e.value.body["param"] == "max_output_tokens"
+
+
+@pytest.mark.slow
+def test_text_format_json_schema_is_enforced_and_strict_means_no_other_keys(client: Any) -> None:
+    """text.format goes in as the chat endpoint's response_format: the answer parses against the
+    schema, and strict=true forbids keys the schema does not list (OpenAI's strict mode)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    r = client.responses.create(
+        model=NAMES[0], input=QUESTION, temperature=0, max_output_tokens=48,
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema,
+                         "strict": True}})
+    assert r.status == "completed", r
+    answer = json.loads(r.output_text)
+    assert set(answer) == {"city", "country"}
+    assert all(isinstance(v, str) for v in answer.values())
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=NAMES[0], input=QUESTION,
+                                text={"format": {"type": "json_schema", "name": "x"}})
+    assert e.value.body["param"] == "text"
 
 
 def test_response_store_drops_the_least_recently_used() -> None:

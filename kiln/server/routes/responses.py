@@ -23,10 +23,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.sampling_params import SamplingParams
 from kiln.server.chat_output import plan_tools
 from kiln.server.errors import APIError
-from kiln.server.protocol import ChatCompletionRequest, template_tool_call
+from kiln.server.protocol import (
+    ChatCompletionRequest,
+    JsonSchemaFormat,
+    ResponseFormat,
+    template_tool_call,
+)
 from kiln.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -50,7 +55,7 @@ ToolCallExtractor = Callable[[str, list[dict[str, Any]]], tuple[str, list[tuple[
 
 # Errors name the Responses' own fields, not the chat request they are checked as.
 _PARAM_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                "messages": "input"}
+                "messages": "input", "response_format": "text"}
 
 
 @dataclass
@@ -112,30 +117,30 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def _sampling_params(sv: Serving, req: ResponsesRequest, messages: list[dict[str, Any]],
                      prompt_len: int) -> SamplingParams:
-    """The chat endpoint's translation (ranges, context length, caps), with text.format as
-    structured outputs."""
+    """The chat endpoint's translation (ranges, context length, caps), text.format going in as
+    its response_format (so `strict` means what it means there)."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+        raise APIError(400, "text.format of type json_schema needs a `schema`",
+                       param="text", code="invalid_value")
+    response_format = None if fmt is None else ResponseFormat(
+        type=fmt.type, json_schema=JsonSchemaFormat(
+            name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict)
+        if fmt.type == "json_schema" else None)
     try:
         chat = ChatCompletionRequest(
             messages=messages, model=req.model, temperature=req.temperature, top_p=req.top_p,
             max_completion_tokens=req.max_output_tokens, seed=req.seed, top_k=req.top_k,
-            min_p=req.min_p, repetition_penalty=req.repetition_penalty, user=req.user)
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty, user=req.user,
+            response_format=response_format)
     except ValidationError as e:  # the fields were validated already; a 400 all the same
         raise APIError(400, f"invalid request: {e.errors()[0].get('msg')}",
                        code="invalid_value") from e
     try:
-        params = sv.params_for(chat, prompt_len)
+        return sv.params_for(chat, prompt_len)
     except APIError as e:
         e.param = _PARAM_NAMES.get(e.param or "", e.param)
         raise
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type == "json_schema":
-        if fmt.schema_ is None:
-            raise APIError(400, "text.format of type json_schema needs a `schema`",
-                           param="text", code="invalid_value")
-        params.structured_outputs = StructuredOutputsParams(json=fmt.schema_)
-    elif fmt is not None and fmt.type == "json_object":
-        params.structured_outputs = StructuredOutputsParams(json_object=True)
-    return params
 
 
 def _usage(prompt_len: int, ev: ChoiceEvent) -> ResponseUsage:
