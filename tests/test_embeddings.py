@@ -11,13 +11,10 @@ from __future__ import annotations
 import base64
 import functools
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +26,7 @@ import openai
 import pytest
 import torch
 from conftest import make_tiny_model
+from test_server import _free_port, _run_server
 
 from kiln.kinds import detect_kind
 from kiln.kinds.embedding import (
@@ -276,44 +274,14 @@ def test_kind_embed_on_a_causal_lm_is_recorded_with_the_embed_preset(
 # --------------------------------------------------------------------------- end to end
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(tmp: Path, model: Path, *extra: str) -> Iterator[tuple[str, Path]]:
+    """A real `kiln serve` of `model` (float32, no API key): its URL and effective config."""
     port = _free_port()
-    eff = tmp / f"effective-{port}.json"
-    log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "kiln", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", "--dtype", "float32",
-           "--effective-config-json", str(eff), *extra]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kiln serve exited:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kiln serve did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-        yield base, eff
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+           "--effective-config-json", str(tmp / f"effective-{port}.json"), *extra]
+    for server in _run_server(tmp, port, cmd):
+        yield server.base_url, server.effective_config
 
 
 @pytest.fixture(scope="module")

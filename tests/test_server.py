@@ -72,6 +72,12 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
         *extra,
     ]  # fmt: skip
+    yield from _run_server(tmp, port, cmd)
+
+
+def _run_server(tmp: Path, port: int, cmd: list[str]) -> Iterator[Server]:
+    """`cmd` (a `kiln serve` on `port` writing its effective config to
+    `tmp/effective-<port>.json`) until it answers /health; stopped when the caller is done."""
     log_path = tmp / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
