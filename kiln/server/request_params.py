@@ -153,15 +153,13 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
 
 def to_sampling_params(
     req: ChatCompletionRequest | CompletionRequest, max_model_len: int, prompt_len: int,
-    limits: RequestLimits | None = None,
 ) -> SamplingParams:
     """Translate a validated request into SamplingParams for one prompt of `prompt_len` tokens.
 
     Raises SamplingParamsError(param, message) for anything out of range, including a prompt plus
-    max_tokens that does not fit `max_model_len` (vLLM's message, with both numbers), and
-    anything over the server's `limits`.
+    max_tokens that does not fit `max_model_len` (vLLM's message, with both numbers). The
+    server's caps are `check_limits`, which routes call once per request, before tokenizing.
     """
-    check_limits(req, limits or RequestLimits())
     is_chat = isinstance(req, ChatCompletionRequest)
     prompt_param = "messages" if is_chat else "prompt"
 

@@ -237,7 +237,7 @@ class Serving:
     def params_for(self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
                    ) -> SamplingParams:
         try:
-            return to_sampling_params(req, self.max_model_len, prompt_len, self.limits)
+            return to_sampling_params(req, self.max_model_len, prompt_len)
         except SamplingParamsError as e:
             raise bad_param(e) from e
 

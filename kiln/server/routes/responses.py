@@ -137,6 +137,7 @@ def _sampling_params(sv: Serving, req: ResponsesRequest, messages: list[dict[str
         raise APIError(400, f"invalid request: {e.errors()[0].get('msg')}",
                        code="invalid_value") from e
     try:
+        sv.check_limits(chat)
         return sv.params_for(chat, prompt_len)
     except APIError as e:
         e.param = _PARAM_NAMES.get(e.param or "", e.param)
