@@ -17,6 +17,7 @@ from typing import Any
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.server import reasoning_parsers, tool_parsers
 from kiln.server.reasoning_parsers import Reasoned, ReasoningParser
+from kiln.server.request_params import strict_schema
 from kiln.server.tool_parsers import NamedParser, RequiredParser, ToolCallStream, ToolParser
 
 
@@ -88,7 +89,12 @@ def _function(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(_function(tool).get("parameters") or {"type": "object"})
+    """The function's parameters schema as the grammar enforces it: with OpenAI's
+    `"strict": true` on the function, properties it does not list are forbidden (as for
+    response_format's strict json_schema); without it, extra keys stay allowed, as in OpenAI's
+    and vLLM's non-strict function calling."""
+    params = copy.deepcopy(_function(tool).get("parameters") or {"type": "object"})
+    return strict_schema(params) if _function(tool).get("strict") else params
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

@@ -98,6 +98,8 @@ class FunctionToolParam(BaseModel):
                                                                 "properties": {}}}
         if self.description is not None:
             fn["description"] = self.description
+        if self.strict:
+            fn["strict"] = True
         return {"type": "function", "function": fn}
 
 
