@@ -166,6 +166,82 @@ def parse_faults(value: Any) -> tuple[Any, ...]:
     return parse(value)
 
 
+def parse_duration(value: Any) -> float:
+    """Ollama's keep_alive: seconds as a number, or "30s" / "5m" / "2h"; any negative value
+    means forever (-> -1.0, which JSON can hold where inf cannot), 0 means at once."""
+    import math
+
+    if isinstance(value, bool):
+        raise TypeError(f"expected a duration such as 300, '5m' or -1, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower()
+        units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+        unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
+        try:
+            seconds = float(text[: len(text) - len(unit)]) * units.get(unit, 1)
+        except ValueError:
+            raise ValueError(f"expected a duration such as 300, '5m' or -1, got {value!r}"
+                             ) from None
+    if math.isnan(seconds):
+        raise ValueError("a duration cannot be NaN")
+    return -1.0 if seconds < 0 else seconds
+
+
+def parse_models(value: Any) -> list[dict[str, Any]]:
+    """--models / KILN_MODELS / the config file's `models` -> [{"name", "model", "settings"}].
+
+    'a,b' or ['a', 'b']: each MODEL (alias, owner/repo[:QUANT], folder, .gguf) served under its
+    own name (the alias or id as written; a path's file or folder name), or 'NAME=MODEL';
+    a TOML table `[models.NAME]` with `model = ...` and any other settings for that model
+    alone. Names must be unique; settings are checked here, before anything loads."""
+    if isinstance(value, dict):
+        items: list[Any] = [{"name": k, **(v if isinstance(v, dict) else {"model": v})}
+                            for k, v in value.items()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        items = [v.strip() for v in str(value).split(",") if v.strip()]
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, dict):
+            entry = dict(item)
+            name, model = entry.pop("name", None), entry.pop("model", None)
+        else:
+            name, sep, model = str(item).partition("=")
+            if not sep:
+                name, model = _default_model_name(str(item)), str(item)
+        if not model:
+            raise ValueError(f"models entry {name!r} has no model (give `model = ...`)")
+        name = str(name or _default_model_name(str(model)))
+        settings = {} if not isinstance(item, dict) else {k.replace("-", "_"): v
+                                                          for k, v in entry.items()}
+        for key, raw in settings.items():
+            if key not in BY_NAME or key in ROUTER_SETTINGS:
+                raise ValueError(f"models entry {name!r}: {key!r} is not a per-model setting")
+            BY_NAME[key].parse(raw)
+        if any(e["name"] == name for e in out):
+            raise ValueError(f"two models are named {name!r}: name them (NAME=MODEL)")
+        out.append({"name": name, "model": str(model), "settings": settings})
+    if not out:
+        raise ValueError("no models given")
+    return out
+
+
+def _default_model_name(model: str) -> str:
+    """What a --models entry is called when no NAME= is given: an alias or Hugging Face id as
+    written; a local file or folder by its name (SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct.Q4_1)."""
+    import os
+
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        base = os.path.basename(os.path.normpath(path))
+        return base[:-5] if base.lower().endswith(".gguf") else base
+    return model
+
+
 def positive_wait_ms(value: Any) -> int:
     n = int(value)
     if n <= 0:
@@ -294,6 +370,33 @@ SETTINGS: list[Setting] = [
     Setting("allow_credentials", parse_bool, False,
             "CORS: allow cookies / credentials from those origins", ("--allow-credentials",),
             affects="server", group="server", engines=("kiln",)),
+    # -- several models behind one endpoint (kiln/server/model_router.py): a router process
+    # starts one `kiln serve` per model when a request first names it and stops it when idle.
+    Setting("models", parse_models, None,
+            "serve several models behind this one endpoint: MODEL or NAME=MODEL, comma-"
+            "separated (or a [models.NAME] table per model in the config file), each loaded "
+            "when a request first names it", ("--models",), affects="server", group="server",
+            metavar="A,B", engines=("kiln",)),
+    Setting("preload", parse_bool, False, "with --models: load every model at start",
+            ("--preload",), neg_flags=("--no-preload",), affects="server", group="server",
+            engines=("kiln",)),
+    Setting("keep_alive", parse_duration, 300.0,
+            "with --models: how long an idle model stays loaded (Ollama's keep_alive: 300, "
+            "'5m', 0 = unload after each request, -1 = forever); a request's keep_alive field "
+            "overrides it for its model", ("--keep-alive",), affects="server", group="server",
+            metavar="DURATION", engines=("kiln",)),
+    Setting("max_loaded_models", positive_int, None,
+            "with --models: most models loaded at once (unset: as many as memory allows); "
+            "the least recently used idle one is unloaded first", ("--max-loaded-models",),
+            affects="memory", group="server", metavar="N", engines=("kiln",)),
+    Setting("models_memory", positive_bytes, None,
+            "with --models: memory the loaded models may use together (unset: what the "
+            "machine has available, less 1 GiB)", ("--models-memory",), affects="memory",
+            group="server", metavar="BYTES", engines=("kiln",)),
+    Setting("model_load_timeout", float, 600.0,
+            "with --models: seconds a request waits for its model to load before a 503",
+            ("--model-load-timeout",), affects="server", group="server", metavar="SECONDS",
+            engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),
@@ -526,6 +629,10 @@ SETTINGS: list[Setting] = [
 ]
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+# The router's own settings: not handed to the `kiln serve` it starts per model.
+ROUTER_SETTINGS = frozenset({"models", "preload", "keep_alive", "max_loaded_models",
+                             "models_memory", "model_load_timeout", "host", "port",
+                             "served_model_name"})
 
 
 def setting(name: str) -> Setting:

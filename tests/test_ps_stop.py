@@ -67,8 +67,9 @@ def test_ps_lists_two_servers_and_stop_all_stops_both(
         assert [row["port"] for row in rows] == ports
         assert all(row["responding"] and row["requests_running"] == 0 for row in rows)
         assert all(row["model"] == "smol" and row["uptime_s"] >= 0 for row in rows)
+        assert all(row["memory_bytes"] > 50 << 20 for row in rows)  # each one's RSS
         table = _kiln("ps").stdout
-        assert table.splitlines()[0].split()[:4] == ["PORT", "PID", "MODEL", "UPTIME"]
+        assert table.splitlines()[0].split()[:5] == ["PORT", "PID", "MODEL", "MEMORY", "UPTIME"]
         assert all(str(p) in table for p in ports)
 
         r = _kiln("stop", "all", "--timeout", "60")

@@ -56,8 +56,11 @@ def format_uptime(seconds: float) -> str:
 
 def status(rec: ServerRecord) -> dict[str, Any]:
     """One server as `kiln ps --json` prints it."""
+    from kiln.resolve.hardware import rss_bytes
+
     h = queue_now(rec)
     return {"port": rec.port, "pid": rec.pid, "model": rec.model, "url": rec.url,
+            "memory_bytes": rss_bytes(rec.pid) or None,
             "engine": rec.engine, "weights": rec.weights, "version": rec.version,
             "started_at": rec.started_at, "uptime_s": round(time.time() - rec.started_at, 1),
             "responding": h is not None,
@@ -80,8 +83,16 @@ def main(args: argparse.Namespace) -> int:
     def n(v: Any) -> str:
         return "-" if v is None else str(v)
 
-    print(format_table([[str(r["port"]), str(r["pid"]), r["model"],
-                         format_uptime(r["uptime_s"]), n(r["requests_running"]),
-                         n(r["requests_waiting"]), r["url"]] for r in rows],
-                       ["PORT", "PID", "MODEL", "UPTIME", "RUNNING", "WAITING", "URL"]))
+    def mib(v: Any) -> str:
+        return "-" if not v else f"{v / 2**20:.0f} MiB"
+
+    # A router (--models) is a row of its own; each model it has loaded is a `kiln serve` of
+    # its own, so a row too, with its memory.
+    print(format_table([[str(r["port"]), str(r["pid"]), r["model"] + (
+                             " (router)" if r["engine"] == "router" else ""),
+                         mib(r["memory_bytes"]), format_uptime(r["uptime_s"]),
+                         n(r["requests_running"]), n(r["requests_waiting"]), r["url"]]
+                        for r in rows],
+                       ["PORT", "PID", "MODEL", "MEMORY", "UPTIME", "RUNNING", "WAITING",
+                        "URL"]))
     return 0

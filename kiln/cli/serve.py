@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -35,6 +36,8 @@ def main(args: argparse.Namespace) -> int:
 
     note_process_start()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if _wants_router(args):
+        return _serve_router(args)
     sp = startup.StartupPlan(args)
     try:
         startup.plan(args, sp)
@@ -59,6 +62,88 @@ def main(args: argparse.Namespace) -> int:
         if isinstance(e, SystemExit):
             raise
         return startup.fail(sp, e)
+
+
+def _wants_router(args: argparse.Namespace) -> bool:
+    """--models (flag, KILN_MODELS or the config file's `models`): the router serves them."""
+    from kiln import setting_sources as S
+    from kiln.errors import KilnError
+
+    try:
+        if "models" in S.cli_values(args) or "models" in S.env_values():
+            return True
+        file_settings, _, _ = S.load_config_file(args.config)
+    except KilnError:  # reported by the normal path, with its phase
+        return False
+    return "models" in file_settings
+
+
+def _serve_router(args: argparse.Namespace) -> int:
+    """Several models behind one endpoint: kiln/server/model_router.py over a ModelPool whose
+    models each run in a `kiln serve` of their own, loaded on first use."""
+    import tempfile
+
+    import uvicorn
+
+    from kiln import __version__
+    from kiln import config as C
+    from kiln import setting_sources as S
+    from kiln.errors import KilnError
+    from kiln.server.http import h11_protocol
+    from kiln.server.model_pool import ModelPool, child_settings
+    from kiln.server.model_router import build_router_app
+
+    try:
+        file_settings, _, path = S.load_config_file(args.config)
+        s = C.resolve_settings(cli=S.cli_values(args), env=S.env_values(), file=file_settings,
+                               file_path=path)
+        if startup.model_spec(args):
+            raise KilnError("give MODEL or --models, not both",
+                            hint="add MODEL to --models (NAME=MODEL names it)")
+        entries = s["models"]
+        if args.dry_run:
+            print(json.dumps({"models": entries, "router": {
+                k: s[k] for k in ("host", "port", "preload", "keep_alive", "max_loaded_models",
+                                  "models_memory", "model_load_timeout")},
+                "every model inherits": child_settings(s)}, indent=2, default=str))
+            return 0
+        _check_port_free(s["host"], s["port"])
+    except KilnError as e:
+        print(msg("cli.error", phase="config", error=e), file=sys.stderr)
+        return e.exit_code
+    workdir = Path(tempfile.mkdtemp(prefix="kiln-router-"))
+    pool = ModelPool(entries, child_settings(s), keep_alive=s["keep_alive"],
+                     max_loaded=s["max_loaded_models"], memory_budget=s["models_memory"],
+                     load_timeout=s["model_load_timeout"], workdir=workdir)
+    app = build_router_app(pool, api_key=s["api_key"], version=__version__,
+                           max_body_bytes=s["max_request_body_bytes"],
+                           max_header_bytes=s["max_header_bytes"], preload=s["preload"])
+    host, port = s["host"], s["port"]
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
+        http=h11_protocol(s["max_header_bytes"]),
+        h11_max_incomplete_event_size=s["max_header_bytes"]))
+    names = [e["name"] for e in entries]
+    record = pidfile.ServerRecord(pid=os.getpid(), port=port, host=host, model=",".join(names),
+                                  weights=f"{len(names)} models (router)", engine="router",
+                                  version=__version__)
+    pid_files = contextlib.ExitStack()
+    started = server.startup
+
+    async def startup_and_announce(sockets=None):  # type: ignore[no-untyped-def]
+        await started(sockets)
+        if server.started:
+            _register(pid_files, record)
+            print(f"kiln router on http://{host}:{port}/v1 serving {', '.join(names)} "
+                  f"(loaded on first use; logs in {workdir})", flush=True)
+
+    server.startup = startup_and_announce  # type: ignore[method-assign]
+    server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
+    with pid_files:
+        server.run()  # the app's lifespan stops every model's process on the way out
+    print(msg("serve.stopped"), file=sys.stderr)
+    return 0
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -10,7 +10,6 @@ can stop the server.
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kiln.server.chat_output import ChatFormat
 from kiln.server.embeddings_protocol import EmbeddingResponse, RerankResponse
 from kiln.server.errors import APIError, ClientGone, validation_error
-from kiln.server.http import BodyTooLarge, Cors, HttpLimits
+from kiln.server.http import BodyTooLarge, Cors, HttpLimits, api_key_guard
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import (
     ChatCompletionChunk,
@@ -106,16 +105,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
         log.exception("unhandled error", exc_info=exc)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                    api_key.encode()):
-            raise APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
-
+    check_api_key = api_key_guard(api_key)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     store = responses.ResponseStore(responses_store_size)
     for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv),

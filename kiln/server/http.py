@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
 
 from kiln.server.errors import APIError
 
@@ -133,3 +136,19 @@ class Cors:
             return None
         return cls(s["allowed_origins"], s["allowed_methods"], s["allowed_headers"],
                    s["allow_credentials"])
+
+
+def api_key_guard(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that guards /v1/* (and the routes that render prompts): with a key,
+    `Authorization: Bearer <key>` compared in constant time, else a 401."""
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
+                                                                    api_key.encode()):
+            raise APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    return check_api_key
