@@ -10,7 +10,7 @@ MODEL   ?=
 #   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: install serve test test-all lint clean
+.PHONY: install serve test test-all lint clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,13 +26,25 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m kiln.layers.cpu_kernels
 	touch $(STAMP)
 
+# Debian packages the tests use: espeak-ng makes test speech for the transcription tests.
+# Installed only where missing and apt-get can run (root); elsewhere those tests skip, saying why.
+SYSTEM_PKGS := espeak-ng
+system-deps:
+	@missing=""; for p in $(SYSTEM_PKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing (apt-get)"; \
+		(apt-get install -y -qq --no-install-recommends $$missing || \
+		 (apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing)) \
+		 || echo "could not install$$missing: the tests that need them will skip"; \
+	fi
+
 install: $(STAMP)
 
 serve: install
 	$(BIN)/kiln serve $(MODEL) --host $(HOST) --port $(PORT)
 
 # Lint first (seconds): a finding fails the run before the tests start.
-test: install lint
+test: install system-deps lint
 	$(BIN)/python -m pytest -q
 
 lint: install
