@@ -294,6 +294,11 @@ SETTINGS: list[Setting] = [
     Setting("allow_credentials", parse_bool, False,
             "CORS: allow cookies / credentials from those origins", ("--allow-credentials",),
             affects="server", group="server", engines=("kiln",)),
+    # The browser pages (kiln/ui/): a chat at / and a dashboard at /dashboard.
+    Setting("ui", parse_bool, True,
+            "serve the chat page at / and the dashboard at /dashboard (--no-ui: neither)",
+            ("--ui",), neg_flags=("--no-ui",), affects="server", group="server",
+            engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),
