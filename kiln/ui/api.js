@@ -36,11 +36,12 @@ const KilnAPI = (() => {
     return err;
   }
 
-  // GET a JSON path; on 401 ask for the key once and try again.
+  // GET a JSON path; on 401 ask for the key (unless the dialog was dismissed: the dashboard
+  // polls every second) and try again.
   async function getJSON(path) {
     for (let attempt = 0; ; attempt++) {
       const r = await fetch(path, { headers: headers() });
-      if (r.status === 401 && attempt === 0 && (await askKey(true))) continue;
+      if (r.status === 401 && attempt === 0 && !declined && (await askKey(true))) continue;
       if (!r.ok) throw await errorOf(r);
       return r.json();
     }
@@ -49,6 +50,7 @@ const KilnAPI = (() => {
   // The key dialog (a <dialog id="key-dialog"> on each page). Resolves true when a key was
   // saved. `rejected`: the server refused the key there is (or that there is none).
   let pending = null;
+  let declined = false;
   function askKey(rejected) {
     const dialog = document.getElementById("key-dialog");
     if (!dialog) return Promise.resolve(false);
@@ -65,6 +67,7 @@ const KilnAPI = (() => {
         dialog.querySelector(".key-cancel").onclick = null;
         dialog.close();
         pending = null;
+        declined = !ok;
         resolve(ok);
       };
       dialog.querySelector("form").onsubmit = (e) => {
