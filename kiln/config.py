@@ -397,6 +397,11 @@ SETTINGS: list[Setting] = [
             "with --models: seconds a request waits for its model to load before a 503",
             ("--model-load-timeout",), affects="server", group="server", metavar="SECONDS",
             engines=("kiln",)),
+    # The browser pages (kiln/ui/): a chat at / and a dashboard at /dashboard.
+    Setting("ui", parse_bool, True,
+            "serve the chat page at / and the dashboard at /dashboard (--no-ui: neither)",
+            ("--ui",), neg_flags=("--no-ui",), affects="server", group="server",
+            engines=("kiln",)),
     # -- model
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),

@@ -506,10 +506,10 @@ def test_concurrent_streams_all_complete(server: Server) -> None:
 def tiny_queue_server(
     tmp_path_factory: pytest.TempPathFactory, gguf_path: Path, server: Server
 ) -> Iterator[Server]:
-    # One running sequence and one waiting slot: the third request must be refused.
-    yield from _serve(
-        tmp_path_factory.mktemp("serve-q"), gguf_path, "--max-num-seqs", "1", "--max-queue", "1"
-    )
+    # One running sequence and one waiting slot: the third request must be refused. (--no-ui
+    # rides along: a second server just for it would cost a model load.)
+    yield from _serve(tmp_path_factory.mktemp("serve-q"), gguf_path, "--max-num-seqs", "1",
+                      "--max-queue", "1", "--no-ui")
 
 
 def test_full_queue_is_503_and_held_requests_are_freed(tiny_queue_server: Server) -> None:
@@ -670,6 +670,84 @@ def test_metrics_carry_vllm_names_types_and_request_histograms(
                 "vllm:time_to_first_token_seconds_bucket", le="0.001") >= 0
     assert (("vllm:request_prompt_tokens_bucket", (("le", "1000.0"), ("model_name", NAMES[0])))
             in after["vllm:request_prompt_tokens"])
+
+
+# -- the web pages (the browser tests: tests/test_ui.py) -------------------------------------------
+
+
+def test_pages_are_html_that_loads_nothing_from_elsewhere(server: Server) -> None:
+    """/ and /dashboard, and every file they load, name no other origin; the browser is told
+    so too (Content-Security-Policy), and the API's routes are still where they were."""
+    assets: set[str] = set()
+    for path in ("/", "/dashboard"):
+        r = httpx.get(f"{server.base_url}{path}", timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert "default-src 'self'" in r.headers["content-security-policy"]
+        refs = re.findall(r"""(?:src|href)=["']([^"']+)["']""", r.text)
+        assert refs and all(u.startswith("/") and not u.startswith("//") for u in refs), refs
+        assert not re.search(r"https?://", r.text)
+        assets |= {u for u in refs if u.startswith("/ui/")}
+    assert {"/ui/chat.js", "/ui/dashboard.js", "/ui/markdown.js", "/ui/style.css"} <= assets
+    for asset in assets:
+        r = httpx.get(f"{server.base_url}{asset}", timeout=10)
+        assert r.status_code == 200, asset
+        # (an SVG's xmlns names its namespace; nothing is fetched from it)
+        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)|@import|url\(", r.text), asset
+    assert httpx.get(f"{server.base_url}/health", timeout=10).json()["status"] == "ok"
+    assert httpx.get(f"{server.base_url}/v1/models", timeout=10).status_code == 401
+    assert "/" not in httpx.get(f"{server.base_url}/openapi.json", timeout=10).json()["paths"]
+
+
+def test_dashboard_stats_are_the_metrics_registry_by_model(server: Server, client: Any) -> None:
+    """The fields the dashboard reads, equal to what /metrics says at the same moment."""
+    client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=3, temperature=0)
+    _wait_idle(server)
+    url = f"{server.base_url}/v1/dashboard/stats"
+    assert httpx.get(url, timeout=10).status_code == 401  # behind the key, as /v1 is
+    stats = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()
+    scrape = _scrape(server)
+    assert stats["time"] > 0 and stats["version"]
+    m = stats["models"][0]
+    assert m["name"] == NAMES[0] and m["served_names"] == NAMES
+    assert m["max_model_len"] == MAX_MODEL_LEN
+    assert set(m["gauges"]) >= {"running", "waiting", "kv_usage"}
+    assert m["gauges"]["running"] == 0 and 0 <= m["gauges"]["kv_usage"] <= 1
+    for field, family, sample in (
+            ("generation_tokens", "kiln:generation_tokens", "kiln:generation_tokens_total"),
+            ("prompt_tokens", "kiln:prompt_tokens", "kiln:prompt_tokens_total"),
+            ("prefix_cache_queries", "kiln:prefix_cache_queries",
+             "kiln:prefix_cache_queries_total"),
+            ("prefix_cache_hits", "kiln:prefix_cache_hits", "kiln:prefix_cache_hits_total")):
+        assert m["counters"][field] == _one(scrape[family], sample), field
+    assert m["counters"]["generation_tokens"] >= 3
+    for key, family in (("ttft", "vllm:time_to_first_token_seconds"),
+                        ("itl", "vllm:inter_token_latency_seconds")):
+        h = m["histograms"][key]
+        assert len(h["counts"]) == len(h["bounds"]) + 1 and h["bounds"] == sorted(h["bounds"])
+        assert h["counts"] == sorted(h["counts"])  # cumulative
+        assert h["count"] == h["counts"][-1] == _one(scrape[family], f"{family}_count") > 0
+        assert h["counts"][0] == _one(scrape[family], f"{family}_bucket", le=str(h["bounds"][0]))
+
+
+def test_dashboard_config_is_the_effective_config_with_sources(server: Server) -> None:
+    r = httpx.get(f"{server.base_url}/v1/dashboard/config",
+                  headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    settings = r.json()["settings"]
+    assert settings == json.loads(server.effective_config.read_text())["settings"]
+    assert settings["dtype"]["value"] == "float32" and settings["dtype"]["source"] == "cli"
+    assert settings["api_key"]["value"] == "***"
+    assert settings["ui"] == {"value": True, "source": "default", "affects": "server",
+                              "reason": "kiln's default"}
+
+
+def test_no_ui_turns_the_pages_off_and_leaves_the_api(tiny_queue_server: Server) -> None:
+    base = tiny_queue_server.base_url
+    for path in ("/", "/dashboard", "/ui/chat.js"):
+        r = httpx.get(f"{base}{path}", timeout=10)
+        assert r.status_code == 404 and "error" in r.json(), path
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{base}/v1/dashboard/stats", timeout=10,
+                     headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 
 # -- shutdown ------------------------------------------------------------------------------------

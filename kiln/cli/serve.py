@@ -223,7 +223,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                     limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
                     responses_store_size=s["responses_store_size"],
                     coalesce_system=s["interleaved_system_coalescing"],
-                    chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s))
+                    chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s),
+                    ui_pages=s["ui"], effective_config=lambda: startup.effective_config(sp, "ok"))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 
@@ -238,7 +239,9 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
             "ready in": f"{time.monotonic() - sp.started:.1f} s",
         }
 
-    return _run_server(sp, app, aengine, names, details)
+    pages = ["GET /", "GET /dashboard"] if s["ui"] else []  # the chat page, the dashboard
+    return _run_server(sp, app, aengine, names, details,
+                       ["POST /v1/chat/completions", "POST /v1/completions", *pages])
 
 
 def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> int:
@@ -261,7 +264,8 @@ def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> i
     app = build_app(eng, tokenizer, names, api_key=s["api_key"],  # type: ignore[arg-type]
                     max_model_len=emb.max_len, version=__version__,
                     limits=RequestLimits.from_settings(s), kind="embed", embedder=eng,
-                    cors=Cors.from_settings(s))
+                    cors=Cors.from_settings(s), ui_pages=s["ui"],
+                    effective_config=lambda: startup.effective_config(sp, "ok"))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 

@@ -10,6 +10,7 @@ can stop the server.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -35,7 +36,7 @@ from kiln.server.protocol import (
 )
 from kiln.server.request_params import RequestLimits
 from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
-from kiln.server.routes import admin, embeddings, generation, responses, tokenize
+from kiln.server.routes import admin, embeddings, generation, responses, tokenize, ui
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
@@ -54,7 +55,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
               faults: Faults | None = None, kind: str = "generate",
               embedder: EmbeddingEngine | None = None, responses_store_size: int = 1024,
               coalesce_system: bool = False, chat: ChatFormat | None = None,
-              cors: Cors | None = None) -> FastAPI:
+              cors: Cors | None = None, ui_pages: bool = True,
+              effective_config: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
@@ -64,7 +66,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
     `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
     parsers, enable_thinking (default: none of them); `cors`: the origins browsers may call from
-    (None: CORS off)."""
+    (None: CORS off); `ui_pages`: the chat page at / and the dashboard (--no-ui: off);
+    `effective_config`: what /v1/dashboard/config shows (startup.effective_config)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
                  version=version, limits=limits, dumper=dumper, faults=faults, kind=kind,
                  embedder=embedder, coalesce_system=coalesce_system, chat=chat)
@@ -106,10 +109,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     check_api_key = api_key_guard(api_key)
+
+    # One registry per app: several apps (tests) in one process keep their own series.
+    metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
+                            max_model_len)
+    engine.finished_listeners.append(metrics.observe)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     store = responses.ResponseStore(responses_store_size)
     for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv),
-              embeddings.router(sv)):
+              embeddings.router(sv), ui.dashboard_router(sv, metrics, effective_config)):
         v1.include_router(r)
     app.include_router(v1)
     # Rerank at the root too, as vLLM and llama-server serve it (behind the key all the same).
@@ -118,11 +126,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     # vLLM serves these at the root; they render prompts, so the key guards them too.
     app.include_router(tokenize.router(sv), dependencies=[Depends(check_api_key)])
     app.include_router(admin.debug_router(sv), dependencies=[Depends(check_api_key)])
-    # One registry per app: several apps (tests) in one process keep their own series.
-    metrics = ServerMetrics(engine.stats, engine.routing_stats, served_model_names[0],
-                            max_model_len)
-    engine.finished_listeners.append(metrics.observe)
     app.include_router(admin.router(sv, metrics))
+    if ui_pages:
+        ui.mount_pages(app)
     _document_responses(app, api_key is not None)
     return app
 
@@ -163,6 +169,8 @@ _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/version": (None, {}),
     "/metrics": (None, {"text/plain": {"schema": {"type": "string"}}}),
     "/debug/kv": (None, {}),
+    "/v1/dashboard/stats": (None, {}),
+    "/v1/dashboard/config": (None, {}),
 }
 
 
@@ -199,7 +207,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 codes = ["500"]
                 if "requestBody" in op:
                     codes += ["400", "404", "503"]
-                elif "{" in path:  # GET by id: an unknown one
+                elif "{" in path or path == "/v1/dashboard/config":  # an unknown id; no config
                     codes.append("404")
                 guarded = (path.startswith(("/v1/", "/debug/"))
                            or path in ("/rerank", "/tokenize", "/detokenize"))
