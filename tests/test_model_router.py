@@ -112,3 +112,16 @@ def test_keep_alive_zero_unloads_after_the_request(router: Server) -> None:
     assert "tiny" not in _loaded(router)
     metrics = httpx.get(f"{router.base_url}/metrics", timeout=10).text
     assert "kiln_router_model_unloads_total" in metrics
+
+
+def test_chat_page_and_dashboard_stats_over_the_router(router: Server) -> None:
+    """The same pages as a single model's server; the dashboard's stats hold each loaded
+    model's series (keyed by model)."""
+    page = httpx.get(f"{router.base_url}/", timeout=10)
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    _complete(router.client(), "smol")
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    stats = httpx.get(f"{router.base_url}/v1/dashboard/stats", headers=key, timeout=10).json()
+    assert [m["name"] for m in stats["models"]] == ["smol"]
+    cfg = httpx.get(f"{router.base_url}/v1/dashboard/config", headers=key, timeout=10)
+    assert cfg.status_code == 200 and "settings" in cfg.json()

@@ -117,7 +117,8 @@ def _serve_router(args: argparse.Namespace) -> int:
                      load_timeout=s["model_load_timeout"], workdir=workdir)
     app = build_router_app(pool, api_key=s["api_key"], version=__version__,
                            max_body_bytes=s["max_request_body_bytes"],
-                           max_header_bytes=s["max_header_bytes"], preload=s["preload"])
+                           max_header_bytes=s["max_header_bytes"], preload=s["preload"],
+                           ui_pages=s["ui"])
     host, port = s["host"], s["port"]
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False,

@@ -5,7 +5,7 @@
                 byte for byte (SSE included); a client that goes away closes the upstream
                 request, so the model's server frees its KV blocks as it would for a direct one
 
-What the router answers itself: /health, /v1/models (every model, loaded or not, with its
+What the router answers itself: the chat page and dashboard (kiln/ui/), /health, /v1/models (every model, loaded or not, with its
 state), /router/models (the pool: pids, ports, memory, for `kiln ps`), /metrics (the loaded
 models' own metrics, families merged, each series labelled with its model_name as vLLM does,
 plus the router's loads and unloads). Errors are OpenAI's JSON like the single-model server's.
@@ -44,7 +44,7 @@ _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encodin
 
 def build_router_app(pool: ModelPool, *, api_key: str | None, version: str,
                      max_body_bytes: int, max_header_bytes: int,
-                     preload: bool = False) -> FastAPI:
+                     preload: bool = False, ui_pages: bool = True) -> FastAPI:
     http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
                              limits=httpx.Limits(max_connections=None,
                                                  max_keepalive_connections=64))
@@ -167,7 +167,43 @@ def build_router_app(pool: ModelPool, *, api_key: str | None, version: str,
         raise APIError(404, f"no stored response {response_id!r} (its model may have been "
                             "unloaded since)", param="response_id")
 
+    async def from_loaded(path: str, request: Request) -> list[httpx.Response]:
+        """GET `path` from every loaded model's server, with the caller's key."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        out = []
+        for child in list(pool.children.values()):
+            if child.ready.is_set() and not child.error:
+                try:
+                    out.append(await http.get(child.url + path, headers=headers, timeout=5.0))
+                except httpx.HTTPError:
+                    continue
+        return out
+
+    # The dashboard (kiln/ui/) over a router: each loaded model's stats side by side (they are
+    # keyed by model already), and the effective config of the model asked for (else the
+    # first loaded): every model has its own.
+    @v1.get("/dashboard/stats")
+    async def dashboard_stats(request: Request) -> dict[str, Any]:
+        models = [m for r in await from_loaded("/v1/dashboard/stats", request)
+                  if r.status_code == 200 for m in r.json().get("models", [])]
+        return {"time": time.time(), "version": version, "models": models}
+
+    @v1.get("/dashboard/config")
+    async def dashboard_config(request: Request, model: str | None = None) -> Response:
+        for child in list(pool.children.values()):
+            if child.ready.is_set() and not child.error and model in (None, child.name):
+                r = await http.get(f"{child.url}/v1/dashboard/config", timeout=5.0,
+                                   headers={k: v for k, v in request.headers.items()
+                                            if k.lower() == "authorization"})
+                return Response(r.content, r.status_code, media_type="application/json")
+        raise APIError(404, "no model is loaded yet: each model's config exists once it runs",
+                       code="not_found")
+
     app.include_router(v1)
+    if ui_pages:  # the same chat page and dashboard as a single model's server
+        from kiln.server.routes.ui import mount_pages
+
+        mount_pages(app)
 
     @app.get("/router/models", dependencies=guard)
     async def router_models() -> dict[str, Any]:
