@@ -4,8 +4,6 @@ batch, the prefix cache kept apart per adapter, and the checks made before any m
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import make_tiny_model

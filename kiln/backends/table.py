@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from kiln.config import BY_NAME, ResolvedSettings, lora_module

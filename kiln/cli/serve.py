@@ -104,6 +104,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.server.chat_output import ChatFormat
     from kiln.server.http import Cors
     from kiln.server.request_params import RequestLimits
+    from kiln.server.routes.lora import LoRAOptions
 
     s = sp.settings
     src = sp.source
@@ -138,7 +139,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                     limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
                     responses_store_size=s["responses_store_size"],
                     coalesce_system=s["interleaved_system_coalescing"],
-                    chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s))
+                    chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s),
+                    lora=LoRAOptions.from_settings(s, engine))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 

@@ -16,7 +16,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
-from kiln.engine.lora import LoRAError, LoRAManager
+from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
 from kiln.engine.model_runner import ModelRunner, PromptLogprobs
 from kiln.engine.output import OutputProcessor, RequestOutput
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
@@ -116,17 +116,14 @@ class Engine:
         self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
         # LoRA adapters (kiln/engine/lora.py), kept with the runner's model: engines that share
-        # a runner (tests) share its adapters. None: LoRA off.
+        # a runner (tests) share its adapters. None: no adapter loaded yet.
         self.lora: LoRAManager | None = None
-        if config.lora_modules or config.enable_lora_runtime_updates:
-            self.lora = self.runner.lora or LoRAManager(
-                self.runner.model, self.runner.dtype, self.runner.device,
-                max_loras=config.max_loras, max_rank=config.max_lora_rank)
-            self.runner.lora = self.lora
-            for item in config.lora_modules:
-                name, path = item.split("=", 1)
-                if name not in self.lora.adapters:
-                    self.lora.load(name, path)
+        for item in config.lora_modules:
+            name, path = item.split("=", 1)
+            if self.runner.lora is not None and name in self.runner.lora.adapters:
+                self.lora = self.runner.lora
+            else:
+                self.load_lora(name, path)
         # MoE routing counters ([] for a dense model), zeroed here: the runner's memory profile
         # ran a dummy prefill through the router, and a reused runner counted earlier engines.
         self._experts = experts_of(self.runner.model)
@@ -173,8 +170,8 @@ class Engine:
         lora_id = 0
         if params.lora is not None:
             if self.lora is None:
-                raise LoRAError(f"LoRA adapter {params.lora!r}: this engine serves no adapters",
-                                hint="start it with --lora NAME=PATH")
+                raise LoRANotFoundError(f"LoRA adapter {params.lora!r} is not loaded (loaded: none)",
+                                hint="load it with --lora NAME=PATH")
             lora_id = self.lora.id_of(params.lora)
         grammar = None
         if params.structured_outputs is not None:
@@ -196,17 +193,18 @@ class Engine:
     def load_lora(self, name: str, path: str) -> None:
         """Loads a PEFT adapter under `name` (/v1/load_lora_adapter); new requests may ask for
         it at once."""
-        if self.lora is None:
-            raise LoRAError("LoRA is off in this engine",
-                            hint="start it with --lora NAME=PATH or --enable-lora-runtime-updates")
+        if self.lora is None:  # the first adapter: the runner's model gets the manager
+            self.lora = self.runner.lora or LoRAManager(
+                self.runner.model, self.runner.dtype, self.runner.device,
+                max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank)
+            self.runner.lora = self.lora
         self.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Drops adapter `name`; refused while requests of it are unfinished (their next steps
         need its weights)."""
         if self.lora is None:
-            raise LoRAError("LoRA is off in this engine",
-                            hint="start it with --lora NAME=PATH or --enable-lora-runtime-updates")
+            raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded (loaded: none)")
         aid = self.lora.id_of(name)
         busy = sum(1 for r in self.scheduler.requests.values() if r.lora_id == aid)
         if busy:

@@ -48,7 +48,16 @@ _FOLDER_HINT = ("a LoRA adapter is a PEFT folder with adapter_config.json and "
 
 class LoRAError(KilnError):
     """An adapter that cannot be served: missing files, a rank over --max-lora-rank, a target
-    kiln does not adapt, an unknown or duplicate name."""
+    kiln does not adapt, a duplicate name, one in use. `field`: what is wrong, the adapter's
+    "path" (its files) or its "name" (the API's lora_path / lora_name)."""
+
+    def __init__(self, message: str, *, hint: str | None = None, field: str = "path") -> None:
+        super().__init__(message, hint=hint)
+        self.field = field
+
+
+class LoRANotFoundError(LoRAError):
+    """No adapter of that name is loaded."""
 
 
 @dataclass
@@ -112,7 +121,7 @@ def inspect_adapter(name: str, path: str | Path, max_rank: int) -> AdapterSpec:
     pairs: dict[str, dict[str, str]] = {}
     rank = 0
     with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
             m = _KEY.match(key)
             if m is None:
                 raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A/B weight",
@@ -233,18 +242,19 @@ class LoRAManager:
         a = self.adapters.get(name)
         if a is None:
             loaded = ", ".join(self.adapters) or "none"
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})",
-                            hint="load it with --lora NAME=PATH or POST /v1/load_lora_adapter")
+            raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})",
+                                    hint="load it with --lora NAME=PATH or POST "
+                                    "/v1/load_lora_adapter", field="name")
         return a.id
 
     def load(self, name: str, path: str | Path) -> LoadedAdapter:
         if name in self.adapters:
             raise LoRAError(f"LoRA adapter {name!r} is already loaded",
-                            hint="unload it first, or load it under another name")
+                            hint="unload it first, or load it under another name", field="name")
         if len(self.adapters) >= self.max_loras:
             raise LoRAError(f"LoRA adapter {name!r}: {len(self.adapters)} adapters are loaded, "
                             f"--max-loras is {self.max_loras}",
-                            hint="unload one, or raise --max-loras")
+                            hint="unload one, or raise --max-loras", field="name")
         spec = inspect_adapter(name, path, self.max_rank)
         per_module = self._place(spec)
         aid = self._next_id
