@@ -316,6 +316,13 @@ class LoRAManager:
                              big_b.to(self.device, self.dtype).contiguous())
         return out
 
+    def detach(self) -> None:
+        """Removes every adapter and hook: the model is the base model again."""
+        for hook in self._hooks.values():
+            hook.handle.remove()
+        self._hooks.clear()
+        self.adapters.clear()
+
     def describe(self) -> list[dict[str, Any]]:
         return [{"name": n, "id": a.id, "path": str(a.spec.path), "rank": a.spec.rank,
                  "targets": list(a.spec.targets)} for n, a in self.adapters.items()]
