@@ -34,7 +34,8 @@ TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a sto
           "a river", "a market", "snow", "a forest", "the first day of school"]
 
 
-def write_adapter(folder: Path, mc, rank: int, seed: int, alpha: float = 16.0) -> Path:
+def write_adapter(folder: Path, mc, rank: int, seed: int, alpha: float = 16.0,
+                  std: float = 0.02) -> Path:
     """A PEFT LoRA folder for the model config `mc` (kiln's ModelConfig): adapter_config.json
     and adapter_model.safetensors under PEFT's key names, A and B random (non-zero)."""
     import torch
@@ -55,8 +56,8 @@ def write_adapter(folder: Path, mc, rank: int, seed: int, alpha: float = 16.0) -
             out, inp = shapes[t]
             part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{t}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * std
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
@@ -107,8 +108,11 @@ def main() -> int:
                 for i, n in enumerate(names)]
         llm = LLM(args.model, lora_modules=mods, max_num_seqs=max(16, args.concurrency),
                   max_lora_rank=max(16, args.rank))
+        print(f"loaded {args.model or 'smollm2'} with {len(names)} adapters of rank "
+              f"{args.rank}", flush=True)
         run(llm, [None], 4, 8, "warm-base")  # first steps build kernels and caches
         run(llm, list(names), 4, 8, "warm-lora")
+        print("warmed up", flush=True)
         rows = []
         for r in range(args.rounds):
             order = ("base", "lora") if r % 2 == 0 else ("lora", "base")

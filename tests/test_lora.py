@@ -256,7 +256,8 @@ SMOL = {"s1": (8, 16, ALL, False), "s2": (4, 8, ["q_proj", "v_proj", "down_proj"
 def smol(tmp_path_factory, gguf_path, smollm2_runner):
     """SmolLM2 as transformers dequantizes its GGUF (fp32) with three PEFT adapters saved to
     folders, and kiln's fp32 engine over the shared runner serving them; the adapters are
-    taken off the shared runner afterwards."""
+    taken off the shared runner afterwards. (Loading the GGUF into transformers takes longer
+    than the default run's budget: the tests that use it are heavy.)"""
     import peft
     import transformers
 
@@ -288,10 +289,12 @@ def smol(tmp_path_factory, gguf_path, smollm2_runner):
                        lora_modules=tuple(f"{n}={p}" for n, p in paths.items()))
     eng = Engine(cfg, runner=smollm2_runner)
     yield ref.eval(), paths, eng
-    smollm2_runner.lora.detach()
-    smollm2_runner.lora = None
+    if smollm2_runner.lora is not None:
+        smollm2_runner.lora.detach()
+        smollm2_runner.lora = None
 
 
+@pytest.mark.heavy
 def test_smollm2_mixed_adapters_match_peft_logits(smol, smollm2_tokenizer):
     """SmolLM2 with three adapters and the base in one batch: each prompt position's
     logprobs (its next token and top 5) equal transformers + peft's within 1e-3."""
@@ -325,14 +328,35 @@ def test_smollm2_mixed_adapters_match_peft_logits(smol, smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def lora_server(tmp_path_factory, gguf_path, smol):
-    """`kiln serve` (fp32, test_server's flags) with adapters s1, s2 named <base>:<name>, and
+def smol_adapters(tmp_path_factory, gguf_path, smollm2_runner):
+    """Three random PEFT folders for SmolLM2 (written directly: the server test compares with
+    kiln's offline engine, not with transformers), and kiln's fp32 engine over the shared
+    runner serving them; the adapters are taken off the shared runner afterwards."""
+    from benchmarks.lora import write_adapter
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+
+    root = tmp_path_factory.mktemp("smol-adapters")
+    paths = {n: write_adapter(root / n, smollm2_runner.model_config, rank, seed=i, std=0.08)
+             for i, (n, rank) in enumerate((("t1", 8), ("t2", 4), ("t3", 16)))}
+    cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_num_seqs=32,
+                       max_num_batched_tokens=512,
+                       lora_modules=tuple(f"{n}={p}" for n, p in paths.items()))
+    yield paths, Engine(cfg, runner=smollm2_runner)
+    if smollm2_runner.lora is not None:
+        smollm2_runner.lora.detach()
+        smollm2_runner.lora = None
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, gguf_path, smol_adapters):
+    """`kiln serve` (fp32, test_server's flags) with adapters t1, t2 named <base>:<name>, and
     runtime updates on."""
     from test_server import _serve
 
-    _, paths, _ = smol
+    paths, _ = smol_adapters
     yield from _serve(tmp_path_factory.mktemp("lora-serve"), gguf_path,
-                      "--lora", f"s1={paths['s1']}", f"s2={paths['s2']}",
+                      "--lora", f"t1={paths['t1']}", f"t2={paths['t2']}",
                       "--lora-model-id-template", "<base>:<name>",
                       "--enable-lora-runtime-updates")
 
@@ -347,7 +371,7 @@ def _offline(eng, prompt_ids: list[int], adapter: str | None, tag: str) -> list[
     return out
 
 
-def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, smol,
+def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, smol_adapters,
                                                                    smollm2_tokenizer):
     """Base and two adapters asked at once through the openai client: each answer's tokens
     are the offline engine's for that adapter. /v1/models lists the adapters with the base as
@@ -359,7 +383,7 @@ def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, s
     import openai
     from test_server import API_KEY, NAMES
 
-    _, paths, eng = smol
+    paths, eng = smol_adapters
     client = lora_server.client()
     prompt = "Write one sentence about the sea."
     ids = smollm2_tokenizer.encode(prompt)
@@ -369,14 +393,14 @@ def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, s
                                       extra_body={"ignore_eos": True})
         return r.choices[0].text
 
-    base, s1, s2 = NAMES[0], f"{NAMES[0]}:s1", f"{NAMES[0]}:s2"
+    base, t1, t2 = NAMES[0], f"{NAMES[0]}:t1", f"{NAMES[0]}:t2"
     models = {m["id"]: m for m in httpx.get(
         f"{lora_server.base_url}/v1/models",
         headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]}
-    assert models[s1]["parent"] == base and models[s2]["root"] == str(paths["s2"])
+    assert models[t1]["parent"] == base and models[t2]["root"] == str(paths["t2"])
     assert models[base]["parent"] is None
     with ThreadPoolExecutor(3) as pool:
-        texts = dict(zip((None, "s1", "s2"), pool.map(ask, [base, s1, s2])))
+        texts = dict(zip((None, "t1", "t2"), pool.map(ask, [base, t1, t2])))
     for adapter, got in texts.items():
         want = smollm2_tokenizer.decode(_offline(eng, ids, adapter, f"off-{adapter}"),
                                          skip_special_tokens=True)
@@ -387,15 +411,15 @@ def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, s
         return httpx.post(f"{lora_server.base_url}/v1/{path}", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {API_KEY}"})
 
-    r = post("load_lora_adapter", {"lora_name": "s3", "lora_path": str(paths["s3"])})
-    assert r.status_code == 200 and "s3" in r.text
-    assert ask(f"{base}:s3") == smollm2_tokenizer.decode(_offline(eng, ids, "s3", "off-s3"),
+    r = post("load_lora_adapter", {"lora_name": "t3", "lora_path": str(paths["t3"])})
+    assert r.status_code == 200 and "t3" in r.text
+    assert ask(f"{base}:t3") == smollm2_tokenizer.decode(_offline(eng, ids, "t3", "off-t3"),
                                                          skip_special_tokens=True)
-    bad = post("load_lora_adapter", {"lora_name": "s4", "lora_path": "/nonexistent/s4"})
+    bad = post("load_lora_adapter", {"lora_name": "t4", "lora_path": "/nonexistent/t4"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     assert "adapter_config.json not found" in bad.json()["error"]["message"]
-    assert post("unload_lora_adapter", {"lora_name": "s3"}).status_code == 200
+    assert post("unload_lora_adapter", {"lora_name": "t3"}).status_code == 200
     with pytest.raises(openai.NotFoundError, match="does not exist"):
-        ask(f"{base}:s3")
-    gone = post("unload_lora_adapter", {"lora_name": "s3"})
+        ask(f"{base}:t3")
+    gone = post("unload_lora_adapter", {"lora_name": "t3"})
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
