@@ -95,6 +95,53 @@ def parse_str_list(value: Any) -> list[str]:
     return [v for v in str(value).split(",") if v]
 
 
+def lora_module(item: str) -> tuple[str, str]:
+    """One LoRA adapter as vLLM's --lora-modules takes it: 'NAME=PATH', a bare PATH (named after
+    its folder) or the JSON form '{"name": ..., "path": ...}' -> (name, path)."""
+    text = str(item).strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"LoRA module {text!r} is not valid JSON: {e}") from None
+        name, path = obj.get("name"), obj.get("path")
+        if not (isinstance(name, str) and isinstance(path, str)):
+            raise ValueError(f"LoRA module {text!r} needs string fields name and path")
+    elif "=" in text:
+        name, path = text.split("=", 1)
+    else:
+        path, name = text, Path(text.rstrip("/")).name
+    if not name or not path or "=" in name:
+        raise ValueError(f"LoRA module {text!r} must be NAME=PATH")
+    return name, path
+
+
+def parse_lora_modules(value: Any) -> list[str]:
+    """--lora-modules / --lora values (repeatable, several per flag; comma-separated or a JSON
+    list in env and config) -> ['name=path', ...], names unique."""
+    def items(v: Any) -> list[str]:
+        if isinstance(v, (list, tuple)):
+            return [x for e in v for x in items(e)]
+        text = str(v).strip()
+        if text.startswith("["):
+            import json
+
+            return [json.dumps(e) if isinstance(e, dict) else str(e) for e in json.loads(text)]
+        if text.startswith("{"):
+            return [text]
+        return [t for t in text.split(",") if t.strip()]
+
+    out: dict[str, str] = {}
+    for item in items(value):
+        name, path = lora_module(item)
+        if name in out:
+            raise ValueError(f"LoRA adapter name {name!r} given twice")
+        out[name] = path
+    return [f"{n}={p}" for n, p in out.items()]
+
+
 def parse_http_list(value: Any) -> list[str]:
     """vLLM's spelling of an HTTP list, a JSON list ('["GET", "POST"]'), or 'GET,POST'."""
     if isinstance(value, list):
@@ -273,6 +320,7 @@ class Setting:
     engines: tuple[str, ...] = ("kiln", "vllm", "sglang")
     # The flag may be given several times; the values are collected into one list.
     repeatable: bool = False
+    nargs: str | None = None  # argparse's: "+" takes several values per flag (vLLM's lists)
 
     @property
     def env_var(self) -> str:
@@ -502,13 +550,26 @@ SETTINGS: list[Setting] = [
             "HOST:PORT of the rank-0 node, the same on every node (SGLang multi-node)",
             ("--dist-init-addr",), affects="correctness", metavar="HOST:PORT",
             engines=("vllm", "sglang")),
-    # -- LoRA and speculative decoding (external engines)
-    Setting("lora_modules", parse_str_list, None,
-            "LoRA adapters to serve, comma-separated NAME=PATH (a bare PATH is named after its "
-            "folder)", ("--lora-modules",), affects="correctness", metavar="NAME=PATH",
-            engines=("vllm", "sglang")),
-    Setting("max_lora_rank", positive_int, None, "largest LoRA rank the engine must hold",
-            ("--max-lora-rank",), affects="memory", engines=("vllm", "sglang")),
+    # -- LoRA adapters (kiln's engine: kiln/engine/lora.py; handed to vLLM / SGLang)
+    Setting("lora_modules", parse_lora_modules, None,
+            "LoRA adapter(s) to serve: NAME=PATH (a PEFT folder; a bare PATH is named after its "
+            "folder) or vLLM's JSON {\"name\": ..., \"path\": ...}; several per flag, and the "
+            "flag repeatable", ("--lora-modules", "--lora"), affects="correctness",
+            metavar="NAME=PATH", nargs="+", repeatable=True),
+    Setting("lora_model_id_template", str, "<name>",
+            "the model id a LoRA adapter is asked for by: <name> (the adapter's) and <base> "
+            "(the served model name), e.g. '<base>:<name>'", ("--lora-model-id-template",),
+            affects="server", metavar="TEMPLATE"),
+    Setting("max_loras", positive_int, 8,
+            "most LoRA adapters loaded at once (kiln's engine mixes all of them in one batch; "
+            "vLLM / SGLang: adapters per batch)", ("--max-loras",), affects="memory"),
+    Setting("max_lora_rank", positive_int, 16, "largest LoRA rank an adapter may have",
+            ("--max-lora-rank",), affects="memory"),
+    Setting("enable_lora_runtime_updates", parse_bool, False,
+            "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING)", ("--enable-lora-runtime-updates",),
+            affects="server"),
+    # -- speculative decoding (external engines)
     Setting("speculative_model", str, None,
             "draft model for speculative decoding (folder or Hugging Face id)",
             ("--speculative-model",), affects="performance", engines=("vllm", "sglang")),
@@ -834,6 +895,11 @@ class EngineConfig:
     profile_sample_rate: float = _table_default("profile_sample_rate")
     scheduler_trace_jsonl: str | None = None
     diagnostic_faults: tuple[Any, ...] = ()
+    # LoRA adapters (kiln/engine/lora.py): NAME=PATH each, loaded at startup
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = _table_default("max_loras")
+    max_lora_rank: int = _table_default("max_lora_rank")
+    enable_lora_runtime_updates: bool = _table_default("enable_lora_runtime_updates")
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

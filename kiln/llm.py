@@ -15,7 +15,7 @@ engine's one output processor: stop strings end a request in the engine, as on t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +69,18 @@ class LLM:
 
         return startup.effective_config(self.plan, "ok")
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads a PEFT LoRA adapter folder under `name` (as `lora_modules=["name=path"]`)."""
+        self.engine.load_lora(name, path)
+
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Runs every prompt (x params.n) to completion, batched; outputs in prompt order."""
+                 params: SamplingParams | None = None, *, lora: str | None = None
+                 ) -> list[RequestOutput]:
+        """Runs every prompt (x params.n) to completion, batched; outputs in prompt order.
+        `lora`: the name of a loaded LoRA adapter to run them with (None: the base model)."""
         params = params or SamplingParams()
+        if lora is not None:
+            params = replace(params, lora=lora)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         results: list[RequestOutput] = []
@@ -104,8 +112,9 @@ class LLM:
         return results
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | None = None) -> list[RequestOutput]:
+             params: SamplingParams | None = None, *, lora: str | None = None
+             ) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
                    for c in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, lora=lora)

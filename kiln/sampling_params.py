@@ -62,6 +62,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
+    # The LoRA adapter (its loaded name, kiln/engine/lora.py) this request runs; None: the base
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

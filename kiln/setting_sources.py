@@ -51,7 +51,7 @@ def add_setting_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ..
                                  help=f"turn off: {s.help}")
         else:
             grp.add_argument(*s.flags, dest=s.name, action=_Record, default=argparse.SUPPRESS,
-                             choices=s.choices, metavar=s.metavar,
+                             choices=s.choices, metavar=s.metavar, nargs=s.nargs,
                              help=f"{s.help} (default: {s.default if s.auto is None else 'auto'}) "
                              f"{env}")
 

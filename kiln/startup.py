@@ -217,11 +217,30 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
                    source=s.source("device"))
     if s["engine"] == "kiln":
         _check_kiln_engine_supports(s)
+        sp.phase = "lora"
+        _check_lora_adapters(s)
+        sp.phase = "device"
         _check_kind(s, mc)
         _plan_expert_placement(sp)
         if not args.dry_run:
             _install_stages(s)
     return sp
+
+
+def _check_lora_adapters(s: C.ResolvedSettings) -> None:
+    """kiln's engine: every --lora adapter's folder read and checked (files, rank, targets)
+    before any model work, so a typo fails in a second, not after the weights load."""
+    adapters = s["lora_modules"] or []
+    if not adapters:
+        return
+    from kiln.engine.lora import inspect_adapter
+
+    if len(adapters) > s["max_loras"]:
+        raise C.ConfigError(f"{len(adapters)} LoRA adapters given, --max-loras is "
+                            f"{s['max_loras']}", hint=f"pass --max-loras {len(adapters)}")
+    for item in adapters:
+        name, path = item.split("=", 1)
+        inspect_adapter(name, path, s["max_lora_rank"])
 
 
 def _model_kind(sp: StartupPlan, mc: Any) -> tuple[str, str]:
@@ -307,6 +326,8 @@ def commit_to_kiln(sp: StartupPlan) -> None:
     assert sp.settings is not None
     phase, sp.phase = sp.phase, "device"
     _check_kiln_engine_supports(sp.settings)
+    sp.phase = "lora"
+    _check_lora_adapters(sp.settings)
     sp.phase = phase
     open_for_kiln(sp)
 

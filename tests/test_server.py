@@ -297,6 +297,13 @@ def test_unknown_model_is_404(server: Server, client: Any) -> None:
     assert err["error"]["type"] == "NotFoundError" and err["error"]["code"] == "model_not_found"
 
 
+
+def test_lora_updates_without_the_flag_are_404_naming_it(server: Server) -> None:
+    r = _raw(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a"})
+    assert r.status_code == 404
+    assert "--enable-lora-runtime-updates" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -190,10 +190,14 @@ def test_kiln_engine_rejects_multi_gpu_settings(capsys):
 
 
 def test_kiln_engine_rejects_settings_only_external_engines_honour(capsys):
-    assert main(["serve", "--dry-run", "--lora-modules", "a=/tmp/a"]) != 0
+    assert main(["serve", "--dry-run", "--dist-init-addr", "10.0.0.1:5000"]) != 0
     err = capsys.readouterr().err
-    assert "--lora-modules is not supported by kiln's own engine" in err
+    assert "--dist-init-addr is not supported by kiln's own engine" in err
     assert "--engine vllm or --engine sglang" in err
+    # LoRA adapters are kiln's too now: the folder is checked instead
+    assert main(["serve", "--dry-run", "--lora-modules", "a=/nonexistent/a"]) != 0
+    assert "LoRA adapter 'a' (/nonexistent/a): adapter_config.json not found" in \
+        capsys.readouterr().err
     # kiln's engine splits experts too; on a dense model there is nothing to split: a warning.
     assert main(["serve", "--dry-run", "--cpu-offload-experts"]) == 0
     out = capsys.readouterr().out

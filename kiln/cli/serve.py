@@ -190,6 +190,7 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     from kiln.server.chat_output import ChatFormat
     from kiln.server.http import Cors
     from kiln.server.request_params import RequestLimits
+    from kiln.server.routes.lora import LoRAOptions
 
     s = sp.settings
     src = sp.source
@@ -225,7 +226,8 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
                     responses_store_size=s["responses_store_size"],
                     coalesce_system=s["interleaved_system_coalescing"],
                     chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s),
-                    ui_pages=s["ui"], effective_config=lambda: startup.effective_config(sp, "ok"))
+                    ui_pages=s["ui"], effective_config=lambda: startup.effective_config(sp, "ok"),
+                    lora=LoRAOptions.from_settings(s, engine))
     trace.stage("ready")
     startup.write_artifacts(sp, "ok")
 

@@ -180,6 +180,16 @@ class AsyncEngine:
         self._commands.put(("kv_report", fut, loop))
         return await asyncio.wait_for(fut, timeout)
 
+    async def call(self, fn: Callable[[Engine], Any], timeout: float = 300.0) -> Any:
+        """`fn(engine)` on the engine thread between two steps (loading a LoRA adapter): its
+        result, or what it raised."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._commands.put(("call", fn, fut, loop))
+        return await asyncio.wait_for(fut, timeout)
+
     def routing_stats(self) -> dict[int, list[int]]:
         """{MoE layer: tokens routed to each expert} as of the last step ({} for a dense
         model); see Engine.routing_stats."""
@@ -277,6 +287,13 @@ class AsyncEngine:
             _, fut, loop = cmd
             report = self.engine.kv_report()
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(report))
+        elif kind == "call":
+            _, fn, fut, loop = cmd
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - raised again in the caller's task
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, fut, result, error)
         self._snapshot(self.engine)
 
     def _check_integrity(self, eng: Engine) -> None:
@@ -312,6 +329,15 @@ class AsyncEngine:
             batches.setdefault(loop, []).append((q, out))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():  # the caller timed out
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
+from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
 from kiln.engine.model_runner import ModelRunner, PromptLogprobs
 from kiln.engine.output import OutputProcessor, RequestOutput
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
@@ -114,6 +115,15 @@ class Engine:
             if tokenizer is not None else None)
         self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
+        # LoRA adapters (kiln/engine/lora.py), kept with the runner's model: engines that share
+        # a runner (tests) share its adapters. None: no adapter loaded yet.
+        self.lora: LoRAManager | None = None
+        for item in config.lora_modules:
+            name, path = item.split("=", 1)
+            if self.runner.lora is not None and name in self.runner.lora.adapters:
+                self.lora = self.runner.lora
+            else:
+                self.load_lora(name, path)
         # MoE routing counters ([] for a dense model), zeroed here: the runner's memory profile
         # ran a dummy prefill through the router, and a reused runner counted earlier engines.
         self._experts = experts_of(self.runner.model)
@@ -157,6 +167,12 @@ class Engine:
             raise KilnError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if request_id in self.scheduler.requests:
             raise KilnError(f"request id {request_id!r} is already in use")
+        lora_id = 0
+        if params.lora is not None:
+            if self.lora is None:
+                raise LoRANotFoundError(f"LoRA adapter {params.lora!r} is not loaded (loaded: none)",
+                                hint="load it with --lora NAME=PATH")
+            lora_id = self.lora.id_of(params.lora)
         grammar = None
         if params.structured_outputs is not None:
             if self.structured is None:
@@ -167,12 +183,34 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_ids=self.eos_token_ids,
                       cache_salt=cache_salt, session_id=session_id or None, group=group,
-                      grammar=grammar)
+                      grammar=grammar, lora_id=lora_id)
         limit = self.max_model_len - n
         req.max_tokens = min(params.max_tokens or limit, limit)
         self.output.add(req)
         self.scheduler.add_request(req)
         return req
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads a PEFT adapter under `name` (/v1/load_lora_adapter); new requests may ask for
+        it at once."""
+        if self.lora is None:  # the first adapter: the runner's model gets the manager
+            self.lora = self.runner.lora or LoRAManager(
+                self.runner.model, self.runner.dtype, self.runner.device,
+                max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank)
+            self.runner.lora = self.lora
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drops adapter `name`; refused while requests of it are unfinished (their next steps
+        need its weights)."""
+        if self.lora is None:
+            raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded (loaded: none)")
+        aid = self.lora.id_of(name)
+        busy = sum(1 for r in self.scheduler.requests.values() if r.lora_id == aid)
+        if busy:
+            raise LoRAError(f"LoRA adapter {name!r} is in use by {busy} unfinished request(s)",
+                            hint="unload it when they finish")
+        self.lora.unload(name)
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)

@@ -244,7 +244,9 @@ class KVCacheManager:
     # ------------------------------------------------------------------ hashing
 
     def _extra_keys(self, req: Request) -> tuple:
-        return (req.cache_salt,) if req.cache_salt else ()
+        # An adapter's KV differs from the base's for the same tokens: never shared.
+        salt = (req.cache_salt,) if req.cache_salt else ()
+        return (*salt, ("lora", req.lora_id)) if req.lora_id else salt
 
     def update_block_hashes(self, req: Request) -> None:
         """Extends `req.block_hashes` to cover every full block of its tokens."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine import memory
+from kiln.engine import lora, memory
 from kiln.engine.compile import CASCADE_MIN_BLOCKS, CASCADE_MIN_ROWS, DecodeGraphs
 from kiln.engine.decisions import RuntimeDecisions, choose_kv_cache_dtype, decide
 from kiln.engine.expert_placement import PlacementPlan, place_experts
@@ -139,6 +139,8 @@ class ModelRunner:
         elif config.compile:  # not even torch._dynamo's import (~2 s) is needed
             log.info("%s", self.decisions.compiled.reason)
         self.compile_seconds = self.graphs.seconds if self.graphs is not None else 0.0
+        # LoRA adapters (kiln/engine/lora.py), attached by the engine when it serves any.
+        self.lora: lora.LoRAManager | None = None
         stage("compiled")  # reached with nothing compiled too: the stage is "past compiling"
         if self.device.type == "cpu":
             memory.release_freed_memory()  # what loading, profiling and compiling freed
@@ -221,11 +223,14 @@ class ModelRunner:
         nd = len(decodes)
         # Decode rows that all start with the same cached blocks attend to them once (cascade).
         shared = self._shared_prefix_blocks(decodes)
+        # Rows of LoRA adapters run the eager modules, whose target linears add their adapters
+        # (the layer kernel and the compiled graphs know only the base weights).
+        adapters = self.lora is not None and any(s.request.lora_id for s in scheduled)
         # A decode-only step runs kiln's layer kernel up to its rows, else the compiled layers
         # padded up to its batch bucket; cascade steps only where their graphs exist.
         graphs = self.graphs
-        kernel = not chunks and 0 < nd <= self.decode_kernel_rows
-        compiled = (not kernel and graphs is not None and not chunks
+        kernel = not chunks and 0 < nd <= self.decode_kernel_rows and not adapters
+        compiled = (not kernel and not adapters and graphs is not None and not chunks
                     and 0 < nd <= graphs.buckets[-1] and (not shared or graphs.cascade))
         padded = next(b for b in graphs.buckets if b >= nd) if compiled else nd
         dec = self._decode_inputs(decodes, padded, shared) if decodes else None
@@ -265,6 +270,14 @@ class ModelRunner:
                 meta.decode_shared = self._to_device(dec.shared)
         input_ids = self._to_device(_cat(id_parts))
         positions = self._to_device(_cat(pos_parts))
+        # Each row's adapter id (0: base), grouped for the LoRA matmuls; rows as laid out above
+        # (decodes, unpadded in an adapter step, then the prefill chunks).
+        lora_step = lora.step_of(np.fromiter(
+            itertools.chain((s.request.lora_id for s in decodes),
+                            itertools.chain.from_iterable(
+                                itertools.repeat(s.request.lora_id, s.num_new_tokens)
+                                for s in chunks)), dtype=np.int64), self.device) \
+            if adapters else None
 
         # Rows of the flattened step whose token ends its sequence: those sample.
         sample_rows: list[int] = []
@@ -285,6 +298,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             marks["prepare"] = t1 - t0
         set_context(meta)
+        lora.set_step(lora_step)
         try:
             if kernel:
                 hidden = self.model(input_ids, positions, layer_call=_kernel_layer_call)
@@ -294,6 +308,7 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         finally:
             set_context(None)
+            lora.set_step(None)
         if marks is not None:
             self._sync()
             t2 = time.perf_counter()

@@ -52,6 +52,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None  # extra key of the prefix-cache hashes: no sharing across salts
+    # LoRA adapter id (kiln/engine/lora.py; 0: the base model), also a prefix-cache extra key
+    lora_id: int = 0
     session_id: str | None = None  # conversation: the session cache pins its prefix between turns
     # The API request it belongs to (its n choices, its prompts): the scheduler shares sequence
     # slots fairly between groups. None: a group of its own.

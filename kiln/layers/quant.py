@@ -541,7 +541,10 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
             continue
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and name != "lm_head":
-                setattr(parent, name, quantize_linear(child, mode, use_kernels))
+                q = quantize_linear(child, mode, use_kernels)
+                # where a packed layer's checkpoint shards lie (LoRA adds per shard)
+                q.shards = dict(getattr(child, "shards", {}))
+                setattr(parent, name, q)
                 n += 1
     _quantize_head(model, mode, use_kernels)
     for m in model.modules():  # anything left dense gets its stashed blocks back

@@ -37,6 +37,8 @@ from kiln.server.protocol import (
 from kiln.server.request_params import RequestLimits
 from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
 from kiln.server.routes import admin, embeddings, generation, responses, tokenize, ui
+from kiln.server.routes import lora as lora_routes
+from kiln.server.routes.lora import LoRAOptions
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
@@ -56,7 +58,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
               embedder: EmbeddingEngine | None = None, responses_store_size: int = 1024,
               coalesce_system: bool = False, chat: ChatFormat | None = None,
               cors: Cors | None = None, ui_pages: bool = True,
-              effective_config: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+              effective_config: Callable[[], dict[str, Any]] | None = None,
+              lora: LoRAOptions | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under every name in `served_model_names` (first is the
     primary; an omitted `model` means it). With `api_key`, /v1/* needs `Authorization: Bearer`.
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
@@ -67,12 +70,18 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
     parsers, enable_thinking (default: none of them); `cors`: the origins browsers may call from
     (None: CORS off); `ui_pages`: the chat page at / and the dashboard (--no-ui: off);
-    `effective_config`: what /v1/dashboard/config shows (startup.effective_config)."""
+    `effective_config`: what /v1/dashboard/config shows (startup.effective_config); `lora`: the
+    LoRA adapters' model ids and runtime updates (None: the LoRA routes answer that runtime
+    updates are off)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
                  version=version, limits=limits, dumper=dumper, faults=faults, kind=kind,
                  embedder=embedder, coalesce_system=coalesce_system, chat=chat)
     app = FastAPI(title="kiln", version=version, docs_url=None, redoc_url=None)
     app.state.kiln = sv
+    lora = lora or LoRAOptions()
+    sv.lora_template = lora.template
+    for name, path in lora.adapters.items():
+        sv.add_adapter(name, path)
 
     app.add_middleware(HttpLimits, limit=sv.limits.max_body_bytes,
                        max_header_bytes=sv.limits.max_header_bytes)
@@ -117,7 +126,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     store = responses.ResponseStore(responses_store_size)
     for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv),
-              embeddings.router(sv), ui.dashboard_router(sv, metrics, effective_config)):
+              embeddings.router(sv), ui.dashboard_router(sv, metrics, effective_config),
+              lora_routes.router(sv, lora)):
         v1.include_router(r)
     app.include_router(v1)
     # Rerank at the root too, as vLLM and llama-server serve it (behind the key all the same).

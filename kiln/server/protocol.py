@@ -483,6 +483,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kiln"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model id (vLLM's)
     max_model_len: int | None = None
 
 

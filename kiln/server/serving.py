@@ -175,6 +175,18 @@ class Serving:
         self.embedder = embedder
         self.coalesce_system = coalesce_system
         self.chat = chat or ChatFormat()  # tool-call / reasoning parsers, enable_thinking
+        # LoRA adapters served (kiln/server/routes/lora.py): model id -> (adapter name, path)
+        self.adapters: dict[str, tuple[str, str]] = {}
+        self.lora_template = "<name>"  # --lora-model-id-template
+
+    def adapter_model_id(self, name: str) -> str:
+        return self.lora_template.replace("<base>", self.names[0]).replace("<name>", name)
+
+    def add_adapter(self, name: str, path: str) -> None:
+        self.adapters[self.adapter_model_id(name)] = (name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.pop(self.adapter_model_id(name), None)
 
     def check_model(self, model: str | None, kind: str = "generate") -> str:
         """The served name `model` asks for; refuses (400) a request for another kind of model
@@ -191,9 +203,10 @@ class Serving:
                            code="wrong_model_kind")
         if model is None:
             return self.names[0]
-        if model not in self.names:
+        if model not in self.names and model not in self.adapters:
             raise APIError(404, f"The model `{model}` does not exist. Served models: "
-                           f"{', '.join(self.names)}", param="model", code="model_not_found")
+                           f"{', '.join([*self.names, *self.adapters])}", param="model",
+                           code="model_not_found")
         return model
 
     def chat_prompt(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
@@ -237,9 +250,13 @@ class Serving:
     def params_for(self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int
                    ) -> SamplingParams:
         try:
-            return to_sampling_params(req, self.max_model_len, prompt_len)
+            params = to_sampling_params(req, self.max_model_len, prompt_len)
         except SamplingParamsError as e:
             raise bad_param(e) from e
+        adapter = self.adapters.get(req.model) if req.model else None
+        if adapter is not None:  # the model id names a LoRA adapter: it runs the request
+            params.lora = adapter[0]
+        return params
 
     async def check_structured(self, req: ChatCompletionRequest | CompletionRequest | None,
                                params: SamplingParams, param: str | None = None) -> None:

@@ -18,12 +18,17 @@ def models_router(sv: Serving) -> APIRouter:
     r = APIRouter()
 
     def card(name: str) -> ModelCard:
+        adapter = sv.adapters.get(name)
+        if adapter is not None:  # as vLLM: root is the adapter's path, parent the base model
+            return ModelCard(id=name, created=sv.created, root=adapter[1], parent=sv.names[0],
+                             max_model_len=sv.max_model_len)
         return ModelCard(id=name, created=sv.created, root=sv.names[0],
                          max_model_len=sv.max_model_len)
 
     @r.get("/models")
     async def models() -> Any:
-        return JSONResponse(ModelList(data=[card(n) for n in sv.names]).model_dump(mode="json"))
+        return JSONResponse(ModelList(data=[card(n) for n in [*sv.names, *sv.adapters]]
+                                      ).model_dump(mode="json"))
 
     # `:path`: a served name may hold slashes (owner/repo), as in OpenAI's ids.
     @r.get("/models/{model_id:path}")
