@@ -208,13 +208,12 @@ def chat_ids(smollm2_tokenizer) -> list[list[int]]:
     return [smollm2_tokenizer.apply_chat_template(m) for m in PROMPTS]
 
 
-def _run(make_engine, tokenizer, ids, params_list, **kw):
+def _run(runner, tokenizer, ids, params_list, **kw):
     from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
 
-    base = make_engine()
-    eng = Engine(EngineConfig(model=base.config.model, dtype="float32", max_num_seqs=32,
-                              max_num_batched_tokens=512, **kw), runner=base.runner,
+    eng = Engine(EngineConfig(model=str(runner.config.model), dtype="float32", max_num_seqs=32,
+                              max_num_batched_tokens=512, **kw), runner=runner,
                  tokenizer=tokenizer)
     outs = {}
     for i, (p, params) in enumerate(zip(ids, params_list)):
@@ -235,7 +234,7 @@ def _run(make_engine, tokenizer, ids, params_list, **kw):
     return outs, eng
 
 
-def test_greedy_output_is_identical_with_ngram_speculation(make_engine, smollm2_tokenizer,
+def test_greedy_output_is_identical_with_ngram_speculation(smollm2_runner, smollm2_tokenizer,
                                                            chat_ids):
     """Code editing and quoting a passage (text that repeats), batched, with a stop string,
     logprobs and max_tokens ending inside a run of accepted drafts."""
@@ -243,8 +242,8 @@ def test_greedy_output_is_identical_with_ngram_speculation(make_engine, smollm2_
     params = [SamplingParams(temperature=0.0, max_tokens=48, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=40, stop=["mills"]),
               SamplingParams(temperature=0.0, max_tokens=29)]
-    plain, _ = _run(make_engine, smollm2_tokenizer, ids, params)
-    spec, eng = _run(make_engine, smollm2_tokenizer, ids, params, speculative_method="ngram",
+    plain, _ = _run(smollm2_runner, smollm2_tokenizer, ids, params)
+    spec, eng = _run(smollm2_runner, smollm2_tokenizer, ids, params, speculative_method="ngram",
                      num_speculative_tokens=4)
     for rid in plain:
         assert spec[rid]["ids"] == plain[rid]["ids"], rid
@@ -257,10 +256,78 @@ def test_greedy_output_is_identical_with_ngram_speculation(make_engine, smollm2_
     assert eng.stats.steps < sum(len(v["ids"]) for v in plain.values())
 
 
-def test_sampled_output_with_speculation_is_well_formed(make_engine, smollm2_tokenizer,
+def test_sampled_output_with_speculation_is_well_formed(smollm2_runner, smollm2_tokenizer,
                                                         chat_ids):
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=7)]
-    out, eng = _run(make_engine, smollm2_tokenizer, chat_ids[:1], params,
+    out, eng = _run(smollm2_runner, smollm2_tokenizer, chat_ids[:1], params,
                     speculative_method="ngram", num_speculative_tokens="auto")
     assert len(out["0"]["ids"]) == 24 or out["0"]["fin"] == "stop"
     assert eng.metrics()["spec_num_draft_tokens"] > 0
+
+
+# --------------------------------------------------------------------------- front-ends
+
+
+@pytest.fixture(scope="module")
+def plain_answers(smollm2_runner, smollm2_tokenizer, chat_ids) -> dict[str, str]:
+    """The engine without speculation: the greedy text each front-end must reproduce."""
+    params = [SamplingParams(temperature=0.0, max_tokens=40) for _ in chat_ids]
+    out, _ = _run(smollm2_runner, smollm2_tokenizer, chat_ids, params)
+    return {rid: o["text"] for rid, o in out.items()}
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory, gguf_path):
+    from test_server import _serve
+
+    yield from _serve(tmp_path_factory.mktemp("spec"), gguf_path, "--speculative-method",
+                      "ngram", "--num-speculative-tokens", "auto")
+
+
+def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
+        spec_server, plain_answers):
+    import httpx
+    from test_server import NAMES
+
+    client = spec_server.client()
+    for rid, messages in zip(("0", "1"), PROMPTS):
+        r = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=40,
+                                           temperature=0)
+        assert r.choices[0].message.content == plain_answers[rid], rid
+    stream = client.chat.completions.create(model=NAMES[0], messages=PROMPTS[0], max_tokens=40,
+                                            temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == plain_answers["0"]
+    metrics = httpx.get(f"{spec_server.base_url}/metrics", timeout=10).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values[
+        "vllm:spec_decode_num_draft_tokens_total"]
+    eff = spec_server.effective_config.read_text()
+    assert '"num_speculative_tokens"' in eff
+
+
+@pytest.mark.heavy
+def test_offline_llm_with_ngram_gives_the_plain_greedy_text(gguf_path, plain_answers):
+    from kiln import LLM
+
+    llm = LLM(str(gguf_path), dtype="float32", compile=False, kv_cache_memory=32 << 20,
+              max_model_len=1024, speculative_method="ngram", num_speculative_tokens=4)
+    for rid, messages in zip(("0", "1"), PROMPTS):
+        out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40))
+        assert out[0].outputs[0].text == plain_answers[rid], rid
+    assert llm.engine.metrics()["spec_num_accepted_tokens"] > 0
+
+
+def test_kiln_engine_refuses_a_method_it_does_not_have(gguf_path, smollm2_runner):
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eagle"):
+        Engine(EngineConfig(model=str(gguf_path), dtype="float32", speculative_method="eagle"),
+               runner=smollm2_runner)
+    with pytest.raises(ConfigError, match="--speculative-method ngram"):
+        Engine(EngineConfig(model=str(gguf_path), dtype="float32", num_speculative_tokens=3),
+               runner=smollm2_runner)
