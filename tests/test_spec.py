@@ -144,8 +144,8 @@ def test_rejection_sampling_gives_the_targets_distribution(kw):
     params = SamplingParams(**kw)
     probs = torch.softmax(Sampler._apply_top_k_top_p_min_p(
         row.unsqueeze(0) / params.temperature, [params]), dim=-1)[0].double()
+    reqs = [_req(f"r{i}", **kw) for i in range(N)]
     for draft in (int(probs.argmax()), int(probs.argmin()), int(torch.argsort(probs)[V // 2])):
-        reqs = [_req(f"r{i}", **kw) for i in range(N)]
         drafts = [[draft, 0] for _ in range(N)]
         logits = row.repeat(3 * N, 1)
         tokens, _ = verify(sampler, logits, reqs, drafts)
@@ -238,10 +238,16 @@ def test_greedy_output_is_identical_with_ngram_speculation(smollm2_runner, smoll
                                                            chat_ids):
     """Code editing and quoting a passage (text that repeats), batched, with a stop string,
     logprobs and max_tokens ending inside a run of accepted drafts."""
-    ids = [chat_ids[0], chat_ids[1], chat_ids[0]]
+    from kiln.sampling_params import StructuredOutputsParams
+
+    ids = [chat_ids[0], chat_ids[1], chat_ids[0], chat_ids[1], chat_ids[0]]
     params = [SamplingParams(temperature=0.0, max_tokens=48, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=40, stop=["mills"]),
-              SamplingParams(temperature=0.0, max_tokens=29)]
+              SamplingParams(temperature=0.0, max_tokens=29),
+              # rows that never draft: a grammar, a penalty
+              SamplingParams(temperature=0.0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex="[A-Za-z ]+")),
+              SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)]
     plain, _ = _run(smollm2_runner, smollm2_tokenizer, ids, params)
     spec, eng = _run(smollm2_runner, smollm2_tokenizer, ids, params, speculative_method="ngram",
                      num_speculative_tokens=4)
