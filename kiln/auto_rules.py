@@ -123,6 +123,15 @@ def auto_max_num_seqs(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     return 32, "CPU: batches past ~32 sequences stop raising throughput on few cores"
 
 
+def auto_num_speculative_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("speculative_method") is None and v.get("speculative_model") is None:
+        return None, "speculative decoding is off"
+    if v.get("engine") != "kiln":
+        return None, "the external engine needs a number (--num-speculative-tokens K)"
+    return "auto", ("kiln's engine picks K each step from the acceptance measured so far "
+                    "(kiln/engine/spec.py)")
+
+
 def auto_batched_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if v.get("device") == "cuda":
         return 8192, "GPU: large prefill chunks keep the GPU busy"

@@ -38,6 +38,7 @@ from kiln.auto_rules import (
     auto_lang,
     auto_max_model_len,
     auto_max_num_seqs,
+    auto_num_speculative_tokens,
     auto_quantization,
     auto_threads,
     auto_tp,
@@ -169,6 +170,10 @@ def positive_int(value: Any) -> int:
     if n <= 0:
         raise ValueError(f"must be a positive integer, got {n}")
     return n
+
+
+def positive_int_or_auto(value: Any) -> int | str:
+    return "auto" if str(value).strip().lower() == "auto" else positive_int(value)
 
 
 def non_negative_int(value: Any) -> int:
@@ -574,12 +579,22 @@ SETTINGS: list[Setting] = [
             "draft model for speculative decoding (folder or Hugging Face id)",
             ("--speculative-model",), affects="performance", engines=("vllm", "sglang")),
     Setting("speculative_method", str, None,
-            "speculative decoding method (default: a separate draft model)",
+            "speculative decoding method (default: a separate draft model; kiln's engine: "
+            "ngram, prompt lookup in the request's own tokens)",
             ("--speculative-method",), choices=("draft", "eagle", "eagle3", "ngram", "mtp"),
-            affects="performance", engines=("vllm", "sglang")),
-    Setting("num_speculative_tokens", positive_int, None,
-            "tokens the draft proposes per step", ("--num-speculative-tokens",),
-            affects="performance", engines=("vllm", "sglang")),
+            affects="performance"),
+    Setting("num_speculative_tokens", positive_int_or_auto, None,
+            "tokens the draft proposes per step (kiln's engine: auto follows the measured "
+            "acceptance, 1-8)", ("--num-speculative-tokens",),
+            affects="performance", auto=auto_num_speculative_tokens),
+    Setting("ngram_prompt_lookup_min", positive_int, 2,
+            "ngram speculation: shortest suffix looked up in the request's tokens (vLLM's "
+            "prompt_lookup_min)", ("--ngram-prompt-lookup-min",), affects="performance",
+            engines=("kiln",)),
+    Setting("ngram_prompt_lookup_max", positive_int, 5,
+            "ngram speculation: longest suffix looked up, tried first (vLLM's "
+            "prompt_lookup_max)", ("--ngram-prompt-lookup-max",), affects="performance",
+            engines=("kiln",)),
     # -- hybrid MoE: hot experts on the GPU, the rest on the CPU: kiln's own engine (device pool +
     # CPU pools, kiln/engine/expert_placement.py) or SGLang + kt-kernel. cpu_offload_experts
     # comes first: the kt_* rules read it (its own rule reads only which kt_* were given).
@@ -900,6 +915,11 @@ class EngineConfig:
     max_loras: int = _table_default("max_loras")
     max_lora_rank: int = _table_default("max_lora_rank")
     enable_lora_runtime_updates: bool = _table_default("enable_lora_runtime_updates")
+    # speculative decoding (kiln/engine/spec.py); num_speculative_tokens "auto": from acceptance
+    speculative_method: str | None = None
+    num_speculative_tokens: int | str | None = None
+    ngram_prompt_lookup_min: int = _table_default("ngram_prompt_lookup_min")
+    ngram_prompt_lookup_max: int = _table_default("ngram_prompt_lookup_max")
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

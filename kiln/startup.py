@@ -486,6 +486,11 @@ def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
             hint = "hint_one" if len(spec.engines) == 1 else "hint_many"
             raise C.ConfigError(msg("startup.not_on_kiln", flag=spec.flags[0]),
                                 hint=msg(f"startup.not_on_kiln.{hint}", engines=which))
+    # Speculative decoding kiln's engine cannot do (a method, K without one): refused here,
+    # before any weights load, by the check the engine itself makes.
+    from kiln.engine.spec import spec_config
+
+    spec_config(C.EngineConfig.from_settings(s, ""))
     # kiln's engine honours these at 1 (one device, one machine); the limit is on the value.
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
         r = s.values[name]

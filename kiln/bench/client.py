@@ -179,6 +179,8 @@ class LevelResult:
     records: list[RequestRecord]
     t0: float  # perf_counter of the first measured send
     salt: str
+    # the server's speculative decoding during the level (/metrics deltas); None: off / unknown
+    spec: dict[str, float] | None = None
 
 
 @dataclass
@@ -201,6 +203,7 @@ class BenchResult:
                 {
                     "salt": lv.salt,
                     "summary": lv.summary.to_json(),
+                    "spec_decode": lv.spec,
                     "requests": [r.to_json(lv.t0) for r in lv.records],
                 }
                 for lv in self.levels
@@ -423,6 +426,41 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     )
 
 
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+async def spec_counters(http: Any, base_url: str, api_key: str | None) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its /metrics (vLLM's names, which kiln
+    and vLLM both write); None when it has none (off, or no /metrics)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        r = await http.get(root + "/metrics", headers=BenchClient.headers(api_key))
+    except Exception:  # noqa: BLE001 - a server without /metrics is fine: no report
+        return None
+    if r.status_code != 200:
+        return None
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        for key, name in SPEC_COUNTERS.items():
+            if line.startswith((name + "{", name + " ")):
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out if len(out) == len(SPEC_COUNTERS) else None
+
+
+def spec_delta(before: dict[str, float] | None, after: dict[str, float] | None
+               ) -> dict[str, float] | None:
+    """What the level added: drafts, acceptance rate (accepted / draft tokens) and tokens per
+    drafted step (1 + accepted / drafts)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    d["acceptance_rate"] = d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0
+    d["tokens_per_step"] = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else 1.0
+    return d
+
+
 def level_label(concurrency: int | None, rate: float | None) -> str:
     if concurrency is not None:
         return f"c={concurrency}"
@@ -458,6 +496,7 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
                 await client.closed_loop(warm, min(cfg.warmup, concurrency or cfg.warmup), None)
             sessions = make_sessions(cfg.workload, cfg.num_requests, salt, counter)
             bar = _progress(cfg.num_requests, label, cfg.progress)
+            spec_before = await spec_counters(http, cfg.base_url, cfg.api_key)
             try:
                 t0 = time.perf_counter()
                 deadline = t0 + cfg.max_duration if cfg.max_duration else None
@@ -472,7 +511,9 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
             if records:
                 t0 = min(r.start for r in records)
             summary = summarize(records, label=label, concurrency=concurrency, request_rate=rate)
-            results.append(LevelResult(summary=summary, records=records, t0=t0, salt=salt))
+            spec = spec_delta(spec_before, await spec_counters(http, cfg.base_url, cfg.api_key))
+            results.append(LevelResult(summary=summary, records=records, t0=t0, salt=salt,
+                                       spec=spec))
     return BenchResult(
         config=cfg, model=model, levels=results, started_at=started_at, salt=base_salt
     )

@@ -85,7 +85,14 @@ def format_result(result: BenchResult) -> str:
         head += f"  prefix~{w.prefix_len}"
     if w.kind == "multi-turn":
         head += f"  turns={w.turns}"
-    return head + "\n\n" + format_summaries([lv.summary for lv in result.levels])
+    out = head + "\n\n" + format_summaries([lv.summary for lv in result.levels])
+    spec = [[lv.summary.label, f"{lv.spec['drafts']:.0f}", f"{lv.spec['draft_tokens']:.0f}",
+             f"{lv.spec['acceptance_rate'] * 100:.1f}%", fmt(lv.spec["tokens_per_step"], 2)]
+            for lv in result.levels if lv.spec is not None]
+    if spec:
+        out += ("\n\nspeculative decoding (the server's /metrics over each level):\n"
+                + table(["level", "drafts", "draft tok", "accepted", "tok/step"], spec, left=1))
+    return out
 
 
 def format_offline(result: OfflineResult) -> str:

@@ -17,10 +17,11 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
-from kiln.engine.model_runner import ModelRunner, PromptLogprobs
+from kiln.engine.model_runner import ModelRunner, PromptLogprobs, Sampled, SampledLogprobs
 from kiln.engine.output import OutputProcessor, RequestOutput
-from kiln.engine.request import Request, RequestStatus, TokenLogprob
+from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.engine.spec import Speculator, spec_config
 from kiln.engine.structured import StructuredOutputs
 from kiln.errors import KilnError
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
@@ -124,6 +125,10 @@ class Engine:
                 self.lora = self.runner.lora
             else:
                 self.load_lora(name, path)
+        # Speculative decoding (engine/spec.py): None when off.
+        spec = spec_config(config)
+        self.spec: Speculator | None = (Speculator(spec, self.max_model_len)
+                                        if spec is not None else None)
         # MoE routing counters ([] for a dense model), zeroed here: the runner's memory profile
         # ran a dummy prefill through the router, and a reused runner counted earlier engines.
         self._experts = experts_of(self.runner.model)
@@ -246,14 +251,14 @@ class Engine:
         return outputs
 
     def _execute(self, sched: SchedulerOutput, marks: dict[str, float] | None = None
-                 ) -> tuple[dict[str, int], dict[str, TokenLogprob], PromptLogprobs]:
+                 ) -> tuple[Sampled, SampledLogprobs, PromptLogprobs]:
         """The model step. If it raises, the step's requests cannot go on (their KV is not
         what their counters say): they are aborted, their blocks freed, and `StepFailedError`
         names them, so the front-end fails just those and keeps serving."""
         try:
             if self.faults is not None:
                 self.faults.before_step(self.stats.steps)
-            return self.runner.execute(sched.scheduled, marks)
+            result = self.runner.execute(sched.scheduled, marks)
         except Exception as e:
             ids = [s.request.request_id for s in sched.scheduled]
             for rid in ids:
@@ -263,6 +268,13 @@ class Engine:
             log.error("model step failed; failing its %d request(s): %s: %s", len(ids),
                       type(e).__name__, e)
             raise StepFailedError(ids, e) from e
+        if self.spec is not None:
+            for s in sched.scheduled:
+                if s.spec_token_ids and s.request.request_id in result[0]:
+                    got = result[0][s.request.request_id]
+                    self.spec.record(len(s.spec_token_ids),
+                                     len(got) - 1 if isinstance(got, list) else 0)
+        return result
 
     def _process(self, touched: list[Request], outputs: list[RequestOutput]) -> None:
         for req in touched:
@@ -274,6 +286,8 @@ class Engine:
             if req.is_finished:
                 self.runner.sampler.forget(req.request_id)
                 self.stats.requests_finished += 1
+        if self.spec is not None:  # drafts for the next step, after this one's stops
+            self.spec.propose(self.scheduler.running)
 
     def _profiled_step(self, prof: StepProfiler) -> list[RequestOutput]:
         """`step` with the clock read between phases (a sampled step of --profile-jsonl)."""
@@ -375,7 +389,17 @@ class Engine:
             "session_cache_entries": len(sessions) if sessions else 0,
             "session_cache_pinned_blocks": sessions.num_pinned_blocks if sessions else 0,
             "session_cache_released": sessions.stats.released if sessions is not None else 0,
+            **self.spec_metrics(),
         }
+
+    def spec_metrics(self) -> dict[str, float]:
+        """Speculative decoding's counters ({} when it is off) and the K in use."""
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+                "spec_num_accepted_tokens": st.num_accepted_tokens,
+                "spec_num_speculative_tokens": self.spec.k}
 
     def routing_counts(self) -> torch.Tensor | None:
         """Tokens routed to each expert since this engine started, [len(moe_layers), E] int64

@@ -404,6 +404,17 @@ class KVCacheManager:
         req.block_ids = []
         req.cached_chain = []
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks past the first `blocks_needed(num_tokens)`: the
+        slots rejected draft tokens were written to (speculative decoding). Those blocks lie past
+        the computed tokens, so none of them was published in the prefix cache."""
+        keep = self.blocks_needed(num_tokens)
+        while len(req.block_ids) > keep:
+            b = self.blocks[req.block_ids.pop()]
+            assert b.block_hash is None and b.ref_cnt == 1, f"block {b.block_id} is shared"
+            b.ref_cnt = 0
+            self.free_queue.append(b)
+
     def pin(self, b: KVBlock) -> None:
         if b.ref_cnt == 0:
             self.free_queue.remove(b)

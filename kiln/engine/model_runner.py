@@ -26,6 +26,7 @@ from kiln.engine.memory import KV_DTYPES, MemoryPlan
 from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
+from kiln.engine.spec import sample_with_drafts
 from kiln.errors import ConfigError, DeviceError
 from kiln.layers.attention import (
     INT8_SCALE_DTYPE,
@@ -47,6 +48,9 @@ PROMPT_LOGPROB_ROWS = 256
 
 # request id -> (the prompt position the first entry scores, its TokenLogprobs in order)
 PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
+# request id -> its sampled token; a list (accepted drafts, then one more) for a drafted row
+Sampled = dict[str, int | list[int]]
+SampledLogprobs = dict[str, TokenLogprob | list[TokenLogprob]]
 
 
 class ModelRunner:
@@ -208,9 +212,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
                 marks: dict[str, float] | None = None
-                ) -> tuple[dict[str, int], dict[str, TokenLogprob], PromptLogprobs]:
+                ) -> tuple[Sampled, SampledLogprobs, PromptLogprobs]:
         """One model step over the scheduler's batch; returns the sampled token (and logprobs)
-        of every request whose chunk reached the end of its sequence, and the prompt logprobs
+        of every request whose chunk reached the end of its sequence (a list for a row that
+        verified drafts: engine/spec.py), and the prompt logprobs
         of the prompt tokens this step's rows predict (requests with prompt_logprobs only).
         The only host sync is the sampler's single transfer of the chosen tokens (and, for
         prompt logprobs, theirs). With `marks` (a profiled step), the seconds of its prepare,
@@ -247,7 +252,9 @@ class ModelRunner:
         for s in chunks:
             r = s.request
             start, n = r.num_computed_tokens, s.num_new_tokens
-            id_parts.append(np.asarray(r.token_ids_slice(start, start + n), dtype=np.int64))
+            k = len(s.spec_token_ids)  # draft tokens after the last one (engine/spec.py)
+            id_parts.append(np.asarray(r.token_ids_slice(start, start + n - k)
+                                       + s.spec_token_ids, dtype=np.int64))
             table = np.asarray(r.block_ids, dtype=np.int64)
             ctx_slots = (table[:, None] * bs + self._block_offsets).reshape(-1)[: start + n]
             pos_parts.append(np.arange(start, start + n, dtype=np.int64))
@@ -280,18 +287,22 @@ class ModelRunner:
             if adapters else None
 
         # Rows of the flattened step whose token ends its sequence: those sample.
+        # A row with k drafts samples at its last k + 1 rows (each draft is checked).
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        drafts: list[list[int]] = []
         for i, s in enumerate(decodes):
             if s.sample:
                 sample_rows.append(i)
                 sample_reqs.append(s.request)
+                drafts.append(s.spec_token_ids)
         t = padded
         for s in chunks:
             t += s.num_new_tokens
             if s.sample:
-                sample_rows.append(t - 1)
+                sample_rows.extend(range(t - 1 - len(s.spec_token_ids), t))
                 sample_reqs.append(s.request)
+                drafts.append(s.spec_token_ids)
 
         if marks is not None:
             self._sync()
@@ -325,10 +336,7 @@ class ModelRunner:
         else:
             rows_hidden = hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(rows_hidden)
-        out = self.sampler(logits, sample_reqs)
-        sampled = {r.request_id: tok for r, tok in zip(sample_reqs, out.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, out.logprobs)
-                    if lp is not None}
+        sampled, logprobs = sample_with_drafts(self.sampler, logits, sample_reqs, drafts)
         if marks is not None:
             marks["sample"] = time.perf_counter() - t2  # token ids are on the host: synced
         return sampled, logprobs, prompt_lps

@@ -80,6 +80,10 @@ class Request:
     # params.structured_outputs' matcher (engine/structured.py), made at admission; None:
     # unconstrained, and the sampler's only cost for such a row is testing this for None.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding (engine/spec.py): tokens drafted after the last one, not yet checked.
+    # The scheduler computes them with the rest (they are just more tokens the request lacks);
+    # the step's verification keeps the ones the model agrees with and rolls the others back.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def group_key(self) -> str:

@@ -39,6 +39,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     sample: bool  # this chunk reaches the end of the sequence: a token is sampled
+    # Draft tokens computed after the sequence's last one (the tail of num_new_tokens): the
+    # step verifies them (engine/spec.py). Empty without speculative decoding.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -124,7 +127,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Drafted tokens are just more tokens the request lacks (cut first by the budget).
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -137,8 +141,9 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: the blocks are short, nothing more this step
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n
-                                                  == req.num_tokens))
+            num_spec = req.num_computed_tokens + n - req.num_tokens
+            out.scheduled.append(ScheduledRequest(req, n, num_spec >= 0,
+                                                  req.spec_token_ids[:max(num_spec, 0)]))
             scheduled_ids.add(req.request_id)
             budget -= n
             i += 1
@@ -269,6 +274,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -276,12 +282,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict[str, TokenLogprob] | None = None,
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
+               logprobs: dict[str, TokenLogprob | list[TokenLogprob]] | None = None,
                prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None
                ) -> list[Request]:
         """Advances the scheduled requests by what the model computed; appends sampled tokens and
         finishes requests that hit a stop. Returns the requests that got a token or finished.
+        A row that verified drafts gets a list: the drafts accepted, then the token sampled
+        after them (engine/spec.py); the rejected drafts' KV is rolled back.
         `prompt_logprobs`: request id -> (first prompt position scored, its logprobs)."""
         touched: list[Request] = []
         for s in out.scheduled:
@@ -295,20 +303,37 @@ class Scheduler:
                 self.stats.num_prefill_tokens += s.num_new_tokens
                 self.kv.cache_full_blocks(req)
                 continue
-            self.stats.num_prefill_tokens += s.num_new_tokens - 1
-            token = sampled[req.request_id]
+            num_spec = len(s.spec_token_ids)
+            self.stats.num_prefill_tokens += s.num_new_tokens - 1 - num_spec
+            got = sampled[req.request_id]
+            tokens = got if isinstance(got, list) else [got]
+            lps = logprobs.get(req.request_id) if logprobs is not None else None
+            lp_list = lps if isinstance(lps, list) else [lps] if lps is not None else []
+            if num_spec:
+                # The drafts past the accepted ones were computed on a wrong guess: their KV
+                # is stale, and the blocks that only they reached go back.
+                req.num_computed_tokens -= num_spec - (len(tokens) - 1)
+                self.kv.trim(req, req.num_tokens + len(tokens))
             self.kv.cache_full_blocks(req)  # before appending: only computed tokens are cached
-            req.output_token_ids.append(token)
-            if logprobs is not None and req.request_id in logprobs:
-                req.output_logprobs.append(logprobs[req.request_id])
-            self.stats.num_generated_tokens += 1
-            status = self._check_stop(req, token)
-            if req.grammar is not None:
-                req.grammar.accept(token)
-                if req.grammar.done and status is not RequestStatus.FINISHED_STOPPED:
-                    # Complete: nothing but EOS could follow, so it ends now, this token kept.
-                    status = RequestStatus.FINISHED_GRAMMAR
+            status = None
+            for j, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                if j < len(lp_list):
+                    req.output_logprobs.append(lp_list[j])
+                self.stats.num_generated_tokens += 1
+                status = self._check_stop(req, token)
+                if req.grammar is not None:
+                    req.grammar.accept(token)
+                    if req.grammar.done and status is not RequestStatus.FINISHED_STOPPED:
+                        # Complete: nothing but EOS could follow, so it ends now, token kept.
+                        status = RequestStatus.FINISHED_GRAMMAR
+                if status is not None:
+                    break  # the tokens after a stop are dropped
+            req.spec_token_ids = []
             if status is not None:
+                if num_spec:  # publish the accepted drafts' blocks before they are freed
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    self.kv.cache_full_blocks(req)
                 self.finish(req, status)
             touched.append(req)
         return touched

@@ -69,6 +69,9 @@ METRICS: dict[str, tuple[str, str, str]] = {
                            "Seconds of grammar work: masks filled and applied, matchers advanced."),
     "structured_compiles": ("kiln:structured_output_compiles_total", "counter",
                             "Grammars compiled (structured-output cache misses)."),
+    "spec_num_speculative_tokens": ("kiln:spec_decode_num_speculative_tokens", "gauge",
+                                    ("Draft tokens proposed per step now (K; moves with "
+                                    "--num-speculative-tokens auto).")),
 }
 
 # The same snapshot under vLLM v1's names (same meaning; vLLM's KV usage is a 0..1 fraction too).
@@ -85,6 +88,14 @@ VLLM_SNAPSHOT: dict[str, tuple[str, str, str]] = {
                                     "Prefix cache queries, in terms of number of queried tokens."),
     "prefix_cache_hits_tokens": ("vllm:prefix_cache_hits_total", "counter",
                                  "Prefix cache hits, in terms of number of cached tokens."),
+    # speculative decoding (only with it on): acceptance rate = accepted / draft tokens; tokens
+    # per drafted step = 1 + accepted / drafts
+    "spec_num_drafts": ("vllm:spec_decode_num_drafts_total", "counter",
+                        "Number of spec decoding drafts."),
+    "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "counter",
+                              "Number of draft tokens."),
+    "spec_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens_total", "counter",
+                                 "Number of accepted tokens."),
 }
 
 # MoE routing (labelled by layer, and by expert for the counter), only for an MoE model. The

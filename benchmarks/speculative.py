@@ -1,0 +1,157 @@
+"""Speculative decoding (n-gram) on vs off in kiln's engine, interleaved A/B.
+
+One model load; two engines over the same runner (so the same weights, KV pool and kernels):
+"off" (plain decode) and "on" (--speculative-method ngram, K fixed or auto). Each pair runs
+the same workload on off, then on (the order alternates between pairs, so a drift of the
+machine's load does not favour one side), and reports tokens/s of each and the on/off ratio.
+
+Workloads:
+  single  one stream, a code-editing prompt (rename a variable in ~40 lines of Python and show
+          the whole file): the answer repeats most of the prompt, n-gram's best case
+  c16     16 streams at once (each a code-editing or a passage-quoting prompt): throughput
+
+    python benchmarks/speculative.py [MODEL] --pairs 3 --max-tokens 128 --k 4 --threads 2
+
+Greedy (temperature 0) everywhere; the script also checks that each on/off pair produced the
+same tokens. Results as JSON lines with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+CODE = '''import csv
+from dataclasses import dataclass
+
+
+@dataclass
+class Order:
+    order_id: str
+    customer: str
+    amount: float
+
+
+def load_orders(path):
+    """Read orders from a CSV file with columns order_id, customer, amount."""
+    orders = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            orders.append(Order(row["order_id"], row["customer"], float(row["amount"])))
+    return orders
+
+
+def total_by_customer(orders):
+    """Sum the amount of every order per customer."""
+    totals = {}
+    for order in orders:
+        totals[order.customer] = totals.get(order.customer, 0.0) + order.amount
+    return totals
+
+
+def largest_orders(orders, n=3):
+    """The n orders with the largest amount, largest first."""
+    return sorted(orders, key=lambda order: order.amount, reverse=True)[:n]
+'''
+PASSAGE = ("The harbour of Velmora was built in stone in the twelfth century. Ships from the "
+           "southern islands brought salt, wool and glass to the harbour of Velmora, and the "
+           "merchants of Velmora sent grain and timber back. When the river silted up, the "
+           "harbour of Velmora moved two miles west, and the old quay became a market.")
+EDIT = [{"role": "user", "content": "Rename the variable `order` to `o` everywhere in this code "
+         "and show the whole file:\n\n" + CODE}]
+QUOTE = [{"role": "user", "content": "Repeat this passage word for word, then give it a title:"
+          "\n\n" + PASSAGE}]
+
+
+def run(engine, prompts: list[list[int]], params) -> tuple[float, int, list[list[int]], int]:
+    """Seconds, output tokens, the tokens of each prompt, steps."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", ids, params)
+    outs: dict[str, list[int]] = {}
+    steps0 = engine.stats.steps
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    dt = time.perf_counter() - t0
+    toks = [outs[k] for k in sorted(outs, key=lambda k: int(k.rsplit("-", 1)[1]))]
+    return dt, sum(len(t) for t in toks), toks, engine.stats.steps - steps0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None, help="MODEL (default: the shipped SmolLM2)")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", default="4", help="K, or auto")
+    ap.add_argument("--workloads", default="single,c16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    from kiln import LLM
+    from kiln.engine.engine import Engine
+    from kiln.sampling_params import SamplingParams
+
+    kw = {"max_model_len": 2048, "compile": False}
+    if args.threads:
+        kw["num_threads"] = args.threads
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    llm = LLM(args.model, **kw)
+    off = llm.engine
+    k = None if args.k == "auto" else int(args.k)
+    on = Engine(replace(off.config, speculative_method="ngram",
+                        num_speculative_tokens=k if k is not None else "auto"),
+                runner=off.runner, tokenizer=llm.tokenizer)
+    edit = llm.tokenizer.apply_chat_template(EDIT)
+    quote = llm.tokenizer.apply_chat_template(QUOTE)
+    workloads = {"single": [edit], "c16": [edit if i % 2 == 0 else quote for i in range(16)]}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    print(f"model={llm.engine.config.model} dtype={off.config.dtype} "
+          f"quantization={off.config.quantization} threads={off.config.num_threads} "
+          f"K={args.k} max_tokens={args.max_tokens}", flush=True)
+    run(off, [edit], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    run(on, [edit], SamplingParams(temperature=0.0, max_tokens=4))
+    lines = []
+    for name in args.workloads.split(","):
+        ratios = []
+        for pair in range(args.pairs):
+            res = {}
+            order = (("off", off), ("on", on)) if pair % 2 == 0 else (("on", on), ("off", off))
+            for label, eng in order:
+                before = eng.spec.stats.num_draft_tokens if eng.spec else 0
+                acc0 = eng.spec.stats.num_accepted_tokens if eng.spec else 0
+                dt, n, toks, steps = run(eng, workloads[name], params)
+                res[label] = {"seconds": dt, "tokens": n, "tok_s": n / dt, "steps": steps,
+                              "toks": toks}
+                if eng.spec:
+                    drafted = eng.spec.stats.num_draft_tokens - before
+                    res[label]["acceptance"] = ((eng.spec.stats.num_accepted_tokens - acc0)
+                                                / drafted if drafted else 0.0)
+            same = res["on"].pop("toks") == res["off"].pop("toks")
+            ratio = res["on"]["tok_s"] / res["off"]["tok_s"]
+            ratios.append(ratio)
+            line = {"workload": name, "pair": pair, "same_tokens": same, "ratio": ratio, **res}
+            lines.append(line)
+            print(f"{name} pair {pair}: off {res['off']['tok_s']:.2f} tok/s "
+                  f"({res['off']['steps']} steps), on {res['on']['tok_s']:.2f} tok/s "
+                  f"({res['on']['steps']} steps, acceptance "
+                  f"{res['on'].get('acceptance', 0) * 100:.0f}%), ratio {ratio:.2f}, "
+                  f"same tokens: {same}", flush=True)
+        print(f"{name}: on/off median {statistics.median(ratios):.2f} "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f}, {len(ratios)} pairs)", flush=True)
+    if args.out:
+        with args.out.open("a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Speculative decoding: drafting and verification, inside the scheduler's one rule.
+
+    after a step     Speculator.propose: each running request that is decoding gets up to K
+                     draft tokens in `Request.spec_token_ids` (n-gram lookup in its own tokens)
+    next schedule    the drafts are just more tokens the request lacks: 1 + k tokens, computed
+                     in one forward pass as a short chunk over the request's KV
+    the runner       logits for the k + 1 rows: row j predicts the token after draft j - 1
+    verify           accept the drafts the target agrees with (greedy: the argmax; sampled:
+                     rejection sampling), then one token from the first row not accepted (or
+                     the bonus row after all k) -> 1 .. k + 1 new tokens for that request
+    Scheduler.update rejected drafts roll back `num_computed_tokens`, and the KV blocks only
+                     they reached go back to the pool (KVCacheManager.trim)
+
+Exactness. Greedy: every emitted token is the target's argmax given the tokens before it, so
+the output is the same as without speculation (up to the float differences of a batched step).
+Sampled: the draft distribution of an n-gram proposer is a point mass on the draft token d, so
+standard rejection sampling (Leviathan et al. 2023) reduces to: accept d with probability p(d);
+otherwise draw from p with d removed, renormalised. The emitted token is then distributed as p
+exactly; after all k drafts are accepted, the bonus token is drawn from p of the last row.
+p is the distribution the sampler would draw from (temperature, top-k, top-p, min-p applied).
+
+Which rows draft: those whose next-token distribution does not depend on the tokens sampled in
+the same step, so one step can score all k + 1 positions: no structured-output grammar (its
+mask follows every token; a constrained row gets no drafts), no repetition / presence /
+frequency penalty, and min_tokens already reached. Other rows decode one token as before.
+
+K: fixed (--num-speculative-tokens K), or `auto`: K follows the acceptance measured so far.
+Drafts of one step are accepted in a run that ends at the first rejection, so the per-token
+acceptance rate a is estimated as accepted / (accepted + rejections) (the geometric model's
+estimate, which does not count the drafts after a rejection); the expected run of accepted
+drafts is a / (1 - a), and K is that, rounded, between 1 and AUTO_MAX_K (starting at
+AUTO_START_K), re-estimated every step from decayed counts (half-life ~AUTO_HALF_LIFE drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kiln.config import EngineConfig
+from kiln.engine.request import Request, TokenLogprob
+from kiln.engine.sampler import Sampler, _top_logprobs
+from kiln.errors import ConfigError
+
+AUTO_START_K = 4
+AUTO_MAX_K = 8
+AUTO_HALF_LIFE = 64  # drafts
+
+
+@dataclass
+class SpecConfig:
+    method: str  # "ngram"
+    num_tokens: int | None  # K; None: auto
+    ngram_min: int = 2
+    ngram_max: int = 5
+
+
+@dataclass
+class SpecStats:
+    """Counters for /metrics (vLLM's spec_decode names) and kiln bench."""
+
+    num_drafts: int = 0  # verification rows that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_draft(self) -> float:
+        """Tokens a drafted row emits per step (accepted + the one sampled after)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def spec_config(cfg: EngineConfig) -> SpecConfig | None:
+    """The engine's speculative decoding from its settings; None when off. What kiln's engine
+    cannot do is an error naming the flag, not a silent no-op."""
+    method, k = cfg.speculative_method, cfg.num_speculative_tokens
+    if method is None:
+        if k not in (None, "auto"):
+            raise ConfigError("--num-speculative-tokens needs a speculative method",
+                              hint="add --speculative-method ngram")
+        return None
+    if method != "ngram":
+        raise ConfigError(f"kiln's engine has no speculative method {method!r}",
+                          hint="use --speculative-method ngram, or --engine vllm / sglang")
+    lo, hi = cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
+    if lo > hi:
+        raise ConfigError(f"--ngram-prompt-lookup-min {lo} is above --ngram-prompt-lookup-max "
+                          f"{hi}", hint="give a min no larger than the max")
+    return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi)
+
+
+def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: the longest suffix of `tokens` (n_max down to n_min tokens) that occurred
+    before; the k tokens that followed its latest earlier occurrence. [] when none did."""
+    total = len(tokens)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = tokens[total - n:]
+        # windows starting at 0 .. total - n - 1: every occurrence but the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+def can_draft(req: Request) -> bool:
+    p = req.params
+    return (req.grammar is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+        # decayed counts for the auto K (see the module docstring)
+        self._acc = 0.0
+        self._rej = 0.0
+
+    @property
+    def k(self) -> int:
+        if self.config.num_tokens is not None:
+            return self.config.num_tokens
+        if self._acc + self._rej < 4:
+            return AUTO_START_K
+        a = self._acc / (self._acc + self._rej)
+        run = a / (1.0 - a) if a < 1.0 else float(AUTO_MAX_K)
+        return max(1, min(AUTO_MAX_K, round(run)))
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafts for every running request that is decoding (its KV reaches all but its last
+        token); `spec_token_ids` of the others is left empty."""
+        k_max = self.k
+        for req in running:
+            req.spec_token_ids = []
+            if req.num_computed_tokens != req.num_tokens - 1 or not can_draft(req):
+                continue
+            # no drafts past max_tokens or the context: the step after them could not use them
+            k = min(k_max, req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k <= 0:
+                continue
+            tokens = np.asarray(req.all_token_ids, dtype=np.int64)
+            req.spec_token_ids = ngram_propose(tokens, k, self.config.ngram_min,
+                                               self.config.ngram_max)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One verified row: `num_drafted` drafts, of which the first `num_accepted` held."""
+        st = self.stats
+        st.num_drafts += 1
+        st.num_draft_tokens += num_drafted
+        st.num_accepted_tokens += num_accepted
+        if len(st.accepted_per_pos) < num_drafted:
+            st.accepted_per_pos += [0] * (num_drafted - len(st.accepted_per_pos))
+        for i in range(num_accepted):
+            st.accepted_per_pos[i] += 1
+        decay = 0.5 ** (1.0 / AUTO_HALF_LIFE)
+        self._acc = self._acc * decay + num_accepted
+        self._rej = self._rej * decay + (1 if num_accepted < num_drafted else 0)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request],
+                       drafts: list[list[int]]
+                       ) -> tuple[dict[str, int | list[int]],
+                                  dict[str, TokenLogprob | list[TokenLogprob]]]:
+    """The step's sampling. `logits` has len(drafts[i]) + 1 rows for reqs[i], in order. Rows
+    without drafts go through the sampler as they always did (one token each); the others are
+    verified (`verify`) and get a list: accepted drafts, then the token sampled after them."""
+    if not any(drafts):
+        out = sampler(logits, reqs)
+        return ({r.request_id: t for r, t in zip(reqs, out.token_ids)},
+                {r.request_id: lp for r, lp in zip(reqs, out.logprobs) if lp is not None})
+    plain_rows: list[int] = []
+    spec_rows: list[int] = []
+    plain_reqs: list[Request] = []
+    spec_reqs: list[Request] = []
+    spec_drafts: list[list[int]] = []
+    row = 0
+    for r, d in zip(reqs, drafts):
+        if d:
+            spec_rows.extend(range(row, row + len(d) + 1))
+            spec_reqs.append(r)
+            spec_drafts.append(d)
+        else:
+            plain_rows.append(row)
+            plain_reqs.append(r)
+        row += len(d) + 1
+    sampled: dict[str, int | list[int]] = {}
+    logprobs: dict[str, TokenLogprob | list[TokenLogprob]] = {}
+    if plain_reqs:
+        out = sampler(logits[torch.tensor(plain_rows, device=logits.device)], plain_reqs)
+        for r, t, lp in zip(plain_reqs, out.token_ids, out.logprobs):
+            sampled[r.request_id] = t
+            if lp is not None:
+                logprobs[r.request_id] = lp
+    idx = torch.tensor(spec_rows, device=logits.device)
+    for r, toks, lps in zip(spec_reqs, *verify(sampler, logits[idx], spec_reqs, spec_drafts)):
+        sampled[r.request_id] = toks
+        if lps is not None:
+            logprobs[r.request_id] = lps
+    return sampled, logprobs
+
+
+@torch.no_grad()
+def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]
+           ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+    """Rows: len(drafts[i]) + 1 per request (see `sample_with_drafts`); the requests pass
+    `can_draft`. Returns per request the tokens to append (1 .. k + 1) and their logprobs
+    (None unless asked for)."""
+    dev = logits.device
+    logits = logits[:, : sampler.vocab_size]
+    R = logits.shape[0]
+    row_req = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    # the draft each row is checked against; -1 on each request's last (bonus) row
+    draft_of = torch.tensor([t for d in drafts for t in (*d, -1)], device=dev)
+    has_draft = draft_of >= 0
+    safe_draft = draft_of.clamp(min=0).unsqueeze(1)
+    target = logits.argmax(dim=-1)
+    params = [reqs[i].params for i in row_req]
+    if not all(p.temperature == 0.0 for p in params):
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        probs = torch.softmax(
+            Sampler._apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), params), dim=-1)
+        u = torch.rand(R, 2, device=dev, generator=sampler.generator)
+        for row in [i for i, p in enumerate(params) if p.seed is not None and p.temperature]:
+            # a seeded request draws from its own generator (the same seed, the same tokens)
+            u[row] = torch.rand(2, device=dev, generator=sampler._generator_for(
+                reqs[row_req[row]]))
+        # accept draft d with probability p(d) ...
+        p_draft = probs.gather(1, safe_draft).squeeze(1)
+        accept = has_draft & (u[:, 0] < p_draft)
+        # ... else draw from p without d, renormalised (a bonus row draws from p itself)
+        residual = probs.scatter(1, safe_draft, 0.0) if bool(has_draft.any()) else probs
+        residual = torch.where(has_draft.unsqueeze(1), residual, probs)
+        cdf = residual.cumsum(dim=-1)
+        empty = cdf[:, -1] <= 0  # p(d) == 1: always accepted, the draw is never used
+        cdf = torch.where(empty.unsqueeze(1), probs.cumsum(dim=-1), cdf)
+        drawn = torch.searchsorted(cdf, (u[:, 1] * cdf[:, -1]).unsqueeze(1), right=True)
+        drawn = drawn.squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        greedy = torch.tensor([p.temperature == 0.0 for p in params], device=dev)
+        target = torch.where(greedy, target, torch.where(accept, draft_of, drawn))
+    want_lp = [p.logprobs is not None for p in params]
+    raw = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    targets = target.tolist()  # the one host sync
+
+    tokens: list[list[int]] = []
+    row = 0
+    for d in drafts:
+        emitted: list[int] = []
+        for j in range(len(d) + 1):
+            t = targets[row + j]
+            emitted.append(t)
+            if j == len(d) or t != d[j]:
+                break
+        tokens.append(emitted)
+        row += len(d) + 1
+    logprobs: list[list[TokenLogprob] | None] = [None] * len(reqs)
+    if raw is not None:
+        row = 0
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
+            k = r.params.logprobs
+            if k is not None:
+                n = len(tokens[i])
+                sub = raw[row:row + n]
+                chosen = sub.gather(1, torch.tensor(tokens[i], device=dev).unsqueeze(1))
+                tops = _top_logprobs(sub, k) if k else [[] for _ in range(n)]
+                logprobs[i] = [TokenLogprob(t, v, top) for t, v, top
+                               in zip(tokens[i], chosen.squeeze(1).tolist(), tops)]
+            row += len(d) + 1
+    return tokens, logprobs
