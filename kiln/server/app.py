@@ -36,7 +36,7 @@ from kiln.server.protocol import (
 )
 from kiln.server.request_params import RequestLimits
 from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
-from kiln.server.routes import admin, embeddings, generation, responses, tokenize
+from kiln.server.routes import admin, audio, embeddings, generation, responses, tokenize
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer
 
@@ -61,7 +61,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
     request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's).
     `kind` (kiln/kinds/): what the model serves; with "embed", `embedder` runs /v1/embeddings
-    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse.
+    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse; with
+    "transcribe" / "speech", `engine` is the audio model's thread (kiln/kinds/worker.py).
     `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
     `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
     parsers, enable_thinking (default: none of them); `cors`: the origins browsers may call from
@@ -119,7 +120,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     store = responses.ResponseStore(responses_store_size)
     for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv),
-              embeddings.router(sv)):
+              embeddings.router(sv), audio.router(sv)):
         v1.include_router(r)
     app.include_router(v1)
     # Rerank at the root too, as vLLM and llama-server serve it (behind the key all the same).
