@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kiln list: {e}", file=sys.stderr)
         return e.exit_code
     # What each serves (--kind auto's rule): a sentence-transformers folder or an encoder embeds.
-    serves = [detect_kind(m.path if m.path.is_dir() else None, None)[0] for m in models]
+    serves = [detect_kind(m.path, None)[0] for m in models]
     if as_json:
         print(json.dumps([{**m.to_dict(), "serves": k} for m, k in zip(models, serves,
                                                                          strict=True)],

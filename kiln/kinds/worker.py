@@ -84,6 +84,11 @@ class AudioWorker:
     def routing_stats(self) -> dict[int, list[int]]:
         return {}
 
+    async def kv_report(self) -> dict[str, Any]:
+        """/debug/kv: an audio model keeps no KV cache of kiln's."""
+        return {"integrity": "ok", "blocks_total": 0, "num_running": self._stats["num_running"],
+                "num_waiting": self._waiting, "note": "an audio model: no KV cache"}
+
     async def stream(self, run: Callable[[Any], Iterator[Any]]) -> AsyncIterator[Any]:
         """The items `run(model)` yields on the model thread, as they come; its exception is
         raised here. Leaving the loop early (client gone) stops the job at its next item."""
