@@ -147,12 +147,10 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if audio and external:
         raise C.ConfigError(f"{sp.source.name} is an audio model ({sp.source.format}): kiln "
                             "serves it itself", hint="drop --engine, or pass --engine kiln")
-    if audio:
-        pass
-    elif sp.source.format == "gguf" or (sp.source.format != "remote"
-                                         and early["engine"] == "kiln"):
+    if not audio and (sp.source.format == "gguf" or (sp.source.format != "remote"
+                                                      and early["engine"] == "kiln")):
         open_for_kiln(sp)
-    elif sp.source.format != "remote":
+    elif not audio and sp.source.format != "remote":
         sp.model_config = read_hf_config(sp.source.path, require_supported=False)
     mc = sp.model_config
 

@@ -158,8 +158,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory, whisper_tiny_en: Path,
         futures = [ex.submit(next, g) for g in gens]
         started = [f.result() for f in futures]
     yield started[0], started[1]
-    for g in gens:
-        g.close()
+    with ThreadPoolExecutor(2) as ex:  # both stopped at once too
+        list(ex.map(lambda g: g.close(), gens))
 
 
 def _client(server: Any) -> openai.OpenAI:
@@ -312,27 +312,28 @@ def test_speech_streams_sentence_by_sentence(servers: tuple[Any, Any]) -> None:
 def test_bad_audio_requests_are_openai_errors(servers: tuple[Any, Any],
                                               short_wav: bytes) -> None:
     stt_url, tts_url = servers[0].base_url, servers[1].base_url
+    http = httpx.Client(timeout=120)  # httpx's default 5 s is short on a loaded CI machine
     cases = [
-        (httpx.post(f"{stt_url}/v1/audio/transcriptions", data={"model": "whisper"}),
+        (http.post(f"{stt_url}/v1/audio/transcriptions", data={"model": "whisper"}),
          400, "file"),
-        (httpx.post(f"{stt_url}/v1/audio/transcriptions",
+        (http.post(f"{stt_url}/v1/audio/transcriptions",
                     files={"file": ("a.wav", b"this is not audio" * 20)}), 400, "file"),
-        (httpx.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)},
+        (http.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)},
                     data={"response_format": "xml"}), 400, "response_format"),
-        (httpx.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)},
+        (http.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)},
                     data={"model": "no-such-model"}), 404, "model"),
-        (httpx.post(f"{stt_url}/v1/audio/translations", files={"file": ("a.wav", short_wav)}),
+        (http.post(f"{stt_url}/v1/audio/translations", files={"file": ("a.wav", short_wav)}),
          400, "model"),
-        (httpx.post(f"{stt_url}/v1/audio/speech", json={"input": "hello"}), 400, "model"),
-        (httpx.post(f"{stt_url}/v1/chat/completions",
+        (http.post(f"{stt_url}/v1/audio/speech", json={"input": "hello"}), 400, "model"),
+        (http.post(f"{stt_url}/v1/chat/completions",
                     json={"messages": [{"role": "user", "content": "hi"}]}), 400, "model"),
-        (httpx.post(f"{tts_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)}),
+        (http.post(f"{tts_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)}),
          400, "model"),
-        (httpx.post(f"{tts_url}/v1/audio/speech", json={"input": "hi",
+        (http.post(f"{tts_url}/v1/audio/speech", json={"input": "hi",
                                                        "response_format": "ogg"}),
          400, "response_format"),
-        (httpx.post(f"{tts_url}/v1/audio/speech", json={"input": ""}), 400, "input"),
-        (httpx.post(f"{tts_url}/v1/audio/speech", json={"input": "...",
+        (http.post(f"{tts_url}/v1/audio/speech", json={"input": ""}), 400, "input"),
+        (http.post(f"{tts_url}/v1/audio/speech", json={"input": "...",
                                                        "response_format": "wav"}), 400, "input"),
     ]
     for r, status, param in cases:
@@ -343,6 +344,6 @@ def test_bad_audio_requests_are_openai_errors(servers: tuple[Any, Any],
     assert "English-only" in translations["message"]
     # Both still serve.
     for url in (stt_url, tts_url):
-        assert httpx.get(f"{url}/health").json()["status"] == "ok"
-    r = httpx.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)})
+        assert http.get(f"{url}/health").json()["status"] == "ok"
+    r = http.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)})
     assert r.status_code == 200 and wer(SENTENCES[0], r.json()["text"]) <= 0.2

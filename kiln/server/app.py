@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.server.audio_protocol import Transcription
 from kiln.server.chat_output import ChatFormat
 from kiln.server.embeddings_protocol import EmbeddingResponse, RerankResponse
 from kiln.server.errors import APIError, ClientGone, validation_error
@@ -157,6 +158,11 @@ def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
                        **({} if done else {"event": {"type": "string"}})}}}}
 
 
+_AUDIO_TEXT = {t: {"schema": {"type": "string"}} for t in ("text/plain", "text/vtt",
+                                                             "text/event-stream")}
+_AUDIO_BYTES = {t: {"schema": {"type": "string", "format": "binary"}}
+                for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav",
+                          "audio/pcm", "text/event-stream")}
 _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/chat/completions": (ChatCompletionResponse,
                              _sse(ChatCompletionChunk, "chat.completion.chunk")),
@@ -168,6 +174,10 @@ _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/rerank": (RerankResponse, {}),
     "/rerank": (RerankResponse, {}),
     "/v1/models/{model_id}": (ModelCard, {}),
+    # response_format json (verbose_json adds fields), text / srt / vtt as text, or SSE events.
+    "/v1/audio/transcriptions": (Transcription, _AUDIO_TEXT),
+    "/v1/audio/translations": (Transcription, _AUDIO_TEXT),
+    "/v1/audio/speech": (None, _AUDIO_BYTES),
     "/tokenize": (TokenizeResponse, {}),
     "/detokenize": (DetokenizeResponse, {}),
     "/health": (None, {}),
@@ -191,7 +201,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
         for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
                       ChatCompletionChunk, CompletionChunk, EmbeddingResponse, RerankResponse,
                       ResponseObject, ResponseStreamEvent, ModelCard, TokenizeResponse,
-                      DetokenizeResponse):
+                      DetokenizeResponse, Transcription):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
@@ -204,7 +214,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 json_schema = ({"$ref": f"#/components/schemas/{model.__name__}"} if model
                                else {"type": "object"})
                 ok["content"] = {"application/json": {"schema": json_schema}, **extra}
-                if path == "/metrics":
+                if path in ("/metrics", "/v1/audio/speech"):  # never JSON
                     ok["content"] = extra
                 op["responses"].pop("422", None)
                 codes = ["500"]
