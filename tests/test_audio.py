@@ -347,3 +347,22 @@ def test_bad_audio_requests_are_openai_errors(servers: tuple[Any, Any],
         assert http.get(f"{url}/health").json()["status"] == "ok"
     r = http.post(f"{stt_url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)})
     assert r.status_code == 200 and wer(SENTENCES[0], r.json()["text"]) <= 0.2
+
+
+@pytest.mark.heavy  # generated requests, some with long texts to speak
+def test_audio_endpoints_answer_as_their_schema_says(servers: tuple[Any, Any]) -> None:
+    """schemathesis over the audio operations of each server's /openapi.json (test_api_fuzz's
+    checks: no 5xx, documented status, body and content type, SSE events included)."""
+    import schemathesis
+    from test_api_fuzz import _fuzz
+
+    cases: dict[str, int] = {}
+    for server in servers:
+        schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+        for result in schema.get_all_operations():
+            op = result.ok()
+            if "/audio/" in op.label:
+                _fuzz(op, cases)
+    assert len(cases) == 3 and sum(cases.values()) >= 3 * 25
+    for server in servers:
+        assert httpx.get(f"{server.base_url}/health", timeout=120).json()["status"] == "ok"

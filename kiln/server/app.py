@@ -18,7 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.server.audio_protocol import Transcription
+from kiln.server.audio_protocol import (
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    Transcription,
+    TranscriptTextDelta,
+    TranscriptTextDone,
+)
 from kiln.server.chat_output import ChatFormat
 from kiln.server.embeddings_protocol import EmbeddingResponse, RerankResponse
 from kiln.server.errors import APIError, ClientGone, validation_error
@@ -141,9 +147,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
 
 # What each path answers with 200 (the routes return JSONResponse / SSE themselves, so FastAPI
 # cannot infer it): model, and the media types besides JSON.
-def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
-    """stream=true: each event's data is a chunk, an error object (a failure mid-stream), or the
-    closing `[DONE]` (not in the Responses API, whose events are named by their type)."""
+def _sse(chunk: type | tuple[type, ...], what: str, done: bool = True) -> dict[str, Any]:
+    """stream=true: each event's data is a chunk (of one of the types), an error object (a
+    failure mid-stream), or the closing `[DONE]` (not in the Responses API, whose events are
+    named by their type)."""
+    chunks = chunk if isinstance(chunk, tuple) else (chunk,)
     # An SSE event is an object of fields; `data` holds the JSON text (contentSchema says of what).
     end = ", then [DONE]" if done else ""
     return {"text/event-stream": {"schema": {
@@ -151,18 +159,20 @@ def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
         "type": "object", "required": ["data"],
         "properties": {"data": {"type": "string", "contentMediaType": "application/json",
                                 "contentSchema": {"anyOf": [
-                                    {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                    *({"$ref": f"#/components/schemas/{c.__name__}"}
+                                      for c in chunks),
                                     {"$ref": "#/components/schemas/ErrorResponse"}]},
                                 "description": f"a {what} JSON object, an error object"
                                                + (", or [DONE]" if done else "")},
                        **({} if done else {"event": {"type": "string"}})}}}}
 
 
-_AUDIO_TEXT = {t: {"schema": {"type": "string"}} for t in ("text/plain", "text/vtt",
-                                                             "text/event-stream")}
-_AUDIO_BYTES = {t: {"schema": {"type": "string", "format": "binary"}}
-                for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav",
-                          "audio/pcm", "text/event-stream")}
+_AUDIO_TEXT = {**{t: {"schema": {"type": "string"}} for t in ("text/plain", "text/vtt")},
+               **_sse((TranscriptTextDelta, TranscriptTextDone), "transcript", done=False)}
+_AUDIO_BYTES = {**{t: {"schema": {"type": "string", "format": "binary"}}
+                   for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav",
+                             "audio/pcm")},
+                **_sse((SpeechAudioDelta, SpeechAudioDone), "speech audio", done=False)}
 _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/chat/completions": (ChatCompletionResponse,
                              _sse(ChatCompletionChunk, "chat.completion.chunk")),
@@ -201,7 +211,8 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
         for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
                       ChatCompletionChunk, CompletionChunk, EmbeddingResponse, RerankResponse,
                       ResponseObject, ResponseStreamEvent, ModelCard, TokenizeResponse,
-                      DetokenizeResponse, Transcription):
+                      DetokenizeResponse, Transcription, TranscriptTextDelta,
+                      TranscriptTextDone, SpeechAudioDelta, SpeechAudioDone):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
