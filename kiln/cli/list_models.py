@@ -13,7 +13,7 @@ from kiln.errors import KilnError
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "list", help="list local models (embedded default, HF cache, model folders)",
+        "list", help="list local models (embedded default, model packages, HF cache, model folders)",
         description="List models on this machine. Each NAME works as MODEL in other commands.")
     add_model_dir_flag(p)
     p.add_argument("--registry", action="store_true", help="list kiln's model aliases instead")

@@ -414,8 +414,8 @@ def list_local_models(
     include_hf_cache: bool = True,
     include_embedded: bool = True,
 ) -> list[LocalModel]:
-    """Models on this machine: the embedded default (and installed model packages), the HF
-    cache, then the model folders.
+    """Models on this machine: the embedded default, the HF cache, the model folders, then
+    models installed with their PyPI packages.
     Each `name` resolves back to the same model when passed as MODEL."""
     out: list[LocalModel] = []
     if include_embedded:
@@ -434,7 +434,14 @@ def list_local_models(
                     source="embedded",
                 )
             )
-    if include_embedded:
+    if include_hf_cache:
+        for repo_id, snap in cached_repos():
+            out.extend(_local_models_in_snapshot(repo_id, snap))
+    for root in model_dirs:
+        root = Path(root).expanduser()
+        for folder, files, _depth in _walk(root):
+            out.extend(_local_models_in_folder(root, folder, files))
+    if include_embedded:  # models installed with their PyPI packages (the audio models)
         for e in load_registry():
             folder = package_folder(e.package) if e.package else None
             fmt = audio_format(folder) if folder is not None else None
@@ -443,13 +450,6 @@ def list_local_models(
                                    entry=e)
                 out.append(LocalModel(e.name, folder, src.total_bytes, src.format, None,
                                       "package"))
-    if include_hf_cache:
-        for repo_id, snap in cached_repos():
-            out.extend(_local_models_in_snapshot(repo_id, snap))
-    for root in model_dirs:
-        root = Path(root).expanduser()
-        for folder, files, _depth in _walk(root):
-            out.extend(_local_models_in_folder(root, folder, files))
     return out
 
 

@@ -121,7 +121,8 @@ def router(sv: Serving) -> APIRouter:
 
     r = APIRouter()
 
-    async def transcribe(request: Request, task: str) -> Any:
+    async def transcription(request: Request, task: str) -> Any:
+        """/transcriptions and /translations: one handler, `task` says which."""
         data, form = await _read_form(request)
         model = sv.check_model(form.model, kind="transcribe")
         from kiln.kinds.transcription import (
@@ -190,11 +191,11 @@ def router(sv: Serving) -> APIRouter:
 
     @r.post("/audio/transcriptions", openapi_extra=_FORM_SCHEMA)
     async def transcriptions(request: Request) -> Any:
-        return await transcribe(request, "transcribe")
+        return await transcription(request, "transcribe")
 
     @r.post("/audio/translations", openapi_extra=_FORM_SCHEMA)
     async def translations(request: Request) -> Any:
-        return await transcribe(request, "translate")
+        return await transcription(request, "translate")
 
     @r.post("/audio/speech")
     async def speech(req: SpeechRequest) -> Any:
