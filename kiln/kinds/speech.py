@@ -72,6 +72,10 @@ def build_voice(onnx: Path, *, device: str, num_threads: int | None) -> Voice:
     voice = piper.PiperVoice(session=session, config=piper.PiperConfig.from_dict(config))
     speakers = {str(k): int(v) for k, v in (config.get("speaker_id_map") or {}).items()}
     lang = (config.get("language") or {}).get("code") or config.get("espeak", {}).get("voice", "")
+    # One word spoken at load: espeak-ng initializes and onnxruntime warms up now, not during
+    # the first request.
+    for _ in voice.synthesize("Ready."):
+        pass
     desc = (f"Piper voice {onnx.stem} ({lang}, {voice.config.sample_rate} Hz, "
             f"{len(speakers) or 1} speaker{'s' if len(speakers) > 1 else ''}), onnxruntime "
             f"{session.get_providers()[0].removesuffix('ExecutionProvider')}")
