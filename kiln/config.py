@@ -463,8 +463,9 @@ SETTINGS: list[Setting] = [
             engines=("kiln",)),
     Setting("kind", str, "auto",
             "what the model serves: generate (chat, completions), embed (/v1/embeddings, "
-            "/v1/rerank; a causal LM then embeds with its hidden states), transcribe, speech "
-            "(auto: from the model's config and files)", ("--kind",),
+            "/v1/rerank; a causal LM then embeds with its hidden states), transcribe "
+            "(/v1/audio/transcriptions: a Whisper model), speech (/v1/audio/speech: a Piper "
+            "voice) (auto: from the model's config and files)", ("--kind",),
             choices=("auto", "generate", "embed", "transcribe", "speech"),
             affects="correctness", auto=auto_kind, group="model", engines=("kiln",)),
     Setting("pooling", str, "auto",

