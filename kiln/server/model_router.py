@@ -36,7 +36,8 @@ log = logging.getLogger("kiln.router")
 
 # Routes whose JSON body names the model; each goes to that model's server unchanged.
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-                "/v1/rerank", "/rerank", "/tokenize", "/detokenize")
+                "/v1/rerank", "/rerank", "/tokenize", "/detokenize", "/v1/audio/speech",
+                "/v1/audio/transcriptions", "/v1/audio/translations")
 # Hop-by-hop headers and the ones httpx sets itself are not passed through.
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
          "te", "trailer", "proxy-authorization", "proxy-authenticate"}
@@ -81,10 +82,15 @@ def build_router_app(pool: ModelPool, *, api_key: str | None, version: str,
 
     async def forward(request: Request) -> Response:
         body = await request.body()
-        try:
-            payload = json.loads(body) if body else {}
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            # An audio upload: the model is a form field; the body goes on as it came.
+            form = await request.form()  # parses the body read above (starlette keeps it)
+            payload: dict[str, Any] = {"model": form.get("model")}
+        else:
+            try:
+                payload = json.loads(body) if body else {}
+            except ValueError:
+                raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(payload, dict):
             raise APIError(400, "the request body must be a JSON object")
         name = payload.get("model") or first
