@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 # Debian's wrapper (/usr/bin/chromium) and the binary it runs.
 CHROMIUM = ("chromium", "chromium-browser", "/usr/lib/chromium/chromium")
-TIMEOUT_MS = 60_000  # a loaded 2-core machine: the model's first answer can take a while
+TIMEOUT_MS = 180_000  # a loaded 2-core machine (2 tokens/s at times) still finishes
 
 
 def _chromium() -> str | None:
@@ -265,14 +265,14 @@ def test_model_picker_lists_the_served_names_and_the_request_carries_the_choice(
     _wait_for_models(page)
     assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == NAMES
     page.select_option("#model", NAMES[1])
-    _set_settings(page, temperature=0, max_tokens=48)
+    _set_settings(page, temperature=0, max_tokens=24)
     page.fill("#prompt", "Show a Python function that adds two numbers, in a code block.")
     with page.expect_request("**/v1/chat/completions") as req:
         page.click("#send")
     body = req.value.post_data_json
     assert body["model"] == NAMES[1] and body["stream"] is True
     assert body["messages"][0] == {"role": "system", "content": "You are a helpful assistant."}
-    assert body["temperature"] == 0 and body["max_tokens"] == 48
+    assert body["temperature"] == 0 and body["max_tokens"] == 24
     page.wait_for_selector("#messages .msg.assistant[data-state=done]")
     assert NAMES[1] in _last_answer(page).locator(".who").inner_text()
     page.reload()  # the choice is kept with the other settings
