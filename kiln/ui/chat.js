@@ -374,7 +374,9 @@
       if (e.target.classList.contains("delete")) {
         if (streaming && streaming.conv.id === li.dataset.id) streaming.controller.abort();
         conversations = conversations.filter((c) => c.id !== li.dataset.id);
-        if (currentId === li.dataset.id) currentId = conversations.length ? conversations[0].id : null;
+        if (currentId === li.dataset.id) {
+          currentId = conversations.length ? conversations[0].id : null;
+        }
       } else {
         currentId = li.dataset.id;
       }

@@ -2,16 +2,20 @@
 //
 // The endpoint sends the metrics registry's cumulative values (the numbers /metrics shows);
 // everything over time is computed here, from two polls, the way Prometheus' rate() and
-// histogram_quantile() do it: a rate is the counter's difference over the time between the
-// polls; a percentile is interpolated inside the histogram bucket that holds it, over the bucket
-// counts' difference across the sliding window (WINDOW seconds). TTFT and inter-token latency are
-// observed when a request finishes (as in vLLM), so their percentiles move at each finish.
+// histogram_quantile() do it: a rate is the counter's difference over the time between two
+// polls RATE_WINDOW seconds apart; a percentile is interpolated inside the histogram bucket that
+// holds it, over the bucket counts' difference across the sliding window (WINDOW seconds). TTFT
+// and inter-token latency are observed when a request finishes (as in vLLM), so their
+// percentiles move at each finish.
 "use strict";
 
 const KilnDash = (() => {
   const POLL_MS = 1000;
   const SPAN = 300; // seconds shown
   const WINDOW = 60; // seconds a percentile or hit rate covers
+  // seconds a rate covers: engine steps can be longer than a poll on a busy CPU, and a rate
+  // between two polls would then swing between 0 and a spike
+  const RATE_WINDOW = 5;
   const COLORS = ["#c2410c", "#2563eb", "#16a34a", "#9333ea"];
   const $ = (id) => document.getElementById(id);
 
@@ -69,9 +73,10 @@ const KilnDash = (() => {
   function derive(s, prev) {
     const t = s.t, m = s.m;
     const base = samples.find((x) => x.t >= t - WINDOW) || s;
+    const since = samples.find((x) => x.t >= t - RATE_WINDOW) || prev;
     const rate = (key) => {
-      if (!prev) return null;
-      const a = m.counters[key], b = prev.m.counters[key], dt = t - prev.t;
+      if (!since) return null;
+      const a = m.counters[key], b = since.m.counters[key], dt = t - since.t;
       return a === null || b === null || dt <= 0 || a < b ? null : (a - b) / dt;
     };
     const pct = (key, qs) => {
@@ -110,9 +115,10 @@ const KilnDash = (() => {
         legend.appendChild(item);
       }
     }
-    $("plot-note").textContent = "Rates between polls (every " + POLL_MS / 1000 +
-      " s); percentiles and hit rate over the last " + WINDOW + " s, from the same histograms " +
-      "and counters as /metrics (TTFT and inter-token latency count when a request finishes).";
+    $("plot-note").textContent = "Polled every " + POLL_MS / 1000 + " s; rates over the last " +
+      RATE_WINDOW + " s, percentiles and hit rate over the last " + WINDOW + " s, from the " +
+      "same histograms and counters as /metrics (TTFT and inter-token latency count when a " +
+      "request finishes).";
   }
 
   function add(stats) {
@@ -219,7 +225,8 @@ const KilnDash = (() => {
     try {
       config = await KilnAPI.getJSON("/v1/dashboard/config");
       const preset = config.preset && config.preset.name
-        ? "preset " + config.preset.name + (config.preset.reason ? " (" + config.preset.reason + ")" : "")
+        ? "preset " + config.preset.name +
+          (config.preset.reason ? " (" + config.preset.reason + ")" : "")
         : "no preset";
       $("config-meta").textContent = preset + (config.config_file ? " \u00b7 config file " +
         config.config_file : "");

@@ -64,6 +64,7 @@ class LinePlot {
     g.textAlign = "center";
     g.textBaseline = "top";
     for (let s = 0; s < this.span; s += this.span / 5) { // the oldest label would hit the axis
+      g.textAlign = s === 0 ? "right" : "center";
       g.fillText(s === 0 ? "now" : "-" + Math.round(s / 60 * 10) / 10 + " min", x(now - s),
         h - down + 4);
     }
