@@ -310,6 +310,21 @@ def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
     assert values["vllm:spec_decode_num_drafts_total"] > 0
     assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values[
         "vllm:spec_decode_num_draft_tokens_total"]
+    # kiln bench reads the same counters (per level: the difference of two scrapes)
+    import asyncio
+
+    from kiln.bench.client import spec_counters, spec_delta
+
+    async def scrape():
+        async with httpx.AsyncClient() as http:
+            return await spec_counters(http, spec_server.base_url + "/v1", None)
+
+    now = asyncio.run(scrape())
+    assert now is not None and now["drafts"] == values["vllm:spec_decode_num_drafts_total"]
+    zero = {k: 0.0 for k in now}
+    d = spec_delta(zero, now)
+    assert d["acceptance_rate"] == now["accepted_tokens"] / now["draft_tokens"]
+    assert d["tokens_per_step"] > 1.0
     eff = spec_server.effective_config.read_text()
     assert '"num_speculative_tokens"' in eff
 
