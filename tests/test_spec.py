@@ -290,6 +290,7 @@ def spec_server(tmp_path_factory, gguf_path):
                       "ngram", "--num-speculative-tokens", "auto")
 
 
+@pytest.mark.heavy  # a server start and ~200 generated tokens: over the default run's budget
 def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
         spec_server, plain_answers):
     import httpx
