@@ -334,7 +334,7 @@ def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
 def test_offline_llm_with_ngram_gives_the_plain_greedy_text(gguf_path, plain_answers):
     from kiln import LLM
 
-    llm = LLM(str(gguf_path), dtype="float32", compile=False, kv_cache_memory=32 << 20,
+    llm = LLM(str(gguf_path), dtype="float32", compile=False, kv_cache_memory=64 << 20,
               max_model_len=1024, speculative_method="ngram", num_speculative_tokens=4)
     for rid, messages in zip(("0", "1"), PROMPTS):
         out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40))
