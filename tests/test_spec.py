@@ -290,6 +290,7 @@ def spec_server(tmp_path_factory, gguf_path):
                       "ngram", "--num-speculative-tokens", "auto")
 
 
+@pytest.mark.heavy  # a server start and ~200 generated tokens: over the default run's budget
 def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
         spec_server, plain_answers):
     import httpx
@@ -310,6 +311,21 @@ def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
     assert values["vllm:spec_decode_num_drafts_total"] > 0
     assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values[
         "vllm:spec_decode_num_draft_tokens_total"]
+    # kiln bench reads the same counters (per level: the difference of two scrapes)
+    import asyncio
+
+    from kiln.bench.client import spec_counters, spec_delta
+
+    async def scrape():
+        async with httpx.AsyncClient() as http:
+            return await spec_counters(http, spec_server.base_url + "/v1", None)
+
+    now = asyncio.run(scrape())
+    assert now is not None and now["drafts"] == values["vllm:spec_decode_num_drafts_total"]
+    zero = {k: 0.0 for k in now}
+    d = spec_delta(zero, now)
+    assert d["acceptance_rate"] == now["accepted_tokens"] / now["draft_tokens"]
+    assert d["tokens_per_step"] > 1.0
     eff = spec_server.effective_config.read_text()
     assert '"num_speculative_tokens"' in eff
 
@@ -318,7 +334,7 @@ def test_server_greedy_answers_equal_the_plain_engine_and_metrics_count_drafts(
 def test_offline_llm_with_ngram_gives_the_plain_greedy_text(gguf_path, plain_answers):
     from kiln import LLM
 
-    llm = LLM(str(gguf_path), dtype="float32", compile=False, kv_cache_memory=32 << 20,
+    llm = LLM(str(gguf_path), dtype="float32", compile=False, kv_cache_memory=64 << 20,
               max_model_len=1024, speculative_method="ngram", num_speculative_tokens=4)
     for rid, messages in zip(("0", "1"), PROMPTS):
         out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40))
