@@ -90,3 +90,17 @@ def test_reference_fallback_without_kernel() -> None:
 def test_type_table_matches_ggml() -> None:
     for name, tid in KQUANT_TYPES.items():
         assert GGML_TYPES[tid][0] == name
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q6_K"])
+def test_block_embedding_rows(type_name: str) -> None:
+    """An embedding kept as blocks returns the dequantized table's rows."""
+    qt = gguf.GGMLQuantizationType[type_name]
+    if type_name in KQUANT_TYPES:
+        b = _blocks(40, 256, type_name, 9)
+    else:
+        w = np.random.default_rng(9).standard_normal((40, 256)).astype(np.float32)
+        b = GGUFBlocks(torch.from_numpy(gguf.quants.quantize(w, qt)), type_name, 256)
+    emb = kquant.BlockEmbedding(b, torch.float32)
+    ids = torch.tensor([[3, 39, 0], [7, 7, 21]])
+    torch.testing.assert_close(emb(ids), b.dequantize()[ids])

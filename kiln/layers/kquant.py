@@ -23,11 +23,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kiln.layers.quant import _QuantizedLinear
 
 # ggml type name -> id (GGUF's tensor-table values): the types kquant_avx2.cpp reads
 KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# types an untied embedding keeps as blocks (kiln/models/gguf.py's torch dequantizer reads
+# them row by row): Qwen2.5-0.5B's 151936 x 896 token_embd is 545 MB in fp32, 94 MB as Q5_0
+EMBED_TYPES = {"Q4_0", "Q4_1", *KQUANT_TYPES}
 
 
 @dataclass
@@ -130,6 +134,25 @@ class KQuantLinear(_QuantizedLinear):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, "
                 f"{'+'.join(self.type_names)}, {'kiln-kquant' if self.kernel else 'reference'}")
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as the GGUF's blocks: a lookup gathers the ids' rows of raw
+    blocks and dequantizes just those (a step's few hundred rows: microseconds)."""
+
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.type_name = blocks.type_name
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.dtype = dtype
+        self.register_buffer("blocks", blocks.raw)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = GGUFBlocks(self.blocks[ids.reshape(-1)], self.type_name, self.embedding_dim)
+        return rows.dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} blocks"
 
 
 def register_fakes() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
-from kiln.layers.kquant import GGUFBlocks
+from kiln.layers.kquant import EMBED_TYPES, KQUANT_TYPES, BlockEmbedding, GGUFBlocks
 from kiln.layers.moe import Experts
 from kiln.layers.quant import GroupQuant
 from kiln.messages import msg
@@ -275,8 +275,13 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = Fa
             raise ModelLoadError(f"unknown GGUF tensor {t.name!r} in {ckpt.path}",
                                  hint="this GGUF has tensors kiln's Llama-family model lacks")
         linear = name.endswith("proj.weight") or name == "lm_head.weight"
-        tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and linear,
-                             keep_blocks=keep_blocks and linear and ".experts." not in name)
+        blocks: Collection[str] = ()
+        if keep_blocks and linear and ".experts." not in name:
+            blocks = KQUANT_TYPES
+        elif keep_blocks and name.endswith("embed_tokens.weight") and \
+                not cfg.tie_word_embeddings:  # (a tied head reads the embedding's weight)
+            blocks = EMBED_TYPES
+        tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and linear, keep_blocks=blocks)
         if name == "rope_freqs":
             yield name, tensor
             continue
@@ -463,6 +468,12 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model",
                                  hint="the checkpoint does not match its config.json architecture")
         module = modules[mod_name]
+        if isinstance(tensor, GGUFBlocks) and isinstance(module, torch.nn.Embedding):
+            # the embedding keeps the file's blocks and dequantizes the rows it looks up
+            owner = modules[parent] if parent else model
+            setattr(owner, child, BlockEmbedding(tensor, param.dtype))
+            loaded.add((pname, None))
+            continue
         with torch.no_grad():
             if isinstance(tensor, GroupQuant | GGUFBlocks) and \
                     hasattr(module, "stash_quantized") and leaf == "weight":
