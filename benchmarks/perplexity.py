@@ -37,6 +37,7 @@ import concurrent.futures as cf
 import json
 import math
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help="first port (default: free ones)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so the servers below are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     variants = [v.split("=", 1) for v in args.variant] or [
         ["native", ""], ["requant", "--no-gguf-kernels"], ["f32", "--quantization none"]]
     text = args.text.read_text(encoding="utf-8")

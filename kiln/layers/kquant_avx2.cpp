@@ -170,19 +170,25 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
 // ---- per type: one weight row (nb blocks) against MB activation rows -> out[m] (+=)
 // Each function accumulates fp32 vectors per activation row and reduces them at the end.
 
+// Two accumulators per activation row (even and odd blocks or sub-blocks): one chain of
+// dependent FMAs per row made M=1 latency-bound (4 cycles a group), not throughput-bound.
 template <int MB>
 void dot_q8_0(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += 34) {
-    const float d = f16(w);
-    const __m256i q = load32(w + 2);
+  __m256 acc[MB], acc2[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* a) {
+    const uint8_t* blk = w + 34 * b;
+    const float d = f16(blk);
+    const __m256i q = load32(blk + 2);
     for (int m = 0; m < MB; ++m) {
       const __m256 p = _mm256_cvtepi32_ps(dot_s8(q, load32(x[m].q + 32 * b)));
-      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[b]), acc[m]);
+      a[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[b]), a[m]);
     }
-  }
-  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) step(b, acc), step(b + 1, acc2);
+  if (b < nb) step(b, acc);
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m]));
 }
 
 template <int MB, bool kMin>
@@ -190,24 +196,28 @@ void dot_q5(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
   // Q5_0 (kMin false): signed q - 16; Q5_1: unsigned q, plus m * sum(x)
   constexpr int64_t kBytes = kMin ? 24 : 22;
   constexpr int64_t kQh = kMin ? 4 : 2;
-  __m256 acc[MB];
+  __m256 acc[MB], acc2[MB];
   float msum[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps(), msum[m] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b, w += kBytes) {
-    const float d = f16(w);
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps(), msum[m] = 0.0f;
+  auto step = [&](int64_t b, __m256* a) {
+    const uint8_t* blk = w + kBytes * b;
+    const float d = f16(blk);
     uint32_t qh;
-    std::memcpy(&qh, w + kQh, 4);
-    __m256i q = _mm256_or_si256(nibbles32(w + kQh + 4),
+    std::memcpy(&qh, blk + kQh, 4);
+    __m256i q = _mm256_or_si256(nibbles32(blk + kQh + 4),
                                 _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
     if (!kMin) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
     for (int m = 0; m < MB; ++m) {
       const __m256i xv = load32(x[m].q + 32 * b);
       const __m256 p = _mm256_cvtepi32_ps(kMin ? dot_u8(q, xv) : dot_s8(q, xv));
-      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[b]), acc[m]);
-      if (kMin) msum[m] += f16(w + 2) * x[m].s[b];
+      a[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[b]), a[m]);
+      if (kMin) msum[m] += f16(blk + 2) * x[m].s[b];
     }
-  }
-  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]) + msum[m];
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) step(b, acc), step(b + 1, acc2);
+  if (b < nb) step(b, acc);
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m])) + msum[m];
 }
 
 // Q4_K / Q5_K's 12 bytes -> 6-bit scales sc[8] and mins mn[8]
@@ -225,9 +235,9 @@ void dot_qk(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
   constexpr int64_t kBytes = kQ5 ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i one = _mm256_set1_epi8(0x01);
-  __m256 acc[MB];
+  __m256 acc[MB], acc2[MB];
   float msum[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps(), msum[m] = 0.0f;
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps(), msum[m] = 0.0f;
   for (int64_t b = 0; b < nb; ++b, w += kBytes) {
     const float d = f16(w), dmin = f16(w + 2);
     uint8_t sc[8], mn[8];
@@ -252,12 +262,12 @@ void dot_qk(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
         const __m256 p0 = _mm256_cvtepi32_ps(dot_u8(lo, load32(x[m].q + 32 * g)));
         const __m256 p1 = _mm256_cvtepi32_ps(dot_u8(hi, load32(x[m].q + 32 * g + 32)));
         acc[m] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0 * x[m].d[g]), acc[m]);
-        acc[m] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1 * x[m].d[g + 1]), acc[m]);
+        acc2[m] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1 * x[m].d[g + 1]), acc2[m]);
         msum[m] += n0 * x[m].s[g] + n1 * x[m].s[g + 1];
       }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]) - msum[m];
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m])) - msum[m];
 }
 
 template <int MB>
@@ -269,8 +279,8 @@ void dot_q6_k(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i m3 = _mm256_set1_epi8(0x03);
   const __m256i k32 = _mm256_set1_epi8(32);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[MB], acc2[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 210) {
     const float d = f16(w + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
@@ -296,12 +306,13 @@ void dot_q6_k(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
           const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[r], xv),
                                                _mm256_maddubs_epi16(k32, xv));
           const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, scl));
-          acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[g]), acc[m]);
+          __m256& a = (r & 1) ? acc2[m] : acc[m];
+          a = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[g]), a);
         }
       }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m]));
 }
 
 using DotFn = void (*)(const uint8_t*, int64_t, const XRow*, float*);
