@@ -104,3 +104,28 @@ def test_block_embedding_rows(type_name: str) -> None:
     emb = kquant.BlockEmbedding(b, torch.float32)
     ids = torch.tensor([[3, 39, 0], [7, 7, 21]])
     torch.testing.assert_close(emb(ids), b.dequantize()[ids])
+
+
+@needs_kernel
+def test_quantize_linear_takes_blocks_as_they_are_or_falls_back() -> None:
+    """A layer whose every shard came as GGUF blocks becomes a KQuantLinear holding them; one
+    that mixes them with Q4_0/Q4_1 groups is re-quantized to int4 as before (all of it)."""
+    from kiln.layers.linear import MergedLinear
+    from kiln.layers.quant import Int4Linear, quantize_int4_groups, quantize_linear
+
+    q, v = _blocks(64, 256, "Q4_K", 10), _blocks(32, 256, "Q8_0", 11)
+    lin = MergedLinear(256, {"q": 64, "v": 32})
+    lin.stash_quantized("v", v)
+    lin.stash_quantized("q", q)
+    native = quantize_linear(lin, "int4")
+    assert isinstance(native, KQuantLinear) and native.type_names == ["Q4_K", "Q8_0"]
+    assert torch.equal(native.blocks0, q.raw) and torch.equal(native.blocks1, v.raw)
+
+    mixed = MergedLinear(256, {"q": 64, "v": 32})
+    mixed.stash_quantized("q", quantize_int4_groups(q.dequantize()))
+    mixed.stash_quantized("v", v)
+    out = quantize_linear(mixed, "int4")
+    assert isinstance(out, Int4Linear)
+    want = torch.cat([q.dequantize(), v.dequantize()])
+    err = (out.dequantize(torch.float32) - want).abs().max() / want.abs().max()
+    assert err < 0.1
