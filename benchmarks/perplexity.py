@@ -165,10 +165,12 @@ def main() -> None:
         if args.speed:
             speed: dict[str, dict[str, list[float]]] = {
                 s[0]: {"c1": [], "c16": []} for s in servers}
-            for _ in range(args.rounds):
+            for r in range(args.rounds):
                 for label, base, model, *_ in servers:
                     speed[label]["c1"].append(decode_round(base, model, 1, args.tokens))
                     speed[label]["c16"].append(decode_round(base, model, 16, args.tokens))
+                    print(f"round {r + 1} {label:10s} c1 {speed[label]['c1'][-1]:.1f} c16 "
+                          f"{speed[label]['c16'][-1]:.1f} tok/s", flush=True)
             first = servers[0][0]
             for label in speed:
                 for c in ("c1", "c16"):
