@@ -185,11 +185,12 @@ def main() -> None:
         for _, _, _, cm, _, sampler in servers:
             sampler.__exit__(None, None, None)
             cm.__exit__(None, None, None)
-    out = args.out or ROOT / "benchmarks" / "results" / \
-        f"perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"model": args.model, "ctx": args.ctx, "text": str(args.text),
-                               "results": results}, indent=1))
-    print(f"wrote {out}")
+        # written even when cut short (a timeout): what was measured is kept
+        out = args.out or ROOT / "benchmarks" / "results" / \
+            f"perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.write_text(json.dumps({"model": args.model, "ctx": args.ctx, "text": str(args.text),
+                                   "results": results}, indent=1))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
