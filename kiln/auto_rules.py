@@ -73,9 +73,11 @@ def auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if quant.startswith(("Q4_0", "Q4_1")):
         return "int4", (f"CPU and a {quant} GGUF: its 4-bit blocks feed the int4 kernels as they "
                         "are (no requantization); decode reads 4x fewer weight bytes than bf16")
+    # (the tensors kiln's GGUF-block kernels read stay as they are: see gguf_kernels)
+    kept = " (its Q8_0/Q5_x/Q4_K/Q5_K/Q6_K tensors run as they are where --gguf-kernels)"
     if quant.startswith(("Q2", "Q3", "Q4", "IQ")):
-        return "int4", f"CPU and a {quant} GGUF: re-quantized to int4 groups of 32 at load"
-    return "int8", f"CPU and a {quant} GGUF: re-quantized to int8 per channel at load"
+        return "int4", f"CPU and a {quant} GGUF: re-quantized to int4 groups of 32 at load" + kept
+    return "int8", f"CPU and a {quant} GGUF: re-quantized to int8 per channel at load" + kept
 
 
 def auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:

@@ -543,6 +543,12 @@ SETTINGS: list[Setting] = [
             "once per machine)",
             ("--cpu-kernels",), neg_flags=("--no-cpu-kernels",), affects="performance",
             engines=("kiln",)),
+    Setting("gguf_kernels", parse_bool, True,
+            "with --quantization on CPU, run a GGUF's Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K blocks as "
+            "they are (kiln's AVX2 kernels, no re-quantization); off: re-quantize them to "
+            "--quantization's int4/int8",
+            ("--gguf-kernels",), neg_flags=("--no-gguf-kernels",), affects="correctness",
+            engines=("kiln",)),
     Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",
             ("--tensor-parallel-size", "-tp", "--tp"), affects="performance", auto=auto_tp),
     Setting("pipeline_parallel_size", positive_int, 1, "pipeline stages (external engines)",
@@ -893,6 +899,7 @@ class EngineConfig:
     seed: int = _table_default("seed")
     compile: bool = _table_default("compile")
     cpu_kernels: bool = _table_default("cpu_kernels")
+    gguf_kernels: bool = _table_default("gguf_kernels")
     batch_invariant: bool = _table_default("batch_invariant")
     prefix_rendezvous_max_wait_ms: int | None = _table_default("prefix_rendezvous_max_wait_ms")
     session_cache: str = _table_default("session_cache")

@@ -84,6 +84,7 @@ class ModelRunner:
                                  quantization=config.quantization,
                                  keep_dense=config.dense_weights,
                                  cpu_kernels=config.cpu_kernels,
+                                 gguf_kernels=config.gguf_kernels,
                                  # split experts are loaded into host memory; the device's
                                  # share moves there once placed
                                  experts_device="cpu" if config.cpu_offload_experts else None)

@@ -54,6 +54,7 @@ log = logging.getLogger("kiln.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 AVX2_SOURCE = Path(__file__).with_name("cpu_kernels_avx2.cpp")
+KQUANT_SOURCE = Path(__file__).with_name("kquant_avx2.cpp")  # GGUF blocks as they are (kquant.py)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 HEAD_DIMS = (64, 96, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the kernel's register budget)
@@ -104,7 +105,8 @@ def _load_checked(library: str, source: Path, what: str, missing: str,
     ok, cached = _build(library, source)
     if not ok:
         return False
-    ops = torch.ops.kiln_cpu if source == SOURCE else torch.ops.kiln_avx2
+    ops = {SOURCE: torch.ops.kiln_cpu, KQUANT_SOURCE: torch.ops.kiln_kquant}.get(
+        source, torch.ops.kiln_avx2)
     if not ops.supported():
         log.info("this CPU has no %s: %s are off", missing, what)
         return False
@@ -521,7 +523,22 @@ def _avx2_self_check() -> bool:
     return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+# --------------------------------------------------------------------------- GGUF-block kernels
+# kquant_avx2.cpp: Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K rows as the GGUF stores them, for
+# x86 CPUs with AVX2 + FMA + F16C (kiln/layers/kquant.py holds the module and the reference).
+
+
+@functools.cache
+def kquant_available() -> bool:
+    """kquant_avx2.cpp, built and self-checked once (False where it cannot run here)."""
+    from kiln.layers import kquant
+
+    return _load_checked("kiln_kquant", KQUANT_SOURCE, "kiln's GGUF-block kernels",
+                         "AVX2/FMA/F16C", kquant.register_fakes, kquant.self_check)
+
+
 if __name__ == "__main__":  # `python -m kiln.layers.cpu_kernels`: build now (make install)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("kiln CPU kernels:", "on" if available() else "off (PyTorch paths)")
     print("kiln AVX2 kernels:", "on" if avx2_available() else "off")
+    print("kiln GGUF-block kernels:", "on" if kquant_available() else "off")

@@ -490,7 +490,11 @@ def _groups_of(lin: Linear) -> GroupQuant:
         if start > pos:
             parts.append(quantize_int4_groups(lin.weight.data[pos:start]))
         if size:
-            parts.append(lin.stash[shard])
+            part = lin.stash[shard]
+            # GGUF blocks the kquant kernels read, in a layer that cannot run on them (a shard
+            # beside Q4_0 / Q4_1 blocks): dequantized, then re-quantized as before
+            parts.append(part if isinstance(part, GroupQuant)
+                         else quantize_int4_groups(part.dequantize(torch.float32)))
         pos = max(pos, start + size)
     gs = {p.group_size for p in parts}
     if len(gs) != 1:
@@ -511,9 +515,28 @@ def _int4_ok(lin: Linear) -> bool:
     return lin.in_features % INT4_GROUP == 0 and lin.in_features % 2 == 0
 
 
+def _native_blocks(lin: Linear) -> list | None:
+    """The layer's GGUF blocks in row order when every row of it came as `GGUFBlocks` (the
+    loader kept them: kiln/layers/kquant.py's kernels run here), else None."""
+    from kiln.layers.kquant import GGUFBlocks
+
+    parts = sorted((lin.shard_rows(s)[0], s) for s in lin.stash)
+    shards = getattr(lin, "shards", None)
+    whole = None in lin.stash if not shards else set(lin.stash) == set(shards)
+    if not whole or not all(isinstance(lin.stash[s], GGUFBlocks) for _, s in parts):
+        return None
+    return [lin.stash[s] for _, s in parts]
+
+
 def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Module:
     dtype = lin.weight.dtype
     bias = lin.bias.data if lin.bias is not None else None
+    blocks = _native_blocks(lin)
+    if blocks is not None:  # GGUF Q8_0 / Q5_x / Q4_K / Q5_K / Q6_K: the file's blocks, as they are
+        from kiln.layers.kquant import KQuantLinear
+
+        lin.stash = {}
+        return KQuantLinear(blocks, bias, dtype)
     with torch.no_grad():
         if mode == "int4" and _int4_ok(lin):
             return Int4Linear(_groups_of(lin), bias, dtype, use_kernels)
@@ -558,9 +581,11 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
         for m in model.modules():
             if isinstance(m, _QuantizedLinear) and id(m) not in expert_layers:
                 m.keep_dense()
-    log.info("quantized %d linear layers to %s, lm_head to %s%s", n, mode,
+    native = sum(type(m).__name__ == "KQuantLinear" for m in model.modules())
+    log.info("quantized %d linear layers to %s (%d of them, lm_head included, keep the GGUF's "
+             "blocks: kiln.layers.kquant), lm_head to %s%s", n, mode, native,
              "int4 (the GGUF's blocks)" if isinstance(getattr(model, "lm_head", None), Int4Linear)
-             else "int8",
+             else type(getattr(model, "lm_head", None)).__name__,
              " (dense copies kept for large steps)" if keep_dense else "")
     return model
 
@@ -581,6 +606,8 @@ def _quantize_head(model: nn.Module, mode: str, use_kernels: bool) -> None:
             q8 = Int8Linear.from_float(emb.weight.data, None, emb.weight.dtype, use_kernels)
             model.lm_head = q8
             model.model.embed_tokens = Int8Embedding(q8, emb.weight.dtype)
+        elif isinstance(head, Linear) and _native_blocks(head) is not None:
+            model.lm_head = quantize_linear(head, mode, use_kernels)  # the GGUF's blocks
         elif isinstance(head, Linear) and mode == "int4" and None in head.stash \
                 and _int4_ok(head):
             model.lm_head = Int4Linear(_groups_of(head), None, head.weight.dtype, use_kernels)

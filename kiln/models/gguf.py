@@ -5,7 +5,8 @@ seconds on a tokenizer's 50k-entry string arrays; the loader, the tokenizer and 
 read GGUF files through `GGUFFile`. Quantized blocks are dequantized with vectorized torch code
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; other types through the `gguf` package's numpy code).
 4-bit blocks (Q4_0/Q4_1) can instead be handed over undequantized as `GroupQuant` (codes, scale,
-min), which the int4 path of `kiln/layers/quant.py` repacks exactly.
+min), which the int4 path of `kiln/layers/quant.py` repacks exactly; Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/
+Q6_K matrices as `GGUFBlocks` (raw rows), which `kiln/layers/kquant.py` multiplies as they are.
 
 Names stay GGUF's here: mapping them to a model's parameters is `kiln/models/loader.py`'s job.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import mmap
 import struct
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.layers.kquant import GGUFBlocks
 from kiln.layers.quant import GroupQuant
 
 # --------------------------------------------------------------------------- GGUF parsing
@@ -315,13 +318,18 @@ def dequantize_blocks(raw: torch.Tensor, type_name: str) -> torch.Tensor | None:
     return ((d * scales).unsqueeze(-1) * q).reshape(-1)
 
 
-def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False
-                ) -> torch.Tensor | GroupQuant:
+def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
+                keep_blocks: Collection[str] = ()) -> torch.Tensor | GroupQuant | GGUFBlocks:
     """One GGUF tensor as a fp32 tensor in torch layout ([out, in] for weights), or as a
     `GroupQuant` when `keep_4bit` and its blocks are Q4_0/Q4_1 (stacked experts [E, out, in]
-    come as one GroupQuant of E * out rows)."""
+    come as one GroupQuant of E * out rows), or, when its type is in `keep_blocks` (the types
+    kiln/layers/kquant_avx2.cpp reads, or those an embedding dequantizes per lookup), a 2-D
+    tensor as `GGUFBlocks`: its raw rows, a view of the memory map (no copy and no decoding at
+    load; the pages are the file's, shared with the page cache)."""
     shape = t.torch_shape
     raw = gf.raw(t)
+    if t.type_name in keep_blocks and len(shape) == 2:
+        return GGUFBlocks(raw.view(shape[0], -1), t.type_name, shape[1])
     if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) in (2, 3):
         g = _group_q4(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
         k = shape[-1]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.layers.kquant import EMBED_TYPES, KQUANT_TYPES, BlockEmbedding, GGUFBlocks
 from kiln.layers.moe import Experts
 from kiln.layers.quant import GroupQuant
 from kiln.messages import msg
@@ -219,12 +220,13 @@ def _merge_generation_config(folder: Path, cfg: ModelConfig) -> None:
 # --------------------------------------------------------------------------- tensor streams
 
 
-def iter_tensors(ckpt: Checkpoint, keep_4bit: bool = False
-                 ) -> Iterator[tuple[str, torch.Tensor | GroupQuant]]:
+def iter_tensors(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | GroupQuant | GGUFBlocks]]:
     """(HF-style name, fp32/fp16/bf16 CPU tensor) for every tensor of the checkpoint; with
-    `keep_4bit`, GGUF Q4_0/Q4_1 matrices come as `GroupQuant` instead."""
+    `keep_4bit`, GGUF Q4_0/Q4_1 matrices come as `GroupQuant` instead; with `keep_blocks`, the
+    linear layers' Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices as `GGUFBlocks` (not the experts')."""
     if ckpt.format == "gguf":
-        yield from _iter_gguf(ckpt, keep_4bit)
+        yield from _iter_gguf(ckpt, keep_4bit, keep_blocks)
         return
     for f in ckpt.files:
         with open_safetensors(f) as sf:
@@ -247,8 +249,8 @@ def open_safetensors(path: Path) -> Iterator[Any]:
         yield sf
 
 
-def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
-               ) -> Iterator[tuple[str, torch.Tensor | GroupQuant]]:
+def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = False
+               ) -> Iterator[tuple[str, torch.Tensor | GroupQuant | GGUFBlocks]]:
     assert ckpt.gguf_meta is not None
     arch = ckpt.gguf_meta["general.architecture"]
     cfg = ckpt.config
@@ -272,8 +274,14 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
         if name is None:
             raise ModelLoadError(f"unknown GGUF tensor {t.name!r} in {ckpt.path}",
                                  hint="this GGUF has tensors kiln's Llama-family model lacks")
-        tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and (name.endswith("proj.weight")
-                                                             or name == "lm_head.weight"))
+        linear = name.endswith("proj.weight") or name == "lm_head.weight"
+        blocks: Collection[str] = ()
+        if keep_blocks and linear and ".experts." not in name:
+            blocks = KQUANT_TYPES
+        elif keep_blocks and name.endswith("embed_tokens.weight") and \
+                not cfg.tie_word_embeddings:  # (a tied head reads the embedding's weight)
+            blocks = EMBED_TYPES
+        tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and linear, keep_blocks=blocks)
         if name == "rope_freqs":
             yield name, tensor
             continue
@@ -284,7 +292,7 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False
             heads = (cfg.num_attention_heads if name.endswith("q_proj.weight")
                      else cfg.num_key_value_heads if name.endswith("k_proj.weight") else None)
             if heads is not None:
-                if isinstance(tensor, GroupQuant):
+                if isinstance(tensor, GroupQuant | GGUFBlocks):
                     tensor = tensor.permute_rows(lambda x, h=heads: _unpermute(x, h))
                 else:
                     tensor = _unpermute(tensor, heads)
@@ -323,13 +331,15 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | str,
                 max_positions: int, progress: ProgressFn | None = None,
                 quantization: str = "none", keep_dense: bool = False,
-                cpu_kernels: bool = True,
+                cpu_kernels: bool = True, gguf_kernels: bool = True,
                 experts_device: torch.device | str | None = None) -> torch.nn.Module:
     """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
     are swapped for quantized ones (`kiln.layers.quant.quantize_model`); GGUF 4-bit blocks then
     go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
     from the quantized weight, for large steps). On CPU, bf16 linear layers left dense are
-    packed for oneDNN (`kiln.layers.linear.pack_linears`)."""
+    packed for oneDNN (`kiln.layers.linear.pack_linears`). With `gguf_kernels` (and kiln's
+    GGUF-block kernels built here), Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices are not
+    re-quantized: they stay the file's blocks (`kiln.layers.kquant.KQuantLinear`)."""
     from kiln.models.registry import model_class
 
     cls = model_class(ckpt.config.architecture)
@@ -338,7 +348,14 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     _materialize(model, device, experts_device)
     for rotary in model.rotary_embeddings():
         rotary.build(device=device)
+    keep_blocks = (quantization != "none" and gguf_kernels and cpu_kernels
+                   and ckpt.format == "gguf" and torch.device(device).type == "cpu")
+    if keep_blocks:
+        from kiln.layers import kquant
+
+        keep_blocks = kquant.available()
     load_weights(model, ckpt, progress=progress, keep_4bit=quantization != "none",
+                 keep_blocks=keep_blocks,
                  quantize_experts=(quantization, cpu_kernels) if quantization != "none" else None)
     if quantization != "none":
         from kiln.layers.quant import quantize_model
@@ -376,7 +393,8 @@ def _materialize(model: torch.nn.Module, device: torch.device | str,
 
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
                  progress: ProgressFn | None = None, keep_4bit: bool = False,
-                 quantize_experts: tuple[str, bool] | None = None) -> None:
+                 quantize_experts: tuple[str, bool] | None = None,
+                 keep_blocks: bool = False) -> None:
     """Fills every parameter from the checkpoint. With `keep_4bit`, GGUF 4-bit matrices are
     handed to their module's `stash_quantized` (a quantization pass must follow: see
     `kiln.layers.linear.Linear`). With `quantize_experts` (mode, use CPU kernels), each layer's
@@ -406,7 +424,8 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
     # name -> True for checkpoint tensors the family does not run (DeepSeek-V3's MTP layer)
     skip: Callable[[str], bool] | None = getattr(model, "skip_checkpoint_tensor", None)
     names_total = _count_tensors(ckpt) if progress is not None else 0
-    for i, (name, tensor) in enumerate(iter_tensors(ckpt, keep_4bit=keep_4bit)):
+    for i, (name, tensor) in enumerate(iter_tensors(ckpt, keep_4bit=keep_4bit,
+                                                    keep_blocks=keep_blocks)):
         if progress is not None:
             progress(i + 1, names_total)
         if name == "rope_freqs":
@@ -449,12 +468,18 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model",
                                  hint="the checkpoint does not match its config.json architecture")
         module = modules[mod_name]
+        if isinstance(tensor, GGUFBlocks) and isinstance(module, torch.nn.Embedding):
+            # the embedding keeps the file's blocks and dequantizes the rows it looks up
+            owner = modules[parent] if parent else model
+            setattr(owner, child, BlockEmbedding(tensor, param.dtype))
+            loaded.add((pname, None))
+            continue
         with torch.no_grad():
-            if isinstance(tensor, GroupQuant) and hasattr(module, "stash_quantized") \
-                    and leaf == "weight":
+            if isinstance(tensor, GroupQuant | GGUFBlocks) and \
+                    hasattr(module, "stash_quantized") and leaf == "weight":
                 module.stash_quantized(shard, tensor)
             else:
-                if isinstance(tensor, GroupQuant):
+                if isinstance(tensor, GroupQuant | GGUFBlocks):
                     tensor = tensor.dequantize()
                 if shard is not None:
                     module.load_shard(param, shard, tensor.to(param.dtype))

@@ -1,0 +1,186 @@
+"""GGUF's quantized blocks (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) run as the file stores them.
+
+Before this, kiln re-quantized every such tensor at load to its own int4 groups of 32 (or int8
+rows): a second rounding on top of the GGUF's (a Q5_0 or Q6_K weight lost bits), a slow first
+start (~57 s for Qwen2.5-Coder-0.5B Q4_K_M on 2 cores) and a second copy of the weights while
+loading. Now the loader hands such a tensor over as `GGUFBlocks` (its rows of raw blocks, a
+view of the file's memory map: no copy, no decoding at load), and `KQuantLinear` multiplies
+with them through kiln/layers/kquant_avx2.cpp (`kq_linear`: activations quantized to int8 per
+group of 32, int8 dot products per block, as llama.cpp's vec_dot does).
+
+`reference` is what the kernel computes, in PyTorch (the weight dequantized by
+kiln/models/gguf.py, the activation rounded as the kernel rounds it): the tests compare the
+two on blocks written by the `gguf` package's quantizers. Where the kernel is not built (no
+AVX2, not x86 Linux, --no-cpu-kernels / --no-gguf-kernels) the loader keeps the old path (the
+blocks dequantized, then re-quantized by --quantization), which is faster than this module's
+fallback (dequantize every forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.layers.quant import _QuantizedLinear
+
+# ggml type name -> id (GGUF's tensor-table values): the types kquant_avx2.cpp reads
+KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# types an untied embedding keeps as blocks (kiln/models/gguf.py's torch dequantizer reads
+# them row by row): Qwen2.5-0.5B's 151936 x 896 token_embd is 545 MB in fp32, 94 MB as Q5_0
+EMBED_TYPES = {"Q4_0", "Q4_1", *KQUANT_TYPES}
+
+
+@dataclass
+class GGUFBlocks:
+    """A 2-D GGUF tensor's raw blocks: raw uint8 [rows, row_bytes] (each row the blocks of one
+    output row, in file order), of `type_name`, `in_features` values per row."""
+
+    raw: torch.Tensor
+    type_name: str
+    in_features: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.raw.shape[0], self.in_features))
+
+    @property
+    def type_id(self) -> int:
+        return KQUANT_TYPES[self.type_name]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from kiln.models.gguf import dequantize_blocks
+
+        flat = dequantize_blocks(self.raw.reshape(-1), self.type_name)
+        assert flat is not None
+        return flat.reshape(self.shape).to(dtype)
+
+    def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GGUFBlocks:
+        return GGUFBlocks(fn(self.raw).contiguous(), self.type_name, self.in_features)
+
+
+def available() -> bool:
+    from kiln.layers import cpu_kernels
+
+    return cpu_kernels.kquant_available()
+
+
+def kq_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """x [M, K] fp32/bf16 @ W^T, W = the parts' rows stacked (raw GGUF rows of `types`) ->
+    [M, N] in x's dtype."""
+    return torch.ops.kiln_kquant.kq_linear(x, weights, types)
+
+
+def quantize_act(x: torch.Tensor) -> torch.Tensor:
+    """The activation as the kernel sees it (int8 per group of 32, returned dequantized): the
+    AVX2 q4 kernel's rounding, one definition for both."""
+    from kiln.layers.cpu_kernels import quantize_act_q8
+
+    return quantize_act_q8(x)
+
+
+def reference(x: torch.Tensor, parts: list[GGUFBlocks]) -> torch.Tensor:
+    """What kq_linear computes, in fp32 PyTorch (tests, self-check)."""
+    w = torch.cat([p.dequantize(torch.float32) for p in parts])
+    return F.linear(quantize_act(x.float()), w)
+
+
+class KQuantLinear(_QuantizedLinear):
+    """y = x @ W^T + b, W the GGUF blocks of one or more checkpoint tensors stacked by rows (a
+    merged qkv / gate_up may mix types: Q4_K_M files put Q5_0, Q6_K or Q8_0 beside Q4_K).
+    One kernel at every row count (the kernel is batch-invariant), no dense copy."""
+
+    dense_min_m = 1 << 62
+
+    def __init__(self, parts: list[GGUFBlocks], bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> None:
+        super().__init__(out_dtype)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.raw.shape[0] for p in parts)
+        self.native = False
+        self.avx2 = True
+        self.types = [p.type_id for p in parts]
+        self.type_names = [p.type_name for p in parts]
+        for i, p in enumerate(parts):
+            self.register_buffer(f"blocks{i}", p.raw.contiguous())
+        self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
+        self.kernel = self.blocks0.device.type == "cpu" and available()
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [getattr(self, f"blocks{i}") for i in range(len(self.types))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel:
+            xa = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+            y = kq_linear(xa, self._parts(), self.types).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize(x2.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def keep_dense(self) -> None:
+        pass  # one kernel at every size: a dense copy would cost 3-8x the blocks' memory
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([GGUFBlocks(w, t, self.in_features).dequantize(dtype)
+                          for w, t in zip(self._parts(), self.type_names)])
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, "
+                f"{'+'.join(self.type_names)}, {'kiln-kquant' if self.kernel else 'reference'}")
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as the GGUF's blocks: a lookup gathers the ids' rows of raw
+    blocks and dequantizes just those (a step's few hundred rows: microseconds)."""
+
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.type_name = blocks.type_name
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.dtype = dtype
+        self.register_buffer("blocks", blocks.raw)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = GGUFBlocks(self.blocks[ids.reshape(-1)], self.type_name, self.embedding_dim)
+        return rows.dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} blocks"
+
+
+def register_fakes() -> None:
+    @torch.library.register_fake("kiln_kquant::kq_linear")
+    def _(x, weights, types):
+        return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
+
+
+def _random_blocks(rows: int, k: int, type_name: str, g: torch.Generator) -> GGUFBlocks:
+    """Random bytes with sane fp16 scales (self-check; the tests use gguf's quantizers)."""
+    from kiln.models.gguf import GGML_TYPES
+
+    _, be, bb = next(v for v in GGML_TYPES.values() if v[0] == type_name)
+    nb = rows * k // be
+    raw = torch.randint(0, 256, (nb, bb), dtype=torch.uint8, generator=g)
+    offs = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+            "Q6_K": [208]}[type_name]
+    for off in offs:
+        d = (torch.rand(nb, generator=g) * 0.01 + 1e-3).to(torch.float16)
+        raw[:, off:off + 2] = d.view(torch.uint8).reshape(nb, 2)
+    return GGUFBlocks(raw.reshape(rows, -1), type_name, k)
+
+
+def self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    parts = [_random_blocks(5, 512, "Q4_K", g), _random_blocks(3, 512, "Q6_K", g),
+             _random_blocks(4, 512, "Q8_0", g)]
+    x = torch.randn(5, 512, generator=g)
+    got = kq_linear(x, [p.raw for p in parts], [p.type_id for p in parts])
+    want = reference(x, parts)
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()))

@@ -1,0 +1,439 @@
+// kiln's AVX2 kernels for GGUF's quantized blocks as the file stores them (no repacking, no
+// second rounding): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built and loaded by
+// kiln/layers/cpu_kernels.py (`kquant_available()`); kiln/layers/kquant.py's KQuantLinear calls
+// `kq_linear`.
+//
+// Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
+// they are (a merged qkv / gate_up layer is several parts, one per checkpoint tensor, each of
+// its own type: Q4_K_M files mix Q4_K, Q5_0, Q6_K and Q8_0 inside one layer). Block layouts
+// (ggml's; the same facts as kiln/models/gguf.py's dequantizer):
+//
+//   Q8_0  34 B / 32:   f16 d, int8 q[32]                        w = d * q
+//   Q5_0  22 B / 32:   f16 d, u32 qh, u8 qs[16]                 w = d * (q - 16)
+//   Q5_1  24 B / 32:   f16 d, f16 m, u32 qh, u8 qs[16]          w = d * q + m
+//         (q = low nibble of qs[j] for j < 16, high nibble of qs[j - 16] after; bit 4 = bit j
+//          of qh)
+//   Q4_K 144 B / 256:  f16 d, f16 dmin, 12 B of 6-bit scales/mins sc[8], m[8], u8 qs[128]
+//                      sub-block j (32 values): w = d * sc[j] * q - dmin * m[j]; sub-blocks
+//                      2c and 2c+1 are the low and high nibbles of qs[32c .. 32c+31]
+//   Q5_K 176 B / 256:  Q4_K's header, u8 qh[32], u8 qs[128]; bit 4 of sub-block j's value i
+//                      is bit j of qh[i]
+//   Q6_K 210 B / 256:  u8 ql[128], u8 qh[64], int8 sc[16], f16 d; w = d * sc[i / 16] * (q - 32)
+//                      with q = 4 low bits from ql, 2 high bits from qh (see dot_q6_k)
+//
+// Activations are quantized once per call, per row and group of 32 (llama.cpp's Q8_0 form):
+// d = amax / 127, xq = round(x / d) in int8, and s = d * sum(xq). Every dot product is then
+// exactly (up to fp32 summation order) the dequantized weight times the dequantized
+// activation: sum over a group of w_i * d * xq_i, including the min terms (K-quants' mins use
+// s, the rounded activation's sum, as llama.cpp's Q8_K bsums do). kiln/layers/kquant.py's
+// `reference` computes that in PyTorch; the tests compare the two on blocks written by the
+// `gguf` package's quantizers.
+//
+// The integer dot products: _mm256_maddubs_epi16 (u8 x s8 -> pairs summed into int16) then
+// _mm256_madd_epi16 with ones (-> int32 sums of 4). Signed weights (Q8_0, Q5_0) use the sign
+// trick (|w| as u8, x with w's sign). int16 never saturates: |pair| <= 128 * 127 * 2 = 32512
+// (Q8_0), 63 * 127 * 2 = 16002 (Q6_K; minus 32 * 254 for its offset: 24130).
+//
+// Work: items are (8 weight rows, up to 64 activation rows); each weight block is expanded
+// once per item and reused for up to 4 activation rows held in registers; a row's 8-64 KB of
+// activations stay in L2 across the item's weight rows. Each output is computed alone in a
+// fixed order (its own blocks, its own activation row): a row's result does not depend on the
+// other rows of the step (batch-invariant).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILN_KQ_AVX2 1
+#include <immintrin.h>
+#else
+#define KILN_KQ_AVX2 0
+#endif
+
+namespace {
+
+// ggml type ids (GGUF's tensor-table values)
+constexpr int64_t kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kMaxRows = 4;  // activation rows per register block
+
+bool supported() { return KILN_KQ_AVX2 == 1; }
+
+int64_t block_elems(int64_t type) {
+  return (type == kQ4_K || type == kQ5_K || type == kQ6_K) ? 256 : 32;
+}
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ8_0: return 34;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+#if KILN_KQ_AVX2
+
+// One quantized activation row: codes q [K], scales d [K/32], sums s [K/32] (d * sum(q)).
+struct XRow {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// int32 sums of 4 products, u8 weights x s8 activations
+inline __m256i dot_u8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// the same for s8 weights (sign trick: |w| x sign(w) * x)
+inline __m256i dot_s8(__m256i w, __m256i x) {
+  return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// Bit j of `bits` -> byte j: 0xFF where set, 0 elsewhere.
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
+                                          0x0202020202020202, 0x0303030303030303);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE));  // all but bit j%8 set
+  return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+
+// 16 bytes of packed nibbles -> 32 bytes: low nibbles (values 0..15), then high (16..31)
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const T* p = x + g * 32;
+    const __m256 v0 = load8(p), v1 = load8(p + 8), v2 = load8(p + 16), v3 = load8(p + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float dg = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    auto cvt = [&](__m256 v) {
+      return _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    };
+    const __m256i i0 = cvt(v0), i1 = cvt(v1), i2 = cvt(v2), i3 = cvt(v3);
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    const __m256i a = _mm256_packs_epi32(i0, i1);
+    const __m256i b = _mm256_packs_epi32(i2, i3);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32),
+                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm));
+    d[g] = dg;
+    s[g] = dg * hsum(_mm256_cvtepi32_ps(isum));  // exact: |sum| <= 32 * 127
+  }
+}
+
+// ---- per type: one weight row (nb blocks) against MB activation rows -> out[m] (+=)
+// Each function accumulates fp32 vectors per activation row and reduces them at the end.
+
+// Two accumulators per activation row (even and odd blocks or sub-blocks): one chain of
+// dependent FMAs per row made M=1 latency-bound (4 cycles a group), not throughput-bound.
+template <int MB>
+void dot_q8_0(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
+  __m256 acc[MB], acc2[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* a) {
+    const uint8_t* blk = w + 34 * b;
+    const float d = f16(blk);
+    const __m256i q = load32(blk + 2);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 p = _mm256_cvtepi32_ps(dot_s8(q, load32(x[m].q + 32 * b)));
+      a[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[b]), a[m]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) step(b, acc), step(b + 1, acc2);
+  if (b < nb) step(b, acc);
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m]));
+}
+
+template <int MB, bool kMin>
+void dot_q5(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
+  // Q5_0 (kMin false): signed q - 16; Q5_1: unsigned q, plus m * sum(x)
+  constexpr int64_t kBytes = kMin ? 24 : 22;
+  constexpr int64_t kQh = kMin ? 4 : 2;
+  __m256 acc[MB], acc2[MB];
+  float msum[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps(), msum[m] = 0.0f;
+  auto step = [&](int64_t b, __m256* a) {
+    const uint8_t* blk = w + kBytes * b;
+    const float d = f16(blk);
+    uint32_t qh;
+    std::memcpy(&qh, blk + kQh, 4);
+    __m256i q = _mm256_or_si256(nibbles32(blk + kQh + 4),
+                                _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+    if (!kMin) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xv = load32(x[m].q + 32 * b);
+      const __m256 p = _mm256_cvtepi32_ps(kMin ? dot_u8(q, xv) : dot_s8(q, xv));
+      a[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[b]), a[m]);
+      if (kMin) msum[m] += f16(blk + 2) * x[m].s[b];
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) step(b, acc), step(b + 1, acc2);
+  if (b < nb) step(b, acc);
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m])) + msum[m];
+}
+
+// Q4_K / Q5_K's 12 bytes -> 6-bit scales sc[8] and mins mn[8]
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+template <int MB, bool kQ5>
+void dot_qk(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
+  constexpr int64_t kBytes = kQ5 ? 176 : 144;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i one = _mm256_set1_epi8(0x01);
+  __m256 acc[MB], acc2[MB];
+  float msum[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps(), msum[m] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b, w += kBytes) {
+    const float d = f16(w), dmin = f16(w + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    const uint8_t* qs = w + (kQ5 ? 48 : 16);
+    const __m256i qh = kQ5 ? load32(w + 16) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load32(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(v, m4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (kQ5) {  // bit 4 of sub-block j = bit j of qh (j = 2c, 2c + 1)
+        const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one);
+        const __m256i h1 =
+            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+      }
+      const int64_t g = 8 * b + 2 * c;  // the activation's group of sub-block 2c
+      const float s0 = d * sc[2 * c], s1 = d * sc[2 * c + 1];
+      const float n0 = dmin * mn[2 * c], n1 = dmin * mn[2 * c + 1];
+      for (int m = 0; m < MB; ++m) {
+        const __m256 p0 = _mm256_cvtepi32_ps(dot_u8(lo, load32(x[m].q + 32 * g)));
+        const __m256 p1 = _mm256_cvtepi32_ps(dot_u8(hi, load32(x[m].q + 32 * g + 32)));
+        acc[m] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0 * x[m].d[g]), acc[m]);
+        acc2[m] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1 * x[m].d[g + 1]), acc2[m]);
+        msum[m] += n0 * x[m].s[g] + n1 * x[m].s[g + 1];
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m])) - msum[m];
+}
+
+template <int MB>
+void dot_q6_k(const uint8_t* w, int64_t nb, const XRow* x, float* out) {
+  // Per half h (128 values): ql[64h .. 64h+63] = A (bytes 0..31) and B (32..63), qh[32h ..]
+  // = H. Quarter r of the half (32 values, scales sc[8h + 2r], sc[8h + 2r + 1]):
+  //   r=0: A & 15 | (H & 3) << 4      r=1: B & 15 | (H >> 2 & 3) << 4
+  //   r=2: A >> 4 | (H >> 4 & 3) << 4  r=3: B >> 4 | (H >> 6 & 3) << 4       (q - 32)
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i m3 = _mm256_set1_epi8(0x03);
+  const __m256i k32 = _mm256_set1_epi8(32);
+  __m256 acc[MB], acc2[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 210) {
+    const float d = f16(w + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i A = load32(w + 64 * h), B = load32(w + 64 * h + 32);
+      const __m256i H = load32(w + 128 + 32 * h);
+      __m256i q[4];
+      q[0] = _mm256_or_si256(_mm256_and_si256(A, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+      q[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
+      for (int r = 0; r < 4; ++r) {
+        // int16 lanes 0..7 (values 0..15) take sc[2r], 8..15 (values 16..31) sc[2r + 1]
+        const __m256i scl = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * r + 1]),
+                                             _mm_set1_epi16(sc[8 * h + 2 * r]));
+        const int64_t g = 8 * b + 4 * h + r;
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xv = load32(x[m].q + 32 * g);
+          const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[r], xv),
+                                               _mm256_maddubs_epi16(k32, xv));
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, scl));
+          __m256& a = (r & 1) ? acc2[m] : acc[m];
+          a = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x[m].d[g]), a);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(_mm256_add_ps(acc[m], acc2[m]));
+}
+
+using DotFn = void (*)(const uint8_t*, int64_t, const XRow*, float*);
+
+template <int MB>
+DotFn dot_for(int64_t type) {
+  switch (type) {
+    case kQ8_0: return &dot_q8_0<MB>;
+    case kQ5_0: return &dot_q5<MB, false>;
+    case kQ5_1: return &dot_q5<MB, true>;
+    case kQ4_K: return &dot_qk<MB, false>;
+    case kQ5_K: return &dot_qk<MB, true>;
+    case kQ6_K: return &dot_q6_k<MB>;
+    default: return nullptr;
+  }
+}
+
+struct Part {
+  const uint8_t* w;
+  int64_t row_bytes, rows, row0, nb;
+  DotFn fn[kMaxRows + 1];  // fn[mb]: mb activation rows at once
+};
+
+#endif  // KILN_KQ_AVX2
+
+// y [M, N] = x [M, K] @ W^T, W = the parts' rows stacked (N = their sum), in x's dtype.
+at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kq_linear: x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(weights.size() == types.size() && !weights.empty(),
+              "kq_linear: one type per weight part");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "kq_linear: K must be a multiple of 32");
+  int64_t N = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    const int64_t be = block_elems(types[i]), bb = block_bytes(types[i]);
+    TORCH_CHECK(bb > 0, "kq_linear: unsupported ggml type ", types[i]);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                    K % be == 0 && w.size(1) == K / be * bb,
+                "kq_linear: part ", i, " must be contiguous uint8 [rows, ", K / be * bb,
+                "] for K = ", K);
+    N += w.size(0);
+  }
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if KILN_KQ_AVX2
+  if (M == 0 || N == 0) return y.to(x.scalar_type());
+  std::vector<Part> parts;
+  int64_t row0 = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    Part p;
+    p.w = weights[i].data_ptr<uint8_t>();
+    p.rows = weights[i].size(0);
+    p.row_bytes = weights[i].size(1);
+    p.row0 = row0;
+    p.nb = K / block_elems(types[i]);
+    p.fn[0] = nullptr;
+    p.fn[1] = dot_for<1>(types[i]);
+    p.fn[2] = dot_for<2>(types[i]);
+    p.fn[3] = dot_for<3>(types[i]);
+    p.fn[4] = dot_for<4>(types[i]);
+    parts.push_back(p);
+    row0 += p.rows;
+  }
+  // row tiles: (part, first row, rows) of up to 8 weight rows
+  constexpr int64_t kTile = 8, kChunk = 64;
+  std::vector<int64_t> tile_part, tile_row;
+  for (size_t i = 0; i < parts.size(); ++i)
+    for (int64_t r = 0; r < parts[i].rows; r += kTile) {
+      tile_part.push_back(static_cast<int64_t>(i));
+      tile_row.push_back(r);
+    }
+  const int64_t NT = static_cast<int64_t>(tile_part.size());
+  const int64_t chunks = (M + kChunk - 1) / kChunk, G = K / 32;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * G), xs(M * G);
+  const auto xc = x.contiguous();
+  float* yp = y.data_ptr<float>();
+  const int nthreads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; ++r) {
+      if (x.scalar_type() == at::kFloat)
+        quantize_row(xc.data_ptr<float>() + r * K, K, xq.data() + r * K, xd.data() + r * G,
+                     xs.data() + r * G);
+      else
+        quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, xq.data() + r * K,
+                     xd.data() + r * G, xs.data() + r * G);
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < NT * chunks; ++item) {
+      const int64_t t = item % NT, c = item / NT;
+      const Part& p = parts[tile_part[t]];
+      const int64_t r0 = tile_row[t], nr = std::min(kTile, p.rows - r0);
+      const int64_t m0 = c * kChunk, mn = std::min(kChunk, M - m0);
+      for (int64_t r = r0; r < r0 + nr; ++r) {
+        const uint8_t* wr = p.w + r * p.row_bytes;
+        for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
+          const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
+          XRow xr[kMaxRows];
+          float out[kMaxRows];
+          for (int i = 0; i < mb; ++i)
+            xr[i] = {xq.data() + (m + i) * K, xd.data() + (m + i) * G, xs.data() + (m + i) * G};
+          p.fn[mb](wr, p.nb, xr, out);
+          for (int i = 0; i < mb; ++i) yp[(m + i) * N + p.row0 + r] = out[i];
+        }
+      }
+    }
+  }
+#else
+  TORCH_CHECK(false, "kq_linear: built without AVX2/FMA/F16C");
+#endif
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln_kquant, m) {
+  m.def("supported() -> bool");
+  m.def("kq_linear(Tensor x, Tensor[] weights, int[] types) -> Tensor");
+  m.impl("supported", &supported);
+  m.impl("kq_linear", c10::DispatchKey::CPU, &kq_linear);
+}

@@ -1,0 +1,131 @@
+"""GGUF blocks run as they are (kiln/layers/kquant.py, kquant_avx2.cpp): the kernel against the
+dequantized-weight matmul for every type, odd row counts, activation tails past a register
+block and a 64-row chunk, layers mixing types; kiln's dequantizer against the `gguf` package's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.layers import kquant
+from kiln.layers.kquant import KQUANT_TYPES, GGUFBlocks, KQuantLinear
+from kiln.models.gguf import GGML_TYPES
+
+gguf = pytest.importorskip("gguf")
+
+needs_kernel = pytest.mark.skipif(not kquant.available(),
+                                  reason="kiln's GGUF-block kernels do not run here")
+
+
+def _blocks(rows: int, k: int, type_name: str, seed: int) -> GGUFBlocks:
+    """Weights as GGUF stores them: the `gguf` package's quantizer where it has one (Q8_0,
+    Q5_0, Q5_1), else random bytes with sane fp16 scales (any bit pattern of a K-quant's
+    codes and 6-bit scales is a valid block)."""
+    qt = gguf.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    try:
+        w = rng.standard_normal((rows, k)).astype(np.float32) * 0.05
+        raw = gguf.quants.quantize(w, qt)
+        return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)), type_name, k)
+    except NotImplementedError:
+        return kquant._random_blocks(rows, k, type_name, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("type_name", sorted(KQUANT_TYPES))
+def test_dequantizer_matches_gguf_package(type_name: str) -> None:
+    """The reference's weights (kiln/models/gguf.py) are what the `gguf` package decodes."""
+    b = _blocks(7, 512, type_name, 1)
+    ours = b.dequantize(torch.float32).numpy()
+    theirs = gguf.quants.dequantize(b.raw.numpy(), gguf.GGMLQuantizationType[type_name])
+    np.testing.assert_allclose(ours, theirs.reshape(ours.shape), rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", sorted(KQUANT_TYPES))
+@pytest.mark.parametrize("m", [1, 3, 5, 70])
+def test_kernel_matches_reference(type_name: str, m: int) -> None:
+    rows, k = 13, 768  # odd rows: a partial tile of 8; 768 = 3 K-quant super-blocks
+    b = _blocks(rows, k, type_name, 2)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = kquant.kq_linear(x, [b.raw], [b.type_id])
+    want = kquant.reference(x, [b])
+    assert got.shape == (m, rows)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    # and close to the unrounded activation (the int8 rounding of x is all that differs)
+    exact = x @ b.dequantize(torch.float32).t()
+    rel = (got - exact).norm() / exact.norm()
+    assert rel < 2e-2, rel
+
+
+@needs_kernel
+def test_mixed_parts_bf16_and_batch_invariance() -> None:
+    """A merged layer of Q4_K + Q5_0 + Q6_K + Q8_0 rows (as a Q4_K_M qkv can be), bf16
+    activations, a row alone equal to the same row inside a batch of 9."""
+    parts = [_blocks(9, 512, "Q4_K", 3), _blocks(4, 512, "Q5_0", 4), _blocks(11, 512, "Q6_K", 5),
+             _blocks(2, 512, "Q8_0", 6)]
+    lin = KQuantLinear(parts, torch.randn(26), torch.float32)
+    assert lin.kernel and lin.out_features == 26
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
+    y = lin(x)
+    want = kquant.reference(x, parts) + lin.bias
+    torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    assert torch.equal(lin(x[4:5]), y[4:5])
+    yb = KQuantLinear(parts, None, torch.bfloat16)(x.bfloat16())
+    assert yb.dtype == torch.bfloat16
+    wb = kquant.reference(x.bfloat16().float(), parts)
+    torch.testing.assert_close(yb.float(), wb, rtol=1e-2, atol=1e-2 * wb.abs().max().item())
+
+
+def test_reference_fallback_without_kernel() -> None:
+    """The module's PyTorch path (no kernel): the dequantized weight's matmul."""
+    parts = [_blocks(5, 256, "Q6_K", 7), _blocks(3, 256, "Q5_1", 8)]
+    lin = KQuantLinear(parts, None, torch.float32)
+    lin.kernel = False
+    x = torch.randn(2, 256)
+    w = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(lin(x), x @ w.t())
+
+
+def test_type_table_matches_ggml() -> None:
+    for name, tid in KQUANT_TYPES.items():
+        assert GGML_TYPES[tid][0] == name
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q6_K"])
+def test_block_embedding_rows(type_name: str) -> None:
+    """An embedding kept as blocks returns the dequantized table's rows."""
+    qt = gguf.GGMLQuantizationType[type_name]
+    if type_name in KQUANT_TYPES:
+        b = _blocks(40, 256, type_name, 9)
+    else:
+        w = np.random.default_rng(9).standard_normal((40, 256)).astype(np.float32)
+        b = GGUFBlocks(torch.from_numpy(gguf.quants.quantize(w, qt)), type_name, 256)
+    emb = kquant.BlockEmbedding(b, torch.float32)
+    ids = torch.tensor([[3, 39, 0], [7, 7, 21]])
+    torch.testing.assert_close(emb(ids), b.dequantize()[ids])
+
+
+@needs_kernel
+def test_quantize_linear_takes_blocks_as_they_are_or_falls_back() -> None:
+    """A layer whose every shard came as GGUF blocks becomes a KQuantLinear holding them; one
+    that mixes them with Q4_0/Q4_1 groups is re-quantized to int4 as before (all of it)."""
+    from kiln.layers.linear import MergedLinear
+    from kiln.layers.quant import Int4Linear, quantize_int4_groups, quantize_linear
+
+    q, v = _blocks(64, 256, "Q4_K", 10), _blocks(32, 256, "Q8_0", 11)
+    lin = MergedLinear(256, {"q": 64, "v": 32})
+    lin.stash_quantized("v", v)
+    lin.stash_quantized("q", q)
+    native = quantize_linear(lin, "int4")
+    assert isinstance(native, KQuantLinear) and native.type_names == ["Q4_K", "Q8_0"]
+    assert torch.equal(native.blocks0, q.raw) and torch.equal(native.blocks1, v.raw)
+
+    mixed = MergedLinear(256, {"q": 64, "v": 32})
+    mixed.stash_quantized("q", quantize_int4_groups(q.dequantize()))
+    mixed.stash_quantized("v", v)
+    out = quantize_linear(mixed, "int4")
+    assert isinstance(out, Int4Linear)
+    want = torch.cat([q.dequantize(), v.dequantize()])
+    err = (out.dequantize(torch.float32) - want).abs().max() / want.abs().max()
+    assert err < 0.1
