@@ -76,10 +76,16 @@ def tiny_engine(base_dir, paths, **kw):
     return Engine(cfg)
 
 
-def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny):
+@pytest.mark.parametrize("form", ["masked", "grouped"])
+def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, monkeypatch):
     """One step prefills four prompts (base, a1, a2, a3); every prompt position's logprobs of
     its next token and top 5 equal transformers + peft's within 1e-3; then greedy decoding in
-    the mixed batch gives peft's tokens."""
+    the mixed batch gives peft's tokens. Both forms of the LoRA matmuls: every step masked
+    (its rows are few), or every step by groups of rows."""
+    from kiln.engine import lora
+
+    if form == "grouped":
+        monkeypatch.setattr(lora, "MASKED_MAX_ROWS", 0)
     base_dir, paths, ref = tiny
     eng = tiny_engine(base_dir, paths)
     g = torch.Generator().manual_seed(1)
