@@ -218,6 +218,7 @@ def test_espeak_speech_is_transcribed(stt: openai.OpenAI, tmp_path: Path) -> Non
     assert wer(ESPEAK_TEXT, heard.text) <= 0.20, heard.text
 
 
+@pytest.mark.heavy  # six full Whisper windows: outside make test's time budget
 def test_transcription_response_formats(stt: openai.OpenAI, short_wav: bytes) -> None:
     def ask(**kw: Any) -> Any:
         return stt.audio.transcriptions.create(model="whisper", file=("a.wav", short_wav), **kw)

@@ -377,6 +377,7 @@ def _offline(eng, prompt_ids: list[int], adapter: str | None, tag: str) -> list[
     return out
 
 
+@pytest.mark.heavy  # a server start with adapters: outside make test's time budget
 def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, smol_adapters,
                                                                    smollm2_tokenizer):
     """Base and two adapters asked at once through the openai client: each answer's tokens

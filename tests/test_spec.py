@@ -262,6 +262,7 @@ def test_greedy_output_is_identical_with_ngram_speculation(smollm2_runner, smoll
     assert eng.stats.steps < sum(len(v["ids"]) for v in plain.values())
 
 
+@pytest.mark.heavy  # make test's budget: the distribution test above checks the rule
 def test_sampled_output_with_speculation_is_well_formed(smollm2_runner, smollm2_tokenizer,
                                                         chat_ids):
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=7)]
