@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m kiln.layers.cpu_kernels
 	touch $(STAMP)
 
-# Debian packages the tests use: espeak-ng makes test speech for the transcription tests.
-# Installed only where missing and apt-get can run (root); elsewhere those tests skip, saying why.
-SYSTEM_PKGS := espeak-ng
+# Debian packages that some tests outside make test use (`pytest -m heavy`): espeak-ng makes test
+# speech for a transcription test; chromium runs the web pages' browser tests. Installed only where
+# missing and apt-get can run (root); elsewhere those tests skip, saying why.
+SYSTEM_PKGS := espeak-ng chromium
 system-deps:
 	@missing=""; for p in $(SYSTEM_PKGS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -44,7 +45,7 @@ serve: install
 	$(BIN)/kiln serve $(MODEL) --host $(HOST) --port $(PORT)
 
 # Lint first (seconds): a finding fails the run before the tests start.
-test: install system-deps lint
+test: install lint
 	$(BIN)/python -m pytest -q
 
 lint: install
