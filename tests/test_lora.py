@@ -76,7 +76,7 @@ def tiny_engine(base_dir, paths, **kw):
     return Engine(cfg)
 
 
-@pytest.mark.parametrize("form", ["masked", "grouped"])
+@pytest.mark.parametrize("form", ["masked", pytest.param("grouped", marks=pytest.mark.heavy)])
 def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, monkeypatch):
     """One step prefills four prompts (base, a1, a2, a3); every prompt position's logprobs of
     its next token and top 5 equal transformers + peft's within 1e-3; then greedy decoding in

@@ -102,6 +102,7 @@ def test_unknown_model_and_bad_keep_alive_are_client_errors(router: Server) -> N
     assert r.status_code == 401  # the router checks the key before any model loads
 
 
+@pytest.mark.heavy  # another model load: outside make test's time budget
 def test_keep_alive_zero_unloads_after_the_request(router: Server) -> None:
     """Ollama's per-request keep_alive: 0 unloads the model as soon as its request ends."""
     client = router.client()
@@ -114,6 +115,7 @@ def test_keep_alive_zero_unloads_after_the_request(router: Server) -> None:
     assert "kiln_router_model_unloads_total" in metrics
 
 
+@pytest.mark.heavy  # another model load: outside make test's time budget
 def test_chat_page_and_dashboard_stats_over_the_router(router: Server) -> None:
     """The same pages as a single model's server; the dashboard's stats hold each loaded
     model's series (keyed by model)."""
