@@ -57,6 +57,7 @@ def _complete(client: openai.OpenAI, model: str, **kw) -> str:
     return r.choices[0].text
 
 
+@pytest.mark.heavy  # three model loads (~95 s): outside make test's time budget
 def test_each_model_answers_and_one_fits_at_a_time(router: Server) -> None:
     client = router.client()
     listed = {m.id: m.model_extra["state"] for m in client.models.list().data}
