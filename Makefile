@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m kiln.layers.cpu_kernels
 	touch $(STAMP)
 
-# Debian packages that some tests outside make test use (`pytest -m heavy`): espeak-ng makes test
-# speech for a transcription test; chromium runs the web pages' browser tests. Installed only where
+# Debian packages some tests use: chromium runs the web pages' browser tests (make test, ~25 s to
+# install); espeak-ng makes test speech for a heavy transcription test. Installed only where
 # missing and apt-get can run (root); elsewhere those tests skip, saying why.
 SYSTEM_PKGS := espeak-ng chromium
 system-deps:
@@ -44,9 +44,10 @@ install: $(STAMP)
 serve: install
 	$(BIN)/kiln serve $(MODEL) --host $(HOST) --port $(PORT)
 
-# Lint first (seconds): a finding fails the run before the tests start.
-test: install lint
-	$(BIN)/python -m pytest -q
+# Lint first (seconds): a finding fails the run before the tests start. --durations: CI's log
+# shows where the time budget goes.
+test: install system-deps lint
+	$(BIN)/python -m pytest -q --durations=30
 
 lint: install
 	$(BIN)/python -m ruff check kiln tests benchmarks

@@ -4,11 +4,13 @@ The browser is Debian's `chromium` (`apt-get install chromium`) driven by Playwr
 `executable_path`: no browser is downloaded (`playwright install` is never needed). Without
 chromium or the playwright package these tests skip, saying which is missing.
 
-Default run: one smoke test (the key asked once, a streamed answer that grows then ends, the
-conversation kept over a reload) and the page's own pure functions (markdown, percentiles).
-`pytest -m heavy tests/test_ui.py`: stopping an answer, the model picker, the dashboard under
-load; with KILN_UI_SCREENSHOTS=DIR they also write ui-chat.png and ui-dashboard.png there (the
-README's screenshots: `KILN_UI_SCREENSHOTS=docs pytest -m heavy tests/test_ui.py`).
+All in the default run (`make test` installs chromium through `make system-deps` where it can):
+the key asked once, a streamed answer that grows then ends, the conversation kept over a reload,
+stopping a long answer (the server frees the request), the model picker, the dashboard's plots
+moving under load with the config's sources, and the page's own pure functions (markdown,
+percentiles). With KILN_UI_SCREENSHOTS=DIR the picker and dashboard tests also write
+ui-chat.png and ui-dashboard.png there (the README's screenshots:
+`KILN_UI_SCREENSHOTS=docs pytest tests/test_ui.py`).
 """
 
 from __future__ import annotations
@@ -229,7 +231,6 @@ def test_dashboard_percentiles_interpolate_inside_the_bucket(browser: Any, serve
     page.context.close()
 
 
-@pytest.mark.heavy
 def test_stop_ends_the_answer_and_the_server_frees_the_request(
     browser: Any, server: Server
 ) -> None:
@@ -256,7 +257,6 @@ def test_stop_ends_the_answer_and_the_server_frees_the_request(
     page.context.close()
 
 
-@pytest.mark.heavy
 def test_model_picker_lists_the_served_names_and_the_request_carries_the_choice(
     browser: Any, server: Server, tmp_path: Path
 ) -> None:
@@ -282,7 +282,6 @@ def test_model_picker_lists_the_served_names_and_the_request_carries_the_choice(
     page.context.close()
 
 
-@pytest.mark.heavy
 def test_dashboard_plots_move_under_load_and_shows_the_config_sources(
     browser: Any, server: Server, tmp_path: Path
 ) -> None:
