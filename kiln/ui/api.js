@@ -47,14 +47,27 @@ const KilnAPI = (() => {
     }
   }
 
-  // The key dialog (a <dialog id="key-dialog"> on each page). Resolves true when a key was
-  // saved. `rejected`: the server refused the key there is (or that there is none).
+  // The key dialog, built here the first time it is needed so both pages share one markup.
+  // Resolves true when a key was saved. `rejected`: the server refused the key there is (or
+  // that there is none).
   let pending = null;
   let declined = false;
+  function keyDialog() {
+    let dialog = document.getElementById("key-dialog");
+    if (dialog) return dialog;
+    dialog = document.createElement("dialog");
+    dialog.id = "key-dialog";
+    dialog.innerHTML =
+      '<form method="dialog"><h3>API key</h3><p class="key-note"></p>' +
+      '<input type="password" autocomplete="off" placeholder="sk-...">' +
+      '<div class="row end"><button type="button" class="key-cancel">Cancel</button>' +
+      '<button type="submit">Save</button></div></form>';
+    document.body.appendChild(dialog);
+    return dialog;
+  }
   function askKey(rejected) {
-    const dialog = document.getElementById("key-dialog");
-    if (!dialog) return Promise.resolve(false);
     if (pending) return pending;
+    const dialog = keyDialog();
     const input = dialog.querySelector("input");
     const note = dialog.querySelector(".key-note");
     input.value = apiKey();
