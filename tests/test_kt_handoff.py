@@ -343,7 +343,7 @@ def test_tp_above_the_models_maximum_is_reduced_with_a_warning(
 
 def test_model_max_tp_from_the_config_when_the_registry_does_not_know_the_model() -> None:
     from kiln.models.config import ModelConfig
-    from kiln.startup import model_max_tp
+    from kiln.resolve.parallel import model_max_tp
 
     glm = ModelConfig.from_hf(GLM_45_AIR, require_supported=False)
     assert model_max_tp(None, glm) == 8

@@ -16,6 +16,7 @@ from typing import Any
 
 from kiln import pidfile, startup
 from kiln.messages import english, msg
+from kiln.resolve import parallel
 
 log = logging.getLogger("kiln.serve")
 
@@ -434,8 +435,8 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
         model_arg = str(src.path)
     # MoE-ness and the TP limit from the registry, else from the model's own config.json.
     bm = BackendModel(path=model_arg, served_names=s["served_model_name"] or [src.name],
-                      is_moe=startup.model_is_moe(entry, sp.model_config),
-                      max_tp=startup.model_max_tp(entry, sp.model_config))
+                      is_moe=parallel.model_is_moe(entry, sp.model_config),
+                      max_tp=parallel.model_max_tp(entry, sp.model_config))
     passthrough = list(getattr(args, "passthrough", []) or [])
     ecfg = sp.engines_cfg.get(engine, {})
     sp.phase = "engine"
