@@ -12,15 +12,19 @@ sqrt(r) with rsLoRA) is folded into B when an adapter is loaded.
 
 Packed linears (qkv_proj, gate_up_proj) take the adapters of their checkpoint shards as one
 pair: A is the shards' A stacked, [r_q + r_k + r_v, in], and B is block-diagonal, [out, r_q +
-r_k + r_v], zero outside each shard's rows, so one packed linear costs two small matmuls a group.
+r_k + r_v], zero outside each shard's rows ("pieces" say where it is not), so one packed linear
+costs one shrink and one expand per group of rows, as one unpacked linear does.
 
-    runner: ids per row -> LoRAStep (groups: adapter id -> rows) -> set_step -> forward
-    hook on each target linear: out[rows] += (x[rows] @ A^T) @ B^T for each group it has
+    runner: decodes sorted by adapter -> ids per row -> LoRAManager.step_of: groups (slot,
+            first row, end row), once per step -> set_step -> forward
+    hook on each target linear: out[first:end] += (x[first:end] @ A^T) @ B^T per group
 
-Small steps (decode batches, up to MASKED_MAX_ROWS rows) take all of a linear's adapters at
-once instead: out += ((x @ [A_1; A_2; ...]^T) * mask) @ [B_1 B_2 ...]^T, the mask keeping each
-row's own adapter's columns (same sums: the other columns add exact zeros), two matmuls a
-linear instead of four ops per adapter.
+On a CPU with fp32 activations a linear's groups are one call of kiln's kernel (lora_add in
+cpu_kernels_avx2.cpp: each 4-row block's shrink then its expand, B's zero blocks skipped,
+added into the base linear's output): a decode step's adapter products are tiny (16 rows x
+rank 16), so PyTorch's ops cost their dispatch and parallel regions more than their arithmetic,
+and a masked or padded batched form would multiply zeros. Elsewhere (GPU, bf16) each group is
+two matmuls, the second added in place (addmm_).
 
 Ids are never reused: an adapter loaded after another was unloaded gets a new id, so the prefix
 cache (whose block hashes include the id) can never hand one adapter's KV to another.

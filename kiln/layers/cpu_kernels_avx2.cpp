@@ -638,9 +638,11 @@ void lora_rows(const float* x, int64_t ldx, float* out, int64_t ldo, const float
 }
 #endif
 
-// Below this many multiply-adds a call runs on the calling thread: a parallel region's
-// start and barrier cost more than it saves (and far more on a loaded machine).
-constexpr int64_t kLoRAParallelWork = 1 << 20;
+// Below this many multiply-adds (~0.3 ms on one core) a call runs on the calling thread: a
+// parallel region's start and barrier cost more than it saves, and far more on a loaded
+// machine, where a barrier waits for a descheduled thread. A c=16 decode step's linears
+// (<= ~1M each on SmolLM2 with 4 rank-16 adapters) stay serial; prefill chunks split.
+constexpr int64_t kLoRAParallelWork = 1 << 22;
 
 void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
               const at::Tensor& pieces, const at::Tensor& ranks, const at::Tensor& seg,
@@ -670,12 +672,15 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
   const int32_t* lp = local.data_ptr<int32_t>();
   const int32_t* rp = ranks.data_ptr<int32_t>();
   const int32_t* pp = pieces.data_ptr<int32_t>();
+  std::vector<int64_t> row_work(L);  // multiply-adds per row of adapter l
   for (int64_t l = 0; l < L; ++l) {
     TORCH_CHECK(rp[l] >= 0 && rp[l] <= R, "lora_add: rank ", rp[l], " of adapter ", l);
+    row_work[l] = rp[l] * K;
     for (int64_t q = 0; q < P; ++q) {
       const int32_t* pc = pp + (l * P + q) * 4;
       TORCH_CHECK(pc[0] >= 0 && pc[1] <= rp[l] && pc[2] >= 0 && pc[3] <= N,
                   "lora_add: piece out of range");
+      if (pc[1] > pc[0] && pc[3] > pc[2]) row_work[l] += (pc[1] - pc[0]) * (pc[3] - pc[2]);
     }
   }
   struct Unit { int64_t row, n, l; };
@@ -689,7 +694,7 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
     TORCH_CHECK(l < L, "lora_add: local index out of range");
     for (int64_t row = first; row < end; row += kRowsLoRA)
       units.push_back({row, std::min<int64_t>(kRowsLoRA, end - row), l});
-    work += (end - first) * rp[l] * (K + N);
+    work += (end - first) * row_work[l];
   }
   if (units.empty()) return;
   const float* xp = x.data_ptr<float>();
