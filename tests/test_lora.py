@@ -173,6 +173,29 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, 
     assert len({tuple(lp.top[0]) for lp in (got_lps[k][3] for k in prompts)}) > 1
 
 
+def test_an_unloaded_adapters_slot_serves_the_next_one(tiny):
+    """Unloading a1 frees its place in every target linear's stacks; a3, loaded next, takes
+    it, and a batch of a3 and a2 still decodes as peft does (a stale stack would not)."""
+    base_dir, paths, ref = tiny
+    eng = tiny_engine(base_dir, {k: paths[k] for k in ("a1", "a2")})
+    eng.unload_lora("a1")
+    eng.load_lora("a3", str(paths["a3"]))
+    assert eng.lora.adapters["a3"].slot == 0 and eng.lora.adapters["a2"].slot == 1
+    ids = {"a3": [7, 1, 99, 42, 5, 13], "a2": [3, 3, 200, 17]}
+    for k, p in ids.items():
+        eng.add_request(k, p, SamplingParams(temperature=0, max_tokens=5, min_tokens=5, lora=k))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for k, p in ids.items():
+        ref.set_adapter(k)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=5, min_new_tokens=5,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert got[k] == want, k
+
+
 def test_prefix_cache_is_not_shared_between_adapters(tiny):
     """The same prompt again hits the cache under the same adapter, never under another one
     (or the base): the adapter id is part of every block hash."""
