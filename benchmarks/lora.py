@@ -121,11 +121,13 @@ def main() -> int:
                 got[mode] = run(llm, [None] if mode == "base" else list(names),
                                 args.concurrency, args.tokens, f"{r}-{mode}")
             ratio = got["lora"]["tok_s"] / got["base"]["tok_s"]
+            load = os.getloadavg()[0]  # other work on the machine skews a pair: say how much
             rows.append({"round": r, "order": list(order), **{f"{m}_{k}": v for m in got
                                                                for k, v in got[m].items()},
-                         "ratio": ratio})
+                         "ratio": ratio, "load1": load})
             print(f"round {r} ({'/'.join(order)}): base {got['base']['tok_s']:.1f} tok/s, "
-                  f"lora {got['lora']['tok_s']:.1f} tok/s, ratio {ratio:.3f}", flush=True)
+                  f"lora {got['lora']['tok_s']:.1f} tok/s, ratio {ratio:.3f}, load {load:.1f}",
+                  flush=True)
     ratios = [row["ratio"] for row in rows]
     summary = {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
                "max_ratio": max(ratios)}

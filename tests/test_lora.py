@@ -76,16 +76,63 @@ def tiny_engine(base_dir, paths, **kw):
     return Engine(cfg)
 
 
-@pytest.mark.parametrize("form", ["masked", pytest.param("grouped", marks=pytest.mark.heavy)])
+def test_lora_add_kernel_equals_the_grouped_matmuls():
+    """cpu_kernels.lora_add (one call per linear) against the per-group matmuls it replaces:
+    uneven groups (1..9 rows: the 4-row blocks and their tails), base rows between them, an
+    adapter slot the linear does not have, ranks below the stack's, block-diagonal pieces
+    (a packed linear's shards) and widths that are not a multiple of 8."""
+    from kiln.layers import cpu_kernels
+
+    if not cpu_kernels.avx2_available():
+        pytest.skip("kiln's AVX2 kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    k, n, r_max = 70, 45, 12
+    # slot -> (rank, pieces (j0, j1, lo, hi)); slot 2 is not in this linear
+    adapters = {0: (12, [(0, 4, 0, 20), (4, 8, 20, 33), (8, 12, 33, 45)]),
+                1: (5, [(0, 5, 0, 45)]), 3: (7, [(0, 3, 3, 11), (3, 7, 30, 45)])}
+    order = sorted(adapters)
+    a = torch.zeros(len(order), r_max, k)
+    bt = torch.zeros(len(order), r_max, n)
+    pieces = torch.zeros(len(order), 3, 4, dtype=torch.int32)
+    local = torch.full((5,), -1, dtype=torch.int32)
+    dense_b = {}
+    for i, slot in enumerate(order):
+        r, ps = adapters[slot]
+        a[i, :r] = torch.randn(r, k, generator=g)
+        b = torch.zeros(n, r)
+        for j0, j1, lo, hi in ps:
+            b[lo:hi, j0:j1] = torch.randn(hi - lo, j1 - j0, generator=g)
+        bt[i, :r] = b.t()
+        dense_b[slot] = b
+        pieces[i, :len(ps)] = torch.tensor(ps, dtype=torch.int32)
+        local[slot] = i
+    ranks = torch.tensor([adapters[s][0] for s in order], dtype=torch.int32)
+    # (slot, first row, end row); rows 0-2 and 16-17 are base rows
+    groups = [(1, 3, 4), (0, 4, 13), (2, 13, 16), (3, 18, 24), (1, 24, 26)]
+    x = torch.randn(26, k, generator=g)
+    out = torch.randn(26, n, generator=g)
+    want = out.clone()
+    for slot, first, end in groups:
+        if slot in adapters:
+            r = adapters[slot][0]
+            want[first:end] += (x[first:end] @ a[int(local[slot]), :r].t()) @ dense_b[slot].t()
+    cpu_kernels.lora_add(out, x, a, bt, pieces, ranks,
+                         torch.tensor(groups, dtype=torch.int64), local)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["kernel", pytest.param("torch", marks=pytest.mark.heavy)])
 def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, monkeypatch):
     """One step prefills four prompts (base, a1, a2, a3); every prompt position's logprobs of
     its next token and top 5 equal transformers + peft's within 1e-3; then greedy decoding in
-    the mixed batch gives peft's tokens. Both forms of the LoRA matmuls: every step masked
-    (its rows are few), or every step by groups of rows."""
+    the mixed batch gives peft's tokens. Both forms of the LoRA matmuls: kiln's CPU kernel
+    (one call per linear), or PyTorch's matmuls per group of rows (other devices, bf16)."""
     from kiln.engine import lora
 
-    if form == "grouped":
-        monkeypatch.setattr(lora, "MASKED_MAX_ROWS", 0)
+    if form == "torch":
+        monkeypatch.setattr(lora, "_kernel_ok", lambda device, dtype: False)
+    elif not lora._kernel_ok(torch.device("cpu"), torch.float32):
+        pytest.skip("kiln's AVX2 kernels are not built here")
     base_dir, paths, ref = tiny
     eng = tiny_engine(base_dir, paths)
     g = torch.Generator().manual_seed(1)
@@ -124,6 +171,29 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, 
         assert got_ids[k] == out[0, len(ids):].tolist(), k
     # the adapters changed the answers: a zero B would pass everything above
     assert len({tuple(lp.top[0]) for lp in (got_lps[k][3] for k in prompts)}) > 1
+
+
+def test_an_unloaded_adapters_slot_serves_the_next_one(tiny):
+    """Unloading a1 frees its place in every target linear's stacks; a3, loaded next, takes
+    it, and a batch of a3 and a2 still decodes as peft does (a stale stack would not)."""
+    base_dir, paths, ref = tiny
+    eng = tiny_engine(base_dir, {k: paths[k] for k in ("a1", "a2")})
+    eng.unload_lora("a1")
+    eng.load_lora("a3", str(paths["a3"]))
+    assert eng.lora.adapters["a3"].slot == 0 and eng.lora.adapters["a2"].slot == 1
+    ids = {"a3": [7, 1, 99, 42, 5, 13], "a2": [3, 3, 200, 17]}
+    for k, p in ids.items():
+        eng.add_request(k, p, SamplingParams(temperature=0, max_tokens=5, min_tokens=5, lora=k))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for k, p in ids.items():
+        ref.set_adapter(k)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=5, min_new_tokens=5,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert got[k] == want, k
 
 
 def test_prefix_cache_is_not_shared_between_adapters(tiny):

@@ -12,15 +12,19 @@ sqrt(r) with rsLoRA) is folded into B when an adapter is loaded.
 
 Packed linears (qkv_proj, gate_up_proj) take the adapters of their checkpoint shards as one
 pair: A is the shards' A stacked, [r_q + r_k + r_v, in], and B is block-diagonal, [out, r_q +
-r_k + r_v], zero outside each shard's rows, so one packed linear costs two small matmuls a group.
+r_k + r_v], zero outside each shard's rows ("pieces" say where it is not), so one packed linear
+costs one shrink and one expand per group of rows, as one unpacked linear does.
 
-    runner: ids per row -> LoRAStep (groups: adapter id -> rows) -> set_step -> forward
-    hook on each target linear: out[rows] += (x[rows] @ A^T) @ B^T for each group it has
+    runner: decodes sorted by adapter -> ids per row -> LoRAManager.step_of: groups (slot,
+            first row, end row), once per step -> set_step -> forward
+    hook on each target linear: out[first:end] += (x[first:end] @ A^T) @ B^T per group
 
-Small steps (decode batches, up to MASKED_MAX_ROWS rows) take all of a linear's adapters at
-once instead: out += ((x @ [A_1; A_2; ...]^T) * mask) @ [B_1 B_2 ...]^T, the mask keeping each
-row's own adapter's columns (same sums: the other columns add exact zeros), two matmuls a
-linear instead of four ops per adapter.
+On a CPU with fp32 activations a linear's groups are one call of kiln's kernel (lora_add in
+cpu_kernels_avx2.cpp: each 4-row block's shrink then its expand, B's zero blocks skipped,
+added into the base linear's output): a decode step's adapter products are tiny (16 rows x
+rank 16), so PyTorch's ops cost their dispatch and parallel regions more than their arithmetic,
+and a masked or padded batched form would multiply zeros. Elsewhere (GPU, bf16) each group is
+two matmuls, the second added in place (addmm_).
 
 Ids are never reused: an adapter loaded after another was unloaded gets a new id, so the prefix
 cache (whose block hashes include the id) can never hand one adapter's KV to another.
@@ -159,31 +163,16 @@ def inspect_adapter(name: str, path: str | Path, max_rank: int) -> AdapterSpec:
 # --------------------------------------------------------------------------- one step's groups
 
 
-# Steps of up to this many rows (decode batches) take every loaded adapter of a linear in one
-# pair of matmuls, each row's columns of other adapters masked to zero, instead of two matmuls
-# and a gather / scatter per adapter: on a CPU such a step is bound by the number of small ops
-# (30 layers x 4 linears x 4 adapters), not by their arithmetic. Larger steps (prefill chunks)
-# are bound by arithmetic, where the groups compute only their own rows.
-MASKED_MAX_ROWS = 64
-
-
 @dataclass
 class LoRAStep:
-    """Which rows of the step's flattened batch use which adapter (base rows are in none)."""
+    """The step's rows of each adapter: the runner lays a step out so that one adapter's rows
+    are contiguous (decodes sorted by adapter, each prefill chunk one request), so a group is a
+    row range. Computed once per step; every target linear reads it."""
 
-    groups: list[tuple[int, slice | torch.Tensor]]
-    # Small steps: each row's adapter id ([rows], 0: base), for the masked form; None: grouped
-    row_ids: torch.Tensor | None = None
-    # (a linear's adapter layout, dtype) -> [rows, columns] 0/1: the row's own adapter's columns
-    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, layout: tuple, owner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Made once per step for each layout (linears of one shape share theirs)."""
-        m = self.masks.get((layout, dtype))
-        if m is None:
-            assert self.row_ids is not None
-            m = self.masks[(layout, dtype)] = (self.row_ids[:, None] == owner[None, :]).to(dtype)
-        return m
+    # (adapter slot, first row, end row) of each group; base rows are in none
+    groups: list[tuple[int, int, int]]
+    # the same as int64 [groups, 3], for the CPU kernel (on the CPU whatever the device)
+    seg: torch.Tensor
 
 
 _STEP: LoRAStep | None = None
@@ -195,83 +184,93 @@ def set_step(step: LoRAStep | None) -> None:
     _STEP = step
 
 
-def step_of(ids: np.ndarray, device: torch.device) -> LoRAStep | None:
-    """Groups of rows by adapter id (0: base, skipped); contiguous rows as a slice, else as an
-    index tensor. None when every row is base."""
-    if not ids.any():
-        return None
-    groups: list[tuple[int, slice | torch.Tensor]] = []
-    for a in np.unique(ids):
-        if a == 0:
-            continue
-        rows = np.flatnonzero(ids == a)
-        first, last = int(rows[0]), int(rows[-1])
-        if last - first + 1 == len(rows):
-            groups.append((int(a), slice(first, last + 1)))
-        else:
-            groups.append((int(a), torch.from_numpy(rows).to(device)))
-    small = len(ids) <= MASKED_MAX_ROWS
-    return LoRAStep(groups, torch.from_numpy(ids).to(device) if small else None)
+def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the target linears add their adapters with kiln's CPU kernel (lora_add in
+    cpu_kernels_avx2.cpp): fp32 activations on an x86 CPU where it is built; else PyTorch's
+    matmuls, two per group of rows."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    from kiln.layers import cpu_kernels
+
+    return cpu_kernels.avx2_available()
+
+
+@dataclass
+class _Stacked:
+    """A target linear's adapters laid out for lora_add (see cpu_kernels_avx2.cpp)."""
+
+    a: torch.Tensor  # [L, R, in]
+    bt: torch.Tensor  # [L, R, out]: B transposed
+    pieces: torch.Tensor  # int32 [L, P, 4]: (first rank, end rank, first column, end column)
+    ranks: torch.Tensor  # int32 [L]
+    local: torch.Tensor  # int32 [slots]: adapter slot -> L index, -1: none here
 
 
 class _TargetHook:
-    """A target linear's adapters (id -> A [R, in], B [out, R] with the scaling in it) and the
-    forward hook that adds them to its output."""
+    """A target linear's adapters (slot -> A [R, in], B [out, R] with the scaling in it, and
+    the pieces of B that are not zero) and the forward hook that adds them to its output."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, module: nn.Module, slots: int, kernel: bool) -> None:
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]] = {}
+        self.slots = slots
+        self.kernel = kernel
+        self.stacked: _Stacked | None = None
         self.handle = module.register_forward_hook(self)
-        # Every adapter's A stacked [sum R, in], B side by side [out, sum R], and which adapter
-        # owns each of those columns: the masked form (see MASKED_MAX_ROWS).
-        self.a_all: torch.Tensor | None = None
-        self.b_all: torch.Tensor | None = None
-        self.owner: torch.Tensor | None = None
-        self.layout: tuple = ()
 
-    def set(self, aid: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Adds (or, with None, drops) adapter `aid`'s A, B; restacks the masked form."""
-        if pair is None:
-            self.weights.pop(aid, None)
+    def set(self, slot: int, item: tuple[torch.Tensor, torch.Tensor,
+                                         list[tuple[int, int, int, int]]] | None) -> None:
+        """Adds (or, with None, drops) the adapter in `slot`; restacks the kernel's layout."""
+        if item is None:
+            self.weights.pop(slot, None)
         else:
-            self.weights[aid] = pair
-        ids = sorted(self.weights)
-        if not ids:
-            self.a_all = self.b_all = self.owner = None
-            self.layout = ()
+            self.weights[slot] = item
+        if not self.kernel or not self.weights:
+            self.stacked = None
             return
-        a0 = self.weights[ids[0]][0]
-        self.a_all = torch.cat([self.weights[i][0] for i in ids])
-        self.b_all = torch.cat([self.weights[i][1] for i in ids], dim=1).contiguous()
-        self.owner = torch.cat([torch.full((self.weights[i][0].shape[0],), i, dtype=torch.long)
-                                for i in ids]).to(a0.device)
-        self.layout = tuple((i, self.weights[i][0].shape[0]) for i in ids)
+        order = sorted(self.weights)
+        r_max = max(self.weights[s][0].shape[0] for s in order)
+        p_max = max(len(self.weights[s][2]) for s in order)
+        a0, b0, _ = self.weights[order[0]]
+        a = a0.new_zeros(len(order), r_max, a0.shape[1])
+        bt = b0.new_zeros(len(order), r_max, b0.shape[0])
+        pieces = torch.zeros(len(order), p_max, 4, dtype=torch.int32)
+        local = torch.full((self.slots,), -1, dtype=torch.int32)
+        for i, s in enumerate(order):
+            wa, wb, ps = self.weights[s]
+            a[i, :wa.shape[0]] = wa
+            bt[i, :wa.shape[0]] = wb.t()
+            pieces[i, :len(ps)] = torch.tensor(ps, dtype=torch.int32)
+            local[s] = i
+        ranks = torch.tensor([self.weights[s][0].shape[0] for s in order], dtype=torch.int32)
+        self.stacked = _Stacked(a.contiguous(), bt.contiguous(), pieces, ranks, local)
 
     def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
         # Compiled decode graphs only run steps without adapter rows: trace the base alone.
         if torch.compiler.is_compiling():
             return None
         step = _STEP
-        if step is None:
+        if step is None or not self.weights:
             return None
         x = args[0]
-        if step.row_ids is not None:
-            if self.a_all is None:
-                return None
-            assert self.b_all is not None and self.owner is not None
-            mask = step.mask(self.layout, self.owner, self.a_all.dtype)
-            delta = ((x.to(self.a_all.dtype) @ self.a_all.t()) * mask) @ self.b_all.t()
-            out += delta.to(out.dtype)
+        st = self.stacked
+        if (st is not None and x.dim() == 2 and out.dim() == 2
+                and x.dtype == out.dtype == torch.float32
+                and x.stride(1) == 1 and out.stride(1) == 1):
+            # One call for all groups: shrink and expand per row block, added into out.
+            from kiln.layers import cpu_kernels
+
+            cpu_kernels.lora_add(out, x, st.a, st.bt, st.pieces, st.ranks, step.seg, st.local)
             return out
-        for aid, rows in step.groups:
-            w = self.weights.get(aid)
+        for slot, first, end in step.groups:
+            w = self.weights.get(slot)
             if w is None:
                 continue
-            a, b = w
-            delta = ((x[rows].to(a.dtype) @ a.t()) @ b.t()).to(out.dtype)
-            if isinstance(rows, slice):
-                out[rows] += delta
+            a, b, _ = w
+            rows = x[first:end]
+            if rows.dtype == a.dtype == out.dtype:
+                out[first:end].addmm_(rows @ a.t(), b.t())
             else:
-                out.index_add_(0, rows, delta)
+                out[first:end] += ((rows.to(a.dtype) @ a.t()) @ b.t()).to(out.dtype)
         return out
 
 
@@ -282,6 +281,7 @@ class _TargetHook:
 class LoadedAdapter:
     spec: AdapterSpec
     id: int
+    slot: int  # its index in the target linears' stacks (reused after an unload; ids are not)
 
 
 class LoRAManager:
@@ -295,6 +295,8 @@ class LoRAManager:
         self.adapters: dict[str, LoadedAdapter] = {}
         self._hooks: dict[str, _TargetHook] = {}  # our module path -> its hook
         self._next_id = 1
+        self._slot_of: dict[int, int] = {}  # adapter id -> slot
+        self._kernel = _kernel_ok(device, dtype)
 
     def id_of(self, name: str) -> int:
         a = self.adapters.get(name)
@@ -317,23 +319,42 @@ class LoRAManager:
         per_module = self._place(spec)
         aid = self._next_id
         self._next_id += 1
-        for our_path, (a, b) in per_module.items():
+        slot = min(set(range(self.max_loras)) - set(self._slot_of.values()))
+        for our_path, item in per_module.items():
             hook = self._hooks.get(our_path)
             if hook is None:
-                hook = self._hooks[our_path] = _TargetHook(self.model.get_submodule(our_path))
-            hook.set(aid, (a, b))
-        loaded = self.adapters[name] = LoadedAdapter(spec, aid)
+                hook = self._hooks[our_path] = _TargetHook(self.model.get_submodule(our_path),
+                                                           self.max_loras, self._kernel)
+            hook.set(slot, item)
+        self._slot_of[aid] = slot
+        loaded = self.adapters[name] = LoadedAdapter(spec, aid, slot)
         return loaded
 
     def unload(self, name: str) -> None:
         aid = self.id_of(name)
+        slot = self._slot_of.pop(aid)
         for hook in self._hooks.values():
-            hook.set(aid, None)
+            hook.set(slot, None)
         del self.adapters[name]
 
-    def _place(self, spec: AdapterSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The adapter's tensors in this model's modules: our module path -> (A, B), packed
-        shards stacked (see the module notes), the scaling folded into B."""
+    def step_of(self, ids: np.ndarray) -> LoRAStep | None:
+        """The groups of a step whose row i has adapter id ids[i] (0: base): each run of equal
+        ids is one group (the runner keeps an adapter's rows together). None when every row
+        is base. Once per step, so no target linear looks at rows."""
+        if not ids.any():
+            return None
+        cut = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        firsts = np.concatenate(([0], cut))
+        ends = np.concatenate((cut, [len(ids)]))
+        groups = [(self._slot_of[int(ids[f])], int(f), int(e))
+                  for f, e in zip(firsts, ends) if ids[f] != 0]
+        return LoRAStep(groups, torch.tensor(groups, dtype=torch.int64).reshape(-1, 3))
+
+    def _place(self, spec: AdapterSpec
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]]:
+        """The adapter's tensors in this model's modules: our module path -> (A, B, pieces),
+        packed shards stacked (see the module notes), the scaling folded into B; pieces: (first
+        rank, end rank, first output, end output) of each shard, where B is not zero."""
         from safetensors.torch import load_file
 
         tensors = load_file(str(spec.path / WEIGHTS_FILE))
@@ -360,18 +381,20 @@ class LoRAManager:
                     f"B ({rows}, {r})", hint="the adapter was trained for another model")
             scaled = b.float() * spec.scaling(module, r)
             parts.setdefault(our_path, []).append((start, rows, a.float(), scaled))
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        out: dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]] = {}
         for our_path, items in parts.items():
             lin = self.model.get_submodule(our_path)
             total = sum(a.shape[0] for _, _, a, _ in items)
             big_b = torch.zeros(lin.out_features, total)
+            pieces = []
             col = 0
             for start, rows, a, b in items:
                 big_b[start:start + rows, col:col + a.shape[0]] = b
+                pieces.append((col, col + a.shape[0], start, start + rows))
                 col += a.shape[0]
             big_a = torch.cat([a for _, _, a, _ in items])
             out[our_path] = (big_a.to(self.device, self.dtype).contiguous(),
-                             big_b.to(self.device, self.dtype).contiguous())
+                             big_b.to(self.device, self.dtype).contiguous(), pieces)
         return out
 
     def detach(self) -> None:
@@ -380,6 +403,7 @@ class LoRAManager:
             hook.handle.remove()
         self._hooks.clear()
         self.adapters.clear()
+        self._slot_of.clear()
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"name": n, "id": a.id, "path": str(a.spec.path), "rank": a.spec.rank,

@@ -227,11 +227,14 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         chunks = [s for s in scheduled if s.num_new_tokens != 1]
         nd = len(decodes)
+        # Rows of LoRA adapters run the eager modules, whose target linears add their adapters
+        # (the layer kernel and the compiled graphs know only the base weights). Decodes are
+        # sorted by adapter so that each adapter's rows are one range (engine/lora.py).
+        adapters = self.lora is not None and any(s.request.lora_id for s in scheduled)
+        if adapters:
+            decodes.sort(key=lambda s: s.request.lora_id)
         # Decode rows that all start with the same cached blocks attend to them once (cascade).
         shared = self._shared_prefix_blocks(decodes)
-        # Rows of LoRA adapters run the eager modules, whose target linears add their adapters
-        # (the layer kernel and the compiled graphs know only the base weights).
-        adapters = self.lora is not None and any(s.request.lora_id for s in scheduled)
         # A decode-only step runs kiln's layer kernel up to its rows, else the compiled layers
         # padded up to its batch bucket; cascade steps only where their graphs exist.
         graphs = self.graphs
@@ -280,12 +283,12 @@ class ModelRunner:
         positions = self._to_device(_cat(pos_parts))
         # Each row's adapter id (0: base), grouped for the LoRA matmuls; rows as laid out above
         # (decodes, unpadded in an adapter step, then the prefill chunks).
-        lora_step = lora.step_of(np.fromiter(
+        lora_step = self.lora.step_of(np.fromiter(
             itertools.chain((s.request.lora_id for s in decodes),
                             itertools.chain.from_iterable(
                                 itertools.repeat(s.request.lora_id, s.num_new_tokens)
-                                for s in chunks)), dtype=np.int64), self.device) \
-            if adapters else None
+                                for s in chunks)), dtype=np.int64)) \
+            if adapters and self.lora is not None else None
 
         # Rows of the flattened step whose token ends its sequence: those sample.
         # A row with k drafts samples at its last k + 1 rows (each draft is checked).

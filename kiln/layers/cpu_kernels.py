@@ -28,7 +28,8 @@ logged once.
 cpu_kernels_avx2.cpp, built by the same `_build` (`avx2_available()`), serves x86 CPUs with
 AVX2 + FMA + F16C but no AVX512-BF16 (this project's AMD EPYC CI): `q4_linear` (int4 weights in
 pack_q4's layout x activations quantized to int8 per group of 32, llama.cpp's Q4_0 x Q8_0
-scheme) and `moe_q4`, a whole MoE layer's routed experts in one call. Why: PyTorch's
+scheme) and `moe_q4`, a whole MoE layer's routed experts in one call, and `lora_add`,
+a linear's LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py). Why: PyTorch's
 `_weight_int4pack_mm_for_cpu` is compute-bound there ([1,1024] x [768,1024]: ~140 us on one
 Zen 3 thread, vs ~38 us for q4_linear), and a MoE step made 2 module calls per active expert.
 """
@@ -433,6 +434,16 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     quantized to int8 per group of 32 inside (llama.cpp's Q8_0): relative error vs the
     dequantized weight in fp32 ~0.5% on random data (q4_reference computes the same rounding)."""
     return torch.ops.kiln_avx2.q4_linear(x, packed, n)
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+             pieces: torch.Tensor, ranks: torch.Tensor, seg: torch.Tensor,
+             local: torch.Tensor) -> None:
+    """out [M, N] += (x [M, K] @ A_l^T) @ B_l^T over the row ranges of `seg` (int64 [S, 3]:
+    adapter slot, first row, end row; `local` int32 [slots] -> l, -1: skip), in place, fp32.
+    a [L, R, K], bt [L, R, N] (B transposed), pieces int32 [L, P, 4] (ranks j0..j1 write
+    columns lo..hi only), ranks int32 [L]: see lora_add in cpu_kernels_avx2.cpp."""
+    torch.ops.kiln_avx2.lora_add(out, x, a, bt, pieces, ranks, seg, local)
 
 
 def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
