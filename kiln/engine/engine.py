@@ -235,6 +235,8 @@ class Engine:
         if req is None:
             return False
         self.runner.sampler.forget(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)  # its draft KV goes back now, not at the next step
         self._outputs_pending.append(self.output.process(req)[0])
         return True
 
@@ -354,6 +356,11 @@ class Engine:
         pinned = self.kv.sessions.num_pinned_blocks if self.kv.sessions is not None else 0
         assert self.kv.num_free_blocks + pinned == self.kv.num_blocks, (
             f"{self.kv.num_blocks - self.kv.num_free_blocks - pinned} KV block(s) leaked")
+        if self.drafter is not None:
+            d = self.drafter.kv
+            d.check_integrity(list(self.drafter.shadows.values()))
+            assert not self.drafter.shadows and d.num_free_blocks == d.num_blocks, (
+                f"{d.num_blocks - d.num_free_blocks} draft KV block(s) leaked")
 
     def kv_report(self) -> dict[str, Any]:
         """The KV cache's blocks and its integrity check (GET /debug/kv), between steps: the
