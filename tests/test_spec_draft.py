@@ -33,13 +33,13 @@ def tiny_pair(tmp_path_factory):
     return target, root / "draft"
 
 
-def _engine(model, **kw):
+def _engine(model, runner=None, **kw):
     from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
 
     kw.setdefault("kv_cache_memory", 8 << 20)
     return Engine(EngineConfig(model=str(model), dtype="float32", max_num_batched_tokens=64,
-                               compile=False, **kw))
+                               compile=False, **kw), runner=runner)
 
 
 def _generate(eng, prompts, params):
@@ -61,11 +61,13 @@ def test_tiny_pair_greedy_output_is_identical_with_the_draft_model(tiny_pair):
     catch-up is chunked too), max_tokens inside a run of drafts."""
     target, draft = tiny_pair
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 200, n).tolist() for n in (5, 17, 90, 9)]
+    prompts = [rng.integers(2, 200, n).tolist() for n in (5, 17, 80, 9)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (40, 33, 25, 7)]
-    plain = _generate(_engine(target), prompts, params)
-    eng = _engine(target, speculative_model=str(draft), num_speculative_tokens=4)
+              for m in (24, 19, 14, 7)]
+    plain_eng = _engine(target)
+    plain = _generate(plain_eng, prompts, params)
+    eng = _engine(target, speculative_model=str(draft), num_speculative_tokens=4,
+                  runner=plain_eng.runner)
     spec = _generate(eng, prompts, params)
     assert spec == plain
     st = eng.spec.stats
@@ -178,6 +180,28 @@ def test_smollm2_drafting_for_itself_is_identical_and_accepts_nearly_everything(
     assert spec == plain
     st = eng.spec.stats
     assert st.num_draft_tokens > 0 and st.acceptance_rate > 0.9, st
+
+
+def test_qwen_05b_drafting_for_15b_is_identical(qwen_coder_gguf, qwen_coder_15b_gguf):
+    """The real pair (heavy: two K-quant loads): greedy output of Qwen2.5-Coder 1.5B with the
+    0.5B drafting equals the 1.5B's alone, with most drafts accepted."""
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+    from kiln.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(qwen_coder_15b_gguf)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in
+               ("Write a Python function that reverses a string.",
+                "Explain what a hash map is in two sentences.")]
+    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in prompts]
+    cfg = {"model": str(qwen_coder_15b_gguf), "max_model_len": 1024, "compile": False,
+           "quantization": "int4"}
+    plain_eng = Engine(EngineConfig(**cfg), tokenizer=tok)
+    plain = _generate(plain_eng, prompts, params)
+    eng = Engine(EngineConfig(**cfg, speculative_model=str(qwen_coder_gguf),
+                              num_speculative_tokens=4), runner=plain_eng.runner, tokenizer=tok)
+    assert _generate(eng, prompts, params) == plain
+    assert eng.spec.stats.acceptance_rate > 0.5, eng.spec.stats
 
 
 # --------------------------------------------------------------------------- startup
