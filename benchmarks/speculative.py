@@ -1,16 +1,21 @@
-"""Speculative decoding (n-gram) on vs off in kiln's engine, interleaved A/B.
+"""Speculative decoding (n-gram, or a draft model) on vs off in kiln's engine, interleaved A/B.
 
 One model load; two engines over the same runner (so the same weights, KV pool and kernels):
-"off" (plain decode) and "on" (--speculative-method ngram, K fixed or auto). Each pair runs
+"off" (plain decode) and "on" (--speculative-method ngram, or --draft MODEL: the draft model
+method, --speculative-model; K fixed or auto). Each pair runs
 the same workload on off, then on (the order alternates between pairs, so a drift of the
 machine's load does not favour one side), and reports tokens/s of each and the on/off ratio.
 
 Workloads:
   single  one stream, a code-editing prompt (rename a variable in ~40 lines of Python and show
           the whole file): the answer repeats most of the prompt, n-gram's best case
+  c4      4 streams at once (code editing and passage quoting, alternating)
   c16     16 streams at once (each a code-editing or a passage-quoting prompt): throughput
 
     python benchmarks/speculative.py [MODEL] --pairs 3 --max-tokens 128 --k 4 --threads 2
+    python benchmarks/speculative.py QWEN_1.5B.gguf --draft QWEN_0.5B.gguf --workloads single,c4
+
+Each pair's line carries the 1-minute load average before it (other work on the machine).
 
 Greedy (temperature 0) everywhere; the script also checks that each on/off pair produced the
 same tokens. Results as JSON lines with --out.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -93,6 +99,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--draft", default=None,
+                    help="draft MODEL (--speculative-model) instead of n-gram drafts")
     args = ap.parse_args()
 
     from kiln import LLM
@@ -107,16 +115,24 @@ def main() -> None:
     llm = LLM(args.model, **kw)
     off = llm.engine
     k = None if args.k == "auto" else int(args.k)
-    on = Engine(replace(off.config, speculative_method="ngram",
+    if args.draft:
+        from kiln.resolve.sources import resolve_model
+
+        src = resolve_model(args.draft)
+        method = {"speculative_model": str(src.gguf_file or src.path)}
+    else:
+        method = {"speculative_method": "ngram"}
+    on = Engine(replace(off.config, **method,
                         num_speculative_tokens=k if k is not None else "auto"),
                 runner=off.runner, tokenizer=llm.tokenizer)
     edit = llm.tokenizer.apply_chat_template(EDIT)
     quote = llm.tokenizer.apply_chat_template(QUOTE)
-    workloads = {"single": [edit], "c16": [edit if i % 2 == 0 else quote for i in range(16)]}
+    workloads = {"single": [edit], "c4": [edit if i % 2 == 0 else quote for i in range(4)],
+                 "c16": [edit if i % 2 == 0 else quote for i in range(16)]}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"model={llm.engine.config.model} dtype={off.config.dtype} "
           f"quantization={off.config.quantization} threads={off.config.num_threads} "
-          f"K={args.k} max_tokens={args.max_tokens}", flush=True)
+          f"K={args.k} max_tokens={args.max_tokens} draft={args.draft}", flush=True)
     run(off, [edit], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     run(on, [edit], SamplingParams(temperature=0.0, max_tokens=4))
     lines = []
@@ -124,10 +140,12 @@ def main() -> None:
         ratios = []
         for pair in range(args.pairs):
             res = {}
+            load = os.getloadavg()[0]
             order = (("off", off), ("on", on)) if pair % 2 == 0 else (("on", on), ("off", off))
             for label, eng in order:
                 before = eng.spec.stats.num_draft_tokens if eng.spec else 0
                 acc0 = eng.spec.stats.num_accepted_tokens if eng.spec else 0
+                rows0 = eng.spec.stats.num_drafts if eng.spec else 0
                 dt, n, toks, steps = run(eng, workloads[name], params)
                 res[label] = {"seconds": dt, "tokens": n, "tok_s": n / dt, "steps": steps,
                               "toks": toks}
@@ -135,16 +153,22 @@ def main() -> None:
                     drafted = eng.spec.stats.num_draft_tokens - before
                     res[label]["acceptance"] = ((eng.spec.stats.num_accepted_tokens - acc0)
                                                 / drafted if drafted else 0.0)
+                    rows = eng.spec.stats.num_drafts - rows0
+                    # tokens a drafted row emits per step: 1 + accepted / drafted rows
+                    res[label]["tokens_per_row_step"] = (
+                        1 + (eng.spec.stats.num_accepted_tokens - acc0) / rows if rows else 1.0)
             same = res["on"].pop("toks") == res["off"].pop("toks")
             ratio = res["on"]["tok_s"] / res["off"]["tok_s"]
             ratios.append(ratio)
-            line = {"workload": name, "pair": pair, "same_tokens": same, "ratio": ratio, **res}
+            line = {"workload": name, "pair": pair, "same_tokens": same, "ratio": ratio,
+                    "loadavg": load, **res}
             lines.append(line)
             print(f"{name} pair {pair}: off {res['off']['tok_s']:.2f} tok/s "
                   f"({res['off']['steps']} steps), on {res['on']['tok_s']:.2f} tok/s "
                   f"({res['on']['steps']} steps, acceptance "
-                  f"{res['on'].get('acceptance', 0) * 100:.0f}%), ratio {ratio:.2f}, "
-                  f"same tokens: {same}", flush=True)
+                  f"{res['on'].get('acceptance', 0) * 100:.0f}%, "
+                  f"{res['on'].get('tokens_per_row_step', 1):.2f} tok/step per row), "
+                  f"ratio {ratio:.2f}, same tokens: {same}, load {load:.1f}", flush=True)
         print(f"{name}: on/off median {statistics.median(ratios):.2f} "
               f"(min {min(ratios):.2f}, max {max(ratios):.2f}, {len(ratios)} pairs)", flush=True)
     if args.out:

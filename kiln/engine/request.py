@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.sampling_params import SamplingParams
 
@@ -84,6 +84,9 @@ class Request:
     # The scheduler computes them with the rest (they are just more tokens the request lacks);
     # the step's verification keeps the ones the model agrees with and rolls the others back.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft model's distributions those drafts were drawn from, [len(spec_token_ids), vocab]
+    # (engine/draft.py), for rejection sampling; None: deterministic drafts (n-gram, greedy).
+    spec_draft_probs: Any = None
 
     @property
     def group_key(self) -> str:

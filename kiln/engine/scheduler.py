@@ -275,6 +275,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.spec_draft_probs = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1

@@ -35,6 +35,7 @@ AUTO_START_K), re-estimated every step from decayed counts (half-life ~AUTO_HALF
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,10 +52,11 @@ AUTO_HALF_LIFE = 64  # drafts
 
 @dataclass
 class SpecConfig:
-    method: str  # "ngram"
+    method: str  # "ngram" | "draft" (a draft model: engine/draft.py)
     num_tokens: int | None  # K; None: auto
     ngram_min: int = 2
     ngram_max: int = 5
+    model: str | None = None  # the draft model's path (method "draft")
 
 
 @dataclass
@@ -78,21 +80,33 @@ class SpecStats:
 
 def spec_config(cfg: EngineConfig) -> SpecConfig | None:
     """The engine's speculative decoding from its settings; None when off. What kiln's engine
-    cannot do is an error naming the flag, not a silent no-op."""
-    method, k = cfg.speculative_method, cfg.num_speculative_tokens
+    cannot do is an error naming the flag, not a silent no-op. A draft model without a method
+    is the draft-model method (vLLM's default when --speculative-model is given)."""
+    method, k, model = cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model
+    if method is None and model is not None:
+        method = "draft"
     if method is None:
         if k not in (None, "auto"):
             raise ConfigError("--num-speculative-tokens needs a speculative method",
-                              hint="add --speculative-method ngram")
+                              hint="add --speculative-method ngram, or --speculative-model DRAFT")
         return None
-    if method != "ngram":
+    if method not in ("ngram", "draft"):
         raise ConfigError(f"kiln's engine has no speculative method {method!r}",
-                          hint="use --speculative-method ngram, or --engine vllm / sglang")
+                          hint="use --speculative-method ngram or --speculative-model DRAFT, "
+                          "or --engine vllm / sglang")
+    if method == "draft" and model is None:
+        raise ConfigError("--speculative-method draft needs a draft model",
+                          hint="add --speculative-model DRAFT (a smaller model with the same "
+                          "tokenizer)")
+    if method == "ngram" and model is not None:
+        raise ConfigError("--speculative-method ngram uses no draft model, and "
+                          f"--speculative-model {model} was given",
+                          hint="drop one of them")
     lo, hi = cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
     if lo > hi:
         raise ConfigError(f"--ngram-prompt-lookup-min {lo} is above --ngram-prompt-lookup-max "
                           f"{hi}", hint="give a min no larger than the max")
-    return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi)
+    return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi, model)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -117,9 +131,11 @@ def can_draft(req: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpecConfig, max_model_len: int, drafter: Any = None) -> None:
+        """`drafter`: the draft model (engine/draft.py's DraftModel) for method "draft"."""
         self.config = config
         self.max_model_len = max_model_len
+        self.drafter = drafter
         self.stats = SpecStats()
         # decayed counts for the auto K (see the module docstring)
         self._acc = 0.0
@@ -139,8 +155,10 @@ class Speculator:
         """Drafts for every running request that is decoding (its KV reaches all but its last
         token); `spec_token_ids` of the others is left empty."""
         k_max = self.k
+        rows: list[tuple[Request, int]] = []
         for req in running:
             req.spec_token_ids = []
+            req.spec_draft_probs = None
             if req.num_computed_tokens != req.num_tokens - 1 or not can_draft(req):
                 continue
             # no drafts past max_tokens or the context: the step after them could not use them
@@ -148,9 +166,15 @@ class Speculator:
                     self.max_model_len - req.num_tokens - 1)
             if k <= 0:
                 continue
+            if self.drafter is not None:
+                rows.append((req, k))
+                continue
             tokens = np.asarray(req.all_token_ids, dtype=np.int64)
             req.spec_token_ids = ngram_propose(tokens, k, self.config.ngram_min,
                                                self.config.ngram_max)
+        if self.drafter is not None:
+            # every row that is not drafting now gives up its draft KV
+            self.drafter.propose(rows, {r.request_id for r in running})
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One verified row: `num_drafted` drafts, of which the first `num_accepted` held."""
@@ -171,12 +195,16 @@ class Speculator:
 
 
 def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request],
-                       drafts: list[list[int]]
+                       drafts: list[list[int]],
+                       draft_probs: list[torch.Tensor | None] | None = None
                        ) -> tuple[dict[str, int | list[int]],
                                   dict[str, TokenLogprob | list[TokenLogprob]]]:
     """The step's sampling. `logits` has len(drafts[i]) + 1 rows for reqs[i], in order. Rows
     without drafts go through the sampler as they always did (one token each); the others are
-    verified (`verify`) and get a list: accepted drafts, then the token sampled after them."""
+    verified (`verify`) and get a list: accepted drafts, then the token sampled after them.
+    `draft_probs[i]`: the draft model's distributions the drafts of reqs[i] were drawn from
+    ([len(drafts[i]), vocab]); None (or no list): the drafts are deterministic (n-gram, or a
+    greedy draft)."""
     if not any(drafts):
         out = sampler(logits, reqs)
         return ({r.request_id: t for r, t in zip(reqs, out.token_ids)},
@@ -186,12 +214,14 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Reques
     plain_reqs: list[Request] = []
     spec_reqs: list[Request] = []
     spec_drafts: list[list[int]] = []
+    spec_probs: list[torch.Tensor | None] = []
     row = 0
-    for r, d in zip(reqs, drafts):
+    for i, (r, d) in enumerate(zip(reqs, drafts)):
         if d:
             spec_rows.extend(range(row, row + len(d) + 1))
             spec_reqs.append(r)
             spec_drafts.append(d)
+            spec_probs.append(draft_probs[i] if draft_probs is not None else None)
         else:
             plain_rows.append(row)
             plain_reqs.append(r)
@@ -205,7 +235,8 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Reques
             if lp is not None:
                 logprobs[r.request_id] = lp
     idx = torch.tensor(spec_rows, device=logits.device)
-    for r, toks, lps in zip(spec_reqs, *verify(sampler, logits[idx], spec_reqs, spec_drafts)):
+    for r, toks, lps in zip(spec_reqs, *verify(sampler, logits[idx], spec_reqs, spec_drafts,
+                                               spec_probs)):
         sampled[r.request_id] = toks
         if lps is not None:
             logprobs[r.request_id] = lps
@@ -213,13 +244,19 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Reques
 
 
 @torch.no_grad()
-def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]
+def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+           draft_probs: list[torch.Tensor | None] | None = None
            ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
     """Rows: len(drafts[i]) + 1 per request (see `sample_with_drafts`); the requests pass
     `can_draft`. Returns per request the tokens to append (1 .. k + 1) and their logprobs
-    (None unless asked for)."""
+    (None unless asked for).
+
+    Sampled rows: standard rejection sampling with the draft's distribution q (a point mass on
+    the draft for n-gram drafts): accept draft d with probability min(1, p(d) / q(d)), else
+    draw from norm(max(p - q, 0)); a bonus row draws from p."""
     dev = logits.device
-    logits = logits[:, : sampler.vocab_size]
+    V = sampler.vocab_size
+    logits = logits[:, :V]
     R = logits.shape[0]
     row_req = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
     # the draft each row is checked against; -1 on each request's last (bonus) row
@@ -227,6 +264,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: 
     has_draft = draft_of >= 0
     safe_draft = draft_of.clamp(min=0).unsqueeze(1)
     target = logits.argmax(dim=-1)
+    accept = has_draft & (target == draft_of)  # greedy: the draft is the argmax
     params = [reqs[i].params for i in row_req]
     if not all(p.temperature == 0.0 for p in params):
         temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
@@ -237,31 +275,40 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: 
             # a seeded request draws from its own generator (the same seed, the same tokens)
             u[row] = torch.rand(2, device=dev, generator=sampler._generator_for(
                 reqs[row_req[row]]))
-        # accept draft d with probability p(d) ...
         p_draft = probs.gather(1, safe_draft).squeeze(1)
-        accept = has_draft & (u[:, 0] < p_draft)
-        # ... else draw from p without d, renormalised (a bonus row draws from p itself)
-        residual = probs.scatter(1, safe_draft, 0.0) if bool(has_draft.any()) else probs
+        q = _draft_distribution(draft_probs, drafts, R, V, dev) if draft_probs else None
+        if q is None:
+            # point-mass drafts: accept d with probability p(d), else draw from p without d
+            sampled_accept = has_draft & (u[:, 0] < p_draft)
+            residual = probs.scatter(1, safe_draft, 0.0) if bool(has_draft.any()) else probs
+        else:
+            # q(d) > 0 for a drawn draft; a point-mass row has q(d) = 1 (the rule above)
+            q_draft = q.gather(1, safe_draft).squeeze(1)
+            sampled_accept = has_draft & (u[:, 0] * q_draft < p_draft)
+            residual = (probs - q).clamp_(min=0.0)
         residual = torch.where(has_draft.unsqueeze(1), residual, probs)
         cdf = residual.cumsum(dim=-1)
-        empty = cdf[:, -1] <= 0  # p(d) == 1: always accepted, the draw is never used
+        empty = cdf[:, -1] <= 0  # p <= q everywhere: p == q, always accepted, never drawn
         cdf = torch.where(empty.unsqueeze(1), probs.cumsum(dim=-1), cdf)
         drawn = torch.searchsorted(cdf, (u[:, 1] * cdf[:, -1]).unsqueeze(1), right=True)
         drawn = drawn.squeeze(1).clamp_(max=cdf.shape[1] - 1)
         greedy = torch.tensor([p.temperature == 0.0 for p in params], device=dev)
-        target = torch.where(greedy, target, torch.where(accept, draft_of, drawn))
+        target = torch.where(greedy, target, torch.where(sampled_accept, draft_of, drawn))
+        accept = torch.where(greedy, accept, sampled_accept)
     want_lp = [p.logprobs is not None for p in params]
     raw = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-    targets = target.tolist()  # the one host sync
+    # the one host sync: the tokens and whether each row's draft held
+    targets, accepted = torch.stack([target, accept.long()]).tolist()
 
     tokens: list[list[int]] = []
     row = 0
     for d in drafts:
         emitted: list[int] = []
         for j in range(len(d) + 1):
-            t = targets[row + j]
-            emitted.append(t)
-            if j == len(d) or t != d[j]:
+            emitted.append(targets[row + j])
+            # a rejected draft ends the run, even when the residual drew the same token: the
+            # rows after it were scored on the draft, but the draw came from the residual
+            if j == len(d) or not accepted[row + j]:
                 break
         tokens.append(emitted)
         row += len(d) + 1
@@ -279,3 +326,22 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: 
                                in zip(tokens[i], chosen.squeeze(1).tolist(), tops)]
             row += len(d) + 1
     return tokens, logprobs
+
+
+def _draft_distribution(draft_probs: list[torch.Tensor | None], drafts: list[list[int]],
+                        R: int, V: int, dev: torch.device) -> torch.Tensor | None:
+    """q for every verification row, [R, V]: the draft model's distribution on the rows it
+    drew, a point mass on the draft for deterministic drafts, 0 on bonus rows. None when no
+    request has a draft distribution."""
+    if not any(p is not None for p in draft_probs):
+        return None
+    q = torch.zeros(R, V, device=dev)
+    row = 0
+    for d, p in zip(drafts, draft_probs):
+        k = len(d)
+        if p is not None:
+            q[row:row + k] = p[:k, :V].to(device=dev, dtype=q.dtype)
+        else:
+            q[torch.arange(row, row + k, device=dev), torch.tensor(d, device=dev)] = 1.0
+        row += k + 1
+    return q
