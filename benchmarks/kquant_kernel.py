@@ -5,6 +5,12 @@ rows (the row-at-a-time kernel, what ran before the tiles) and the int4 re-quant
 
     PYTHONPATH=. .venv/bin/python benchmarks/kquant_kernel.py [--threads 1] [--rounds 3]
         [--rows 1,16,64] [--lm-head]
+    PYTHONPATH=. .venv/bin/python benchmarks/kquant_kernel.py --model MODEL.gguf [--rounds 3]
+
+--model: the whole model instead, loaded twice in one process (the file's blocks, the default,
+and --no-gguf-kernels' int4 re-quantization), then `kiln bench --offline`'s measurement
+(kiln.bench.offline.run_offline: prefill, decode tok/s at c=1 and c=16) on each, alternated
+per round; every pair is printed with the load average.
 
 Each round times every (shape, rows, variant) as the minimum of --reps calls, the variants one
 after the other (tiles, raw, int4, tiles, raw, int4, ...), so the machine's drift hits them
@@ -28,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kiln.layers import cpu_kernels, kquant  # noqa: E402
-from kiln.layers.quant import quantize_int4_groups  # noqa: E402
+from kiln.layers import cpu_kernels, kquant
+from kiln.layers.quant import quantize_int4_groups
 
 # (name, out rows, in features, ggml type): one Qwen2.5-Coder-0.5B Q4_K_M layer's linears
 SHAPES = [("q", 896, 896, "Q5_0"), ("gate_up", 9728, 896, "Q5_0"), ("v", 128, 896, "Q8_0"),
@@ -47,6 +53,29 @@ def best(fn, reps: int) -> float:
     return min(t)
 
 
+def whole_model(path: str, rounds: int, out: Path | None) -> None:
+    from kiln.bench.offline import run_offline
+    from kiln.llm import LLM
+
+    llms = {}
+    for name, kw in [("native", {}), ("requant", {"gguf_kernels": False})]:
+        t0 = time.perf_counter()
+        llms[name] = LLM(path, kv_cache_memory="256MiB", max_model_len=1024, **kw)
+        print(f"{name} loaded in {time.perf_counter() - t0:.1f} s, load {os.getloadavg()}",
+              flush=True)
+    rows = []
+    for r in range(rounds):
+        for name, llm in llms.items():
+            res = run_offline(llm=llm, prefill_len=256, batch_sizes=(1, 16), decode_tokens=32,
+                              repeats=1)
+            row = {"round": r, "variant": name, "load": os.getloadavg()[0],
+                   "prefill_tok_s": res.prefill_tok_s, **{f"c{d.batch}": d.tok_s for d in res.decode}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -55,7 +84,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--lm-head", action="store_true", help="add the 151936 x 896 Q8_0 lm_head")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--model", help="a GGUF: whole-model decode, native vs re-quantized")
     args = ap.parse_args()
+    if args.model:
+        whole_model(args.model, args.rounds, args.json)
+        return
     assert kquant.available() and cpu_kernels.avx2_available(), "needs the AVX2 kernels"
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -73,9 +106,11 @@ def main() -> None:
             n, k = b.shape
             for m in ms:
                 x = torch.randn(m, k, generator=g)
-                v = {"tiles": best(lambda: kquant.kq_linear(x, [tiles], [b.type_id], [n]), args.reps),
-                     "rows": best(lambda: kquant.kq_linear(x, [b.raw], [b.type_id], [n]), args.reps),
-                     "int4": best(lambda: cpu_kernels.q4_linear(x, q4, n), args.reps)}
+                calls = {
+                    "tiles": lambda x=x, w=tiles, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
+                    "rows": lambda x=x, w=b.raw, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
+                    "int4": lambda x=x, w=q4, n=n: cpu_kernels.q4_linear(x, w, n)}
+                v = {name: best(fn, args.reps) for name, fn in calls.items()}
                 key = f"{label} M={m}"
                 for name, s in v.items():
                     res.setdefault(key, {}).setdefault(name, []).append(s)

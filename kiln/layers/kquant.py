@@ -6,7 +6,10 @@ start (~57 s for Qwen2.5-Coder-0.5B Q4_K_M on 2 cores) and a second copy of the 
 loading. Now the loader hands such a tensor over as `GGUFBlocks` (its rows of raw blocks, a
 view of the file's memory map: no copy, no decoding at load), and `KQuantLinear` multiplies
 with them through kiln/layers/kquant_avx2.cpp (`kq_linear`: activations quantized to int8 per
-group of 32, int8 dot products per block, as llama.cpp's vec_dot does).
+group of 32, int8 dot products per block, as llama.cpp's vec_dot does). Q8_0, Q5_0, Q4_K and
+Q6_K blocks are first reordered (`pack`, once at load, nothing rounded) into tiles of 8 output
+rows that the kernel reads like kiln's int4 tiles; Q5_1 and Q5_K run row by row on the raw
+blocks.
 
 `reference` is what the kernel computes, in PyTorch (the weight dequantized by
 kiln/models/gguf.py, the activation rounded as the kernel rounds it): the tests compare the

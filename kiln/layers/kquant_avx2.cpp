@@ -1,11 +1,12 @@
-// kiln's AVX2 kernels for GGUF's quantized blocks as the file stores them (no repacking, no
-// second rounding): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built and loaded by
-// kiln/layers/cpu_kernels.py (`kquant_available()`); kiln/layers/kquant.py's KQuantLinear calls
-// `kq_linear`.
+// kiln's AVX2 kernels for GGUF's quantized blocks, the file's codes and scales as they are (no
+// second rounding; reordered into 8-row tiles for four types): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K. Built and loaded by kiln/layers/cpu_kernels.py (`kquant_available()`);
+// kiln/layers/kquant.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
 //
 // Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
-// they are (a merged qkv / gate_up layer is several parts, one per checkpoint tensor, each of
-// its own type: Q4_K_M files mix Q4_K, Q5_0, Q6_K and Q8_0 inside one layer). Block layouts
+// they are, or kq_pack's tiles of them (a merged qkv / gate_up layer is several parts, one
+// per checkpoint tensor, each of its own type: Q4_K_M files mix Q4_K, Q5_0, Q6_K and Q8_0
+// inside one layer). Block layouts
 // (ggml's; the same facts as kiln/models/gguf.py's dequantizer):
 //
 //   Q8_0  34 B / 32:   f16 d, int8 q[32]                        w = d * q
@@ -33,6 +34,13 @@
 // _mm256_madd_epi16 with ones (-> int32 sums of 4). Signed weights (Q8_0, Q5_0) use the sign
 // trick (|w| as u8, x with w's sign). int16 never saturates: |pair| <= 128 * 127 * 2 = 32512
 // (Q8_0), 63 * 127 * 2 = 16002 (Q6_K; minus 32 * 254 for its offset: 24130).
+//
+// Two layouts: Q8_0, Q5_0, Q4_K and Q6_K are repacked at load (kq_pack, below: the same bits,
+// moved) into tiles of 8 output rows, which one 32-byte load feeds two rows of and whose
+// integer sums reduce to the 8 rows' results in row order (the int4 tile kernel's scheme,
+// cpu_kernels_avx2.cpp): a tile costs about the int4 kernel's instructions per weight, where
+// the raw rows needed a horizontal sum and a float scale per row and block (1.8-3.4x slower).
+// Q5_1 and Q5_K (rare in the files people run) keep the row-at-a-time kernels over the raw rows.
 //
 // Work: items are (8 weight rows, up to 64 activation rows); each weight block is expanded
 // once per item and reused for up to 4 activation rows held in registers; a row's 8-64 KB of
