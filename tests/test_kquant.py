@@ -1,6 +1,8 @@
 """GGUF blocks run as they are (kiln/layers/kquant.py, kquant_avx2.cpp): the kernel against the
 dequantized-weight matmul for every type, odd row counts, activation tails past a register
-block and a 64-row chunk, layers mixing types; kiln's dequantizer against the `gguf` package's."""
+block and a 64-row chunk, layers mixing types; kiln's dequantizer against the `gguf` package's;
+the 8-row tiles (kquant.pack) bit for bit back to the blocks, and their kernel against the
+row kernel and the reference."""
 
 from __future__ import annotations
 
@@ -58,6 +60,49 @@ def test_kernel_matches_reference(type_name: str, m: int) -> None:
     assert rel < 2e-2, rel
 
 
+TILED = [t for t in sorted(KQUANT_TYPES) if t in ("Q8_0", "Q5_0", "Q4_K", "Q6_K")]
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", TILED)
+@pytest.mark.parametrize("rows", [5, 16, 21])
+def test_pack_round_trip(type_name: str, rows: int) -> None:
+    """The tiles hold the blocks' bits, moved (no rounding): unpack gives the raw rows back
+    exactly, including the scales' 6-bit packing (Q4_K) and the high bits (Q5_0, Q6_K)."""
+    assert kquant.has_tiles(type_name)
+    b = _blocks(rows, 512, type_name, rows)
+    packed = kquant.pack(b)
+    assert packed.shape[0] == (rows + 7) // 8 and packed.dtype == torch.uint8
+    # about the blocks' size: Q4_K's unpacked scales add 32 bytes per 8 x 144, others nothing
+    assert packed.numel() <= 1.03 * b.raw.numel() * ((rows + 7) // 8 * 8) / rows
+    back = kquant.unpack(packed, type_name, rows, 512)
+    assert torch.equal(back.raw, b.raw)
+    # random bytes too: every bit of a block has its place in the tile
+    r = kquant._random_blocks(rows, 512, type_name, torch.Generator().manual_seed(rows))
+    r.raw.random_(0, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kquant.unpack(kquant.pack(r), type_name, rows, 512).raw, r.raw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", TILED)
+@pytest.mark.parametrize("m", [1, 4, 7, 70])
+def test_tiles_match_rows_and_reference(type_name: str, m: int) -> None:
+    """The tiled kernel's outputs are the row kernel's and the dequantized reference's up to
+    fp32 summation order (the same integer products, the same activation rounding)."""
+    rows, k = 21, 768  # a partial tile (21 = 8 + 8 + 5); 768 = 3 K-quant super-blocks
+    b = _blocks(rows, k, type_name, 12)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
+    tiled = kquant.kq_linear(x, [kquant.pack(b)], [b.type_id], [rows])
+    raw = kquant.kq_linear(x, [b.raw], [b.type_id], [rows])
+    want = kquant.reference(x, [b])
+    tol = {"rtol": 2e-5, "atol": 2e-5 * want.abs().max().item()}
+    torch.testing.assert_close(tiled, raw, **tol)
+    torch.testing.assert_close(tiled, want, **tol)
+    # batch-invariant: a row alone is the same row inside the batch
+    assert torch.equal(kquant.kq_linear(x[-1:], [kquant.pack(b)], [b.type_id], [rows]),
+                       tiled[-1:])
+
+
 @needs_kernel
 def test_mixed_parts_bf16_and_batch_invariance() -> None:
     """A merged layer of Q4_K + Q5_0 + Q6_K + Q8_0 rows (as a Q4_K_M qkv can be), bf16
@@ -66,6 +111,7 @@ def test_mixed_parts_bf16_and_batch_invariance() -> None:
              _blocks(2, 512, "Q8_0", 6)]
     lin = KQuantLinear(parts, torch.randn(26), torch.float32)
     assert lin.kernel and lin.out_features == 26
+    assert lin.tiled == [True, True, True, True]
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     y = lin(x)
     want = kquant.reference(x, parts) + lin.bias
@@ -75,6 +121,21 @@ def test_mixed_parts_bf16_and_batch_invariance() -> None:
     assert yb.dtype == torch.bfloat16
     wb = kquant.reference(x.bfloat16().float(), parts)
     torch.testing.assert_close(yb.float(), wb, rtol=1e-2, atol=1e-2 * wb.abs().max().item())
+
+
+@needs_kernel
+def test_tiles_beside_row_kernel_parts() -> None:
+    """Q5_1 and Q5_K have no tiles: a layer mixing them with tiled parts runs both kernels in
+    one call, each part's rows in place; dequantize() unpacks the tiles."""
+    parts = [_blocks(6, 512, "Q5_K", 13), _blocks(11, 512, "Q4_K", 14), _blocks(3, 512, "Q5_1", 15),
+             _blocks(9, 512, "Q6_K", 16)]
+    lin = KQuantLinear(parts, None, torch.float32)
+    assert lin.tiled == [False, True, False, True]
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
+    want = kquant.reference(x, parts)
+    torch.testing.assert_close(lin(x), want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    torch.testing.assert_close(lin.dequantize(torch.float32),
+                               torch.cat([p.dequantize() for p in parts]))
 
 
 def test_reference_fallback_without_kernel() -> None:
@@ -119,7 +180,9 @@ def test_quantize_linear_takes_blocks_as_they_are_or_falls_back() -> None:
     lin.stash_quantized("q", q)
     native = quantize_linear(lin, "int4")
     assert isinstance(native, KQuantLinear) and native.type_names == ["Q4_K", "Q8_0"]
-    assert torch.equal(native.blocks0, q.raw) and torch.equal(native.blocks1, v.raw)
+    got = native.blocks()
+    assert torch.equal(got[0].raw, q.raw) and torch.equal(got[1].raw, v.raw)
+    assert native.tiled == [True, True] and native.blocks0.dim() == 3  # kquant.pack's tiles
 
     mixed = MergedLinear(256, {"q": 64, "v": 32})
     mixed.stash_quantized("q", quantize_int4_groups(q.dequantize()))

@@ -1,11 +1,12 @@
-// kiln's AVX2 kernels for GGUF's quantized blocks as the file stores them (no repacking, no
-// second rounding): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built and loaded by
-// kiln/layers/cpu_kernels.py (`kquant_available()`); kiln/layers/kquant.py's KQuantLinear calls
-// `kq_linear`.
+// kiln's AVX2 kernels for GGUF's quantized blocks, the file's codes and scales as they are (no
+// second rounding; reordered into 8-row tiles for four types): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K. Built and loaded by kiln/layers/cpu_kernels.py (`kquant_available()`);
+// kiln/layers/kquant.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
 //
 // Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
-// they are (a merged qkv / gate_up layer is several parts, one per checkpoint tensor, each of
-// its own type: Q4_K_M files mix Q4_K, Q5_0, Q6_K and Q8_0 inside one layer). Block layouts
+// they are, or kq_pack's tiles of them (a merged qkv / gate_up layer is several parts, one
+// per checkpoint tensor, each of its own type: Q4_K_M files mix Q4_K, Q5_0, Q6_K and Q8_0
+// inside one layer). Block layouts
 // (ggml's; the same facts as kiln/models/gguf.py's dequantizer):
 //
 //   Q8_0  34 B / 32:   f16 d, int8 q[32]                        w = d * q
@@ -33,6 +34,13 @@
 // _mm256_madd_epi16 with ones (-> int32 sums of 4). Signed weights (Q8_0, Q5_0) use the sign
 // trick (|w| as u8, x with w's sign). int16 never saturates: |pair| <= 128 * 127 * 2 = 32512
 // (Q8_0), 63 * 127 * 2 = 16002 (Q6_K; minus 32 * 254 for its offset: 24130).
+//
+// Two layouts: Q8_0, Q5_0, Q4_K and Q6_K are repacked at load (kq_pack, below: the same bits,
+// moved) into tiles of 8 output rows, which one 32-byte load feeds two rows of and whose
+// integer sums reduce to the 8 rows' results in row order (the int4 tile kernel's scheme,
+// cpu_kernels_avx2.cpp): a tile costs about the int4 kernel's instructions per weight, where
+// the raw rows needed a horizontal sum and a float scale per row and block (1.8-3.4x slower).
+// Q5_1 and Q5_K (rare in the files people run) keep the row-at-a-time kernels over the raw rows.
 //
 // Work: items are (8 weight rows, up to 64 activation rows); each weight block is expanded
 // once per item and reused for up to 4 activation rows held in registers; a row's 8-64 KB of
@@ -80,6 +88,107 @@ int64_t block_bytes(int64_t type) {
   }
 }
 
+// ---- the tiled layout (kq_pack): 8 output rows per tile, the GGUF blocks' own codes and
+// scales reordered so that one 32-byte load feeds two rows and a tile's 8 results come out of
+// the integer sums in row order (no per-row horizontal sums; the float work is shared by the
+// 8 rows). Per (tile, block), with "nib" = 128 bytes of 4-bit codes for one group of 32 values
+// of the 8 rows: 4 row pairs of 32 bytes, pair p = rows (p, p + 4): bytes 32p..32p+15 row p,
+// 32p+16..32p+31 row p + 4; in a row's 16 bytes, byte i = c[i] | c[i + 16] << 4 (the q4 tile's
+// order, cpu_kernels_avx2.cpp):
+//   Q8_0 272 B / 32:  codes 256 B: pair p at 64p: [row p 0..15 | row p+4 0..15], then
+//                     [row p 16..31 | row p+4 16..31]; fp16 d of rows 0..7 at 256
+//   Q5_0 176 B / 32:  nib (low 4 bits); 32 B of bit 4 at 128: byte 16h + i (h = 0: rows 0..3,
+//                     h = 1: rows 4..7) bit 2p = row (4h + p) value i, bit 2p+1 = value i+16;
+//                     fp16 d of rows 0..7 at 160
+//   Q4_K 1184 B / 256: nib of sub-block j at 128j (j = 0..7); 6-bit scales sc[j] of rows 0..7
+//                     as bytes at 1024 + 8j, mins at 1088 + 8j; fp16 d at 1152, dmin at 1168
+//   Q6_K 1680 B / 256: group g (32 values, two 16-value scales) at 208g: nib (low 4 bits);
+//                     64 B of the 2 high bits at 128: vector v (pairs 2v, 2v+1), byte 16h + i:
+//                     bits 4e + 2c..4e + 2c + 1 = row (2v + e + 4h)'s value i + 16c; int8
+//                     scales (row r: sc[2g], sc[2g + 1]) at 192 + 2r; fp16 d of rows 0..7 at 1664
+// Rows past the tensor's end are zero (d = 0: their outputs are 0 and not stored). The map
+// below is written once and serves both directions (kq_pack and kq_unpack, its inverse).
+
+bool tiled_type(int64_t type) {
+  return type == kQ8_0 || type == kQ5_0 || type == kQ4_K || type == kQ6_K;
+}
+
+int64_t tile_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ8_0: return 272;
+    case kQ5_0: return 176;
+    case kQ4_K: return 1184;
+    case kQ6_K: return 1680;
+    default: return 0;
+  }
+}
+
+// Moves n bits (within one byte on both sides) from src at bit sb to dst at bit db.
+inline void move_bits(const uint8_t* src, int64_t sb, uint8_t* dst, int64_t db, int n) {
+  const int v = (src[sb >> 3] >> (sb & 7)) & ((1 << n) - 1);
+  dst[db >> 3] = static_cast<uint8_t>((dst[db >> 3] & ~(((1 << n) - 1) << (db & 7))) |
+                                      (v << (db & 7)));
+}
+
+// byte offset in a nib of row t's value i's 4 bits, as a bit offset
+inline int64_t nib_bit(int t, int i) {
+  return 8 * (32 * (t & 3) + 16 * (t >> 2) + (i & 15)) + 4 * (i >> 4);
+}
+
+// One (raw block of row t, tile block) pair: every field of the raw block moved to its place
+// in the tile (to_tile) or back.
+void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
+  auto mv = [&](int64_t rb, int64_t tb, int n) {
+    if (to_tile) move_bits(raw, rb, tile, tb, n);
+    else move_bits(tile, tb, raw, rb, n);
+  };
+  const int p = t & 3, h = t >> 2;
+  switch (type) {
+    case kQ8_0:
+      for (int k = 0; k < 2; ++k) mv(8 * k, 8 * (256 + 2 * t + k), 8);
+      for (int i = 0; i < 32; ++i) mv(8 * (2 + i), 8 * (64 * p + 32 * (i >> 4) + 16 * h + (i & 15)), 8);
+      break;
+    case kQ5_0:
+      for (int k = 0; k < 2; ++k) mv(8 * k, 8 * (160 + 2 * t + k), 8);
+      for (int i = 0; i < 32; ++i) {
+        mv(8 * (6 + (i & 15)) + 4 * (i >> 4), nib_bit(t, i), 4);
+        mv(8 * 2 + i, 8 * (128 + 16 * h + (i & 15)) + 2 * p + (i >> 4), 1);
+      }
+      break;
+    case kQ4_K:
+      for (int k = 0; k < 2; ++k) {
+        mv(8 * k, 8 * (1152 + 2 * t + k), 8);
+        mv(8 * (2 + k), 8 * (1168 + 2 * t + k), 8);
+      }
+      for (int j = 0; j < 4; ++j) {  // the 12 bytes of 6-bit scales (see k_scales)
+        mv(8 * (4 + j), 8 * (1024 + 8 * j + t), 6);
+        mv(8 * (8 + j), 8 * (1088 + 8 * j + t), 6);
+        mv(8 * (12 + j), 8 * (1024 + 8 * (j + 4) + t), 4);
+        mv(8 * (4 + j) + 6, 8 * (1024 + 8 * (j + 4) + t) + 4, 2);
+        mv(8 * (12 + j) + 4, 8 * (1088 + 8 * (j + 4) + t), 4);
+        mv(8 * (8 + j) + 6, 8 * (1088 + 8 * (j + 4) + t) + 4, 2);
+      }
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 32; ++i)
+          mv(8 * (16 + 32 * (j >> 1) + i) + 4 * (j & 1), 8 * 128 * j + nib_bit(t, i), 4);
+      break;
+    case kQ6_K:
+      for (int k = 0; k < 2; ++k) mv(8 * (208 + k), 8 * (1664 + 2 * t + k), 8);
+      for (int g = 0; g < 8; ++g) {
+        const int hf = g >> 2, r = g & 3;  // the half of 128 values and its quarter
+        for (int c = 0; c < 2; ++c) mv(8 * (192 + 2 * g + c), 8 * (208 * g + 192 + 2 * t + c), 8);
+        for (int l = 0; l < 32; ++l) {
+          mv(8 * (64 * hf + 32 * (r & 1) + l) + 4 * (r >> 1), 8 * 208 * g + nib_bit(t, l), 4);
+          mv(8 * (128 + 32 * hf + l) + 2 * r,
+             8 * (208 * g + 128 + 32 * (p >> 1) + 16 * h + (l & 15)) + 4 * (p & 1) + 2 * (l >> 4),
+             2);
+        }
+      }
+      break;
+    default: break;
+  }
+}
+
 #if KILN_KQ_AVX2
 
 // One quantized activation row: codes q [K], scales d [K/32], sums s [K/32] (d * sum(q)).
@@ -87,6 +196,8 @@ struct XRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* is;  // sum of the group's codes (the tiles' Q5_0 offset)
+  const int32_t* h;   // int16 pair: sums of codes 0..15 and 16..31 (the tiles' Q6_K offset)
 };
 
 inline float f16(const uint8_t* p) {
@@ -138,7 +249,8 @@ inline __m256i nibbles32(const uint8_t* p) {
 }
 
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, int32_t* is,
+                  int32_t* h) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < K / 32; ++g) {
@@ -164,6 +276,11 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
                         _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm));
     d[g] = dg;
     s[g] = dg * hsum(_mm256_cvtepi32_ps(isum));  // exact: |sum| <= 32 * 127
+    const int h0 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1))));
+    const int h1 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i2, i3))));
+    is[g] = h0 + h1;
+    h[g] = static_cast<int32_t>((static_cast<uint32_t>(h0) & 0xFFFF) |
+                                (static_cast<uint32_t>(h1) << 16));
   }
 }
 
@@ -330,20 +447,211 @@ DotFn dot_for(int64_t type) {
   }
 }
 
+inline __m256i bcast16(const int8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 u8x8(const uint8_t* p) {  // 8 bytes -> 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 rows' sums of a nib's 4 pairs (pair p: lo[p] x values 0..15, hi[p] x 16..31), each int16
+// at most 16 products of 15 x 127 (30480): rows 0..7 as int32
+inline __m256i nib_sums(const __m256i* lo, const __m256i* hi, __m256i xl, __m256i xh) {
+  __m256i d[4];
+  for (int p = 0; p < 4; ++p)
+    d[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
+  const __m256i s = _mm256_hadd_epi16(_mm256_hadd_epi16(d[0], d[1]), _mm256_hadd_epi16(d[2], d[3]));
+  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+inline void nib_load(const uint8_t* b, __m256i* lo, __m256i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int p = 0; p < 4; ++p) {
+    const __m256i v = load32(b + 32 * p);
+    lo[p] = _mm256_and_si256(v, m4);
+    hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  }
+}
+
+// Each tile_* computes one tile (8 rows, nb blocks at w) against MB activation rows:
+// out[m] = the 8 rows' fp32 results for activation row m.
+
+template <int MB>
+void tile_q8_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 272) {
+    __m256i v[8], a[8];
+    for (int k = 0; k < 8; ++k) v[k] = load32(w + 32 * k), a[k] = _mm256_sign_epi8(v[k], v[k]);
+    const __m256 d = f16x8(w + 256);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xl = bcast16(x[m].q + 32 * b), xh = bcast16(x[m].q + 32 * b + 16);
+      // int16 pairs reach 2 x 128 x 127: widened to int32 before anything is added
+      __m256i s[4];
+      for (int p = 0; p < 4; ++p)
+        s[p] = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a[2 * p], _mm256_sign_epi8(xl, v[2 * p])), ones),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a[2 * p + 1], _mm256_sign_epi8(xh, v[2 * p + 1])),
+                              ones));
+      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+}
+
+template <int MB>
+void tile_q5_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+  const __m256i b4 = _mm256_set1_epi8(0x10);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 176) {
+    __m256i lo[4], hi[4];
+    nib_load(w, lo, hi);
+    const __m256i H = load32(w + 128);  // bit 2p: pair p's low half, bit 2p + 1: its high half
+    lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), b4));
+    hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(H, 3), b4));
+    lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(H, 2), b4));
+    hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_slli_epi16(H, 1), b4));
+    lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(H, b4));
+    hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_srli_epi16(H, 1), b4));
+    lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(H, 2), b4));
+    hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(H, 3), b4));
+    const __m256 d = f16x8(w + 160);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xl = bcast16(x[m].q + 32 * b), xh = bcast16(x[m].q + 32 * b + 16);
+      __m256i dp[4];  // int16: 4 products of at most 31 x 127
+      for (int p = 0; p < 4; ++p)
+        dp[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
+      // one hadd keeps 8 products (31496) in int16, then int32
+      const __m256i t = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(dp[0], dp[1]), ones),
+                                          _mm256_madd_epi16(_mm256_hadd_epi16(dp[2], dp[3]), ones));
+      // codes are q - 16: minus 16 x the group's sum of activation codes
+      const __m256i r = _mm256_sub_epi32(t, _mm256_set1_epi32(16 * x[m].is[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+}
+
+template <int MB>
+void tile_q4_k(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+  // the 8 rows' scale d * sc[j] and min dmin * m[j] as fp32 (exact: 11 x 6 bits)
+  __m256 acc[MB], accm[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += 1184) {
+    const __m256 d = f16x8(w + 1152), dmin = f16x8(w + 1168);
+    for (int j = 0; j < 8; ++j) {
+      __m256i lo[4], hi[4];
+      nib_load(w + 128 * j, lo, hi);
+      const __m256 sc = _mm256_mul_ps(d, u8x8(w + 1024 + 8 * j));
+      const __m256 mn = _mm256_mul_ps(dmin, u8x8(w + 1088 + 8 * j));
+      const int64_t g = 8 * b + j;
+      for (int m = 0; m < MB; ++m) {
+        const __m256i s = nib_sums(lo, hi, bcast16(x[m].q + 32 * g), bcast16(x[m].q + 32 * g + 16));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sc, _mm256_set1_ps(x[m].d[g])),
+                                 acc[m]);
+        accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x[m].s[g]), accm[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm256_sub_ps(acc[m], accm[m]);
+}
+
+template <int MB>
+void tile_q6_k(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  // pshufb controls: int16 lanes [2p] x 4 then [2p + 1] x 4 of each 128-bit lane
+  __m256i ctl[4];
+  for (int p = 0; p < 4; ++p) {
+    const int8_t a = static_cast<int8_t>(4 * p), c = static_cast<int8_t>(4 * p + 2);
+    ctl[p] = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, c, c + 1, c, c + 1, c, c + 1,
+                              c, c + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, c, c + 1, c, c + 1,
+                              c, c + 1, c, c + 1);
+  }
+  for (int64_t b = 0; b < nb; ++b, w += 1680) {
+    const __m256 d = f16x8(w + 1664);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* gw = w + 208 * j;
+      __m256i lo[4], hi[4];
+      nib_load(gw, lo, hi);
+      const __m256i H0 = load32(gw + 128), H1 = load32(gw + 160);
+      lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(H0, 4), m30));
+      hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(H0, 2), m30));
+      lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(H0, m30));
+      hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_srli_epi16(H0, 2), m30));
+      lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(_mm256_slli_epi16(H1, 4), m30));
+      hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_slli_epi16(H1, 2), m30));
+      lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(H1, m30));
+      hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(H1, 2), m30));
+      // T: int16 (sc[2g], sc[2g + 1]) of rows 0..3 | rows 4..7
+      const __m256i T = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw + 192)));
+      __m256i scv[4];
+      for (int p = 0; p < 4; ++p) scv[p] = _mm256_shuffle_epi8(T, ctl[p]);
+      const int64_t g = 8 * b + j;
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xl = bcast16(x[m].q + 32 * g), xh = bcast16(x[m].q + 32 * g + 16);
+        __m256i dp[4];
+        for (int p = 0; p < 4; ++p)  // int16: 4 products of at most 63 x 127 (32004), x scale
+          dp[p] = _mm256_madd_epi16(
+              _mm256_hadd_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)),
+              scv[p]);
+        __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(dp[0], dp[1]), _mm256_hadd_epi32(dp[2], dp[3]));
+        // codes are q - 32: minus 32 x (sc[2g] x sum of codes 0..15 + sc[2g + 1] x 16..31)
+        const __m256i off = _mm256_madd_epi16(T, _mm256_set1_epi32(x[m].h[g]));
+        t = _mm256_sub_epi32(t, _mm256_slli_epi32(off, 5));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[g])),
+                                 acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const XRow*, __m256*);
+
+template <int MB>
+TileFn tile_for(int64_t type) {
+  switch (type) {
+    case kQ8_0: return &tile_q8_0<MB>;
+    case kQ5_0: return &tile_q5_0<MB>;
+    case kQ4_K: return &tile_q4_k<MB>;
+    case kQ6_K: return &tile_q6_k<MB>;
+    default: return nullptr;
+  }
+}
+
 struct Part {
   const uint8_t* w;
   int64_t row_bytes, rows, row0, nb;
+  bool tiled;  // kq_pack's layout (tile_bytes per 8 rows) or raw rows
+  int64_t tile_bytes;
   DotFn fn[kMaxRows + 1];  // fn[mb]: mb activation rows at once
+  TileFn tfn[kMaxRows + 1];
 };
 
 #endif  // KILN_KQ_AVX2
 
-// y [M, N] = x [M, K] @ W^T, W = the parts' rows stacked (N = their sum), in x's dtype.
-at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types) {
+// y [M, N] = x [M, K] @ W^T, W = the parts' rows stacked (N = the sum of `rows`), in x's
+// dtype. A part is raw rows (uint8 [rows, row_bytes]) or kq_pack's tiles (uint8
+// [ceil(rows / 8), K / block, tile block bytes]).
+at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                     at::IntArrayRef rows) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "kq_linear: x must be [M, K] float32 or bfloat16");
-  TORCH_CHECK(weights.size() == types.size() && !weights.empty(),
-              "kq_linear: one type per weight part");
+  TORCH_CHECK(weights.size() == types.size() && weights.size() == rows.size() && !weights.empty(),
+              "kq_linear: one type and one row count per weight part");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "kq_linear: K must be a multiple of 32");
   int64_t N = 0;
@@ -351,11 +659,17 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     const auto& w = weights[i];
     const int64_t be = block_elems(types[i]), bb = block_bytes(types[i]);
     TORCH_CHECK(bb > 0, "kq_linear: unsupported ggml type ", types[i]);
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                    K % be == 0 && w.size(1) == K / be * bb,
-                "kq_linear: part ", i, " must be contiguous uint8 [rows, ", K / be * bb,
-                "] for K = ", K);
-    N += w.size(0);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && K % be == 0,
+                "kq_linear: part ", i, " must be contiguous uint8 with K a multiple of ", be);
+    if (w.dim() == 3) {
+      TORCH_CHECK(tiled_type(types[i]) && w.size(0) == (rows[i] + 7) / 8 && w.size(1) == K / be &&
+                      w.size(2) == tile_block_bytes(types[i]),
+                  "kq_linear: tiled part ", i, " does not match K = ", K, " and ", rows[i], " rows");
+    } else {
+      TORCH_CHECK(w.dim() == 2 && w.size(0) == rows[i] && w.size(1) == K / be * bb,
+                  "kq_linear: part ", i, " must be [", rows[i], ", ", K / be * bb, "]");
+    }
+    N += rows[i];
   }
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if KILN_KQ_AVX2
@@ -365,8 +679,10 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
   for (size_t i = 0; i < weights.size(); ++i) {
     Part p;
     p.w = weights[i].data_ptr<uint8_t>();
-    p.rows = weights[i].size(0);
-    p.row_bytes = weights[i].size(1);
+    p.rows = rows[i];
+    p.tiled = weights[i].dim() == 3;
+    p.row_bytes = p.tiled ? 0 : weights[i].size(1);
+    p.tile_bytes = p.tiled ? weights[i].size(1) * weights[i].size(2) : 0;
     p.row0 = row0;
     p.nb = K / block_elems(types[i]);
     p.fn[0] = nullptr;
@@ -374,6 +690,11 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     p.fn[2] = dot_for<2>(types[i]);
     p.fn[3] = dot_for<3>(types[i]);
     p.fn[4] = dot_for<4>(types[i]);
+    p.tfn[0] = nullptr;
+    p.tfn[1] = tile_for<1>(types[i]);
+    p.tfn[2] = tile_for<2>(types[i]);
+    p.tfn[3] = tile_for<3>(types[i]);
+    p.tfn[4] = tile_for<4>(types[i]);
     parts.push_back(p);
     row0 += p.rows;
   }
@@ -389,8 +710,13 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
   const int64_t chunks = (M + kChunk - 1) / kChunk, G = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * G), xs(M * G);
+  std::vector<int32_t> xi(M * G), xh(M * G);
   const auto xc = x.contiguous();
   float* yp = y.data_ptr<float>();
+  auto xrow = [&](int64_t r) -> XRow {
+    return {xq.data() + r * K, xd.data() + r * G, xs.data() + r * G, xi.data() + r * G,
+            xh.data() + r * G};
+  };
   const int nthreads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nthreads)
   {
@@ -398,10 +724,10 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     for (int64_t r = 0; r < M; ++r) {
       if (x.scalar_type() == at::kFloat)
         quantize_row(xc.data_ptr<float>() + r * K, K, xq.data() + r * K, xd.data() + r * G,
-                     xs.data() + r * G);
+                     xs.data() + r * G, xi.data() + r * G, xh.data() + r * G);
       else
         quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, xq.data() + r * K,
-                     xd.data() + r * G, xs.data() + r * G);
+                     xd.data() + r * G, xs.data() + r * G, xi.data() + r * G, xh.data() + r * G);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < NT * chunks; ++item) {
@@ -409,14 +735,34 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
       const Part& p = parts[tile_part[t]];
       const int64_t r0 = tile_row[t], nr = std::min(kTile, p.rows - r0);
       const int64_t m0 = c * kChunk, mn = std::min(kChunk, M - m0);
+      if (p.tiled) {
+        const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
+        for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
+          const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
+          XRow xr[kMaxRows];
+          __m256 out[kMaxRows];
+          for (int i = 0; i < mb; ++i) xr[i] = xrow(m + i);
+          p.tfn[mb](wt, p.nb, xr, out);
+          for (int i = 0; i < mb; ++i) {
+            float* yr = yp + (m + i) * N + p.row0 + r0;
+            if (nr == kTile) {
+              _mm256_storeu_ps(yr, out[i]);
+            } else {
+              alignas(32) float tmp[kTile];
+              _mm256_store_ps(tmp, out[i]);
+              std::memcpy(yr, tmp, nr * sizeof(float));
+            }
+          }
+        }
+        continue;
+      }
       for (int64_t r = r0; r < r0 + nr; ++r) {
         const uint8_t* wr = p.w + r * p.row_bytes;
         for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
           XRow xr[kMaxRows];
           float out[kMaxRows];
-          for (int i = 0; i < mb; ++i)
-            xr[i] = {xq.data() + (m + i) * K, xd.data() + (m + i) * G, xs.data() + (m + i) * G};
+          for (int i = 0; i < mb; ++i) xr[i] = xrow(m + i);
           p.fn[mb](wr, p.nb, xr, out);
           for (int i = 0; i < mb; ++i) yp[(m + i) * N + p.row0 + r] = out[i];
         }
@@ -429,11 +775,59 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// Raw GGUF rows uint8 [rows, row_bytes] of `type` <-> the tiled layout uint8 [ceil(rows / 8),
+// blocks per row, tile block bytes]: the same bits, moved (map_block), nothing rounded.
+at::Tensor kq_pack(const at::Tensor& raw, int64_t type) {
+  TORCH_CHECK(tiled_type(type), "kq_pack: no tiled layout for ggml type ", type);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.size(1) % block_bytes(type) == 0,
+              "kq_pack: raw must be uint8 [rows, blocks * ", block_bytes(type), "]");
+  const auto rc = raw.contiguous();
+  const int64_t R = rc.size(0), nb = rc.size(1) / block_bytes(type), NT = (R + 7) / 8;
+  const int64_t bb = block_bytes(type), tb = tile_block_bytes(type);
+  auto out = at::zeros({NT, nb, tb}, raw.options());
+  uint8_t* src = rc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NT, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 8 * t; r < std::min(R, 8 * t + 8); ++r)
+        for (int64_t b = 0; b < nb; ++b)
+          map_block(type, src + (r * nb + b) * bb, dst + (t * nb + b) * tb, static_cast<int>(r - 8 * t),
+                    true);
+  });
+  return out;
+}
+
+at::Tensor kq_unpack(const at::Tensor& packed, int64_t type, int64_t rows) {
+  TORCH_CHECK(tiled_type(type) && packed.dim() == 3 && packed.scalar_type() == at::kByte &&
+                  packed.size(2) == tile_block_bytes(type) && packed.size(0) == (rows + 7) / 8,
+              "kq_unpack: not kq_pack's layout of ", rows, " rows of type ", type);
+  const auto pc = packed.contiguous();
+  const int64_t nb = pc.size(1), bb = block_bytes(type), tb = tile_block_bytes(type);
+  auto out = at::zeros({rows, nb * bb}, packed.options());
+  uint8_t* src = pc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b)
+        map_block(type, dst + (r * nb + b) * bb, src + ((r / 8) * nb + b) * tb,
+                  static_cast<int>(r % 8), false);
+  });
+  return out;
+}
+
+bool has_tiles(int64_t type) { return tiled_type(type); }
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_kquant, m) {
   m.def("supported() -> bool");
-  m.def("kq_linear(Tensor x, Tensor[] weights, int[] types) -> Tensor");
+  m.def("kq_linear(Tensor x, Tensor[] weights, int[] types, int[] rows) -> Tensor");
+  m.def("kq_pack(Tensor raw, int type) -> Tensor");
+  m.def("kq_unpack(Tensor packed, int type, int rows) -> Tensor");
+  m.def("has_tiles(int type) -> bool");
   m.impl("supported", &supported);
+  m.impl("has_tiles", &has_tiles);
   m.impl("kq_linear", c10::DispatchKey::CPU, &kq_linear);
+  m.impl("kq_pack", c10::DispatchKey::CPU, &kq_pack);
+  m.impl("kq_unpack", c10::DispatchKey::CPU, &kq_unpack);
 }
