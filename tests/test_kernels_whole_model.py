@@ -1,6 +1,6 @@
 """kiln's batch-invariant AVX2 kernels checked inside the whole model, not only on made-up
 tensors (tests/test_cpu_kernels_avx2.py does that): SmolLM2 with the default settings except
-int8 weights runs 4 chat requests, a batched prefill then 5 batched decode steps, once with
+int8 weights runs 3 chat requests, a batched prefill then 4 batched decode steps, once with
 the kernels (cpu_kernels.attend_rows for every attention row, q8_linear for the int8 head) and
 once with their PyTorch references swapped in, fed the same tokens; every logit of every step
 must agree. That covers what unit tests cannot: the pool layout, the gather tables and
@@ -25,8 +25,8 @@ import torch
 from kiln.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Who wrote Hamlet?", "How many legs does a spider have?"]
-STEPS = 6  # the token sampled after the prefill, then 5 decode steps of 4 rows each
+             "How many legs does a spider have?"]
+STEPS = 5  # the token sampled after the prefill, then 4 decode steps of 3 rows each
 # Measured (16 requests x 17 steps, the same setup): max |logit difference| 1.1e-4, mean
 # 1.1e-5, on logits of magnitude ~20-30; with fp32 weights 6e-5. A kernel bug (a wrong head,
 # slot, length or scale) moves logits by whole units.
