@@ -1,8 +1,11 @@
 """kiln's AVX2 kernels (kiln/layers/cpu_kernels_avx2.cpp) against PyTorch: the 4-bit packing,
-q4_linear (int8 activations x 4-bit weights) and moe_q4 (a whole MoE layer's routed experts in
-one call), and the modules that use them. Skipped where the kernels cannot run."""
+q4_linear (int8 activations x 4-bit weights), moe_q4 (a whole MoE layer's routed experts in one
+call), attend_rows (batch-invariant attention), and the modules that use them. Skipped where the
+kernels cannot run."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -174,3 +177,103 @@ def test_experts_module_runs_stacked_q4():
     off = Experts(8, 64, 32)
     off.quantize("int4", use_kernels=False)
     assert off.w13_q4 is None and off.quantized is not None
+
+
+def _attend_inputs(dtype: torch.dtype, hq: int, hk: int, d: int, dv: int, seed: int
+                   ) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    s = 200
+    k = torch.randn(s, hk, d, generator=g).to(dtype)
+    v = torch.randn(s, hk, dv, generator=g).to(dtype)
+    slots = torch.randperm(s, generator=g)[:150]
+    q = torch.randn(70, hq, d, generator=g)
+    return q, k, v, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d,dv", [(9, 3, 64, 64), (16, 1, 128, 128), (8, 2, 32, 40),
+                                        (5, 5, 8, 24)])
+def test_attend_rows_matches_reference_and_is_batch_invariant(dtype, hq, hk, d, dv):
+    """attend_rows against the PyTorch reference, and bit-exact per row whatever shares the
+    call: a 70-row prefill chunk (context from 31) equals each row alone, the chunk cut at odd
+    points, and the rows as decode rows of a batch (one table row each, mixed lengths, among
+    other rows); and with 1 thread or 2 (the work split must not reach a row's arithmetic)."""
+    q, k, v, slots = _attend_inputs(dtype, hq, hk, d, dv, hq * d + dv)
+    t = q.shape[0]
+    lens = torch.arange(31, 31 + t)
+    zeros = torch.zeros(t, dtype=torch.long)
+    table = slots.view(1, -1)
+    whole = ck.attend_rows(q, k, v, table, zeros, lens, 0.3)
+    want = ck.attend_rows_reference(q, k, v, table, zeros, lens, 0.3)
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
+    alone = torch.cat([ck.attend_rows(q[i:i + 1], k, v, table, zeros[:1], lens[i:i + 1], 0.3)
+                       for i in range(t)])
+    assert torch.equal(whole, alone)
+    cuts = [0, 1, 6, 19, 33, 50, t]
+    chunked = torch.cat([ck.attend_rows(q[a:b], k, v, table, zeros[: b - a], lens[a:b], 0.3)
+                         for a, b in itertools.pairwise(cuts)])
+    assert torch.equal(whole, chunked)
+    # decode rows: row i reads table row i; a shuffled batch with a few unrelated rows
+    order = torch.randperm(t, generator=torch.Generator().manual_seed(1))
+    extra = torch.randperm(150, generator=torch.Generator().manual_seed(2))
+    dtable = torch.cat([table.expand(t, -1), extra.view(1, -1)])
+    rows = torch.cat([order, torch.tensor([t, t])])
+    dlens = torch.cat([lens[order], torch.tensor([7, 150])])
+    dq = torch.cat([q[order], q[:2]])
+    dec = ck.attend_rows(dq, k, v, dtable, rows, dlens, 0.3)
+    assert torch.equal(dec[:t][torch.argsort(order)], whole)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(ck.attend_rows(q, k, v, table, zeros, lens, 0.3), whole)
+            assert torch.equal(ck.attend_rows(dq[:1], k, v, dtable, rows[:1], dlens[:1], 0.3),
+                               dec[:1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_q8_linear_matches_reference_and_is_row_invariant(scale_dtype):
+    """q8_linear (an int8 weight, one scale per row, fp32 activations) against float64, and
+    each row the same bits alone as among 9 rows, with 1 or 3 threads; N not a multiple of 4."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 203, 96
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.rand(n, generator=g) * 0.01).to(scale_dtype)
+    x = torch.randn(9, k, generator=g)
+    got = ck.q8_linear(x, q, s)
+    want = x.double() @ (q.double() * s.double().unsqueeze(1)).t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, torch.cat([ck.q8_linear(x[i:i + 1], q, s) for i in range(9)]))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(ck.q8_linear(x, q, s), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fixed_int8_head_runs_q8_at_every_row_count():
+    """fix_kernel_choice (--batch-invariant) puts an int8 head with a dense copy on q8_linear
+    and drops the copy (other int8 layers keep theirs): a row's logits are the same alone as in
+    a batch of 16."""
+    from torch import nn
+
+    from kiln.layers.quant import Int8Linear, fix_kernel_choice
+
+    head = Int8Linear.from_float(torch.randn(72, 64), None, torch.float32)
+    body = Int8Linear.from_float(torch.randn(64, 64), None, torch.float32)
+    if not head.q8_ok:
+        pytest.skip("the AVX512 kernels run here")
+    head.keep_dense()
+    body.keep_dense()
+    model = nn.Module()
+    model.body, model.lm_head = body, head
+    assert fix_kernel_choice(model) == 2
+    assert head.q8 and head.dense is None and not body.q8 and body.dense is not None
+    x = torch.randn(16, 64)
+    y = head(x)
+    assert torch.equal(y, torch.cat([head(x[i:i + 1]) for i in range(16)]))
+    torch.testing.assert_close(y, x @ head.dequantize(torch.float32).t(), rtol=1e-5, atol=1e-5)

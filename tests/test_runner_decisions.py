@@ -97,9 +97,19 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     (False, False, "dense_weights off: quantized weights only"),
 ])
 def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, words):
-    r = runner(tiny, quantization="int8", dense_weights=dense)
+    # --no-batch-invariant: with it, an AVX2 machine's int8 head runs q8_linear, no copy (below)
+    r = runner(tiny, quantization="int8", dense_weights=dense, batch_invariant=False)
     d = r.decisions.dense_weights
     assert d.value is value and words in d.reason, d.reason
+
+
+def test_a_batch_invariant_int8_head_on_avx2_keeps_no_dense_copy_and_says_why(tiny):
+    r = runner(tiny, quantization="int8", dense_weights=True)
+    if not r.model.lm_head.q8:
+        pytest.skip("no AVX2 q8_linear for the head here (or not batch-invariant)")
+    d = r.decisions.dense_weights
+    assert d.value is True and "8 of 9 quantized linears keep a dense copy" in d.reason
+    assert "the int8 head runs kiln's AVX2 q8_linear at every size" in d.reason
 
 
 def test_a_moe_model_asked_to_compile_decodes_eagerly_and_says_why(tmp_path):

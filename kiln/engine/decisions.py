@@ -243,8 +243,12 @@ def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
     skipped = sum(isinstance(m, Int4Linear) and (m.kiln or m.avx2) for m in quantized)
     none_int4 = ("int4 layers on kiln's kernels keep none (their int8-activation kernel is "
                  "faster at every size)")
+    q8 = any(isinstance(m, Int8Linear) and m.q8 for m in quantized)
+    none_int8 = ("the int8 head runs kiln's AVX2 q8_linear at every size (--batch-invariant) "
+                 "and keeps none")
+    none = "; ".join(r for r, on in ((none_int4, skipped), (none_int8, q8)) if on)
     if not kept:
-        return Decision(False, none_int4)
+        return Decision(False, none or none_int4)
     reason = (f"{len(kept)} of {len(quantized)} quantized linears keep a dense copy ({size}) "
               "for steps of many rows")
-    return Decision(True, reason + (f"; {none_int4}" if skipped else ""))
+    return Decision(True, reason + (f"; {none}" if none else ""))

@@ -28,10 +28,12 @@ logged once.
 cpu_kernels_avx2.cpp, built by the same `_build` (`avx2_available()`), serves x86 CPUs with
 AVX2 + FMA + F16C but no AVX512-BF16 (this project's AMD EPYC CI): `q4_linear` (int4 weights in
 pack_q4's layout x activations quantized to int8 per group of 32, llama.cpp's Q4_0 x Q8_0
-scheme) and `moe_q4`, a whole MoE layer's routed experts in one call, and `lora_add`,
-a linear's LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py). Why: PyTorch's
-`_weight_int4pack_mm_for_cpu` is compute-bound there ([1,1024] x [768,1024]: ~140 us on one
-Zen 3 thread, vs ~38 us for q4_linear), and a MoE step made 2 module calls per active expert.
+scheme), `moe_q4`, a whole MoE layer's routed experts in one call, `lora_add`, a linear's
+LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py), and for
+--batch-invariant `attend_rows` (attention row by row in one fixed order) and `q8_linear` (the
+int8 head). Why: PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound there ([1,1024] x
+[768,1024]: ~140 us on one Zen 3 thread, vs ~38 us for q4_linear), and a MoE step made 2 module
+calls per active expert.
 """
 
 from __future__ import annotations
@@ -465,6 +467,18 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.
     return torch.ops.kiln_avx2.attend_rows(q, k, v, table, row_of, lens, scale)
 
 
+def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ (w * scale)^T for an int8 weight w [N, K] with one fp32/bf16 scale per
+    row -> fp32 [M, N] (cpu_kernels_avx2.cpp): each output one FMA chain over K, the same bits
+    whatever the row count (the int8 head under --batch-invariant)."""
+    return torch.ops.kiln_avx2.q8_linear(x, w, scale)
+
+
+def q8_ok(device: torch.device, k: int) -> bool:
+    """Whether an int8 linear over k inputs can run q8_linear here."""
+    return device.type == "cpu" and k % 8 == 0 and avx2_available()
+
+
 def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           table: torch.Tensor, row_of: torch.Tensor, lens: torch.Tensor,
                           scale: float) -> torch.Tensor:
@@ -512,6 +526,10 @@ def _register_avx2_fakes() -> None:
     @torch.library.register_fake("kiln_avx2::attend_rows")
     def _(q, k, v, table, row_of, lens, scale):
         return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
+
+    @torch.library.register_fake("kiln_avx2::q8_linear")
+    def _(x, w, scale):
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("kiln_avx2::moe_q4")
     def _(x, ids, weights, w13, w2):

@@ -435,17 +435,28 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
 
 // Batch-invariant attention (kiln/layers/attention.py, `KVStore.invariant`): each query row t
 // attends to the first lens[t] slots of its table row, table[row_of[t]], read from the pool in
-// place. One (row, head) pair is one work item, computed in a fixed order that depends on
-// nothing but its own context: scores j = 0..len-1 (a dot product over D in 8 fp32 lanes,
-// summed horizontally in one order), their max, e_j = exp(s_j - max) summed in j order, then
-// sum_j e_j v_j in 8-lane vectors over Dv, divided by the sum. So a row's output is the same
-// bits alone, in a batch of any size, in a prefill chunk of any length, or after a prefix-cache
-// hit (no padding, no split points, no merge: nothing another row can move).
+// place.
 //   q      [T, Hq, D]   fp32
 //   k      [S, Hk, D]   pool keys, fp32 or bf16 (contiguous)
 //   v      [S, Hk, Dv]  pool values, same dtype (contiguous)
 //   table  [R, L]       int64 slots; row_of [T] int64 in 0..R-1; lens [T] int64 in 1..L
 //   -> out [T, Hq, Dv]  fp32
+//
+// The invariance argument: every number of a (row, head) pair is computed by one sequence of
+// operations fixed by its own query, keys, values and length n, never by the other rows of the
+// call, their number, the thread count or which thread runs it:
+//   score s_j   = q . k_j: 8-lane fp32 FMAs over D in column order from 0, then one fixed
+//                 add tree over the lanes, ((0+1)+(2+3))+((4+5)+(6+7)), times scale;
+//   max         = 8-lane max by j mod 8 from j = 0, then hmax;
+//   e_j, sum    = exp(s_j - max) (exp_vec), summed in 8 lanes by j mod 8 from 0, then hsum8;
+//   out         = (sum_j e_j v_j, one FMA chain per output column in j order 0..n-1) / sum.
+// What varies is only which of these independent chains share a loop: the score kernel takes
+// up to 3 query heads of one row against 4 keys at a time (each (head, key) accumulator is its
+// own chain; a row's last group of keys is padded with copies of its last key, whose scores
+// are dropped), several rows of one table row share a work item so their keys and values are
+// read once into L1 (each row still stops at its own n), and the PV chains are cut into blocks
+// of kVBlock keys whose partial sums go through memory exactly. No padding enters a sum, there
+// is no split of a row's keys and no merge: no other row can move a row's bits.
 #if KILN_HAVE_AVX2
 // One fixed tree: (lanes 0-3 + 4-7), then pairs, then the last two.
 inline float hsum8(__m256 v) {
@@ -455,70 +466,250 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;
+constexpr int kScoreKeys = 4;     // keys per score kernel call
+constexpr int kHeadChunk = 3;     // query heads per score / PV kernel call (12 accumulators)
+constexpr int64_t kVBlock = 64;   // keys per PV block: 64 value rows of one head stay in L1
+constexpr int64_t kTileVecs = 12; // query vectors (rows x heads) per work item, at most
+
+// Scores of NQ query heads against 4 keys: s[i][j0 + kk] = scale * q_i . k_kk. Each of the
+// NQ x 4 accumulators is its own FMA chain over D; the reduction tree is the same for every
+// lane of the result (hadd pairs lanes (0,1),(2,3) per 128-bit half, the second hadd adds
+// those pairs, the last add joins the halves).
+template <typename T, int NQ>
+inline void score4(const float* const* qv, const T* const* kr, int64_t D, __m128 scale,
+                   float* const* s, int64_t j0) {
+  __m256 a[NQ][kScoreKeys];
+  for (int i = 0; i < NQ; ++i)
+    for (int kk = 0; kk < kScoreKeys; ++kk) a[i][kk] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 qc[NQ];
+    for (int i = 0; i < NQ; ++i) qc[i] = _mm256_loadu_ps(qv[i] + c);
+    for (int kk = 0; kk < kScoreKeys; ++kk) {
+      const __m256 kc = load8(kr[kk] + c);
+      for (int i = 0; i < NQ; ++i) a[i][kk] = _mm256_fmadd_ps(qc[i], kc, a[i][kk]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]),
+                                    _mm256_hadd_ps(a[i][2], a[i][3]));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(s[i] + j0, _mm_mul_ps(r, scale));
+  }
+}
+
+template <typename T>
+inline void score4_n(int nq, const float* const* qv, const T* const* kr, int64_t D,
+                     __m128 scale, float* const* s, int64_t j0) {
+  switch (nq) {
+    case 1: score4<T, 1>(qv, kr, D, scale, s, j0); break;
+    case 2: score4<T, 2>(qv, kr, D, scale, s, j0); break;
+    default: score4<T, 3>(qv, kr, D, scale, s, j0); break;
+  }
+}
+
+// One (row, head)'s scores s[0..n) -> e_j = exp(s_j - max) in place (s[n..n8) become 0), and
+// returns sum_j e_j (fixed lanes and tree: see the invariance argument above).
+inline float softmax_weights(float* s, int64_t n) {
+  const int64_t n8 = (n + 7) / 8 * 8;
+  for (int64_t j = n; j < n8; ++j) s[j] = -INFINITY;
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n8; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(s + j));
+  const __m256 mx = _mm256_set1_ps(hmax(mx8));
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n8; j += 8) {
+    __m256 e = exp_vec(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
+    // exp_vec clamps at 2^-126: masked tail lanes must be exactly 0
+    if (j + 8 > n) {
+      alignas(32) float m[8];
+      for (int i = 0; i < 8; ++i) m[i] = (j + i < n) ? 1.0f : 0.0f;
+      e = _mm256_mul_ps(e, _mm256_load_ps(m));
+    }
+    _mm256_storeu_ps(s + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  return hsum8(sum8);
+}
+
+// acc[i][c0 .. c0 + 8 NV) += sum_{j in [j0, j1)} e[i][j] v_j, one FMA per column and key in j
+// order (`first`: the chains start at 0 instead of acc). vp[j - jb]: value row j's head.
+template <typename T, int NQ, int NV>
+inline void pv_block(const float* const* e, const T* const* vp, int64_t jb, int64_t j0,
+                     int64_t j1, int64_t c0, float* const* acc, bool first) {
+  __m256 a[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c)
+      a[i][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[i] + c0 + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* vr = vp[j - jb] + c0;
+    __m256 w[NQ];
+    for (int i = 0; i < NQ; ++i) w[i] = _mm256_broadcast_ss(e[i] + j);
+    for (int c = 0; c < NV; ++c) {
+      const __m256 vv = load8(vr + 8 * c);
+      for (int i = 0; i < NQ; ++i) a[i][c] = _mm256_fmadd_ps(w[i], vv, a[i][c]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc[i] + c0 + 8 * c, a[i][c]);
+}
+
+template <typename T, int NQ>
+inline void pv_cols(const float* const* e, const T* const* vp, int64_t jb, int64_t j0,
+                    int64_t j1, int64_t Dv, float* const* acc, bool first) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= Dv; c0 += 32) pv_block<T, NQ, 4>(e, vp, jb, j0, j1, c0, acc, first);
+  switch ((Dv - c0) / 8) {
+    case 1: pv_block<T, NQ, 1>(e, vp, jb, j0, j1, c0, acc, first); break;
+    case 2: pv_block<T, NQ, 2>(e, vp, jb, j0, j1, c0, acc, first); break;
+    case 3: pv_block<T, NQ, 3>(e, vp, jb, j0, j1, c0, acc, first); break;
+    default: break;
+  }
+}
+
+template <typename T>
+inline void pv_n(int nq, const float* const* e, const T* const* vp, int64_t jb, int64_t j0,
+                 int64_t j1, int64_t Dv, float* const* acc, bool first) {
+  switch (nq) {
+    case 1: pv_cols<T, 1>(e, vp, jb, j0, j1, Dv, acc, first); break;
+    case 2: pv_cols<T, 2>(e, vp, jb, j0, j1, Dv, acc, first); break;
+    default: pv_cols<T, 3>(e, vp, jb, j0, j1, Dv, acc, first); break;
+  }
+}
 
 template <typename T>
 void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* table,
                       const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
                       int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale) {
   const int64_t group = Hq / Hk;
-#pragma omp parallel num_threads(threads())
+  // Work items: a tile of up to `rows_per_tile` consecutive rows of one table row (a prefill
+  // chunk's rows share their keys), one KV head, and a part of its query heads. Few rows (a
+  // small decode step) split the heads so that every thread has work. None of this touches a
+  // row's arithmetic (see above).
+  const int nt = threads();
+  const int64_t rows_per_tile = std::max<int64_t>(1, kTileVecs / group);
+  std::vector<int64_t> tiles;  // first row of each tile, then Tn
+  for (int64_t t = 0; t < Tn; ++t)
+    if (tiles.empty() || t - tiles.back() >= rows_per_tile || row_of[t] != row_of[tiles.back()])
+      tiles.push_back(t);
+  const int64_t ntiles = static_cast<int64_t>(tiles.size());
+  tiles.push_back(Tn);
+  int64_t parts = 1;
+  while (parts < group && ntiles * Hk * parts < 4 * nt) ++parts;
+  const __m128 scale4 = _mm_set1_ps(scale);
+#pragma omp parallel num_threads(nt)
   {
-    // scores of the group's heads, [group][L] (+ 8 for the vector tail of exp)
-    std::vector<float> sbuf(group * (L + 8));
-    __m256 acc[kMaxHeadDim / 8];
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < Tn * Hk; ++item) {
-      // A work item is one query row and one KV head: its `group` query heads read each key
-      // and value row once. Every head's arithmetic is its own, in j order.
-      const int64_t t = item / Hk, kh = item % Hk;
-      const int64_t n = lens[t];
-      const int64_t* slots = table + row_of[t] * L;
-      float top[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const T* kr = k + (slots[j] * Hk + kh) * D;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qr = q + (t * Hq + kh * group + g) * D;
-          __m256 a = _mm256_mul_ps(load8(qr), load8(kr));
-          for (int64_t c = 8; c < D; c += 8) a = _mm256_fmadd_ps(load8(qr + c), load8(kr + c), a);
-          const float sj = hsum8(a) * scale;
-          sbuf[g * (L + 8) + j] = sj;
-          top[g] = std::max(top[g], sj);
+    // scores, then weights, of the tile's (row, head) pairs: [rows_per_tile * group][L + 8]
+    std::vector<float> sbuf(rows_per_tile * group * (L + 8));
+    std::vector<float> abuf(rows_per_tile * group * Dv);  // their PV sums
+    std::vector<const T*> vp(kVBlock);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < ntiles * Hk * parts; ++item) {
+      const int64_t tile = item / (Hk * parts), kh = (item / parts) % Hk, part = item % parts;
+      const int64_t t0 = tiles[tile], nr = tiles[tile + 1] - t0;
+      const int64_t g0 = kh * group + part * group / parts;
+      const int64_t ng = kh * group + (part + 1) * group / parts - g0;  // query heads
+      const int64_t* slots = table + row_of[t0] * L;
+      int64_t nmax = 0;
+      for (int64_t r = 0; r < nr; ++r) nmax = std::max(nmax, lens[t0 + r]);
+      auto srow = [&](int64_t r, int64_t h) { return sbuf.data() + (r * ng + h) * (L + 8); };
+      // Scores: 4 keys at a time, every row of the tile that reaches them (its own keys only,
+      // its last group padded with its last key).
+      for (int64_t j = 0; j < nmax; j += kScoreKeys) {
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t n = lens[t0 + r];
+          if (j >= n) continue;
+          const T* kr[kScoreKeys];
+          for (int kk = 0; kk < kScoreKeys; ++kk)
+            kr[kk] = k + (slots[std::min(j + kk, n - 1)] * Hk + kh) * D;
+          for (int64_t h = 0; h < ng; h += kHeadChunk) {
+            const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));
+            const float* qv[kHeadChunk];
+            float* s[kHeadChunk];
+            for (int i = 0; i < nq; ++i) {
+              qv[i] = q + ((t0 + r) * Hq + g0 + h + i) * D;
+              s[i] = srow(r, h + i);
+            }
+            score4_n<T>(nq, qv, kr, D, scale4, s, j);
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = sbuf.data() + g * (L + 8);
-        // e_j = exp(s_j - max), elementwise (exp_vec; the tail padded with -inf -> 0), and
-        // their sum in 8 lanes by j mod 8, reduced by hsum8's tree.
-        const int64_t n8 = (n + 7) / 8 * 8;
-        for (int64_t j = n; j < n8; ++j) s[j] = -INFINITY;
-        const __m256 mx = _mm256_set1_ps(top[g]);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n8; j += 8) {
-          __m256 e = exp_vec(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
-          // exp_vec clamps at 2^-126: masked tail lanes must be exactly 0
-          if (j + 8 > n) {
-            alignas(32) float m[8];
-            for (int i = 0; i < 8; ++i) m[i] = (j + i < n) ? 1.0f : 0.0f;
-            e = _mm256_mul_ps(e, _mm256_load_ps(m));
+      float sums[kTileVecs > kMaxGroup ? kTileVecs : kMaxGroup];
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t h = 0; h < ng; ++h)
+          sums[r * ng + h] = softmax_weights(srow(r, h), lens[t0 + r]);
+      // PV: blocks of kVBlock keys; each row's chains run to its own n.
+      for (int64_t jb = 0; jb < nmax; jb += kVBlock) {
+        const int64_t je = std::min(jb + kVBlock, nmax);
+        for (int64_t j = jb; j < je; ++j) vp[j - jb] = v + (slots[j] * Hk + kh) * Dv;
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t n = lens[t0 + r];
+          if (jb >= n) continue;
+          for (int64_t h = 0; h < ng; h += kHeadChunk) {
+            const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));
+            const float* e[kHeadChunk];
+            float* acc[kHeadChunk];
+            for (int i = 0; i < nq; ++i) {
+              e[i] = srow(r, h + i);
+              acc[i] = abuf.data() + (r * ng + h + i) * Dv;
+            }
+            pv_n<T>(nq, e, vp.data(), jb, jb, std::min(je, n), Dv, acc, jb == 0);
           }
-          _mm256_storeu_ps(s + j, e);
-          sum8 = _mm256_add_ps(sum8, e);
         }
-        const float sum = hsum8(sum8);
-        for (int64_t c = 0; c < Dv / 8; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const T* vr = v + (slots[j] * Hk + kh) * Dv;
-          const __m256 e = _mm256_set1_ps(s[j]);
-          for (int64_t c = 0; c < Dv / 8; ++c)
-            acc[c] = _mm256_fmadd_ps(e, load8(vr + 8 * c), acc[c]);
+      }
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t h = 0; h < ng; ++h) {
+          const __m256 inv = _mm256_set1_ps(1.0f / sums[r * ng + h]);
+          const float* a = abuf.data() + (r * ng + h) * Dv;
+          float* o = out + ((t0 + r) * Hq + g0 + h) * Dv;
+          for (int64_t c = 0; c < Dv; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(a + c), inv));
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / sum);
-        float* o = out + (t * Hq + kh * group + g) * Dv;
-        for (int64_t c = 0; c < Dv / 8; ++c)
-          _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
+    }
+  }
+}
+// q8_linear: y = x @ (q * scale)^T for an int8 weight q [N, K] (row-major, as Int8Linear keeps
+// it) with one scale per output row, x fp32: the int8 head (--batch-invariant). Each output
+// y[m, n] is one FMA chain over K in column order from 0 (the weight row converted to fp32
+// exactly), the same add tree as score4's, then times scale[n]: it depends on nothing but x's
+// row m and weight row n, so a row's logits are the same bits whatever else is in the step
+// and whatever the thread count. Work: tiles of 4 weight rows, converted once into an L1
+// buffer and reused by every activation row, 3 at a time (score4's 12 accumulators).
+template <typename S>
+void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, int64_t M,
+                    int64_t N, int64_t K) {
+  const int64_t tiles = (N + kScoreKeys - 1) / kScoreKeys;
+#pragma omp parallel num_threads(threads())
+  {
+    std::vector<float> wbuf(kScoreKeys * K);
+    std::vector<float> tail(kHeadChunk * kScoreKeys);
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t n0 = tile * kScoreKeys, valid = std::min<int64_t>(kScoreKeys, N - n0);
+      const float* wr[kScoreKeys];
+      alignas(16) float sc[kScoreKeys];
+      for (int kk = 0; kk < kScoreKeys; ++kk) {
+        const int64_t n = n0 + std::min<int64_t>(kk, valid - 1);  // pad with the last row
+        float* b = wbuf.data() + kk * K;
+        for (int64_t c = 0; c < K; c += 8)
+          _mm256_storeu_ps(b + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                                          w + n * K + c)))));
+        wr[kk] = b;
+        sc[kk] = static_cast<float>(scale[n]);
+      }
+      const __m128 s4 = _mm_load_ps(sc);
+      for (int64_t m = 0; m < M; m += kHeadChunk) {
+        const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, M - m));
+        const float* xv[kHeadChunk];
+        float* out[kHeadChunk];
+        for (int i = 0; i < nq; ++i) {
+          xv[i] = x + (m + i) * K;
+          out[i] = valid == kScoreKeys ? y + (m + i) * N : tail.data() + i * kScoreKeys;
+        }
+        score4_n<float>(nq, xv, wr, K, s4, out, valid == kScoreKeys ? n0 : 0);
+        if (valid < kScoreKeys)
+          for (int i = 0; i < nq; ++i)
+            std::memcpy(y + (m + i) * N + n0, out[i], valid * sizeof(float));
       }
     }
   }
@@ -566,6 +757,31 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(false, "attend_rows: built without AVX2/FMA/F16C");
 #endif
   return out;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q8_linear: x must be fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
+                  w.size(1) == x.size(1) && x.size(1) % 8 == 0,
+              "q8_linear: w must be contiguous int8 [N, K] with K = x's, a multiple of 8");
+  TORCH_CHECK(scale.dim() == 1 && scale.numel() == w.size(0) && scale.is_contiguous() &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
+              "q8_linear: scale must be contiguous fp32/bf16 [N]");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+#if KILN_HAVE_AVX2
+  if (M == 0 || N == 0) return y;
+  const auto xc = x.contiguous();
+  if (scale.scalar_type() == at::kFloat)
+    q8_linear_impl(xc.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                   y.data_ptr<float>(), M, N, K);
+  else
+    q8_linear_impl(xc.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<at::BFloat16>(),
+                   y.data_ptr<float>(), M, N, K);
+#else
+  TORCH_CHECK(false, "q8_linear: built without AVX2/FMA/F16C");
+#endif
+  return y;
 }
 
 }  // namespace
@@ -739,6 +955,7 @@ TORCH_LIBRARY(kiln_avx2, m) {
         "-> Tensor");
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor table, Tensor row_of, Tensor lens, "
         "float scale) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor pieces, Tensor ranks, "
         "Tensor seg, Tensor local) -> ()");
   m.impl("supported", &supported);
@@ -746,4 +963,5 @@ TORCH_LIBRARY(kiln_avx2, m) {
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);
   m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
+  m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
 }

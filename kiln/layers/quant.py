@@ -103,6 +103,14 @@ KILN_INT8_DENSE_MIN_M = 16
 # 378 vs 1281 (vs 970 for fp32 F.linear on a dense copy); against the dense copy at prefill
 # sizes, M=64 / 256 / 512: 0.78 / 3.0 / 6.1 vs 1.29 / 4.4 / 8.7 ms ([1024, 384]: 0.43 / 1.7 /
 # 3.3 vs 0.62 / 2.2 / 4.3), so there is no threshold to switch at.
+# AVX2_INT8: there, under --batch-invariant, the int8 head runs kiln's q8_linear (fp32
+# activations x int8 rows, each output one FMA chain) at every row count and drops the dense
+# copy that this mode used to run at every size. The 49152 x 576 head, one thread of a 2-core
+# EPYC shared with ~16 other busy processes (ms, min of 5, two runs: ratios only), q8 vs the
+# fp32 copy vs PyTorch's int8 kernel: M=1 13-28 vs 54-57 vs 26-44, M=4 41-43 vs 65-74 vs 50-69,
+# M=16 147-157 vs 119-153 vs 238-260. A head sees one row per sequence (at most --max-num-seqs
+# 16): the int8 bytes win 2-4x at one row and the copy's GEMM is at most ~20% faster at 16
+# (the same FMA count), so q8 is the one path. Prefill-sized int8 layers keep their copy.
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -291,6 +299,11 @@ class Int8Linear(_QuantizedLinear):
             self.register_buffer("weight", q.contiguous())
             self.register_buffer("scales", scale.to(KERNEL_DTYPE if self.native else out_dtype))
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
+        # Whether kiln's AVX2 q8_linear can run this layer (no AVX512-BF16); fix_kernel_choice
+        # sets `q8` on the head, which then runs it at every row count (see AVX2_INT8 above).
+        self.q8_ok = (not self.kiln and use_kernels and cpu_kernels.q8_ok(q.device, k)
+                      and self.scales.dtype in (torch.float32, torch.bfloat16))
+        self.q8 = False
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None,
@@ -307,7 +320,9 @@ class Int8Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self._use_dense(x2.shape[0]):
+        if self.q8:
+            y = cpu_kernels.q8_linear(x2.float(), self.weight, self.scales)
+        elif self._use_dense(x2.shape[0]):
             y = self._dense_linear(x2)
         elif self.kiln:
             y = cpu_kernels.w8_linear(x2.to(KERNEL_DTYPE), self.weight, self.scales)
@@ -331,7 +346,7 @@ class Int8Linear(_QuantizedLinear):
 
 
 def _kernel_name(layer: _QuantizedLinear) -> str:
-    if layer.avx2:
+    if layer.avx2 or getattr(layer, "q8", False):
         return "kiln-avx2"
     return "kiln" if layer.kiln else "native" if layer.native else "reference"
 
@@ -468,8 +483,9 @@ class Int4Linear(_QuantizedLinear):
 
 def fix_kernel_choice(model: nn.Module) -> int:
     """--batch-invariant: every quantized linear runs one path whatever a step's row count:
-    its dense copy where it keeps one, else its kernel (int4 on kiln's AVX512 kernels: the
-    int8-activation one, as the AVX2 kernel does at every size). Each of these computes a row
+    an int8 head on an AVX2 CPU kiln's q8_linear (its dense copy dropped), else its dense copy
+    where it keeps one, else its kernel (int4 on kiln's AVX512 kernels: the int8-activation
+    one, as the AVX2 kernel does at every size). Each of these computes a row
     alone, in an order that does not depend on the other rows (the size thresholds above
     switch between paths that round differently: a decode row's logits then depended on how
     many requests were decoding with it). Returns the number of layers fixed."""
@@ -478,6 +494,13 @@ def fix_kernel_choice(model: nn.Module) -> int:
         if isinstance(m, _QuantizedLinear):
             m.fixed = True
             n += 1
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Int8Linear) and head.q8_ok:
+        # The head sees one row per sequence (at most --max-num-seqs), where q8_linear is the
+        # faster fixed choice (AVX2_INT8). Its dense copy (4x the int8 bytes in fp32) would
+        # never run: dropped; an Int8Embedding sharing the weight reads the int8 rows instead.
+        head.q8 = True
+        head.dense = None
     return n
 
 
