@@ -57,7 +57,8 @@ def _run(llm: Any, monkeypatch: pytest.MonkeyPatch, force: list[list[int]] | Non
     rows: list[int] = []
     sample = model_runner.sample_with_drafts
 
-    def recording(sampler: Any, logits: torch.Tensor, reqs: list[Any], drafts: Any) -> Any:
+    def recording(sampler: Any, logits: torch.Tensor, reqs: list[Any], drafts: Any,
+                  draft_probs: Any = None) -> Any:
         rows.append(len(reqs))
         keys = [(index[tuple(r.prompt_token_ids)], len(r.output_token_ids)) for r in reqs]
         for i, key in enumerate(keys):
@@ -66,7 +67,7 @@ def _run(llm: Any, monkeypatch: pytest.MonkeyPatch, force: list[list[int]] | Non
             logits = torch.full_like(logits, -float("inf"))
             for i, (q, s) in enumerate(keys):
                 logits[i, force[q][s]] = 0.0
-        return sample(sampler, logits, reqs, drafts)
+        return sample(sampler, logits, reqs, drafts, draft_probs)
 
     monkeypatch.setattr(model_runner, "sample_with_drafts", recording)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS,
