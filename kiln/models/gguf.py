@@ -90,6 +90,12 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path} is not a valid GGUF file ({e})",
                                  hint="the download may be truncated; fetch it again") from e
 
+    def release_pages(self) -> None:
+        """Gives the map's resident pages back to the kernel (they are clean file pages of a
+        private map: the next touch re-reads them from the file)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mm.madvise(mmap.MADV_DONTNEED)
+
     def _parse(self) -> None:
         mm = self._mm
         if mm[:4] != b"GGUF":
