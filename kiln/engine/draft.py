@@ -245,10 +245,7 @@ class DraftModel:
         q = None
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)
-            sub = [params[i] for i in sampled_rows]
-            temps = torch.tensor([p.temperature for p in sub], device=logits.device)
-            q = torch.softmax(Sampler._apply_top_k_top_p_min_p(
-                logits[idx] / temps.unsqueeze(1), sub), dim=-1)
+            q = Sampler.probs(logits[idx], [params[i] for i in sampled_rows])
             drawn = [torch.multinomial(q[j], 1, generator=sampler._generator_for(targets[i])
                                        if params[i].seed is not None else sampler.generator)
                      for j, i in enumerate(sampled_rows)]

@@ -87,10 +87,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(p.temperature == 0.0 for p in params):
             greedy = torch.tensor([p.temperature == 0.0 for p in params], device=dev)
-            temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
-            scaled = logits / temps.unsqueeze(1)
-            scaled = self._apply_top_k_top_p_min_p(scaled, params)
-            cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)  # [B, V], fp32
+            cdf = self.probs(logits, params).cumsum_(dim=-1)  # [B, V], fp32
             u = torch.rand(B, device=dev, generator=self.generator)
             for i, p in enumerate(params):
                 if p.seed is not None and p.temperature:
@@ -114,6 +111,15 @@ class Sampler:
                 top = tops[i][: p.logprobs] if tops is not None and p.logprobs else []
                 out_logprobs[i] = TokenLogprob(out_tokens[i], chosen_l[i], top)
         return SamplerOutput(out_tokens, out_logprobs)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+        """The distribution each row samples from, [B, V]: its temperature (1 for greedy rows),
+        then top-k / top-p / min-p, then softmax. The sampler, speculative verification and a
+        draft model's proposals all draw from this one definition."""
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        return torch.softmax(Sampler._apply_top_k_top_p_min_p(logits / temps.unsqueeze(1),
+                                                              params), dim=-1)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(reqs)

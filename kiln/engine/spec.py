@@ -267,9 +267,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: 
     accept = has_draft & (target == draft_of)  # greedy: the draft is the argmax
     params = [reqs[i].params for i in row_req]
     if not all(p.temperature == 0.0 for p in params):
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
-        probs = torch.softmax(
-            Sampler._apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), params), dim=-1)
+        probs = Sampler.probs(logits, params)
         u = torch.rand(R, 2, device=dev, generator=sampler.generator)
         for row in [i for i, p in enumerate(params) if p.seed is not None and p.temperature]:
             # a seeded request draws from its own generator (the same seed, the same tokens)
