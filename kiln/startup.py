@@ -25,7 +25,7 @@ from kiln.errors import KilnError, ModelNotFoundError
 from kiln.kinds import AUDIO_FORMATS
 from kiln.messages import english, msg, set_lang
 from kiln.paths import check_cache_dir_writable
-from kiln.resolve import parallel
+from kiln.resolve import parallel, speculative
 
 
 @dataclass
@@ -205,7 +205,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         # The CLI chose the language from --lang / KILN_LANG / the locale before this; only the
         # config file is news here (and LLM(lang=...), which has no CLI entry).
         set_lang(s["lang"])
-    _unpack_speculative_config(s)
+    speculative.unpack_speculative_config(s)
     if sp.preset:
         s.values["runtime_preset"].value = sp.preset
         if s.values["runtime_preset"].source == "default":
@@ -227,7 +227,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
                    source=s.source("device"))
     if s["engine"] == "kiln":
         sp.phase = "model"
-        _resolve_draft_model(s, dirs, offline=bool(early["offline"]), download=download)
+        speculative.resolve_draft_model(s, dirs, offline=bool(early["offline"]),
+                                        download=download)
         sp.phase = "device"
         _check_kiln_engine_supports(s)
         sp.phase = "lora"
@@ -238,56 +239,6 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         if not args.dry_run:
             _install_stages(s)
     return sp
-
-
-# vLLM's --speculative-config keys -> kiln's settings
-_SPEC_CONFIG_KEYS = {"model": "speculative_model", "method": "speculative_method",
-                     "num_speculative_tokens": "num_speculative_tokens",
-                     "prompt_lookup_min": "ngram_prompt_lookup_min",
-                     "prompt_lookup_max": "ngram_prompt_lookup_max"}
-
-
-def _unpack_speculative_config(s: C.ResolvedSettings) -> None:
-    """--speculative-config '{"model": ..., "num_speculative_tokens": K, "method": ...}'
-    (vLLM's form) becomes the settings it names, each with this flag as its provenance."""
-    r = s.values.get("speculative_config")
-    if r is None or r.value is None:
-        return
-    for key, value in r.value.items():
-        name = _SPEC_CONFIG_KEYS.get(key)
-        if name is None:
-            raise C.ConfigError(f"--speculative-config: unknown key {key!r}",
-                                hint="keys: " + ", ".join(_SPEC_CONFIG_KEYS))
-        if key == "method":
-            value = {"draft_model": "draft"}.get(value, value)
-        spec = C.setting(name)
-        try:
-            value = spec.parse(value)
-        except (TypeError, ValueError) as e:
-            raise C.ConfigError(f"--speculative-config: {key} {value!r}: {e}") from None
-        if spec.choices and value not in spec.choices:
-            raise C.ConfigError(f"--speculative-config: method {value!r} is not one of "
-                                f"{', '.join(spec.choices)} (or draft_model)")
-        s.override(name, value, f"--speculative-config {key}", source=r.source)
-
-
-def _resolve_draft_model(s: C.ResolvedSettings, dirs: Any, *, offline: bool,
-                         download: bool) -> None:
-    """--speculative-model on kiln's engine: resolved like MODEL (alias, folder, GGUF, cached
-    id; a missing one is the same error, with the pull command); the setting becomes the path,
-    its reason what it was resolved from."""
-    from kiln.resolve import sources
-
-    r = s.values.get("speculative_model")
-    if r is None or r.value is None:
-        return
-    src = sources.resolve_model(str(r.value), model_dirs=dirs, offline=offline,
-                                download=download)
-    path = str(src.gguf_file or src.path)
-    if path != r.value:
-        s.override("speculative_model", path,
-                   f"{r.value} resolved ({src.origin}); {r.reason}".rstrip("; "),
-                   source=r.source)
 
 
 def _check_lora_adapters(s: C.ResolvedSettings) -> None:
