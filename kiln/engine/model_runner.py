@@ -310,9 +310,8 @@ class ModelRunner:
                 sample_reqs.append(s.request)
                 drafts.append(s.spec_token_ids)
         # A draft model's distributions of the drafts (cut as the scheduler cut the drafts).
-        draft_probs = [s.request.spec_draft_probs[:len(s.spec_token_ids)]
-                       if s.spec_token_ids and s.request.spec_draft_probs is not None else None
-                       for s in itertools.chain(decodes, chunks) if s.sample]
+        draft_probs = [r.spec_draft_probs[:len(d)] if d and r.spec_draft_probs is not None
+                       else None for r, d in zip(sample_reqs, drafts)]
 
         if marks is not None:
             self._sync()
