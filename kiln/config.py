@@ -532,7 +532,8 @@ SETTINGS: list[Setting] = [
     Setting("batch_invariant", parse_bool, True,
             "a greedy request's tokens and logprobs do not depend on the batch it runs in, the "
             "chunking of its prefill or prefix-cache hits: attention per row in one fixed order "
-            "(kiln's AVX2 kernel), one kernel per layer whatever the step's row count, and off: "
+            "(kiln's AVX2 kernel), one kernel per layer whatever the step's row count, decode "
+            "steps as one call per layer of the kernels the eager steps chain, and off: "
             "torch.compile of decode (its fused graphs round differently from the eager steps "
             "that mix decodes with prefill) and cascade attention (another merge order for "
             "shared prefixes)",

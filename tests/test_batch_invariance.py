@@ -66,7 +66,22 @@ def test_batch_invariance_is_on_by_default_and_says_why(llm: Any) -> None:
     if not decided.batch_invariant.value:
         pytest.skip(f"not batch-invariant here: {decided.batch_invariant.reason}")
     assert decided.compiled.value is False and decided.cascade.value is False
-    assert "batch-invariant" in decided.compiled.reason or not llm.config.compile
+    assert ("batch-invariant" in decided.compiled.reason or "layer kernel" in decided.compiled.reason
+            or not llm.config.compile)
+
+
+def test_decode_steps_run_the_invariant_layer_kernel(llm: Any) -> None:
+    """With kiln's AVX2 kernels, SmolLM2's decode-only steps run each layer as one call of the
+    kernels its eager steps chain (cpu_kernels_avx2.cpp decode_layer): the 16-at-once test
+    below then compares those steps with the eager ones that mix decodes and prefill."""
+    from kiln.layers import cpu_kernels
+
+    decided = llm.engine.runner.decisions
+    if not decided.batch_invariant.value or not cpu_kernels.avx2_available():
+        pytest.skip("no AVX2 kernels here")
+    assert decided.decode_path.value == "kernel", decided.decode_path.reason
+    assert "any row count" in decided.decode_path.reason
+    assert "one call of the same kernels" in decided.batch_invariant.reason
 
 
 @pytest.mark.parametrize("changes", [
@@ -84,6 +99,24 @@ def test_sixteen_at_once_equal_each_alone_exactly(llm: Any, alone: list[Any],
     finally:
         if old is not None:
             llm.engine = old
+            # the other engine wrote over blocks this one's prefix cache still maps
+            old.kv.reset_prefix_cache()
     assert [t for t, _ in together] == [t for t, _ in alone]
     assert together == alone  # logprobs too, to the last bit
     assert sum(len(t) > 1 for t, _ in together) >= 12  # real answers, not one EOS each
+
+
+def test_layer_kernel_and_eager_decode_give_the_same_bits(llm: Any, alone: list[Any]) -> None:
+    """Every decode step of the 16 through the eager layers (the layer kernel turned off) gives
+    what the one-call layer kernel gave each request alone: the kernel chains the eager step's
+    own kernels in its order, so a decode row in a step mixed with prefill (eager) and one in a
+    decode-only step (the kernel) cannot differ."""
+    runner = llm.engine.runner
+    if not runner.decode_kernel_rows:
+        pytest.skip("no decode-layer kernel here")
+    rows, runner.decode_kernel_rows = runner.decode_kernel_rows, 0
+    try:
+        eager = _results(llm.chat(MESSAGES, GREEDY))
+    finally:
+        runner.decode_kernel_rows = rows
+    assert eager == alone

@@ -277,3 +277,88 @@ def test_fixed_int8_head_runs_q8_at_every_row_count():
     y = head(x)
     assert torch.equal(y, torch.cat([head(x[i:i + 1]) for i in range(16)]))
     torch.testing.assert_close(y, x @ head.dequantize(torch.float32).t(), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- a decoder layer
+
+
+def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
+    """rms_norm, silu_mul and rope_write (the fp32 kernels of the eager steps) against
+    kiln.layers.norm / F.silu / apply_rotary; every row the same bits alone or among 37."""
+    from kiln.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=g)
+    w = torch.randn(96, generator=g)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = ck.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ck.rms_norm(x[5:6], w, 1e-5), got[5:6])
+
+    gu = torch.randn(37, 2 * 48, generator=g) * 4
+    got = ck.silu_mul(gu)
+    torch.testing.assert_close(got, F.silu(gu[:, :48]) * gu[:, 48:], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ck.silu_mul(gu[7:8]), got[7:8])
+
+    t, hq, hk, d, s = 5, 4, 2, 32, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    cos, sin = torch.randn(t, 1, d, generator=g), torch.randn(t, 1, d, generator=g)
+    k, v = torch.zeros(s, hk, d), torch.zeros(s, hk, d)
+    slots = torch.tensor([3, 9, 0, 15, 4])
+    q = ck.rope_write(qkv, cos, sin, k, v, slots, hq)
+    parts = qkv.view(t, hq + 2 * hk, d)
+    torch.testing.assert_close(q, apply_rotary(parts[:, :hq], cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k[slots], apply_rotary(parts[:, hq:hq + hk], cos, sin),
+                               rtol=1e-6, atol=1e-6)
+    assert torch.equal(v[slots], parts[:, hq + hk:])
+    untouched = torch.ones(s, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k[untouched].any() and not v[untouched].any()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ck.rope_write(qkv, cos, sin, k, v, torch.tensor([3, 9, 0, 16, 4]), hq)
+
+
+def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit():
+    """decode_layer_avx2 (one call per layer for a decode step) against the same kernels called
+    one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
+    are the same bits (the batch-invariance argument for decode steps vs mixed steps). The down
+    projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher), the o
+    projection has a bias."""
+    from kiln.layers import kquant
+
+    if not kquant.available():
+        pytest.skip("no GGUF-block kernels here")
+    g = torch.Generator().manual_seed(1)
+    b, h, hq, hk, d, inter, s, ctx = 3, 128, 4, 2, 32, 96, 64, 20
+    qkv_n = (hq + 2 * hk) * d
+    w_qkv = ck.pack_q4(*(lambda gq: (gq.q, gq.scale, gq.min))(_groups(qkv_n, h, 2)))
+    w_o = ck.pack_q4(*(lambda gq: (gq.q, gq.scale, gq.min))(_groups(h, hq * d, 3)))
+    w_gu = ck.pack_q4(*(lambda gq: (gq.q, gq.scale, gq.min))(_groups(2 * inter, h, 4)))
+    down = kquant._random_blocks(h, inter, "Q8_0", g)
+    w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
+    b_o = torch.randn(h, generator=g) * 0.1
+    x = torch.randn(b, h, generator=g)
+    ln1, ln2 = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
+    cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
+    k0, v0 = torch.randn(s, hk, d, generator=g), torch.randn(s, hk, d, generator=g)
+    gather = torch.stack([torch.randperm(s, generator=g)[:ctx] for _ in range(b)])
+    lens = torch.tensor([ctx, 7, 13])
+    slots = gather[torch.arange(b), lens - 1]  # each row's new token is its last context slot
+    scale, eps = d ** -0.5, 1e-5
+
+    k, v = k0.clone(), v0.clone()
+    hidden = ck.rms_norm(x, ln1, eps)
+    q = ck.rope_write(ck.q4_linear(hidden, w_qkv, qkv_n), cos, sin, k, v, slots, hq)
+    att = ck.attend_rows(q, k, v, gather, torch.arange(b), lens, scale)
+    x1 = x + (ck.q4_linear(att.view(b, -1), w_o, h) + b_o)
+    gu = ck.q4_linear(ck.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
+    want = x1 + kquant.kq_linear(ck.silu_mul(gu), [w_down], [down.type_id], [h])
+
+    k2, v2 = k0.clone(), v0.clone()
+    got = ck.decode_layer_avx2(
+        x, cos, sin, ln1, ln2, eps, [w_qkv, w_o, w_gu, w_down],
+        [ck.Q4_KIND, ck.Q4_KIND, ck.Q4_KIND, down.type_id], [qkv_n, h, 2 * inter, h],
+        [1, 1, 1, 1], [None, b_o, None, None], k2, v2, slots, gather, lens, hq, scale)
+    assert torch.equal(got, want)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert not torch.equal(k, k0)  # the step's keys were written

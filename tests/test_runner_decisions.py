@@ -67,8 +67,9 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
 
     r = runner(tiny)
     monkeypatch.setattr(llama.LlamaDecoderLayer, "decode_kernel_rows", lambda self: 64)
+    # (the AVX512 layer kernel's case: its pool is not the batch-invariant kernel's)
     cfg = EngineConfig(model=tiny, dtype="float32", max_num_seqs=max_num_seqs,
-                       compile=compile_)
+                       compile=compile_, batch_invariant=False)
     d = decide(cfg, r.model, r.device, choose_kv_cache_dtype(cfg, r.device))
     assert d.decode_path.value == path and d.decode_kernel_rows == 64
     assert "up to 64 rows run kiln's one-call decode-layer kernel" in d.decode_path.reason

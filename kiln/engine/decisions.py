@@ -112,8 +112,8 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
 def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
                         device: torch.device) -> tuple[int, str]:
     """Up to how many rows every decoder layer can run a decode step as one kernel call (kiln's
-    CPU kernels, int4/int8 layers, a bf16 pool; see decode_kernel_rows in models/llama.py), and
-    why not when 0."""
+    CPU kernels: AVX512 with int4/int8 layers and a bf16 pool, or AVX2 under --batch-invariant
+    with an fp32 pool; see decode_kernel_rows in models/llama.py), and why not when 0."""
     if device.type != "cpu":
         return 0, "kiln's decode-layer kernel is CPU-only"
     if not config.cpu_kernels:
@@ -125,9 +125,14 @@ def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
     if rows:
         return rows, ""
     if config.quantization in (None, "none"):
-        return 0, "the layer kernel runs int4/int8 layers only, and nothing is quantized"
+        return 0, "the layer kernels run quantized layers only, and nothing is quantized"
+    if config.dtype == "float32":
+        return 0, ("the fp32 layer kernel (AVX2) runs under --batch-invariant, for Llama-form "
+                   "layers (no q/k norms, no sliding window, full RoPE) whose linears are int4 "
+                   "or GGUF blocks")
     if config.dtype != "bfloat16":
-        return 0, f"the layer kernel runs bf16 only, the model runs {config.dtype}"
+        return 0, (f"the layer kernels run bf16 (AVX512) or fp32 (AVX2), the model runs "
+                   f"{config.dtype}")
     return 0, ("a layer cannot run it (q/k norms, biases, or a KV pool kiln's kernels do not "
                "read: they need AVX512-BF16 and a 16-bit pool in the compute dtype)")
 
@@ -151,7 +156,11 @@ def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, bucket
               + ("; cascade variants for shared prefixes)" if device.type == "cpu" and cascade
                  else ")"))
     if kernel_rows:
-        kernel = f"decode steps of up to {kernel_rows} rows run kiln's one-call decode-layer kernel"
+        from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
+
+        kernel = (f"decode steps of up to {kernel_rows} rows run kiln's one-call decode-layer "
+                  "kernel" if kernel_rows < DECODE_KERNEL_ANY_ROWS else
+                  "decode steps of any row count run kiln's one-call decode-layer kernel")
         if kernel_rows >= config.max_num_seqs:
             return Decision("kernel", f"{kernel} (every batch: --max-num-seqs "
                                       f"{config.max_num_seqs})")
@@ -179,12 +188,14 @@ def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
         return Decision(False, "asked, but the batch-invariant attention kernel does not run "
                                "here (it needs kiln's AVX2 kernels, --cpu-kernels, an fp32/bf16 "
                                "KV pool in the model dtype)")
-    if kernel_rows:
-        return Decision(False, "asked, but decode steps of up to "
-                               f"{kernel_rows} rows run the AVX512 one-call layer kernel")
+    # (every layer attending through attend_rows rules out the AVX512 kernels: their layer
+    # kernel reads a pool only they attend over)
+    layer_kernel = ("decode steps run each layer as one call of the same kernels"
+                    if kernel_rows else "decode steps run the eager layers (no AVX2 layer kernel "
+                                        "for this model's layers)")
     return Decision(True, "attention row by row in one fixed order (kiln's AVX2 kernel), one "
-                          "kernel per quantized layer at every row count; decode not compiled, "
-                          "no cascade attention")
+                          "kernel per quantized layer at every row count; "
+                          f"{layer_kernel}; decode not compiled, no cascade attention")
 
 
 def _windowed_or_capped(model: torch.nn.Module) -> str:
@@ -218,13 +229,19 @@ def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
         return Decision(False, "--compile is off")
     if moe:
         return Decision(False, moe)
+    if kernel_rows and not buckets:
+        from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
+
+        rows = (f"up to {kernel_rows} rows" if kernel_rows < DECODE_KERNEL_ANY_ROWS
+                else "any row count")
+        return Decision(False, f"decode steps of {rows} run kiln's layer kernel: nothing to "
+                               "compile")
     if invariant:
         return Decision(False, "--batch-invariant: inductor's fused decode graphs round "
                                "differently from the eager steps that mix decodes with prefill "
                                "chunks (and from one batch bucket to another)")
     if not buckets:
-        return Decision(False, f"decode steps of up to {kernel_rows} rows run kiln's layer "
-                               "kernel: nothing to compile")
+        return Decision(False, "no batch bucket to compile")
     variants = " and their cascade variants" if device.type == "cpu" and cascade else ""
     return Decision(True, f"the decode layer for batch buckets {buckets}{variants}, compiled "
                           "at startup; prefill and mixed steps run eager")

@@ -270,7 +270,8 @@ class Attention(nn.Module):
         if self.v_in_k and k is not None:
             v = k[..., :self.v_head_dim]
         if k is None or v is None:
-            assert kv.kernel, "k/v already written: only the kernels' paths read the pool alone"
+            assert kv.kernel or kv.invariant, \
+                "k/v already written: only the kernels' paths read the pool alone"
         else:
             kv.write(meta.slot_mapping, k, v)
         if kv.invariant:
@@ -424,9 +425,10 @@ class Attention(nn.Module):
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates q and k of a fused qkv [T, (Hq + 2 Hk) * D] and writes k and v to the pool in
         one kernel pass (cpu_kernels.rope_write); returns q [T, Hq, D] for forward(q, None,
-        None). Only for a kernel-read pool (`kv.kernel`)."""
+        None). Only for a kernel-read pool (`kv.kernel`: bf16, AVX512; `kv.invariant`: fp32,
+        AVX2)."""
         kv = self.kv
-        assert kv is not None and kv.kernel
+        assert kv is not None and (kv.kernel or kv.invariant)
         return cpu_kernels.rope_write(qkv, cos, sin, kv.k, kv.v, get_context().slot_mapping,
                                       self.num_heads)
 

@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -185,33 +186,69 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: tor
                                            slot_mapping, gather, mask, shared, num_heads, scale)
 
 
+def _elementwise_ops(dtype: torch.dtype) -> Any:
+    """The library whose rms_norm / silu_mul / rope_write take `dtype`: the AVX512 kernels
+    (cpu_kernels.cpp) bf16, the AVX2 ones (cpu_kernels_avx2.cpp) fp32."""
+    return torch.ops.kiln_cpu if dtype == torch.bfloat16 else torch.ops.kiln_avx2
+
+
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """A step's RoPE and K/V write in one pass: qkv [T, (Hq + 2 Hk) * D] bf16, cos and signed
-    sin [T, 1, D] bf16 (RotaryEmbedding.lookup); k and v rotated/stored at `slots` [T] of the
-    bf16 pools [S, Hk, D]. Returns the rotated q [T, Hq, D]."""
-    return torch.ops.kiln_cpu.rope_write(qkv, cos, sin, k, v, slots, num_heads)
+    """A step's RoPE and K/V write in one pass: qkv [T, (Hq + 2 Hk) * D] bf16 (AVX512) or fp32
+    (AVX2), cos and signed sin [T, 1, D] in its dtype (RotaryEmbedding.lookup); k and v
+    rotated/stored at `slots` [T] of the pools [S, Hk, D] (same dtype). Returns the rotated q
+    [T, Hq, D]."""
+    return _elementwise_ops(qkv.dtype).rope_write(qkv, cos, sin, k, v, slots, num_heads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [M, H] bf16 with weight [H] bf16 in one pass (kiln.layers.norm's math)."""
-    return torch.ops.kiln_cpu.rms_norm(x, weight, eps)
+    """RMSNorm of x [M, H] bf16 (AVX512) or fp32 (AVX2) with weight [H] of x's dtype in one
+    pass (kiln.layers.norm's math)."""
+    return _elementwise_ops(x.dtype).rms_norm(x, weight, eps)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u for gu = [g u], [M, 2 I] bf16 -> [M, I] bf16, in one pass."""
-    return torch.ops.kiln_cpu.silu_mul(gu)
+    """silu(g) * u for gu = [g u], [M, 2 I] bf16 (AVX512) or fp32 (AVX2) -> [M, I], in one
+    pass."""
+    return _elementwise_ops(gu.dtype).silu_mul(gu)
 
 
-def use_elementwise_kernels(model: torch.nn.Module) -> None:
-    """Lets the modules of a bf16 CPU model that have an `elementwise_kernel` flag (RMSNorm,
+def elementwise_kernels_ok(dtype: torch.dtype) -> bool:
+    """Whether rms_norm / silu_mul / rope_write run for a model computing in `dtype` here."""
+    if dtype == torch.bfloat16:
+        return available()
+    return dtype == torch.float32 and avx2_available()
+
+
+def use_elementwise_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Lets the modules of a CPU model that have an `elementwise_kernel` flag (RMSNorm,
     LlamaMLP, LlamaAttention) run rms_norm / silu_mul / rope_write in their eager steps, where
-    the kernels run here."""
-    if not available():
+    the kernels for the model's dtype run here."""
+    if not elementwise_kernels_ok(dtype):
         return
     for m in model.modules():
         if getattr(m, "elementwise_kernel", None) is False:
             m.elementwise_kernel = True
+
+
+def decode_layer_avx2(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ln1: torch.Tensor, ln2: torch.Tensor, eps: float,
+                      weights: list[torch.Tensor], kinds: list[int], rows: list[int],
+                      counts: list[int], biases: list[torch.Tensor | None], k: torch.Tensor,
+                      v: torch.Tensor, slots: torch.Tensor, gather: torch.Tensor,
+                      lens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """One Llama decoder layer of a decode step in one call (cpu_kernels_avx2.cpp
+    decode_layer): x [B, H] fp32 -> [B, H], the step's K/V written to the fp32 pools k/v at
+    `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
+    kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
+    `biases` per linear or None. gather [B, L] / lens [B]: attend_rows' table and lengths.
+    The same kernels in the same order as the layer's eager forward: the same bits."""
+    return torch.ops.kiln_avx2.decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
+                                            counts, biases, k, v, slots, gather, lens,
+                                            num_heads, scale)
+
+
+Q4_KIND = -1  # decode_layer_avx2's kind of a pack_q4 weight
 
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
@@ -526,6 +563,23 @@ def _register_avx2_fakes() -> None:
     @torch.library.register_fake("kiln_avx2::attend_rows")
     def _(q, k, v, table, row_of, lens, scale):
         return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
+
+    @torch.library.register_fake("kiln_avx2::rms_norm")
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kiln_avx2::silu_mul")
+    def _(gu):
+        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
+
+    @torch.library.register_fake("kiln_avx2::rope_write")
+    def _(qkv, cos, sin, k, v, slots, num_heads):
+        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[-1]))
+
+    @torch.library.register_fake("kiln_avx2::decode_layer")
+    def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
+          gather, lens, num_heads, scale):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("kiln_avx2::q8_linear")
     def _(x, w, scale):

@@ -34,6 +34,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -947,6 +948,197 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
 #endif
 }
 
+
+// ---------------------------------------------------------------- the rest of a decoder layer
+// fp32 row kernels for RMSNorm, RoPE with the K/V write, and SiLU x up, and decode_layer, a
+// Llama decoder layer of a decode step in one call. An eager step (a prefill chunk, or decodes
+// mixed with one) calls the kernels one by one from kiln/models/llama.py; decode_layer calls
+// the very same functions (and q4_linear, attend_rows, kiln_kquant::kq_linear) in the same
+// order, so a decode row gets the same bits either way (--batch-invariant), while a decode
+// step pays one dispatch per layer instead of ~30 PyTorch ops (decode b1 is dispatch-bound:
+// each op costs more than the arithmetic of one row). Each row's numbers come from its own
+// row alone, in an order fixed by the row: none of these kernels mixes rows.
+
+// Below this many elements in all a kernel runs on the calling thread (a parallel region's
+// start and barrier cost more than a decode step's few rows).
+constexpr int64_t kRowsParallel = 1 << 15;
+
+#if KILN_HAVE_AVX2
+// y = w * (x * 1/sqrt(mean(x^2) + eps)), kiln/layers/norm.py's fp32 math: the sum of squares
+// in 8 lanes by column mod 8 from 0, then hsum8's fixed tree.
+void rms_row(const float* x, const float* w, float eps, int64_t H, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < H; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const float mean = hsum8(acc) / static_cast<float>(H);
+  const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(mean + eps));
+  for (int64_t c = 0; c < H; c += 8)
+    _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_loadu_ps(w + c),
+                                          _mm256_mul_ps(_mm256_loadu_ps(x + c), inv)));
+}
+
+// One head of D values rotated: y = x * cos + cat(x2, x1) * sin_signed (RotaryEmbedding's
+// signed sin: HF's rotate_half folded in).
+inline void rope_head(const float* x, const float* cs, const float* sn, int64_t D, float* y) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+    _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(cs + i)),
+                                          _mm256_mul_ps(b, _mm256_loadu_ps(sn + i))));
+    _mm256_storeu_ps(y + half + i,
+                     _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cs + half + i)),
+                                   _mm256_mul_ps(a, _mm256_loadu_ps(sn + half + i))));
+  }
+}
+#endif
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  w.numel() == x.size(1) && x.size(1) % 8 == 0,
+              "rms_norm: x fp32 [M, H] with H a multiple of 8, weight fp32 [H]");
+  const auto xc = x.contiguous(), wc = w.contiguous();
+  auto y = at::empty_like(xc);
+#if KILN_HAVE_AVX2
+  const int64_t M = xc.size(0), H = xc.size(1);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+#pragma omp parallel for num_threads(threads()) if (M * H >= kRowsParallel) schedule(static)
+  for (int64_t r = 0; r < M; ++r) rms_row(xp + r * H, wp, e, H, yp + r * H);
+#else
+  TORCH_CHECK(false, "rms_norm: built without AVX2/FMA/F16C");
+#endif
+  return y;
+}
+
+// silu(g) * u for gu = [g u] fp32 [M, 2I] -> [M, I] (the MoE kernel's silu_mul, exp_vec).
+at::Tensor silu_mul_rows(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.size(1) % 16 == 0,
+              "silu_mul: gu must be fp32 [M, 2I] with I a multiple of 8");
+  const auto gc = gu.contiguous();
+  const int64_t M = gc.size(0), I = gc.size(1) / 2;
+  auto y = at::empty({M, I}, gc.options());
+#if KILN_HAVE_AVX2
+  const float* gp = gc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for num_threads(threads()) if (M * I >= kRowsParallel) schedule(static)
+  for (int64_t r = 0; r < M; ++r) {
+    const float* g = gp + r * 2 * I;
+    for (int64_t c = 0; c < I; c += 8)
+      _mm256_storeu_ps(yp + r * I + c,
+                       silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(g + I + c)));
+  }
+#else
+  TORCH_CHECK(false, "silu_mul: built without AVX2/FMA/F16C");
+#endif
+  return y;
+}
+
+// A step's RoPE and K/V write in one pass: qkv fp32 [T, (Hq + 2 Hk) D], cos and signed sin
+// [T, 1, D] (RotaryEmbedding.lookup); k rotated and v stored at slots [T] of the fp32 pools
+// k, v [S, Hk, D]. Returns the rotated q [T, Hq, D].
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor k, at::Tensor v, const at::Tensor& slots, int64_t num_heads) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k.sizes() == v.sizes(),
+              "rope_write: pools must be contiguous fp32 [S, Hk, D], K and V alike");
+  const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), Hq = num_heads;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat &&
+                  qkv.size(1) == (Hq + 2 * Hk) * D && D % 16 == 0,
+              "rope_write: qkv must be fp32 [T, (Hq + 2 Hk) * D], D a multiple of 16");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
+                  slots.scalar_type() == at::kLong,
+              "rope_write: cos/sin fp32 [T, 1, D], slots int64 [T]");
+  const auto xc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const auto sl = slots.contiguous();
+  auto q = at::empty({T, Hq, D}, qkv.options());
+#if KILN_HAVE_AVX2
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "rope_write: slot ", sp[t], " outside the pool");
+  const float* xp = xc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* snp = sc.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t W = (Hq + 2 * Hk) * D;
+#pragma omp parallel for num_threads(threads()) if (T * W >= kRowsParallel) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = xp + t * W;
+    const float* cs = cp + t * D;
+    const float* sn = snp + t * D;
+    for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, cs, sn, D, qp + (t * Hq + h) * D);
+    float* kd = kp + sp[t] * Hk * D;
+    for (int64_t h = 0; h < Hk; ++h) rope_head(row + (Hq + h) * D, cs, sn, D, kd + h * D);
+    std::memcpy(vp + sp[t] * Hk * D, row + (Hq + Hk) * D, Hk * D * sizeof(float));
+  }
+#else
+  TORCH_CHECK(false, "rope_write: built without AVX2/FMA/F16C");
+#endif
+  return q;
+}
+
+// A linear of the layer as its module runs it: kiln's q4 tiles (kind -1, one part) or GGUF
+// blocks through kiln_kquant::kq_linear (kinds = GGML type ids), then the bias added.
+constexpr int64_t kKindQ4 = -1;
+
+at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
+                        at::IntArrayRef rows, const std::optional<at::Tensor>& bias) {
+  at::Tensor y;
+  if (kinds.size() == 1 && kinds[0] == kKindQ4) {
+    y = q4_linear(x, parts[0], rows[0]);
+  } else {
+    // the GGUF-block kernels are another library (kquant_avx2.cpp): called through the
+    // dispatcher, the same function kiln/layers/kquant.py's module calls
+    static const auto op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("kiln_kquant::kq_linear", "")
+        .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef)>();
+    y = op.call(x, parts, kinds, rows);
+  }
+  return bias.has_value() ? y + *bias : y;
+}
+
+// One Llama decoder layer of a decode step (one token per row):
+//   x [B, H] fp32 -> x + attn + mlp, the step's K/V written at slots [B]
+//   weights, kinds, rows: the four linears' parts (qkv, o, gate_up, down) in order, `counts`
+//                         parts each; biases: the four biases (None: no bias)
+//   gather [B, L], lens [B]: each row's context slots and length (attend_rows' table)
+// The ops and their order are LlamaDecoderLayer.forward's with its kernels (see above).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef rows,
+                        at::IntArrayRef counts, const c10::List<std::optional<at::Tensor>>& biases,
+                        at::Tensor k, at::Tensor v, const at::Tensor& slots,
+                        const at::Tensor& gather, const at::Tensor& lens, int64_t num_heads,
+                        double scale) {
+  TORCH_CHECK(counts.size() == 4 && biases.size() == 4,
+              "decode_layer: four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(weights.size() == kinds.size() && kinds.size() == rows.size(),
+              "decode_layer: one kind and row count per weight part");
+  int64_t off[5] = {0};
+  for (int i = 0; i < 4; ++i) off[i + 1] = off[i] + counts[i];
+  TORCH_CHECK(off[4] == static_cast<int64_t>(weights.size()),
+              "decode_layer: counts must add up to the weight parts");
+  auto lin = [&](int i, const at::Tensor& h) {
+    const int64_t a = off[i], n = counts[i];
+    return layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
+                        biases.get(i));
+  };
+  const int64_t B = x.size(0);
+  const auto q = rope_write(lin(0, rms_norm(x, ln1, eps)), cos, sin, k, v, slots, num_heads);
+  const auto ctx = attend_rows(q, k, v, gather, at::arange(B, lens.options().dtype(at::kLong)),
+                               lens, scale);
+  const auto x1 = x + lin(1, ctx.view({B, -1}));
+  return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_avx2, m) {
@@ -959,7 +1151,19 @@ TORCH_LIBRARY(kiln_avx2, m) {
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor pieces, Tensor ranks, "
         "Tensor seg, Tensor local) -> ()");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor slots, "
+        "int num_heads) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps, "
+        "Tensor[] weights, int[] kinds, int[] rows, int[] counts, Tensor?[] biases, Tensor(a!) k, "
+        "Tensor(b!) v, Tensor slots, Tensor gather, Tensor lens, int num_heads, float scale) "
+        "-> Tensor");
   m.impl("supported", &supported);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul_rows);
+  m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);
+  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
   m.impl("lora_add", c10::DispatchKey::CPU, &lora_add);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);

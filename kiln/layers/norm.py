@@ -20,8 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.weight_in_float = weight_in_float or offset
-        # Eager bf16 CPU steps run kiln's one-pass kernel (cpu_kernels.use_elementwise_kernels);
-        # under torch.compile inductor fuses the ops below itself. Llama's form only.
+        # Eager bf16 (AVX512) and fp32 (AVX2) CPU steps run kiln's one-pass kernel
+        # (cpu_kernels.use_elementwise_kernels); under torch.compile inductor fuses the ops
+        # below itself. Llama's form only.
         self.elementwise_kernel = False if not self.weight_in_float else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

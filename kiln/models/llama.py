@@ -45,6 +45,9 @@ PACKED = {
 LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Decode steps of up to this many rows may run a layer as one kernel call (decode_kernel_rows).
 DECODE_KERNEL_MAX_ROWS = 64
+# The AVX2 layer kernel (--batch-invariant) computes each row as the eager step does, at any
+# row count: it runs every decode-only step.
+DECODE_KERNEL_ANY_ROWS = 1 << 30
 
 
 _NO_SCALE = torch.empty(0)  # decode_layer's scale for a w4 weight
@@ -90,9 +93,11 @@ class LlamaAttention(nn.Module):
         """cos, sin: [T, 1, rotary_dim] from `RotaryEmbedding.lookup` (sin signed)."""
         qkv = self.qkv_proj(x)
         kv = self.attn.kv
-        if (self.elementwise_kernel and not self.qk_norm and kv is not None and kv.kernel
-                and self.rotary_dim == self.head_dim
-                and qkv.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
+        if (self.elementwise_kernel and not self.qk_norm and kv is not None
+                and self.rotary_dim == self.head_dim and self.head_dim % 16 == 0
+                and ((kv.kernel and qkv.dtype == torch.bfloat16)
+                     or (kv.invariant and qkv.dtype == kv.k.dtype == torch.float32))
+                and not torch.compiler.is_compiling()):
             return self.o_proj(self.attn(self.attn.rope_write(qkv, cos, sin), None, None))
         t = qkv.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -133,8 +138,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if (self.elementwise_kernel and gu.dtype == torch.bfloat16 and gu.shape[1] % 32 == 0
-                and not torch.compiler.is_compiling()):
+        if (self.elementwise_kernel and gu.dtype in (torch.bfloat16, torch.float32)
+                and gu.shape[1] % 32 == 0 and not torch.compiler.is_compiling()):
             return self.down_proj(cpu_kernels.silu_mul(gu))
         i = self.intermediate_size
         return self.down_proj(self.act(gu[:, :i]) * gu[:, i:])
@@ -151,6 +156,8 @@ class LlamaDecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
         # (weights, w8 scales) for forward_decode_kernel, gathered on its first call.
         self._kernel_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # decode_layer_avx2's arguments (see _avx2_layer_args; () when it cannot run)
+        self._avx2_args: tuple | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = self.residual_multiplier
@@ -163,17 +170,21 @@ class LlamaDecoderLayer(nn.Module):
     def decode_kernel_rows(self) -> int:
         """Up to how many rows a decode step may run this layer as one call of kiln's CPU
         kernel (`forward_decode_kernel`); 0 where it cannot: q/k norms, biases, a linear not
-        in kiln's int4/int8 layouts, a pool the attention kernels do not read. Above a
-        linear's dense-copy threshold its dense GEMM is faster, so the kernel stops there."""
+        in kiln's int4/int8 layouts, a pool the attention kernels do not read. AVX512 (bf16):
+        above a linear's dense-copy threshold its dense GEMM is faster, so the kernel stops
+        there. AVX2 (fp32, --batch-invariant: the pool read by attend_rows): any row count,
+        where `_avx2_layer_args` finds the eager step's own kernels."""
         attn, mlp = self.self_attn, self.mlp
         kv = attn.attn.kv
-        if attn.qk_norm or kv is None or not kv.kernel or not isinstance(mlp, LlamaMLP):
+        if attn.qk_norm or kv is None or not isinstance(mlp, LlamaMLP):
             return 0
         # The kernel's layer is Llama's: full RoPE, SiLU, plain residual adds.
         if (attn.rotary_dim != attn.head_dim or mlp.act is not F.silu
                 or self.residual_multiplier != 1.0):
             return 0
-        if self.input_layernorm.weight.dtype != torch.bfloat16:
+        if kv.invariant:
+            return DECODE_KERNEL_ANY_ROWS if self._avx2_layer_args() is not None else 0
+        if not kv.kernel or self.input_layernorm.weight.dtype != torch.bfloat16:
             return 0
         rows = DECODE_KERNEL_MAX_ROWS
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -186,11 +197,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward_decode_kernel(self, cos: torch.Tensor, sin: torch.Tensor,
                               x: torch.Tensor) -> torch.Tensor:
         """`forward` for a decode step (one token per row), as one kernel call: the same math,
-        without the ~15 separate ops and their dispatch (see decode_layer in cpu_kernels.cpp)."""
+        without the ~15 separate ops and their dispatch (see decode_layer in cpu_kernels.cpp,
+        and in cpu_kernels_avx2.cpp for the batch-invariant fp32 one)."""
         meta = get_context()
         attn = self.self_attn
         kv = attn.attn.kv
-        assert kv is not None and meta.decode_gather is not None and meta.decode_mask is not None
+        assert kv is not None and meta.decode_gather is not None
+        if kv.invariant:
+            args = self._avx2_layer_args()
+            assert args is not None and meta.decode_lens is not None
+            return cpu_kernels.decode_layer_avx2(
+                x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
+                meta.decode_gather, meta.decode_lens, attn.num_heads, attn.attn.scale)
+        assert meta.decode_mask is not None
         if self._kernel_weights is None:
             # Int4Linear holds `packed`; Int8Linear its w8 `weight` and row `scales`.
             pairs = [(lin.packed, _NO_SCALE) if hasattr(lin, "packed") else (lin.weight, lin.scales)
@@ -203,6 +223,43 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.eps, weights, scales, kv.k, kv.v, meta.slot_mapping,
             meta.decode_gather, meta.decode_mask.view(x.shape[0], -1), meta.decode_shared,
             attn.num_heads, attn.attn.scale)
+
+
+    def _avx2_layer_args(self) -> tuple | None:
+        """decode_layer_avx2's (weights, kinds, rows, counts, biases) for this layer, or None
+        where its eager fp32 forward does not run exactly the kernels decode_layer_avx2 chains
+        (rms_norm, a q4 / GGUF-block linear + bias, rope_write, attend_rows, silu_mul): the two
+        must compute a decode row the same way, bit for bit (--batch-invariant)."""
+        if self._avx2_args is not None:
+            return self._avx2_args or None
+        from kiln.layers.kquant import KQuantLinear
+        from kiln.layers.quant import Int4Linear
+
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        hidden = self.input_layernorm.weight.shape[0]
+        ok = (attn.elementwise_kernel and mlp.elementwise_kernel
+              and all(n.elementwise_kernel and n.weight.dtype == torch.float32 for n in norms)
+              and hidden % 16 == 0 and attn.head_dim % 16 == 0
+              and mlp.intermediate_size % 16 == 0
+              and attn.attn.sliding_window is None and attn.attn.kv is not None
+              and attn.attn.kv.k.dtype == torch.float32)
+        parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if isinstance(lin, Int4Linear) and lin.avx2 and lin.dense is None:
+                parts.append(([lin.packed], [cpu_kernels.Q4_KIND], [lin.out_features]))
+            elif isinstance(lin, KQuantLinear) and lin.kernel:
+                parts.append((lin._parts(), list(lin.types), list(lin.rows)))
+            else:
+                ok = False
+        if not ok:
+            self._avx2_args = ()
+            return None
+        self._avx2_args = ([w for p in parts for w in p[0]], [k for p in parts for k in p[1]],
+                           [r for p in parts for r in p[2]], [len(p[0]) for p in parts],
+                           [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                 mlp.down_proj)])
+        return self._avx2_args
 
 
 class LlamaModel(nn.Module):

@@ -371,10 +371,10 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
         from kiln.layers.linear import pack_linears
 
         pack_linears(model)  # bf16 layers left dense: ~2x faster GEMMs at 4-16 rows
-        if cpu_kernels and dtype == torch.bfloat16:
+        if cpu_kernels:
             from kiln.layers import cpu_kernels as kernels
 
-            kernels.use_elementwise_kernels(model)
+            kernels.use_elementwise_kernels(model, dtype)
     model.eval()
     return model
 
