@@ -318,12 +318,14 @@ def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
         ck.rope_write(qkv, cos, sin, k, v, torch.tensor([3, 9, 0, 16, 4]), hq)
 
 
-def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit():
-    """decode_layer_avx2 (one call per layer for a decode step) against the same kernels called
+@pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "decode+chunk"])
+def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
+    """decode_layer_avx2 (one call per layer for a whole step) against the same kernels called
     one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
-    are the same bits (the batch-invariance argument for decode steps vs mixed steps). The down
+    are the same bits (the batch-invariance argument for kernel steps vs eager steps). The down
     projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher), the o
-    projection has a bias."""
+    projection has a bias. `chunk`: rows 1 and 2 are two tokens of one prefill chunk (one
+    table row, consecutive positions: row 2 attends to the key row 1 writes in this call)."""
     from kiln.layers import kquant
 
     if not kquant.available():
@@ -342,14 +344,15 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit():
     cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
     k0, v0 = torch.randn(s, hk, d, generator=g), torch.randn(s, hk, d, generator=g)
     gather = torch.stack([torch.randperm(s, generator=g)[:ctx] for _ in range(b)])
-    lens = torch.tensor([ctx, 7, 13])
-    slots = gather[torch.arange(b), lens - 1]  # each row's new token is its last context slot
+    row_of = torch.tensor([0, 1, 1]) if chunk else torch.arange(b)
+    lens = torch.tensor([ctx, 7, 8] if chunk else [ctx, 7, 13])
+    slots = gather[row_of, lens - 1]  # each row's new token is its last context slot
     scale, eps = d ** -0.5, 1e-5
 
     k, v = k0.clone(), v0.clone()
     hidden = ck.rms_norm(x, ln1, eps)
     q = ck.rope_write(ck.q4_linear(hidden, w_qkv, qkv_n), cos, sin, k, v, slots, hq)
-    att = ck.attend_rows(q, k, v, gather, torch.arange(b), lens, scale)
+    att = ck.attend_rows(q, k, v, gather, row_of, lens, scale)
     x1 = x + (ck.q4_linear(att.view(b, -1), w_o, h) + b_o)
     gu = ck.q4_linear(ck.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
     want = x1 + kquant.kq_linear(ck.silu_mul(gu), [w_down], [down.type_id], [h])
@@ -358,7 +361,7 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit():
     got = ck.decode_layer_avx2(
         x, cos, sin, ln1, ln2, eps, [w_qkv, w_o, w_gu, w_down],
         [ck.Q4_KIND, ck.Q4_KIND, ck.Q4_KIND, down.type_id], [qkv_n, h, 2 * inter, h],
-        [1, 1, 1, 1], [None, b_o, None, None], k2, v2, slots, gather, lens, hq, scale)
+        [1, 1, 1, 1], [None, b_o, None, None], k2, v2, slots, gather, row_of, lens, hq, scale)
     assert torch.equal(got, want)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert not torch.equal(k, k0)  # the step's keys were written

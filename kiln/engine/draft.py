@@ -6,6 +6,9 @@ tokenizer proposes K tokens per running row; the target verifies them in one for
                        and its own KVCacheManager over that pool (no prefix cache)
     shadow requests    one `Request` per drafting row, holding the draft's block table and how
                        far its KV reaches; its tokens are the target's, then the drafts
+    prefix cache       the draft's own (a new row takes the blocks of a prompt it has seen);
+                       blocks are published right after catch-up, when they hold target tokens
+                       only
     propose            1) catch up: the shadow's KV is kept for the longest prefix it shares
                        with the target's tokens (accepted drafts stay, rejected ones are trimmed
                        away, KVCacheManager.trim); the tokens after it (usually 1-2: the last
@@ -115,8 +118,11 @@ class DraftModel:
         self.runner = runner
         self.sampler = sampler
         self.max_model_len = runner.max_model_len
+        # A prefix cache of its own, as the target has: a prompt the target finds cached (a
+        # chat's earlier turns, a shared system prompt) is not prefilled again by the draft
+        # either. Only blocks of target tokens are published (after catch-up), never drafts.
         self.kv = KVCacheManager(runner.plan.num_blocks, runner.block_size,
-                                 enable_prefix_caching=False)
+                                 enable_prefix_caching=True)
         self.max_batched_tokens = runner.config.max_num_batched_tokens
         self.shadows: dict[str, Request] = {}
         # How many of a shadow's tokens were the target's at the last propose (the rest were
@@ -170,6 +176,8 @@ class DraftModel:
                     rest.append(sh)
             if batch:
                 self._run(batch, sampler, by_shadow, drafts, probs)
+                for s in batch:  # computed so far: target tokens only
+                    self.kv.cache_full_blocks(s.request)
             pending = [sh for sh in rest if sh.request_id in self.shadows]
             if not batch and pending:
                 break  # nothing fits at all this step (cannot happen with a budget > 0)
@@ -203,6 +211,9 @@ class DraftModel:
         if sh is None:
             sh = Request(rid, list(tokens), _SHADOW_PARAMS)
             self.shadows[rid] = sh
+            hits = self.kv.find_cached_prefix(sh)
+            if hits and self.kv.allocate(sh, 0, cached_prefix=hits):
+                sh.num_computed_tokens = len(hits) * self.kv.block_size
         else:
             old = sh.all_token_ids
             valid = self._synced.get(rid, 0)
@@ -214,6 +225,8 @@ class DraftModel:
             self.kv.trim(sh, valid)
             sh.prompt_token_ids = list(tokens)
             sh.output_token_ids = []
+            # hashes of blocks past the kept prefix were of tokens that may have changed
+            del sh.block_hashes[valid // self.kv.block_size:]
         self._synced[rid] = len(tokens)
         return sh
 

@@ -36,6 +36,7 @@ from kiln.layers.attention import (
     set_context,
 )
 from kiln.messages import msg
+from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 from kiln.obs.trace import stage
 
@@ -240,7 +241,12 @@ class ModelRunner:
         # A decode-only step runs kiln's layer kernel up to its rows, else the compiled layers
         # padded up to its batch bucket; cascade steps only where their graphs exist.
         graphs = self.graphs
-        kernel = not chunks and 0 < nd <= self.decode_kernel_rows and not adapters
+        # The AVX2 layer kernel (batch-invariant) runs every step, prefill chunks and
+        # speculative verify rows too (each row with its own context: `step_rows`); the AVX512
+        # one decode-only steps of up to its rows.
+        every_step = self.decode_kernel_rows >= DECODE_KERNEL_ANY_ROWS
+        kernel = not adapters and (bool(scheduled) if every_step
+                                   else not chunks and 0 < nd <= self.decode_kernel_rows)
         compiled = (not kernel and not adapters and graphs is not None and not chunks
                     and 0 < nd <= graphs.buckets[-1] and (not shared or graphs.cascade))
         padded = next(b for b in graphs.buckets if b >= nd) if compiled else nd
@@ -254,6 +260,7 @@ class ModelRunner:
             pos_parts.append(dec.positions)
             slot_parts.append(dec.slots)
         prefills: list[PrefillChunk] = []
+        chunk_slots: list[np.ndarray] = []  # each chunk's context slots (the layer kernel's)
         t = padded
         for s in chunks:
             r = s.request
@@ -265,6 +272,7 @@ class ModelRunner:
             ctx_slots = (table[:, None] * bs + self._block_offsets).reshape(-1)[: start + n]
             pos_parts.append(np.arange(start, start + n, dtype=np.int64))
             slot_parts.append(ctx_slots[start:])
+            chunk_slots.append(ctx_slots)
             chunk = PrefillChunk(t, t + n, start)
             if start > 0:
                 chunk.gather = self._to_device(ctx_slots)
@@ -281,6 +289,9 @@ class ModelRunner:
             meta.decode_lens = self._to_device(dec.positions[:nd] + 1)
             if dec.shared is not None:
                 meta.decode_shared = self._to_device(dec.shared)
+        if kernel and every_step:
+            meta.step_rows = tuple(self._to_device(a) for a in _step_rows(
+                dec, nd, chunk_slots, [s.request.num_computed_tokens for s in chunks]))
         input_ids = self._to_device(_cat(id_parts))
         positions = self._to_device(_cat(pos_parts))
         # Each row's adapter id (0: base), grouped for the LoRA matmuls; rows as laid out above
@@ -452,6 +463,26 @@ class _DecodeInputs:
     gather: np.ndarray  # [B, nblk * block_size] context slots
     mask: np.ndarray  # [B, nblk * block_size] bool: position < context length
     shared: np.ndarray | None = None  # [P] slots every row shares (cascade), cut from gather
+
+
+def _step_rows(dec: _DecodeInputs | None, nd: int, chunk_slots: list[np.ndarray],
+               chunk_starts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(table, row_of, lens) of every row of a step, as attend_rows reads them: a decode row
+    its gathered context, each prefill chunk one table row of its context slots whose tokens
+    read up to their own positions (AttentionMetadata.step_rows)."""
+    assert dec is None or dec.shared is None, "cascade is off where the layer kernel runs"
+    widths = [len(c) for c in chunk_slots] + ([dec.gather.shape[1]] if dec is not None else [])
+    table = np.zeros((nd + len(chunk_slots), max(widths)), dtype=np.int64)
+    row_of = [np.arange(nd, dtype=np.int64)]
+    lens = [dec.positions[:nd] + 1] if dec is not None else []
+    if dec is not None:
+        table[:nd, :dec.gather.shape[1]] = dec.gather[:nd]
+    for j, (slots, start) in enumerate(zip(chunk_slots, chunk_starts)):
+        n = len(slots) - start
+        table[nd + j, :len(slots)] = slots
+        row_of.append(np.full(n, nd + j, dtype=np.int64))
+        lens.append(np.arange(start + 1, start + n + 1, dtype=np.int64))
+    return table, _cat(row_of), _cat(lens)
 
 
 def _kernel_layer_call(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,

@@ -89,6 +89,9 @@ class AttentionMetadata:
     # Context length of each decode row (what the batch-invariant kernel reads of its gather).
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Every row of the step as attend_rows reads it, (table [R, L], row_of [T], lens [T]), for
+    # the AVX2 layer kernel that runs whole steps (model_runner._step_rows); None elsewhere.
+    step_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -235,16 +235,18 @@ def decode_layer_avx2(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       ln1: torch.Tensor, ln2: torch.Tensor, eps: float,
                       weights: list[torch.Tensor], kinds: list[int], rows: list[int],
                       counts: list[int], biases: list[torch.Tensor | None], k: torch.Tensor,
-                      v: torch.Tensor, slots: torch.Tensor, gather: torch.Tensor,
-                      lens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
-    """One Llama decoder layer of a decode step in one call (cpu_kernels_avx2.cpp
-    decode_layer): x [B, H] fp32 -> [B, H], the step's K/V written to the fp32 pools k/v at
+                      v: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+                      row_of: torch.Tensor, lens: torch.Tensor, num_heads: int,
+                      scale: float) -> torch.Tensor:
+    """One Llama decoder layer of a whole step in one call (cpu_kernels_avx2.cpp
+    decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
     `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
     kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
-    `biases` per linear or None. gather [B, L] / lens [B]: attend_rows' table and lengths.
-    The same kernels in the same order as the layer's eager forward: the same bits."""
+    `biases` per linear or None. table [R, L] / row_of [T] / lens [T]: what each row attends
+    to (attend_rows' arguments). The same kernels in the same order as the layer's eager
+    forward: the same bits."""
     return torch.ops.kiln_avx2.decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
-                                            counts, biases, k, v, slots, gather, lens,
+                                            counts, biases, k, v, slots, table, row_of, lens,
                                             num_heads, scale)
 
 
@@ -578,7 +580,7 @@ def _register_avx2_fakes() -> None:
 
     @torch.library.register_fake("kiln_avx2::decode_layer")
     def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
-          gather, lens, num_heads, scale):
+          table, row_of, lens, num_heads, scale):
         return torch.empty_like(x)
 
     @torch.library.register_fake("kiln_avx2::q8_linear")

@@ -951,13 +951,14 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
 
 // ---------------------------------------------------------------- the rest of a decoder layer
 // fp32 row kernels for RMSNorm, RoPE with the K/V write, and SiLU x up, and decode_layer, a
-// Llama decoder layer of a decode step in one call. An eager step (a prefill chunk, or decodes
-// mixed with one) calls the kernels one by one from kiln/models/llama.py; decode_layer calls
-// the very same functions (and q4_linear, attend_rows, kiln_kquant::kq_linear) in the same
-// order, so a decode row gets the same bits either way (--batch-invariant), while a decode
-// step pays one dispatch per layer instead of ~30 PyTorch ops (decode b1 is dispatch-bound:
-// each op costs more than the arithmetic of one row). Each row's numbers come from its own
-// row alone, in an order fixed by the row: none of these kernels mixes rows.
+// Llama decoder layer of a whole step (decode rows, prefill chunks, speculative verify rows) in
+// one call. The eager layers (kiln/models/llama.py, run where the layer kernel does not: LoRA
+// adapter steps, --no-batch-invariant) call the kernels one by one; decode_layer calls the
+// very same functions (and q4_linear, attend_rows, kiln_kquant::kq_linear) in the same order,
+// so a row gets the same bits either way (--batch-invariant), while a step pays one dispatch
+// per layer instead of ~30 PyTorch ops (batch-1 decode is dispatch-bound: each op costs more
+// than the arithmetic of one row). Each row's numbers come from its own row alone, in an order
+// fixed by the row: none of these kernels mixes rows.
 
 // Below this many elements in all a kernel runs on the calling thread (a parallel region's
 // start and barrier cost more than a decode step's few rows).
@@ -1105,19 +1106,20 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
   return bias.has_value() ? y + *bias : y;
 }
 
-// One Llama decoder layer of a decode step (one token per row):
-//   x [B, H] fp32 -> x + attn + mlp, the step's K/V written at slots [B]
+// One Llama decoder layer of a step:
+//   x [T, H] fp32 -> x + attn + mlp, the step's K/V written at slots [T]
 //   weights, kinds, rows: the four linears' parts (qkv, o, gate_up, down) in order, `counts`
 //                         parts each; biases: the four biases (None: no bias)
-//   gather [B, L], lens [B]: each row's context slots and length (attend_rows' table)
+//   table [R, L], row_of [T], lens [T]: row t attends to the first lens[t] slots of
+//                         table[row_of[t]] (attend_rows' arguments)
 // The ops and their order are LlamaDecoderLayer.forward's with its kernels (see above).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef rows,
                         at::IntArrayRef counts, const c10::List<std::optional<at::Tensor>>& biases,
                         at::Tensor k, at::Tensor v, const at::Tensor& slots,
-                        const at::Tensor& gather, const at::Tensor& lens, int64_t num_heads,
-                        double scale) {
+                        const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
+                        int64_t num_heads, double scale) {
   TORCH_CHECK(counts.size() == 4 && biases.size() == 4,
               "decode_layer: four linears (qkv, o, gate_up, down)");
   TORCH_CHECK(weights.size() == kinds.size() && kinds.size() == rows.size(),
@@ -1133,8 +1135,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   };
   const int64_t B = x.size(0);
   const auto q = rope_write(lin(0, rms_norm(x, ln1, eps)), cos, sin, k, v, slots, num_heads);
-  const auto ctx = attend_rows(q, k, v, gather, at::arange(B, lens.options().dtype(at::kLong)),
-                               lens, scale);
+  const auto ctx = attend_rows(q, k, v, table, row_of, lens, scale);
   const auto x1 = x + lin(1, ctx.view({B, -1}));
   return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
 }
@@ -1157,7 +1158,8 @@ TORCH_LIBRARY(kiln_avx2, m) {
         "int num_heads) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps, "
         "Tensor[] weights, int[] kinds, int[] rows, int[] counts, Tensor?[] biases, Tensor(a!) k, "
-        "Tensor(b!) v, Tensor slots, Tensor gather, Tensor lens, int num_heads, float scale) "
+        "Tensor(b!) v, Tensor slots, Tensor table, Tensor row_of, Tensor lens, int num_heads, "
+        "float scale) "
         "-> Tensor");
   m.impl("supported", &supported);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);

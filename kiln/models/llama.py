@@ -202,15 +202,15 @@ class LlamaDecoderLayer(nn.Module):
         meta = get_context()
         attn = self.self_attn
         kv = attn.attn.kv
-        assert kv is not None and meta.decode_gather is not None
-        if kv.invariant:
+        assert kv is not None
+        if kv.invariant:  # the AVX2 layer kernel: any step, each row its own context
             args = self._avx2_layer_args()
-            assert args is not None and meta.decode_lens is not None
+            assert args is not None and meta.step_rows is not None
             return cpu_kernels.decode_layer_avx2(
                 x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                 self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
-                meta.decode_gather, meta.decode_lens, attn.num_heads, attn.attn.scale)
-        assert meta.decode_mask is not None
+                *meta.step_rows, attn.num_heads, attn.attn.scale)
+        assert meta.decode_gather is not None and meta.decode_mask is not None
         if self._kernel_weights is None:
             # Int4Linear holds `packed`; Int8Linear its w8 `weight` and row `scales`.
             pairs = [(lin.packed, _NO_SCALE) if hasattr(lin, "packed") else (lin.weight, lin.scales)
