@@ -73,8 +73,29 @@ QUOTE = [{"role": "user", "content": "Repeat this passage word for word, then gi
           "\n\n" + PASSAGE}]
 
 
-def run(engine, prompts: list[list[int]], params) -> tuple[float, int, list[list[int]], int]:
-    """Seconds, output tokens, the tokens of each prompt, steps."""
+def run(engine, prompts: list[list[int]], params, cold: bool = False
+        ) -> tuple[float, int, list[list[int]], int]:
+    """Seconds, output tokens, the tokens of each prompt, steps.
+
+    The two engines share one KV pool but each has its own prefix cache, so each run starts by
+    dropping its engine's cache (the other engine has written over those blocks). Warm (the
+    default): the prompts are then run untimed (max_tokens=2: the second token is drafted for,
+    so a draft model prefills them too), and the timed run measures decoding on both sides;
+    `cold`:
+    nothing is cached, the timed run includes every prompt's prefill (the draft's as well)."""
+    from kiln.sampling_params import SamplingParams
+
+    engine.kv.reset_prefix_cache()
+    drafter = getattr(engine, "drafter", None)
+    if cold:
+        if drafter is not None:
+            drafter.kv.reset_prefix_cache()
+    else:
+        warm = SamplingParams(temperature=0.0, max_tokens=2)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"w{time.monotonic_ns()}-{i}", ids, warm)
+        while engine.has_unfinished:
+            engine.step()
     for i, ids in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", ids, params)
     outs: dict[str, list[int]] = {}
@@ -99,6 +120,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cold", action="store_true",
+                    help="time the prompts' prefill too (no prefix cache on either side)")
     ap.add_argument("--draft", default=None,
                     help="draft MODEL (--speculative-model) instead of n-gram drafts")
     args = ap.parse_args()
@@ -146,7 +169,7 @@ def main() -> None:
                 before = eng.spec.stats.num_draft_tokens if eng.spec else 0
                 acc0 = eng.spec.stats.num_accepted_tokens if eng.spec else 0
                 rows0 = eng.spec.stats.num_drafts if eng.spec else 0
-                dt, n, toks, steps = run(eng, workloads[name], params)
+                dt, n, toks, steps = run(eng, workloads[name], params, cold=args.cold)
                 res[label] = {"seconds": dt, "tokens": n, "tok_s": n / dt, "steps": steps,
                               "toks": toks}
                 if eng.spec:
