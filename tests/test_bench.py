@@ -454,6 +454,17 @@ def test_offline_bench_reports_prefill_and_decode_rates(gguf_path: Path) -> None
     assert result.settings["quantization"]["source"] == "auto"
     assert result.settings["compile"] == {**result.settings["compile"], "value": False,
                                           "source": "cli"}
+    # The roofline: SmolLM2's int4 layers (66.4 MB packed) and int8 head (28.3 MB) are what a
+    # step reads; the embedding's rows and RoPE's tables are lookups, not counted.
+    roof = result.decode[0].roofline
+    assert roof is not None and 90e6 < roof["weight_bytes"] < 100e6
+    assert roof["kv_bytes"] > 0 and roof["read_gbs"] > 0
+    steps_s = result.decode[0].tok_s / 2
+    assert roof["achieved_gbs"] == pytest.approx(roof["bytes_per_step"] * steps_s / 1e9)
+    assert roof["fraction"] == pytest.approx(roof["achieved_gbs"] / roof["read_gbs"])
+    from kiln.bench.report import format_offline
+
+    assert "memory roofline" in format_offline(result)
 
 
 # ---------------------------------------------------------------------------------------------

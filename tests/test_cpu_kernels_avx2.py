@@ -333,9 +333,12 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
     g = torch.Generator().manual_seed(1)
     b, h, hq, hk, d, inter, s, ctx = 3, 128, 4, 2, 32, 96, 64, 20
     qkv_n = (hq + 2 * hk) * d
-    w_qkv = ck.pack_q4(*(lambda gq: (gq.q, gq.scale, gq.min))(_groups(qkv_n, h, 2)))
-    w_o = ck.pack_q4(*(lambda gq: (gq.q, gq.scale, gq.min))(_groups(h, hq * d, 3)))
-    w_gu = ck.pack_q4(*(lambda gq: (gq.q, gq.scale, gq.min))(_groups(2 * inter, h, 4)))
+
+    def packed(n: int, k: int, seed: int) -> torch.Tensor:
+        gq = _groups(n, k, seed)
+        return ck.pack_q4(gq.q, gq.scale, gq.min)
+
+    w_qkv, w_o, w_gu = packed(qkv_n, h, 2), packed(h, hq * d, 3), packed(2 * inter, h, 4)
     down = kquant._random_blocks(h, inter, "Q8_0", g)
     w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
     b_o = torch.randn(h, generator=g) * 0.1

@@ -39,6 +39,9 @@ class DecodeResult:
     # "difference": (long - short) timing; "whole-call": long run only, prefill included, used
     # when noise (a busy machine) made the long run no slower than the short one.
     method: str = "difference"
+    # kiln.bench.roofline.Roofline as a dict (bytes per step, GB/s achieved, fraction of the
+    # measured read bandwidth); None where the engine has no CPU runner to count
+    roofline: dict[str, Any] | None = None
 
 
 @dataclass
@@ -138,6 +141,12 @@ def run_offline(
         prefill_times.append(seconds)
     prefill_s = statistics.median(prefill_times)
 
+    runner = getattr(getattr(llm, "engine", None), "runner", None)
+    read_gbs = None
+    if runner is not None and runner.device.type == "cpu":
+        from kiln.bench.roofline import measure_read_bandwidth
+
+        read_gbs = measure_read_bandwidth(getattr(llm.config, "num_threads", None))
     decode: list[DecodeResult] = []
     for batch in batch_sizes:
         _timed_decode(llm, pool, batch, 2, rng)  # warm
@@ -148,9 +157,16 @@ def run_offline(
         else:
             method, extra_s, tokens = "whole-call", long, n_long
         tok_s = tokens / extra_s
+        roof = None
+        if read_gbs is not None:
+            from kiln.bench.roofline import roofline
+
+            # the measured tokens' mean context: the prompt, the short run, half the rest
+            context = DECODE_PROMPT_LEN + DECODE_BASE_TOKENS + decode_tokens / 2
+            roof = asdict(roofline(runner, batch, context, tok_s, read_gbs))
         decode.append(DecodeResult(batch=batch, tokens_per_seq=decode_tokens, seconds=extra_s,
                                    tok_s=tok_s, per_seq_tok_s=tok_s / batch, short_seconds=short,
-                                   long_seconds=long, method=method))
+                                   long_seconds=long, method=method, roofline=roof))
     name = model or str(getattr(getattr(llm, "config", None), "model", None) or "default")
     config: dict[str, Any] = {"prefill_len": prefill_len, "batch_sizes": list(batch_sizes),
                               "decode_tokens": decode_tokens,

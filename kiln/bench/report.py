@@ -109,6 +109,14 @@ def format_offline(result: OfflineResult) -> str:
         head += ("configuration measured (resolved as kiln serve resolves it):\n"
                  + table(["setting", "value", "source"], measured, left=2) + "\n\n")
     out = head + table(["phase", "shape", "tok/s"], rows, left=2)
+    roofs = [(d.batch, d.roofline) for d in result.decode if d.roofline]
+    if roofs:
+        read = roofs[0][1]["read_gbs"]
+        lines = [[f"decode b={b}", fmt(r["weight_bytes"] / 1e6), fmt(r["kv_bytes"] / 1e6),
+                  fmt(r["achieved_gbs"]), f"{100 * r['fraction']:.0f}%"] for b, r in roofs]
+        out += (f"\n\nmemory roofline (read bandwidth measured here: {read:.1f} GB/s; a step reads "
+                "its weights once and each row's KV):\n"
+                + table(["phase", "weights MB", "KV MB", "GB/s", "of read bw"], lines, left=2))
     if result.moe_routing:
         routing = [[str(r["layer"]), str(r["tokens"]), fmt(r["min"], 0), fmt(r["mean"]),
                     fmt(r["max"], 0), fmt(r["imbalance"], 2), f"{r['idle']:.0f}/{r['experts']}"]
