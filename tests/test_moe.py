@@ -128,10 +128,16 @@ def test_q4_0_experts_are_repacked_not_requantized(tiny, family):
     assert isinstance(quant.model.lm_head, Int4Linear)
     torch.testing.assert_close(quant.model.lm_head.dequantize(torch.float32),
                                dense.model.lm_head.weight.float(), rtol=0, atol=2e-3)
-    ids = _prompt(40)
-    a, b = dense.prompt_logits(ids), quant.prompt_logits(ids)
-    # same weights; activations rounded to bf16 in the int4 kernels, the head int8
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    # Same weights; the int4 kernels round activations to int8 per group of 32, and a tiny
+    # random model's logits are near-ties everywhere, so some argmaxes flip: over 10 prompts of
+    # 40 tokens (Mixtral) 0.80-0.975 agree per prompt, 0.90 on average, before and after the
+    # fp32 row kernels alike. One prompt is a coin toss around any threshold: the mean of 8.
+    agree = []
+    for seed in range(8):
+        ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+        a, b = dense.prompt_logits(ids), quant.prompt_logits(ids)
+        agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
+    assert sum(agree) / len(agree) > 0.85, agree
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
