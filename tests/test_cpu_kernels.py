@@ -556,30 +556,3 @@ def test_rms_norm_and_silu_mul_equal_pytorchs_ops(rows):
     torch.testing.assert_close(cpu_kernels.silu_mul(gu), want, rtol=1e-2, atol=1e-2)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cpu_kernels.silu_mul(gu[:, :40])
-
-
-@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 128), (6, 2, 96)])
-def test_rope_write_equals_rotary_and_the_pool_write(hq, hk, d):
-    """rope_write: q and k rotated as apply_rotary does (to one bf16 rounding: the kernel rounds
-    once, PyTorch's bf16 ops after each op), k and v stored at their slots, other slots left."""
-    from kiln.layers.rotary import RotaryEmbedding, apply_rotary
-
-    g = torch.Generator().manual_seed(8)
-    t, pool = 21, 50
-    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).bfloat16()
-    cos, sin = RotaryEmbedding(d, 10000.0, 4096).lookup(torch.arange(100, 100 + t), torch.bfloat16)
-    slots = torch.randperm(pool, generator=g)[:t]
-    k = torch.randn(pool, hk, d, generator=g).bfloat16()
-    v = torch.randn(pool, hk, d, generator=g).bfloat16()
-    k0, v0 = k.clone(), v.clone()
-    q = cpu_kernels.rope_write(qkv, cos, sin, k, v, slots, hq)
-    x = qkv.view(t, hq + 2 * hk, d)
-    torch.testing.assert_close(q, apply_rotary(x[:, :hq], cos, sin), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(k[slots], apply_rotary(x[:, hq:hq + hk], cos, sin),
-                               rtol=2e-2, atol=2e-2)
-    assert torch.equal(v[slots], x[:, hq + hk:])
-    rest = torch.ones(pool, dtype=torch.bool)
-    rest[slots] = False
-    assert torch.equal(k[rest], k0[rest]) and torch.equal(v[rest], v0[rest])
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        cpu_kernels.rope_write(qkv, cos, sin, k, v, slots + pool, hq)

@@ -283,10 +283,8 @@ def test_fixed_int8_head_runs_q8_at_every_row_count():
 
 
 def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
-    """rms_norm, silu_mul and rope_write (the fp32 kernels of the eager steps) against
-    kiln.layers.norm / F.silu / apply_rotary; every row the same bits alone or among 37."""
-    from kiln.layers.rotary import apply_rotary
-
+    """rms_norm and silu_mul (the fp32 kernels of the eager steps) against kiln.layers.norm /
+    F.silu; every row the same bits alone or among 37."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 96, generator=g)
     w = torch.randn(96, generator=g)
@@ -300,22 +298,37 @@ def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
     torch.testing.assert_close(got, F.silu(gu[:, :48]) * gu[:, 48:], rtol=1e-5, atol=1e-6)
     assert torch.equal(ck.silu_mul(gu[7:8]), got[7:8])
 
-    t, hq, hk, d, s = 5, 4, 2, 32, 16
-    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
-    cos, sin = torch.randn(t, 1, d, generator=g), torch.randn(t, 1, d, generator=g)
-    k, v = torch.zeros(s, hk, d), torch.zeros(s, hk, d)
-    slots = torch.tensor([3, 9, 0, 15, 4])
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 128), (6, 2, 96)])
+def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
+    """rope_write, fp32 (AVX2) and bf16 (AVX512-BF16, cpu_kernels.cpp): q and k rotated as
+    apply_rotary does (bf16: to one rounding, the kernel rounds once, PyTorch's bf16 ops after
+    each op), k and v stored at their slots, other slots left."""
+    from kiln.layers.rotary import RotaryEmbedding, apply_rotary
+
+    if dtype == torch.bfloat16 and not ck.available():
+        pytest.skip("no AVX512-BF16 kernels here")
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6,
+                                                                          "atol": 1e-6}
+    g = torch.Generator().manual_seed(8)
+    t, pool = 21, 50
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    cos, sin = RotaryEmbedding(d, 10000.0, 4096).lookup(torch.arange(100, 100 + t), dtype)
+    slots = torch.randperm(pool, generator=g)[:t]
+    k = torch.randn(pool, hk, d, generator=g).to(dtype)
+    v = torch.randn(pool, hk, d, generator=g).to(dtype)
+    k0, v0 = k.clone(), v.clone()
     q = ck.rope_write(qkv, cos, sin, k, v, slots, hq)
-    parts = qkv.view(t, hq + 2 * hk, d)
-    torch.testing.assert_close(q, apply_rotary(parts[:, :hq], cos, sin), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(k[slots], apply_rotary(parts[:, hq:hq + hk], cos, sin),
-                               rtol=1e-6, atol=1e-6)
-    assert torch.equal(v[slots], parts[:, hq + hk:])
-    untouched = torch.ones(s, dtype=torch.bool)
-    untouched[slots] = False
-    assert not k[untouched].any() and not v[untouched].any()
+    x = qkv.view(t, hq + 2 * hk, d)
+    torch.testing.assert_close(q, apply_rotary(x[:, :hq], cos, sin), **tol)
+    torch.testing.assert_close(k[slots], apply_rotary(x[:, hq:hq + hk], cos, sin), **tol)
+    assert torch.equal(v[slots], x[:, hq + hk:])
+    rest = torch.ones(pool, dtype=torch.bool)
+    rest[slots] = False
+    assert torch.equal(k[rest], k0[rest]) and torch.equal(v[rest], v0[rest])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        ck.rope_write(qkv, cos, sin, k, v, torch.tensor([3, 9, 0, 16, 4]), hq)
+        ck.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
 
 
 @pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "decode+chunk"])

@@ -349,17 +349,7 @@ def _register_fakes() -> None:
         return (q.new_empty(q.shape, dtype=torch.float32),
                 q.new_empty(q.shape[:2], dtype=torch.float32))
 
-    @torch.library.register_fake("kiln_cpu::rope_write")
-    def _(qkv, cos, sin, k, v, slots, num_heads):
-        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[2]))
-
-    @torch.library.register_fake("kiln_cpu::rms_norm")
-    def _(x, w, eps):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("kiln_cpu::silu_mul")
-    def _(gu):
-        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
+    _register_elementwise_fakes("kiln_cpu")
 
     @torch.library.register_fake("kiln_cpu::decode_attention")
     def _(q, k, v, slots, mask, scale):
@@ -557,6 +547,21 @@ def q4_reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((dots * s.double()).sum(-1) + sums @ mn.double().t()).float()
 
 
+def _register_elementwise_fakes(ns: str) -> None:
+    """rope_write / rms_norm / silu_mul's shapes, alike in both libraries (`ns`)."""
+    @torch.library.register_fake(f"{ns}::rope_write")
+    def _(qkv, cos, sin, k, v, slots, num_heads):
+        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[2]))
+
+    @torch.library.register_fake(f"{ns}::rms_norm")
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{ns}::silu_mul")
+    def _(gu):
+        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
+
+
 def _register_avx2_fakes() -> None:
     @torch.library.register_fake("kiln_avx2::q4_linear")
     def _(x, packed, n):
@@ -566,17 +571,7 @@ def _register_avx2_fakes() -> None:
     def _(q, k, v, table, row_of, lens, scale):
         return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
 
-    @torch.library.register_fake("kiln_avx2::rms_norm")
-    def _(x, w, eps):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("kiln_avx2::silu_mul")
-    def _(gu):
-        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
-
-    @torch.library.register_fake("kiln_avx2::rope_write")
-    def _(qkv, cos, sin, k, v, slots, num_heads):
-        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[-1]))
+    _register_elementwise_fakes("kiln_avx2")
 
     @torch.library.register_fake("kiln_avx2::decode_layer")
     def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
