@@ -96,3 +96,28 @@ def test_cpu_kv_pool_costs_memory_only_as_it_is_written():
     assert float(pool[:1024].float().mean()) == 1.5
     assert not bool(pool[1024:].any())  # the rest reads as zeros
 
+
+
+def test_activation_peak_is_measured_once_per_configuration(tiny, tmp_path, monkeypatch):
+    """The profiling prefill that measures the activation peak runs at the first start of a
+    configuration; a second start with the same model file and settings reads the figure back
+    (and says so in the pool's reason), a changed setting measures again."""
+    from kiln.engine import memory
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    runs = []
+    measure = memory.measure_activation_peak
+
+    def counting(device, forward):
+        runs.append(1)
+        return measure(device, forward)
+
+    monkeypatch.setattr(memory, "measure_activation_peak", counting)
+    first, second = runner(tiny), runner(tiny)
+    assert len(runs) == 1
+    assert second.plan.activation_bytes == first.plan.activation_bytes
+    assert "measured at startup" in first.plan.reason
+    assert "measured at an earlier start" in second.plan.reason
+    assert len(list((tmp_path / memory.PEAK_CACHE).glob("*.json"))) == 1
+    runner(tiny, max_num_seqs=3)
+    assert len(runs) == 2

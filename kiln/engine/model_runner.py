@@ -9,10 +9,13 @@ choices (KV dtype, decode path, compiled or not, dense copies) in engine/decisio
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,14 +117,15 @@ class ModelRunner:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 [*self.model.parameters(), *self.model.buffers()]
                                 if t.device.type == self.device.type)
-        act = memory.measure_activation_peak(self.device, self._largest_step)
-        # The profiling prefill above ran every layer once: kernels are built and loaded.
+        act, act_source = memory.activation_peak(self._peak_key(), self.device,
+                                                 self._largest_step)
+        # Kernels are built and loaded (the profiling prefill, when it ran, ran every layer).
         stage("kernels_ready")
         # Logits and sampler temporaries for max_num_seqs rows come on top.
         act += config.max_num_seqs * mc.vocab_size * 4 * 3
         self.plan: MemoryPlan = memory.plan_memory(
             config, self.device, self.kv_bytes_per_token(), self.weight_bytes, act,
-            self.max_model_len)
+            self.max_model_len, act_source)
         self.max_model_len = self.plan.max_model_len
         self._allocate_kv(self.plan.num_blocks)
         stage("kv_allocated")
@@ -178,6 +182,19 @@ class ModelRunner:
         """Logits at every position of one prompt, [T, vocab] fp32 (parity tests, scoring)."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self._scratch_forward(ids, slice(None))
+
+    def _peak_key(self) -> dict[str, Any]:
+        """What the activation peak of `_largest_step` depends on (memory.activation_peak): the
+        model's files as they are, every engine setting, the device, torch, kiln's sources."""
+        files = [Path(self.config.model)]
+        if files[0].is_dir():
+            files = sorted(p for p in files[0].iterdir() if p.is_file())
+        stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
+        device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                  else self.device.type)
+        return {"files": stats, "config": dataclasses.asdict(self.config), "device": device,
+                "max_model_len": self.max_model_len, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "kiln": memory.source_digest()}
 
     def _largest_step(self) -> None:
         """The largest step the scheduler may produce (one prefill chunk of the token budget),
