@@ -9,7 +9,7 @@ machine's load does not favour one side), and reports tokens/s of each and the o
 Workloads:
   single  one stream, a code-editing prompt (rename a variable in ~40 lines of Python and show
           the whole file): the answer repeats most of the prompt, n-gram's best case
-  c4      4 streams at once (code editing and passage quoting, alternating)
+  c2, c4  2 or 4 streams at once (code editing and passage quoting, alternating)
   c16     16 streams at once (each a code-editing or a passage-quoting prompt): throughput
 
     python benchmarks/speculative.py [MODEL] --pairs 3 --max-tokens 128 --k 4 --threads 2
@@ -150,7 +150,8 @@ def main() -> None:
                 runner=off.runner, tokenizer=llm.tokenizer)
     edit = llm.tokenizer.apply_chat_template(EDIT)
     quote = llm.tokenizer.apply_chat_template(QUOTE)
-    workloads = {"single": [edit], "c4": [edit if i % 2 == 0 else quote for i in range(4)],
+    workloads = {"single": [edit], "c2": [edit, quote],
+                 "c4": [edit if i % 2 == 0 else quote for i in range(4)],
                  "c16": [edit if i % 2 == 0 else quote for i in range(16)]}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"model={llm.engine.config.model} dtype={off.config.dtype} "

@@ -40,6 +40,7 @@ from kiln.auto_rules import (
     auto_max_num_seqs,
     auto_num_speculative_tokens,
     auto_quantization,
+    auto_spec_disable_by_batch_size,
     auto_threads,
     auto_tp,
 )
@@ -589,7 +590,8 @@ SETTINGS: list[Setting] = [
             affects="performance", metavar="DRAFT"),
     Setting("speculative_config", parse_json_object, None,
             "vLLM's form of the three above, a JSON object: model, num_speculative_tokens, "
-            "method (draft_model = draft), prompt_lookup_min / _max; unpacked into them",
+            "method (draft_model = draft), prompt_lookup_min / _max, disable_by_batch_size; "
+            "unpacked into them",
             ("--speculative-config",), affects="performance", metavar="JSON",
             engines=("kiln",)),
     Setting("speculative_method", str, None,
@@ -609,6 +611,11 @@ SETTINGS: list[Setting] = [
             "ngram speculation: longest suffix looked up, tried first (vLLM's "
             "prompt_lookup_max)", ("--ngram-prompt-lookup-max",), affects="performance",
             engines=("kiln",)),
+    Setting("speculative_disable_by_batch_size", positive_int, None,
+            "speculative decoding drafts only while at most this many requests are decoding "
+            "(vLLM's disable_by_batch_size); above it, steps run without drafts",
+            ("--speculative-disable-by-batch-size",), affects="performance",
+            auto=auto_spec_disable_by_batch_size, engines=("kiln",)),
     # -- hybrid MoE: hot experts on the GPU, the rest on the CPU: kiln's own engine (device pool +
     # CPU pools, kiln/engine/expert_placement.py) or SGLang + kt-kernel. cpu_offload_experts
     # comes first: the kt_* rules read it (its own rule reads only which kt_* were given).
@@ -936,6 +943,7 @@ class EngineConfig:
     num_speculative_tokens: int | str | None = None
     ngram_prompt_lookup_min: int = _table_default("ngram_prompt_lookup_min")
     ngram_prompt_lookup_max: int = _table_default("ngram_prompt_lookup_max")
+    speculative_disable_by_batch_size: int | None = None  # None: draft at every batch size
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

@@ -78,6 +78,33 @@ def test_tiny_pair_greedy_output_is_identical_with_the_draft_model(tiny_pair):
     assert not eng.drafter.shadows and eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks
 
 
+def test_no_drafts_while_more_requests_decode_than_disable_by_batch_size(tiny_pair):
+    """--speculative-disable-by-batch-size 1 (the auto value for a draft model on CPU): while
+    several requests decode, steps carry no drafts; the one left alone drafts again (its shadow
+    catches up on the tokens it missed). The output is the plain engine's."""
+    target, draft = tiny_pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 200, n).tolist() for n in (6, 11, 7)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 6, 6)]
+    plain_eng = _engine(target)
+    plain = _generate(plain_eng, prompts, params)
+    eng = _engine(target, speculative_model=str(draft), num_speculative_tokens=4,
+                  speculative_disable_by_batch_size=1, runner=plain_eng.runner)
+    seen: list[tuple[int, int]] = []  # (requests decoding, rows given drafts) per step
+    propose = eng.spec.propose
+
+    def recording(running):
+        propose(running)
+        decoding = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+        seen.append((decoding, sum(bool(r.spec_token_ids) for r in running)))
+
+    eng.spec.propose = recording
+    assert _generate(eng, prompts, params) == plain
+    assert all(drafted == 0 for decoding, drafted in seen if decoding > 1)
+    assert any(decoding > 1 for decoding, _ in seen)
+    assert eng.spec.stats.num_drafts > 0  # the long request, once alone
+
+
 def test_tiny_pair_sampled_rows_draft_from_q_reproducibly_and_abort_frees_draft_kv(tiny_pair):
     """Sampled rows go through the draft distribution path end to end: a seeded request gives
     the same tokens twice; an aborted request's draft blocks go back at once."""

@@ -57,6 +57,8 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 5
     model: str | None = None  # the draft model's path (method "draft")
+    # no drafts while more requests than this are decoding (None: no limit)
+    disable_by_batch_size: int | None = None
 
 
 @dataclass
@@ -106,7 +108,8 @@ def spec_config(cfg: EngineConfig) -> SpecConfig | None:
     if lo > hi:
         raise ConfigError(f"--ngram-prompt-lookup-min {lo} is above --ngram-prompt-lookup-max "
                           f"{hi}", hint="give a min no larger than the max")
-    return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi, model)
+    return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi, model,
+                      cfg.speculative_disable_by_batch_size)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -155,11 +158,17 @@ class Speculator:
         """Drafts for every running request that is decoding (its KV reaches all but its last
         token); `spec_token_ids` of the others is left empty."""
         k_max = self.k
+        limit = self.config.disable_by_batch_size
+        if limit is not None:
+            decoding = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+            if decoding > limit:
+                k_max = 0  # a full batch: drafts would cost more compute than they save
         rows: list[tuple[Request, int]] = []
         for req in running:
             req.spec_token_ids = []
             req.spec_draft_probs = None
-            if req.num_computed_tokens != req.num_tokens - 1 or not can_draft(req):
+            if (k_max <= 0 or req.num_computed_tokens != req.num_tokens - 1
+                    or not can_draft(req)):
                 continue
             # no drafts past max_tokens or the context: the step after them could not use them
             k = min(k_max, req.max_tokens - req.num_output_tokens - 1,

@@ -13,7 +13,8 @@ from kiln import config as C
 _SPEC_CONFIG_KEYS = {"model": "speculative_model", "method": "speculative_method",
                      "num_speculative_tokens": "num_speculative_tokens",
                      "prompt_lookup_min": "ngram_prompt_lookup_min",
-                     "prompt_lookup_max": "ngram_prompt_lookup_max"}
+                     "prompt_lookup_max": "ngram_prompt_lookup_max",
+                     "disable_by_batch_size": "speculative_disable_by_batch_size"}
 
 
 def unpack_speculative_config(s: C.ResolvedSettings) -> None:
