@@ -150,8 +150,7 @@ def test_rejection_sampling_gives_the_targets_distribution(kw):
     row = torch.randn(V) * 1.5
     sampler = Sampler(V, torch.device("cpu"), seed=1)
     params = SamplingParams(**kw)
-    probs = torch.softmax(Sampler._apply_top_k_top_p_min_p(
-        row.unsqueeze(0) / params.temperature, [params]), dim=-1)[0].double()
+    probs = Sampler.probs(row.unsqueeze(0), [params])[0].double()
     reqs = [_req(f"r{i}", **kw) for i in range(N)]
     for draft in (int(probs.argmax()), int(probs.argmin()), int(torch.argsort(probs)[V // 2])):
         drafts = [[draft, 0] for _ in range(N)]

@@ -161,8 +161,7 @@ def test_rejection_sampling_with_draft_probabilities_gives_the_targets_distribut
     row = torch.randn(V) * 1.5
     sampler = Sampler(V, torch.device("cpu"), seed=3)
     params = SamplingParams(**kw)
-    p = torch.softmax(Sampler._apply_top_k_top_p_min_p(
-        row.unsqueeze(0) / params.temperature, [params]), dim=-1)[0].double()
+    p = Sampler.probs(row.unsqueeze(0), [params])[0].double()
     q = torch.softmax(torch.randn(V) * 1.5, dim=-1)  # the draft's: overlaps p, unlike it
     gen = torch.Generator().manual_seed(5)
     d = torch.multinomial(q, N, replacement=True, generator=gen).tolist()

@@ -150,17 +150,22 @@ def _moe_eager(model: torch.nn.Module) -> str:
             "routed and counted too")
 
 
+def _kernel_reach(kernel_rows: int) -> str:
+    """The decode steps the layer kernel runs, in words (the AVX2 one has no row limit)."""
+    from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
+
+    return (f"up to {kernel_rows} rows" if kernel_rows < DECODE_KERNEL_ANY_ROWS
+            else "any row count")
+
+
 def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, buckets: list[int],
                  device: torch.device, moe: str = "", cascade: bool = True) -> Decision:
     graphs = (f"compiled graphs for batch buckets {buckets} (padded up to the bucket"
               + ("; cascade variants for shared prefixes)" if device.type == "cpu" and cascade
                  else ")"))
     if kernel_rows:
-        from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
-
-        kernel = (f"decode steps of up to {kernel_rows} rows run kiln's one-call decode-layer "
-                  "kernel" if kernel_rows < DECODE_KERNEL_ANY_ROWS else
-                  "decode steps of any row count run kiln's one-call decode-layer kernel")
+        kernel = (f"decode steps of {_kernel_reach(kernel_rows)} run kiln's one-call "
+                  "decode-layer kernel")
         if kernel_rows >= config.max_num_seqs:
             return Decision("kernel", f"{kernel} (every batch: --max-num-seqs "
                                       f"{config.max_num_seqs})")
@@ -230,12 +235,8 @@ def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
     if moe:
         return Decision(False, moe)
     if kernel_rows and not buckets:
-        from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
-
-        rows = (f"up to {kernel_rows} rows" if kernel_rows < DECODE_KERNEL_ANY_ROWS
-                else "any row count")
-        return Decision(False, f"decode steps of {rows} run kiln's layer kernel: nothing to "
-                               "compile")
+        return Decision(False, f"decode steps of {_kernel_reach(kernel_rows)} run kiln's layer "
+                               "kernel: nothing to compile")
     if invariant:
         return Decision(False, "--batch-invariant: inductor's fused decode graphs round "
                                "differently from the eager steps that mix decodes with prefill "

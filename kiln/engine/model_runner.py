@@ -189,7 +189,8 @@ class ModelRunner:
         files = [Path(self.config.model)]
         if files[0].is_dir():
             files = sorted(p for p in files[0].iterdir() if p.is_file())
-        stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
+        stats = [(str(p), st.st_size, st.st_mtime_ns)
+                 for p in files if p.exists() for st in [p.stat()]]
         device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                   else self.device.type)
         return {"files": stats, "config": dataclasses.asdict(self.config), "device": device,

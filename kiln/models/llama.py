@@ -45,8 +45,8 @@ PACKED = {
 LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Decode steps of up to this many rows may run a layer as one kernel call (decode_kernel_rows).
 DECODE_KERNEL_MAX_ROWS = 64
-# The AVX2 layer kernel (--batch-invariant) computes each row as the eager step does, at any
-# row count: it runs every decode-only step.
+# The AVX2 layer kernel (--batch-invariant) computes each row as the eager layers do, at any
+# row count: it runs every step (decode rows, prefill chunks, verify rows).
 DECODE_KERNEL_ANY_ROWS = 1 << 30
 
 
@@ -223,7 +223,6 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.eps, weights, scales, kv.k, kv.v, meta.slot_mapping,
             meta.decode_gather, meta.decode_mask.view(x.shape[0], -1), meta.decode_shared,
             attn.num_heads, attn.attn.scale)
-
 
     def _avx2_layer_args(self) -> tuple | None:
         """decode_layer_avx2's (weights, kinds, rows, counts, biases) for this layer, or None
