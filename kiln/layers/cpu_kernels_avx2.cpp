@@ -127,6 +127,20 @@ struct QRows {
   const float* srow(int64_t r) const { return sum.data() + r * G; }
 };
 
+// Software prefetch, 2 KB ahead of the weight stream. A decode step reads each weight once, from
+// DRAM, while computing on it; left to the hardware prefetcher the kernels reached ~40% of the
+// measured read bandwidth (2-core Zen 2), which the explicit requests raise to ~60-65%: Qwen2.5
+// 1.5B Q4_K_M b=1 10.7 -> 18.4 tok/s, 0.5B 35 -> 45, SmolLM2 Q4_1 +10% (1, 2 and 4 KB ahead
+// measured alike). Past a thread's last tile it touches the next thread's lines: harmless.
+#ifndef KILN_PF
+#define KILN_PF 2048
+#endif
+// Asks for the cache lines of [p + KILN_PF, p + KILN_PF + bytes) ahead of use.
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(static_cast<const char*>(p) + KILN_PF + o, _MM_HINT_T0);
+}
+
 // One tile (8 output rows, all G groups of its blocks at w) against MB activation rows
 // (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m.
 template <int MB>
@@ -148,6 +162,7 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = w + g * kBlockBytes;
+    prefetch_ahead(b, kBlockBytes);
     __m256i lo[4], hi[4];
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * p));
@@ -691,6 +706,7 @@ void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, i
       for (int kk = 0; kk < kScoreKeys; ++kk) {
         const int64_t n = n0 + std::min<int64_t>(kk, valid - 1);  // pad with the last row
         float* b = wbuf.data() + kk * K;
+        prefetch_ahead(w + n * K, K);
         for (int64_t c = 0; c < K; c += 8)
           _mm256_storeu_ps(b + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(

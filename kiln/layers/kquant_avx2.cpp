@@ -469,6 +469,20 @@ inline __m256i nib_sums(const __m256i* lo, const __m256i* hi, __m256i xl, __m256
   return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
+// Software prefetch, 2 KB ahead of the weight stream. A decode step reads each weight once, from
+// DRAM, while computing on it; left to the hardware prefetcher the kernels reached ~40% of the
+// measured read bandwidth (2-core Zen 2), which the explicit requests raise to ~60-65%: Qwen2.5
+// 1.5B Q4_K_M b=1 10.7 -> 18.4 tok/s, 0.5B 35 -> 45, SmolLM2 Q4_1 +10% (1, 2 and 4 KB ahead
+// measured alike). Past a thread's last tile it touches the next thread's lines: harmless.
+#ifndef KILN_PF
+#define KILN_PF 2048
+#endif
+// Asks for the cache lines of [p + KILN_PF, p + KILN_PF + bytes) ahead of use.
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + KILN_PF + o), _MM_HINT_T0);
+}
+
 inline void nib_load(const uint8_t* b, __m256i* lo, __m256i* hi) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int p = 0; p < 4; ++p) {
@@ -487,6 +501,7 @@ void tile_q8_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 272) {
+    prefetch_ahead(w, 272);
     __m256i v[8], a[8];
     for (int k = 0; k < 8; ++k) v[k] = load32(w + 32 * k), a[k] = _mm256_sign_epi8(v[k], v[k]);
     const __m256 d = f16x8(w + 256);
@@ -514,6 +529,7 @@ void tile_q5_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 176) {
+    prefetch_ahead(w, 176);
     __m256i lo[4], hi[4];
     nib_load(w, lo, hi);
     const __m256i H = load32(w + 128);  // bit 2p: pair p's low half, bit 2p + 1: its high half
@@ -551,6 +567,7 @@ void tile_q4_k(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
   for (int64_t b = 0; b < nb; ++b, w += 1184) {
     const __m256 d = f16x8(w + 1152), dmin = f16x8(w + 1168);
     for (int j = 0; j < 8; ++j) {
+      prefetch_ahead(w + 148 * j, 148);
       __m256i lo[4], hi[4];
       nib_load(w + 128 * j, lo, hi);
       const __m256 sc = _mm256_mul_ps(d, u8x8(w + 1024 + 8 * j));
@@ -584,6 +601,7 @@ void tile_q6_k(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
     const __m256 d = f16x8(w + 1664);
     for (int j = 0; j < 8; ++j) {
       const uint8_t* gw = w + 208 * j;
+      prefetch_ahead(gw, 208);
       __m256i lo[4], hi[4];
       nib_load(gw, lo, hi);
       const __m256i H0 = load32(gw + 128), H1 = load32(gw + 160);
