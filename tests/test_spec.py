@@ -14,7 +14,15 @@ from test_scheduler import Driver, expected_output, fake_token, make_req, make_s
 
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler
-from kiln.engine.spec import SpecConfig, Speculator, ngram_propose, sample_with_drafts, verify
+from kiln.engine.spec import (
+    CostFit,
+    SpecConfig,
+    Speculator,
+    best_k,
+    ngram_propose,
+    sample_with_drafts,
+    verify,
+)
 from kiln.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- n-gram lookup
@@ -188,6 +196,30 @@ def test_auto_k_follows_the_acceptance():
         spec.record(4, 0)  # nothing accepted: K falls to 1
     assert spec.k == 1
     assert spec.stats.num_drafts == 600 and spec.stats.num_accepted_tokens == 800
+
+
+def test_auto_k_weighs_the_measured_cost():
+    """With step costs measured, auto K maximizes tokens per second, not the accepted run."""
+    fit = CostFit()
+    assert fit.line() is None
+    for k in (2, 3, 1, 2, 3, 1):  # seconds = 0.05 + 0.03 K, the dither's spread of K
+        fit.add(k, 0.05 + 0.03 * k)
+    c0, c1 = fit.line()
+    assert abs(c0 - 0.05) < 1e-9 and abs(c1 - 0.03) < 1e-9
+    # drafts that cost nothing: the longest K; costly ones at a = 0.85: K = 2, not the run of ~6
+    assert best_k(0.85, (1.0, 0.0)) == 8
+    assert best_k(0.85, (0.058, 0.036)) == 2
+    assert best_k(0.85, None) == 6
+    spec = Speculator(SpecConfig("ngram", None), 1000)
+    for _ in range(100):
+        spec.record(4, 3)  # a = 0.75 (3 accepted, 1 rejection per row)
+    assert spec.k == 3  # no cost line yet: the run a / (1 - a)
+    for k in (1, 2, 3, 4, 1, 2, 3, 4):
+        spec.observe_step(k, 0.1 + 0.1 * k)  # a draft costs as much as the step itself
+    assert spec.k == 1
+    spec_fixed = Speculator(SpecConfig("ngram", 4), 1000)
+    spec_fixed.observe_step(4, 1.0)
+    assert spec_fixed.k == 4 and spec_fixed.cost.line() is None
 
 
 # --------------------------------------------------------------------------- SmolLM2, real weights

@@ -129,6 +129,7 @@ class DraftModel:
         # drafts): only those after it can differ from the target's now.
         self._synced: dict[str, int] = {}
         self.steps = 0  # draft forwards, for the benchmark
+        self.last_tokens = 0  # tokens computed by the last propose call (spec.py's auto K)
 
     def forget(self, request_id: str) -> None:
         sh = self.shadows.pop(request_id, None)
@@ -142,6 +143,7 @@ class DraftModel:
         spec_draft_probs. Shadows of requests not in `live` (finished, preempted) go."""
         for rid in [r for r in self.shadows if r not in live]:
             self.forget(rid)
+        self.last_tokens = 0
         todo: list[tuple[Request, Request, int]] = []
         for req, k in rows:
             k = min(k, self.max_model_len - req.num_tokens)
@@ -242,6 +244,7 @@ class DraftModel:
         target request samples)."""
         logits, reqs, _ = self.runner.execute(batch, logits_only=True)  # type: ignore[misc]
         self.steps += 1
+        self.last_tokens += sum(s.num_new_tokens for s in batch)
         for s in batch:
             s.request.num_computed_tokens += s.num_new_tokens
         if logits is None:

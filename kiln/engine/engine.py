@@ -258,9 +258,12 @@ class Engine:
             self._trace_schedule(sched)
         t0 = time.perf_counter()
         sampled, logprobs, prompt_lps = self._execute(sched)
+        t_exec = time.perf_counter() - t0
         touched = self.scheduler.update(sched, sampled, logprobs, prompt_lps)
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
+        if self.spec is not None and len(sched.scheduled) == 1:  # the auto K's cost line
+            self.spec.observe_step(len(sched.scheduled[0].spec_token_ids), t_exec)
         self.stats.tokens_computed += sched.num_tokens
         self._process(touched, outputs)
         return outputs

@@ -24,16 +24,24 @@ the same step, so one step can score all k + 1 positions: no structured-output g
 mask follows every token; a constrained row gets no drafts), no repetition / presence /
 frequency penalty, and min_tokens already reached. Other rows decode one token as before.
 
-K: fixed (--num-speculative-tokens K), or `auto`: K follows the acceptance measured so far.
-Drafts of one step are accepted in a run that ends at the first rejection, so the per-token
-acceptance rate a is estimated as accepted / (accepted + rejections) (the geometric model's
-estimate, which does not count the drafts after a rejection); the expected run of accepted
-drafts is a / (1 - a), and K is that, rounded, between 1 and AUTO_MAX_K (starting at
-AUTO_START_K), re-estimated every step from decayed counts (half-life ~AUTO_HALF_LIFE drafts).
+K: fixed (--num-speculative-tokens K), or `auto`: K follows the acceptance and the cost measured
+so far. Drafts of one step are accepted in a run that ends at the first rejection, so the
+per-token acceptance rate a is estimated as accepted / (accepted + rejections) (the geometric
+model's estimate, which does not count the drafts after a rejection), from decayed counts
+(half-life ~AUTO_HALF_LIFE drafts). A step with K drafts then yields (1 - a^(K+1)) / (1 - a)
+tokens on average. What it costs is measured: the seconds of each single-stream drafted step
+(the target's verify of K + 1 rows plus the drafting that preceded it) are fit as c0 + c1 K by
+decayed least squares, and K is the one of 1..AUTO_MAX_K with the most tokens per second. On a
+CPU a verify row costs compute (it is not free as on a GPU), so the best K is small where a long
+run of accepted drafts alone would ask for a large one: measured on 2 cores, Qwen2.5-Coder 0.5B
+drafting for 1.5B, K = 2 1.15x, 3 1.13x, 4 1.08x, the run-length rule's ~6 0.96x. To keep the fit
+informed K is dithered: one step in AUTO_DITHER tries K + 1, another K - 1. Until the fit has
+two distinct K, K is the expected run of accepted drafts, a / (1 - a), rounded.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +56,47 @@ from kiln.errors import ConfigError
 AUTO_START_K = 4
 AUTO_MAX_K = 8
 AUTO_HALF_LIFE = 64  # drafts
+AUTO_COST_HALF_LIFE = 32  # measured steps
+AUTO_DITHER = 8  # steps per dither cycle (one at K + 1, one at K - 1)
+
+
+class CostFit:
+    """Seconds of a drafted step as c0 + c1 * K: least squares over decayed sums."""
+
+    def __init__(self, half_life: float = AUTO_COST_HALF_LIFE) -> None:
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.w = self.x = self.xx = self.y = self.xy = 0.0
+
+    def add(self, k: int, seconds: float) -> None:
+        d = self.decay
+        self.w = self.w * d + 1.0
+        self.x = self.x * d + k
+        self.xx = self.xx * d + k * k
+        self.y = self.y * d + seconds
+        self.xy = self.xy * d + k * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """(c0, c1), or None until two distinct K have been seen."""
+        var = self.w * self.xx - self.x * self.x
+        if self.w < 4 or var <= 1e-6 * self.w * self.w:
+            return None
+        c1 = max(0.0, (self.w * self.xy - self.x * self.y) / var)
+        c0 = (self.y - c1 * self.x) / self.w
+        return (c0, c1) if c0 > 0 else None
+
+
+def best_k(a: float, cost: tuple[float, float] | None, k_max: int = AUTO_MAX_K) -> int:
+    """The K of the most tokens per second: (1 - a^(K+1)) / (1 - a) tokens for c0 + c1 K
+    seconds; without a cost line, the expected run of accepted drafts a / (1 - a)."""
+    if cost is None:
+        run = a / (1.0 - a) if a < 1.0 else float(k_max)
+        return max(1, min(k_max, round(run)))
+
+    def rate(k: int) -> float:
+        tokens = float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        return tokens / (cost[0] + cost[1] * k)
+
+    return max(range(1, k_max + 1), key=rate)
 
 
 @dataclass
@@ -140,9 +189,13 @@ class Speculator:
         self.max_model_len = max_model_len
         self.drafter = drafter
         self.stats = SpecStats()
-        # decayed counts for the auto K (see the module docstring)
+        # decayed counts and the cost line for the auto K (see the module docstring)
         self._acc = 0.0
         self._rej = 0.0
+        self.cost = CostFit()
+        self._proposals = 0
+        self.propose_seconds = 0.0  # the last propose call's drafting (a draft model's forwards)
+        self.propose_tokens = 0  # tokens the draft model computed in it
 
     @property
     def k(self) -> int:
@@ -150,14 +203,27 @@ class Speculator:
             return self.config.num_tokens
         if self._acc + self._rej < 4:
             return AUTO_START_K
-        a = self._acc / (self._acc + self._rej)
-        run = a / (1.0 - a) if a < 1.0 else float(AUTO_MAX_K)
-        return max(1, min(AUTO_MAX_K, round(run)))
+        return best_k(self._acc / (self._acc + self._rej), self.cost.line())
+
+    def observe_step(self, k: int, seconds: float) -> None:
+        """A single-stream step that verified `k` drafts took `seconds` (its verify, plus the
+        drafting before it): one point of the auto K's cost line."""
+        # a draft model that prefilled a prompt in that call is not a steady step's cost (its
+        # steady drafting computes at most k + 1 tokens: the catch-up's 2, then k - 1 steps)
+        if self.config.num_tokens is None and k > 0 and self.propose_tokens <= k + 1:
+            self.cost.add(k, seconds + self.propose_seconds)
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for every running request that is decoding (its KV reaches all but its last
         token); `spec_token_ids` of the others is left empty."""
         k_max = self.k
+        if self.config.num_tokens is None and k_max > 0:  # dither, so the cost fit sees 2+ K
+            self._proposals += 1
+            phase = self._proposals % AUTO_DITHER
+            if phase == 1:
+                k_max = min(AUTO_MAX_K, k_max + 1)
+            elif phase == AUTO_DITHER // 2 + 1:
+                k_max = max(1, k_max - 1)
         limit = self.config.disable_by_batch_size
         if limit is not None:
             decoding = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
@@ -183,7 +249,10 @@ class Speculator:
                                                self.config.ngram_max)
         if self.drafter is not None:
             # every row that is not drafting now gives up its draft KV
+            t0 = time.perf_counter()
             self.drafter.propose(rows, {r.request_id for r in running})
+            self.propose_seconds = time.perf_counter() - t0
+            self.propose_tokens = self.drafter.last_tokens
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One verified row: `num_drafted` drafts, of which the first `num_accepted` held."""
