@@ -21,6 +21,9 @@ benchmarks/data/perplexity.txt -c 512` (it prints `Final estimate: PPL = ...`): 
 and scored half; it puts a BOS token at the start of each window where the vocabulary asks for
 one (Qwen2's does not), so on such models its numbers are a little lower than this script's.
 
+--llama-perplexity PATH runs that binary on the same file, text and window (-c, -t --threads)
+and adds its estimate to the results, with each variant's ratio to it.
+
 --speed adds decode throughput: all variants' servers stay up, and rounds alternate between
 them (A, B, C, A, B, C, ...): per round and variant, 1 request (c=1) and then 16 at once
 (c=16) of --tokens greedy tokens each (ignore_eos); tokens/s = generated tokens / wall time of
@@ -114,6 +117,25 @@ def decode_round(base: str, model: str, concurrency: int, tokens: int) -> float:
     return done / (time.perf_counter() - t0)
 
 
+def llama_perplexity(binary: Path, model: str, text: Path, ctx: int, threads: int) -> dict:
+    """llama.cpp's llama-perplexity on the same file, text and window: its final estimate."""
+    import re
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(binary), "-m", model, "-f", str(text), "-c", str(ctx), "-t",
+                           str(threads), "-tb", str(threads)], capture_output=True, text=True,
+                          timeout=7200, check=False)
+    out = proc.stdout + proc.stderr
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    if proc.returncode != 0 or not m:
+        raise SystemExit(f"llama-perplexity failed (rc {proc.returncode}): {out[-600:]}")
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+    return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2)),
+            "windows": int(chunks.group(1)) if chunks else None,
+            "seconds": time.perf_counter() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a .gguf file (or any MODEL kiln serve takes)")
@@ -126,6 +148,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="tokens per decode request")
     ap.add_argument("--port", type=int, default=0, help="first port (default: free ones)")
+    ap.add_argument("--llama-perplexity", type=Path, default=None, metavar="PATH",
+                    help="llama.cpp's llama-perplexity binary: run it on the same file and text")
+    ap.add_argument("--threads", type=int, default=2, help="llama-perplexity's -t")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     # SIGTERM (a timeout) unwinds like Ctrl-C, so the servers below are stopped
@@ -162,6 +187,17 @@ def main() -> None:
                 sampler.__exit__(None, None, None)
                 cm.__exit__(None, None, None)
                 servers.pop()
+        if args.llama_perplexity:
+            ref = llama_perplexity(args.llama_perplexity, args.model, args.text, args.ctx,
+                                   args.threads)
+            results["llama-perplexity"] = ref
+            print(f"llama-perplexity ppl {ref['ppl']:.4f} +/- {ref['ppl_err']:.4f} "
+                  f"({ref['windows']} windows, {ref['seconds']:.0f} s)", flush=True)
+            for label in [v[0] for v in variants]:
+                if label in results:
+                    ratio = results[label]["ppl"] / ref["ppl"]
+                    results[label]["ppl_vs_llama_perplexity"] = ratio
+                    print(f"{label:10s} / llama-perplexity: {ratio:.4f}", flush=True)
         if args.speed:
             speed: dict[str, dict[str, list[float]]] = {
                 s[0]: {"c1": [], "c16": []} for s in servers}

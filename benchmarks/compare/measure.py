@@ -55,14 +55,41 @@ WORKLOADS = [
         3,
         1,
     ),
+    # Long prompts (not run by default: minutes per request on 2 cores for a 1.5B model): the
+    # time to the first token of one 2k / 8k-token prompt, nothing else running.
+    Workload(
+        "ttft2k", "TTFT of a 2048-token prompt", WorkloadConfig("fixed", "completions", 2048, 1),
+        1, 3, 1, 0,
+    ),
+    Workload(
+        "ttft8k", "TTFT of an 8192-token prompt", WorkloadConfig("fixed", "completions", 8192, 1),
+        1, 2, 1, 0,
+    ),
 ]
+DEFAULT_WORKLOADS = ("c1", "c16", "prefix", "prefill")
+BY_KEY = {w.key: w for w in WORKLOADS}
+
+
+def chosen(keys: list[str]) -> list[Workload]:
+    """The workloads named (in the table's order)."""
+    return [w for w in WORKLOADS if w.key in keys]
+
+
+def longest_request(workloads: list[Workload]) -> int:
+    """Tokens the longest request of these workloads holds: prefix + prompt + output."""
+    def tokens(w: WorkloadConfig) -> int:
+        prefix = w.prefix_len if w.kind == "shared-prefix" else 0
+        return prefix + w.input_len + w.output_len
+
+    return max(tokens(w.workload) for w in workloads)
 
 
 async def measure(
-    base: str, model: str, launch: Launch, ctx: Context, counter: Callable[[str], int] | None
+    base: str, model: str, launch: Launch, ctx: Context, counter: Callable[[str], int] | None,
+    workloads: list[Workload] | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for wl in WORKLOADS:
+    for wl in workloads or chosen(list(DEFAULT_WORKLOADS)):
         n = wl.quick_requests if ctx.quick else wl.num_requests
         cfg = BenchConfig(
             base_url=base,

