@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kiln.layers import cpu_kernels, kquant
+from kiln.layers import cpu_kernels_avx2, kquant
 from kiln.layers.quant import quantize_int4_groups
 
 # (name, out rows, in features, ggml type): one Qwen2.5-Coder-0.5B Q4_K_M layer's linears
@@ -89,7 +89,7 @@ def main() -> None:
     if args.model:
         whole_model(args.model, args.rounds, args.json)
         return
-    assert kquant.available() and cpu_kernels.avx2_available(), "needs the AVX2 kernels"
+    assert kquant.available() and cpu_kernels_avx2.avx2_available(), "needs the AVX2 kernels"
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     layers = []
@@ -97,7 +97,7 @@ def main() -> None:
         b = kquant._random_blocks(n, k, t, g)
         gq = quantize_int4_groups(b.dequantize())
         layers.append((f"{name} {n}x{k} {t}", b, kquant.pack(b),
-                       cpu_kernels.pack_q4(gq.q, gq.scale, gq.min)))
+                       cpu_kernels_avx2.pack_q4(gq.q, gq.scale, gq.min)))
     ms = [int(m) for m in args.rows.split(",")]
     res: dict[str, dict[str, list[float]]] = {}
     print(f"threads {args.threads}, load average {os.getloadavg()}")
@@ -109,7 +109,7 @@ def main() -> None:
                 calls = {
                     "tiles": lambda x=x, w=tiles, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
                     "rows": lambda x=x, w=b.raw, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
-                    "int4": lambda x=x, w=q4, n=n: cpu_kernels.q4_linear(x, w, n)}
+                    "int4": lambda x=x, w=q4, n=n: cpu_kernels_avx2.q4_linear(x, w, n)}
                 v = {name: best(fn, args.reps) for name, fn in calls.items()}
                 key = f"{label} M={m}"
                 for name, s in v.items():

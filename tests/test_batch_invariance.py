@@ -74,10 +74,10 @@ def test_decode_steps_run_the_invariant_layer_kernel(llm: Any) -> None:
     """With kiln's AVX2 kernels, SmolLM2's decode-only steps run each layer as one call of the
     kernels its eager steps chain (cpu_kernels_avx2.cpp decode_layer): the 16-at-once test
     below then compares those steps with the eager ones that mix decodes and prefill."""
-    from kiln.layers import cpu_kernels
+    from kiln.layers import cpu_kernels_avx2
 
     decided = llm.engine.runner.decisions
-    if not decided.batch_invariant.value or not cpu_kernels.avx2_available():
+    if not decided.batch_invariant.value or not cpu_kernels_avx2.avx2_available():
         pytest.skip("no AVX2 kernels here")
     assert decided.decode_path.value == "kernel", decided.decode_path.reason
     assert "any row count" in decided.decode_path.reason

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.layers import cpu_kernels as ck
+from kiln.layers import cpu_kernels as cke
+from kiln.layers import cpu_kernels_avx2 as ck
 from kiln.layers.moe import Experts, softmax_topk
 from kiln.layers.quant import GroupQuant, Int4Linear, quantize_int4_groups
 
@@ -289,14 +290,14 @@ def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
     x = torch.randn(37, 96, generator=g)
     w = torch.randn(96, generator=g)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    got = ck.rms_norm(x, w, 1e-5)
+    got = cke.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(ck.rms_norm(x[5:6], w, 1e-5), got[5:6])
+    assert torch.equal(cke.rms_norm(x[5:6], w, 1e-5), got[5:6])
 
     gu = torch.randn(37, 2 * 48, generator=g) * 4
-    got = ck.silu_mul(gu)
+    got = cke.silu_mul(gu)
     torch.testing.assert_close(got, F.silu(gu[:, :48]) * gu[:, 48:], rtol=1e-5, atol=1e-6)
-    assert torch.equal(ck.silu_mul(gu[7:8]), got[7:8])
+    assert torch.equal(cke.silu_mul(gu[7:8]), got[7:8])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -307,7 +308,7 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
     each op), k and v stored at their slots, other slots left."""
     from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 
-    if dtype == torch.bfloat16 and not ck.available():
+    if dtype == torch.bfloat16 and not cke.available():
         pytest.skip("no AVX512-BF16 kernels here")
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6,
                                                                           "atol": 1e-6}
@@ -319,7 +320,7 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
     k = torch.randn(pool, hk, d, generator=g).to(dtype)
     v = torch.randn(pool, hk, d, generator=g).to(dtype)
     k0, v0 = k.clone(), v.clone()
-    q = ck.rope_write(qkv, cos, sin, k, v, slots, hq)
+    q = cke.rope_write(qkv, cos, sin, k, v, slots, hq)
     x = qkv.view(t, hq + 2 * hk, d)
     torch.testing.assert_close(q, apply_rotary(x[:, :hq], cos, sin), **tol)
     torch.testing.assert_close(k[slots], apply_rotary(x[:, hq:hq + hk], cos, sin), **tol)
@@ -328,12 +329,12 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
     rest[slots] = False
     assert torch.equal(k[rest], k0[rest]) and torch.equal(v[rest], v0[rest])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        ck.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
+        cke.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
 
 
 @pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "decode+chunk"])
 def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
-    """decode_layer_avx2 (one call per layer for a whole step) against the same kernels called
+    """cpu_kernels_avx2.decode_layer (one call per layer for a whole step) against the same kernels called
     one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
     are the same bits (the batch-invariance argument for kernel steps vs eager steps). The down
     projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher), the o
@@ -366,15 +367,15 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
     scale, eps = d ** -0.5, 1e-5
 
     k, v = k0.clone(), v0.clone()
-    hidden = ck.rms_norm(x, ln1, eps)
-    q = ck.rope_write(ck.q4_linear(hidden, w_qkv, qkv_n), cos, sin, k, v, slots, hq)
+    hidden = cke.rms_norm(x, ln1, eps)
+    q = cke.rope_write(ck.q4_linear(hidden, w_qkv, qkv_n), cos, sin, k, v, slots, hq)
     att = ck.attend_rows(q, k, v, gather, row_of, lens, scale)
     x1 = x + (ck.q4_linear(att.view(b, -1), w_o, h) + b_o)
-    gu = ck.q4_linear(ck.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
-    want = x1 + kquant.kq_linear(ck.silu_mul(gu), [w_down], [down.type_id], [h])
+    gu = ck.q4_linear(cke.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
+    want = x1 + kquant.kq_linear(cke.silu_mul(gu), [w_down], [down.type_id], [h])
 
     k2, v2 = k0.clone(), v0.clone()
-    got = ck.decode_layer_avx2(
+    got = ck.decode_layer(
         x, cos, sin, ln1, ln2, eps, [w_qkv, w_o, w_gu, w_down],
         [ck.Q4_KIND, ck.Q4_KIND, ck.Q4_KIND, down.type_id], [qkv_n, h, 2 * inter, h],
         [1, 1, 1, 1], [None, b_o, None, None], k2, v2, slots, gather, row_of, lens, hq, scale)

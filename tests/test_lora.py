@@ -77,13 +77,13 @@ def tiny_engine(base_dir, paths, **kw):
 
 
 def test_lora_add_kernel_equals_the_grouped_matmuls():
-    """cpu_kernels.lora_add (one call per linear) against the per-group matmuls it replaces:
+    """cpu_kernels_avx2.lora_add (one call per linear) against the per-group matmuls it replaces:
     uneven groups (1..9 rows: the 4-row blocks and their tails), base rows between them, an
     adapter slot the linear does not have, ranks below the stack's, block-diagonal pieces
     (a packed linear's shards) and widths that are not a multiple of 8."""
-    from kiln.layers import cpu_kernels
+    from kiln.layers import cpu_kernels_avx2
 
-    if not cpu_kernels.avx2_available():
+    if not cpu_kernels_avx2.avx2_available():
         pytest.skip("kiln's AVX2 kernels are not built here")
     g = torch.Generator().manual_seed(0)
     k, n, r_max = 70, 45, 12
@@ -116,7 +116,7 @@ def test_lora_add_kernel_equals_the_grouped_matmuls():
         if slot in adapters:
             r = adapters[slot][0]
             want[first:end] += (x[first:end] @ a[int(local[slot]), :r].t()) @ dense_b[slot].t()
-    cpu_kernels.lora_add(out, x, a, bt, pieces, ranks,
+    cpu_kernels_avx2.lora_add(out, x, a, bt, pieces, ranks,
                          torch.tensor(groups, dtype=torch.int64), local)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 

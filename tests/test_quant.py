@@ -237,7 +237,7 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear, Int8Linear})
     assert isinstance(model.lm_head, Int8Linear)
     # On a CPU with AVX512-BF16 every quantized layer runs kiln's own kernels (int4 and int8).
-    from kiln.layers import cpu_kernels
+    from kiln.layers import cpu_kernels, cpu_kernels_avx2
     assert all(m.kiln == cpu_kernels.available() for m in quantized_layers)
     fp32_bytes = smollm2_runner.weight_bytes
     if mode.endswith("+dense"):
@@ -249,7 +249,7 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
                         or getattr(m, "q8", False))]
         assert all(m.dense is not None and m.dense.dtype == torch.bfloat16 for m in kept)
         assert all(m.dense is None for m in quantized_layers if m not in kept)
-        kernels = cpu_kernels.available() or cpu_kernels.avx2_available()
+        kernels = cpu_kernels.available() or cpu_kernels_avx2.avx2_available()
         assert (mode != "int4+dense") or (
             len(kept) == (0 if model.lm_head.q8 else 1) if kernels else len(kept) != 1)
         assert llm.engine.runner.weight_bytes < fp32_bytes * 0.75

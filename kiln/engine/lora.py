@@ -190,9 +190,9 @@ def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
     matmuls, two per group of rows."""
     if device.type != "cpu" or dtype != torch.float32:
         return False
-    from kiln.layers import cpu_kernels
+    from kiln.layers import cpu_kernels_avx2
 
-    return cpu_kernels.avx2_available()
+    return cpu_kernels_avx2.avx2_available()
 
 
 @dataclass
@@ -257,9 +257,9 @@ class _TargetHook:
                 and x.dtype == out.dtype == torch.float32
                 and x.stride(1) == 1 and out.stride(1) == 1):
             # One call for all groups: shrink and expand per row block, added into out.
-            from kiln.layers import cpu_kernels
+            from kiln.layers import cpu_kernels_avx2
 
-            cpu_kernels.lora_add(out, x, st.a, st.bt, st.pieces, st.ranks, step.seg, st.local)
+            cpu_kernels_avx2.lora_add(out, x, st.a, st.bt, st.pieces, st.ranks, step.seg, st.local)
             return out
         for slot, first, end in step.groups:
             w = self.weights.get(slot)

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers import cpu_kernels
+from kiln.layers import cpu_kernels, cpu_kernels_avx2
 
 INT8_SCALE_DTYPE = torch.float16  # per (slot, head) scale of int8 KV
 INT8_SCALE_BYTES = 2
@@ -147,7 +147,7 @@ class KVStore:
         # Decode rows and prefill chunks read this pool with kiln's CPU kernels (set by
         # Attention.attach).
         self.kernel = False
-        # Every row attends with kiln's batch-invariant kernel (cpu_kernels.attend_rows).
+        # Every row attends with kiln's batch-invariant kernel (cpu_kernels_avx2.attend_rows).
         self.invariant = False
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
@@ -259,7 +259,7 @@ class Attention(nn.Module):
                         and self.head_dim % 8 == 0 and self.v_head_dim % 8 == 0
                         and self.head_dim <= 256 and self.v_head_dim <= 256
                         and self.num_heads // self.num_kv_heads <= 16
-                        and cpu_kernels.avx2_available())
+                        and cpu_kernels_avx2.avx2_available())
         self.kv = kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
@@ -397,7 +397,7 @@ class Attention(nn.Module):
         return own, torch.arange(rows.shape[0], device=rows.device), lens - start
 
     def _invariant(self, q: torch.Tensor, kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
-        """Every row of the step through cpu_kernels.attend_rows, reading the pool (this step's
+        """Every row of the step through cpu_kernels_avx2.attend_rows, reading the pool (this step's
         K/V are written already): a decode row over its gathered slots up to its length, a
         prefill row over its chunk's context up to its own position. A row's arithmetic depends
         only on its query and context, so it is the same alone or batched, in one prefill chunk
@@ -411,7 +411,7 @@ class Attention(nn.Module):
                                   meta.decode_lens)
             if self.sliding_window is not None:
                 gather, rows, lens = self._window_rows(gather, rows, lens)
-            out[:nd] = cpu_kernels.attend_rows(qf[:nd], kv.k, kv.v, gather, rows, lens,
+            out[:nd] = cpu_kernels_avx2.attend_rows(qf[:nd], kv.k, kv.v, gather, rows, lens,
                                                self.scale)
         for c in meta.prefills:
             slots = meta.slot_mapping[c.start:c.end] if c.gather is None else c.gather
@@ -421,7 +421,7 @@ class Attention(nn.Module):
             rows = torch.zeros(n, dtype=torch.long, device=q.device)
             if self.sliding_window is not None:
                 gather, rows, lens = self._window_rows(gather, rows, lens)
-            out[c.start:c.end] = cpu_kernels.attend_rows(
+            out[c.start:c.end] = cpu_kernels_avx2.attend_rows(
                 qf[c.start:c.end], kv.k, kv.v, gather, rows, lens, self.scale)
         return out.to(q.dtype).reshape(q.shape[0], self.num_heads * self.v_head_dim)
 

@@ -10,7 +10,7 @@
 //                     byte j = q[j] | q[j + 16] << 4 (llama.cpp's Q4_0 order)
 //     bytes 128..143  fp16 scale of rows 0..7
 //     bytes 144..159  fp16 min of rows 0..7
-//   (rows past N are zero padding; cpu_kernels.pack_q4 writes it, unpack_q4 reads it back)
+//   (rows past N are zero padding; cpu_kernels_avx2.py pack_q4 writes it, unpack_q4 reads it back)
 //
 // Activations are quantized the llama.cpp way (Q8_0): per row and group of 32, one fp32 scale
 // d = amax / 127 and int8 codes round(x / d). A group's dot product is then

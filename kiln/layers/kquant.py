@@ -103,7 +103,7 @@ def unpack(packed: torch.Tensor, type_name: str, rows: int, in_features: int) ->
 def quantize_act(x: torch.Tensor) -> torch.Tensor:
     """The activation as the kernel sees it (int8 per group of 32, returned dequantized): the
     AVX2 q4 kernel's rounding, one definition for both."""
-    from kiln.layers.cpu_kernels import quantize_act_q8
+    from kiln.layers.cpu_kernels_avx2 import quantize_act_q8
 
     return quantize_act_q8(x)
 

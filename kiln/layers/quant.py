@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers import cpu_kernels
+from kiln.layers import cpu_kernels, cpu_kernels_avx2
 from kiln.layers.linear import Linear, TiedLMHead, pack_weight, packed_linear
 
 log = logging.getLogger("kiln.quant")
@@ -97,7 +97,7 @@ PACKED_DENSE_MIN_M = 4
 KILN_INT4_A8_MIN_M = 32
 KILN_INT8_DENSE_MIN_M = 16
 # AVX2_INT4: on x86 CPUs without AVX512-BF16, int4 layers run kiln's AVX2 kernel
-# (cpu_kernels.q4_linear: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
+# (cpu_kernels_avx2.q4_linear: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
 # int8 x 4-bit dot products) at every row count and keep no dense copy. One Zen 3 thread (a
 # shared machine: ratios): [768, 1024] at M=1 38 us vs 140 for PyTorch's int4 kernel; M=16
 # 378 vs 1281 (vs 970 for fp32 F.linear on a dense copy); against the dense copy at prefill
@@ -301,7 +301,7 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
         # Whether kiln's AVX2 q8_linear can run this layer (no AVX512-BF16); fix_kernel_choice
         # sets `q8` on the head, which then runs it at every row count (see AVX2_INT8 above).
-        self.q8_ok = (not self.kiln and use_kernels and cpu_kernels.q8_ok(q.device, k)
+        self.q8_ok = (not self.kiln and use_kernels and cpu_kernels_avx2.q8_ok(q.device, k)
                       and self.scales.dtype in (torch.float32, torch.bfloat16))
         self.q8 = False
 
@@ -321,7 +321,7 @@ class Int8Linear(_QuantizedLinear):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.q8:
-            y = cpu_kernels.q8_linear(x2.float(), self.weight, self.scales)
+            y = cpu_kernels_avx2.q8_linear(x2.float(), self.weight, self.scales)
         elif self._use_dense(x2.shape[0]):
             y = self._dense_linear(x2)
         elif self.kiln:
@@ -385,7 +385,7 @@ class Int4Linear(_QuantizedLinear):
                      and cpu_kernels.linear_ok(device, n, k))
         # Without AVX512-BF16: kiln's AVX2 kernel (int8 activations, see AVX2_INT4 above).
         self.avx2 = (not self.kiln and use_kernels and gq.group_size == 32
-                     and cpu_kernels.q4_ok(device, k))
+                     and cpu_kernels_avx2.q4_ok(device, k))
         self.native = (not self.kiln and not self.avx2 and native_int4(device.type)
                        and k % gq.group_size == 0
                        and n % 16 == 0 and gq.group_size in (32, 64, 128, 256))
@@ -395,8 +395,8 @@ class Int4Linear(_QuantizedLinear):
         if self.kiln:  # cpu_kernels.pack_w4's layout: codes + fp16 scale/min per group of 32
             self.register_buffer("packed", cpu_kernels.pack_w4(gq.q, gq.scale, gq.min))
             self.register_buffer("scales_zeros", None)
-        elif self.avx2:  # cpu_kernels.pack_q4's layout: tiles of 8 rows, fp16 scale/min
-            self.register_buffer("packed", cpu_kernels.pack_q4(gq.q, gq.scale, gq.min))
+        elif self.avx2:  # cpu_kernels_avx2.pack_q4's layout: tiles of 8 rows, fp16 scale/min
+            self.register_buffer("packed", cpu_kernels_avx2.pack_q4(gq.q, gq.scale, gq.min))
             self.register_buffer("scales_zeros", None)
         elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -425,7 +425,7 @@ class Int4Linear(_QuantizedLinear):
             y = cpu_kernels.w4_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
         elif self.avx2:
             xa = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
-            y = cpu_kernels.q4_linear(xa, self.packed, self.out_features)
+            y = cpu_kernels_avx2.q4_linear(xa, self.packed, self.out_features)
         elif self.native and (self.fixed or m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
@@ -461,7 +461,7 @@ class Int4Linear(_QuantizedLinear):
         if self.kiln:
             return GroupQuant(*cpu_kernels.unpack_w4(self.packed), g).dequantize(dtype)
         if self.avx2:
-            return GroupQuant(*cpu_kernels.unpack_q4(self.packed, n), g).dequantize(dtype)
+            return GroupQuant(*cpu_kernels_avx2.unpack_q4(self.packed, n), g).dequantize(dtype)
         if self.native:
             if self.block_n is not None:
                 return self._dequant_t(torch.float32).t().to(dtype)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers import cpu_kernels
+from kiln.layers import cpu_kernels, cpu_kernels_avx2
 from kiln.layers.attention import Attention, get_context
 from kiln.layers.linear import Linear, MergedLinear, TiedLMHead
 from kiln.layers.norm import RMSNorm
@@ -156,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
         # (weights, w8 scales) for forward_decode_kernel, gathered on its first call.
         self._kernel_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        # decode_layer_avx2's arguments (see _avx2_layer_args; () when it cannot run)
+        # cpu_kernels_avx2.decode_layer's arguments (see _avx2_layer_args; () when it cannot run)
         self._avx2_args: tuple | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +206,7 @@ class LlamaDecoderLayer(nn.Module):
         if kv.invariant:  # the AVX2 layer kernel: any step, each row its own context
             args = self._avx2_layer_args()
             assert args is not None and meta.step_rows is not None
-            return cpu_kernels.decode_layer_avx2(
+            return cpu_kernels_avx2.decode_layer(
                 x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                 self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
                 *meta.step_rows, attn.num_heads, attn.attn.scale)
@@ -225,8 +225,8 @@ class LlamaDecoderLayer(nn.Module):
             attn.num_heads, attn.attn.scale)
 
     def _avx2_layer_args(self) -> tuple | None:
-        """decode_layer_avx2's (weights, kinds, rows, counts, biases) for this layer, or None
-        where its eager fp32 forward does not run exactly the kernels decode_layer_avx2 chains
+        """cpu_kernels_avx2.decode_layer's (weights, kinds, rows, counts, biases) for this layer, or None
+        where its eager fp32 forward does not run exactly the kernels cpu_kernels_avx2.decode_layer chains
         (rms_norm, a q4 / GGUF-block linear + bias, rope_write, attend_rows, silu_mul): the two
         must compute a decode row the same way, bit for bit (--batch-invariant)."""
         if self._avx2_args is not None:
@@ -246,7 +246,7 @@ class LlamaDecoderLayer(nn.Module):
         parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if isinstance(lin, Int4Linear) and lin.avx2 and lin.dense is None:
-                parts.append(([lin.packed], [cpu_kernels.Q4_KIND], [lin.out_features]))
+                parts.append(([lin.packed], [cpu_kernels_avx2.Q4_KIND], [lin.out_features]))
             elif isinstance(lin, KQuantLinear) and lin.kernel:
                 parts.append((lin._parts(), list(lin.types), list(lin.rows)))
             else:

@@ -1,0 +1,230 @@
+"""Python faces of kiln's AVX2 kernels (cpu_kernels_avx2.cpp), for x86 CPUs with AVX2 + FMA +
+F16C and no AVX512-BF16 (this project's AMD EPYC CI). The library is built and loaded by
+kiln/layers/cpu_kernels.py's builder (`avx2_available()` here asks it once).
+
+`q4_linear`: int4 weights in pack_q4's tiles x activations quantized to int8 per group of 32
+(llama.cpp's Q4_0 x Q8_0 scheme); `moe_q4`: a whole MoE layer's routed experts in one call;
+`lora_add`: a linear's LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py);
+`attend_rows`: attention row by row in one fixed order (batch-invariant); `q8_linear`: the int8
+head; `decode_layer`: a whole Llama decoder layer of any step (decode rows, prefill chunks,
+speculative verify rows) in one call, chaining those kernels in the eager layer's order. The
+elementwise kernels (rms_norm, silu_mul, rope_write) are dispatched by dtype in cpu_kernels.py
+with the AVX512 library's. Why kiln's own: PyTorch's `_weight_int4pack_mm_for_cpu` is
+compute-bound there ([1,1024] x [768,1024]: ~140 us on one Zen 3 thread, vs ~38 us for
+q4_linear), and a MoE step made 2 module calls per active expert.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kiln.layers.cpu_kernels import AVX2_SOURCE, load_checked, register_elementwise_fakes
+
+Q4_TILE = 8  # output rows per tile of pack_q4's layout
+Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 fp16 mins
+
+
+@functools.cache
+def avx2_available() -> bool:
+    """cpu_kernels_avx2.cpp, built and self-checked once (no compiler, no AVX2/FMA/F16C, not x86
+    Linux: False)."""
+    return load_checked("kiln_cpu_avx2", AVX2_SOURCE, "kiln's AVX2 kernels", "AVX2/FMA/F16C",
+                         _register_avx2_fakes, _avx2_self_check)
+
+
+def q4_ok(device: torch.device, k: int) -> bool:
+    """Whether a 4-bit linear over k inputs can run on the AVX2 kernels here."""
+    return device.type == "cpu" and k % 32 == 0 and avx2_available()
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q +
+    min) -> the AVX2 kernels' layout, uint8 [ceil(N/8), K/32, 160] (see cpu_kernels_avx2.cpp):
+    per tile of 8 rows and group, the codes of row pairs (p, p+4) in 32 bytes each (byte j of
+    a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales, then their fp16 mins. Rows
+    past N are zeros."""
+    n, k = q.shape
+    g = k // 32
+    nt = (n + Q4_TILE - 1) // Q4_TILE
+    pad = nt * Q4_TILE - n
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, g)])
+        mn = torch.cat([mn, mn.new_zeros(pad, g)])
+    c = q.to(torch.uint8).reshape(nt, Q4_TILE, g, 2, 16)
+    codes = c[..., 0, :] | (c[..., 1, :] << 4)  # [NT, 8 rows, G, 16]
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+    codes = codes[:, order].permute(0, 2, 1, 3).reshape(nt, g, 128)
+
+    def f16(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [NT, G, 16 bytes]
+        return t.to(torch.float16).reshape(nt, Q4_TILE, g).transpose(1, 2).contiguous() \
+            .view(torch.uint8)
+
+    return torch.cat([codes, f16(scale), f16(mn)], dim=-1).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q4's inverse: (codes uint8 [n, K], scale fp32 [n, K/32], min fp32 [n, K/32])."""
+    nt, g, _ = packed.shape
+    b = packed[..., :128].reshape(nt, g, Q4_TILE, 16)  # rows in pair order 0,4,1,5,...
+    b = b[:, :, torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])]  # back to rows 0..7
+    q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [NT, G, 8, 2 halves, 16]
+    q = q.permute(0, 2, 1, 3, 4).reshape(nt * Q4_TILE, g * 32)[:n]
+
+    def f32(off: int) -> torch.Tensor:
+        return packed[..., off:off + 16].contiguous().view(torch.float16).transpose(1, 2) \
+            .reshape(nt * Q4_TILE, g)[:n].float()
+
+    return q, f32(128), f32(144)
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] fp32 or bf16 @ W^T, W in pack_q4's layout -> [M, n] in x's dtype. x is
+    quantized to int8 per group of 32 inside (llama.cpp's Q8_0): relative error vs the
+    dequantized weight in fp32 ~0.5% on random data (q4_reference computes the same rounding)."""
+    return torch.ops.kiln_avx2.q4_linear(x, packed, n)
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+             pieces: torch.Tensor, ranks: torch.Tensor, seg: torch.Tensor,
+             local: torch.Tensor) -> None:
+    """out [M, N] += (x [M, K] @ A_l^T) @ B_l^T over the row ranges of `seg` (int64 [S, 3]:
+    adapter slot, first row, end row; `local` int32 [slots] -> l, -1: skip), in place, fp32.
+    a [L, R, K], bt [L, R, N] (B transposed), pieces int32 [L, P, 4] (ranks j0..j1 write
+    columns lo..hi only), ranks int32 [L]: see lora_add in cpu_kernels_avx2.cpp."""
+    torch.ops.kiln_avx2.lora_add(out, x, a, bt, pieces, ranks, seg, local)
+
+
+def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+           w2: torch.Tensor, threads: int = 0) -> torch.Tensor:
+    """One MoE layer's routed experts in one call: x [T, H], ids/weights [T, k] (int64 /
+    fp32), w13 [E, 2I/8, H/32, 160] (pack_q4 of each expert's gate rows then up rows,
+    stacked), w2 [E, H/8, I/32, 160] -> sum_j weights[t, j] * down(silu(gate x) * up x),
+    [T, H] in x's dtype. An id of -1 skips its pair (its expert runs in another pool).
+    `threads`: OpenMP threads for this call (0: torch's count)."""
+    return torch.ops.kiln_avx2.moe_q4(x, ids, weights, w13, w2, threads)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                row_of: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Batch-invariant attention over the pool (cpu_kernels_avx2.cpp): query row t (q [T, Hq,
+    D] fp32) attends to the first lens[t] slots of table[row_of[t]] (k [S, Hk, D], v [S, Hk,
+    Dv], fp32 or bf16, read in place) -> fp32 [T, Hq, Dv]. Each (row, head) is computed alone,
+    in an order fixed by its own context length: the same bits whatever else is in the step."""
+    return torch.ops.kiln_avx2.attend_rows(q, k, v, table, row_of, lens, scale)
+
+
+def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ (w * scale)^T for an int8 weight w [N, K] with one fp32/bf16 scale per
+    row -> fp32 [M, N] (cpu_kernels_avx2.cpp): each output one FMA chain over K, the same bits
+    whatever the row count (the int8 head under --batch-invariant)."""
+    return torch.ops.kiln_avx2.q8_linear(x, w, scale)
+
+
+def q8_ok(device: torch.device, k: int) -> bool:
+    """Whether an int8 linear over k inputs can run q8_linear here."""
+    return device.type == "cpu" and k % 8 == 0 and avx2_available()
+
+
+def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          table: torch.Tensor, row_of: torch.Tensor, lens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """attend_rows in PyTorch, one row at a time (where the AVX2 library is not built; tests):
+    every row's ops see only its own context, so it is batch-invariant too, only slower."""
+    t_n, hq, _ = q.shape
+    hk = k.shape[1]
+    out = q.new_empty((t_n, hq, v.shape[-1]), dtype=torch.float32)
+    for t in range(t_n):
+        slots = table[int(row_of[t]), : int(lens[t])]
+        kt = k.index_select(0, slots).float().repeat_interleave(hq // hk, dim=1)  # [n, Hq, D]
+        vt = v.index_select(0, slots).float().repeat_interleave(hq // hk, dim=1)
+        s = (kt * q[t].float()).sum(-1) * scale  # [n, Hq]
+        out[t] = (torch.softmax(s, dim=0).unsqueeze(-1) * vt).sum(0)
+    return out
+
+
+def quantize_act_q8(x: torch.Tensor) -> torch.Tensor:
+    """What the AVX2 kernels see of an activation x [M, K]: int8 per group of 32 (scale
+    amax/127, round half to even), returned dequantized in fp32 (tests, self-check)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
+
+
+def q4_reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """q4_linear in fp32 PyTorch: scale * (q . xq) with x's int8 rounding, plus min * sum(x)
+    with x unrounded (what the kernel computes)."""
+    q, s, mn = unpack_q4(packed, n)
+    m, k = x.shape
+    g = k // 32
+    xq = quantize_act_q8(x).reshape(m, g, 32)
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(n, g, 32).double())
+    sums = x.double().reshape(m, g, 32).sum(-1)  # [M, G]
+    return ((dots * s.double()).sum(-1) + sums @ mn.double().t()).float()
+
+
+def _register_avx2_fakes() -> None:
+    @torch.library.register_fake("kiln_avx2::q4_linear")
+    def _(x, packed, n):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("kiln_avx2::attend_rows")
+    def _(q, k, v, table, row_of, lens, scale):
+        return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
+
+    register_elementwise_fakes("kiln_avx2")
+
+    @torch.library.register_fake("kiln_avx2::decode_layer")
+    def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
+          table, row_of, lens, num_heads, scale):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kiln_avx2::q8_linear")
+    def _(x, w, scale):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("kiln_avx2::moe_q4")
+    def _(x, ids, weights, w13, w2):
+        return torch.empty_like(x)
+
+
+def _avx2_self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    n, k = 21, 96
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = torch.rand(n, k // 32, generator=g) * 0.1
+    mn = -8 * s + torch.rand(n, k // 32, generator=g) * 0.05
+    x = torch.randn(5, k, generator=g)
+    packed = pack_q4(q, s, mn)
+    q2, s2, mn2 = unpack_q4(packed, n)
+    if not (torch.equal(q2, q) and torch.allclose(s2, s, rtol=1e-3)
+            and torch.allclose(mn2, mn, rtol=1e-3, atol=1e-5)):
+        return False
+    got, want = q4_linear(x, packed, n), q4_reference(x, packed, n)
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ln1: torch.Tensor, ln2: torch.Tensor, eps: float,
+                      weights: list[torch.Tensor], kinds: list[int], rows: list[int],
+                      counts: list[int], biases: list[torch.Tensor | None], k: torch.Tensor,
+                      v: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+                      row_of: torch.Tensor, lens: torch.Tensor, num_heads: int,
+                      scale: float) -> torch.Tensor:
+    """One Llama decoder layer of a whole step in one call (cpu_kernels_avx2.cpp
+    decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
+    `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
+    kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
+    `biases` per linear or None. table [R, L] / row_of [T] / lens [T]: what each row attends
+    to (attend_rows' arguments). The same kernels in the same order as the layer's eager
+    forward: the same bits."""
+    return torch.ops.kiln_avx2.decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
+                                            counts, biases, k, v, slots, table, row_of, lens,
+                                            num_heads, scale)
+
+
+Q4_KIND = -1  # decode_layer's kind of a pack_q4 weight
