@@ -525,3 +525,36 @@ def test_compare_ratios_pick_the_best_peer_per_direction() -> None:
     md = report.markdown_table(peers, 2, "model.gguf")
     assert md.startswith("| figure | better | kiln | llama-server | llama-cpp-python | vllm |")
     assert "vllm: install failed: no wheel" in md
+    assert "TTFT 8192-token prompt (ms)" not in rows  # a workload no peer ran has no row
+
+
+def test_compare_long_prompts_size_llama_server_to_them(tmp_path: Path) -> None:
+    """--workloads ttft8k: llama-server started from --llama-cpp-dir with one slot whose
+    context holds the 8k prompt (the default workloads: 16 slots of 2048); its TTFT is a row."""
+    from benchmarks.compare import measure, report
+    from benchmarks.compare.peers import Context, LlamaServerPeer
+
+    (tmp_path / "llama-server").write_text("")
+    longs = measure.chosen(["ttft8k", "c1"])
+    assert [w.key for w in longs] == ["c1", "ttft8k"]
+    assert measure.longest_request(measure.chosen(["ttft8k"])) == 8193
+    assert measure.longest_request(measure.chosen(list(measure.DEFAULT_WORKLOADS))) == 900 + 107 + 128
+
+    def launch(workloads: list[Any]) -> list[str]:
+        ctx = Context(gguf=tmp_path / "m.gguf", threads=2, quick=True, logs=tmp_path, install=False,
+                      reinstall=False, install_timeout=1.0, build_jobs=1, llama_cpp_dir=tmp_path,
+                      longest_prompt=measure.longest_request(workloads),
+                      concurrency=max(w.concurrency for w in workloads))
+        assert LlamaServerPeer().installed(ctx)
+        cmd = LlamaServerPeer().launch(ctx, 1234).cmd
+        assert cmd[0] == str(tmp_path / "llama-server")
+        return cmd
+
+    cmd = launch(measure.chosen(["ttft2k", "ttft8k"]))
+    assert cmd[cmd.index("--parallel") + 1] == "1" and cmd[cmd.index("-c") + 1] == "8448"
+    cmd = launch(measure.chosen(list(measure.DEFAULT_WORKLOADS)))
+    assert cmd[cmd.index("--parallel") + 1] == "16" and cmd[cmd.index("-c") + 1] == "32768"
+    peer = {"status": "ok", "ready_s": 1.0, "workloads": {
+        "ttft8k": {"summary": {"ttft": {"p50": 40.0}}}}}
+    rows = {r[0]: r for r in report.ratio_rows({"kiln": peer, "llama-server": peer})}
+    assert rows["TTFT 8192-token prompt (ms)"][2:] == ["40,000.0", "llama-server 40,000.0", "1.00x"]
