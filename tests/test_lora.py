@@ -424,6 +424,61 @@ def smol_adapters(tmp_path_factory, gguf_path, smollm2_runner):
         smollm2_runner.lora = None
 
 
+def test_layer_kernel_adds_adapters_as_the_eager_layers_do(smol_adapters, gguf_path,
+                                                          smollm2_tokenizer, monkeypatch):
+    """On the AVX2 layer kernel (the CPU default) a step with adapter rows runs the kernel, which
+    adds each linear's adapters with the same lora_add the eager hooks call: a batch mixing
+    three adapters and the base gives the same tokens and logprobs, bit for bit, with the
+    kernel turned off (every step eager)."""
+    from kiln.engine.model_runner import DECODE_KERNEL_ANY_ROWS
+    from kiln.layers import cpu_kernels_avx2
+
+    from kiln.llm import LLM
+
+    paths, _ = smol_adapters
+    # kiln's CPU defaults (int4 layers, batch-invariant): what `kiln serve --lora` runs
+    llm = LLM(str(gguf_path), kv_cache_memory=128 << 20,
+              lora_modules=tuple(f"{n}={p}" for n, p in paths.items()))
+    eng = llm.engine
+    runner = eng.runner
+    if runner.decode_kernel_rows < DECODE_KERNEL_ANY_ROWS or not runner.lora.kernel:
+        pytest.skip("the AVX2 layer kernel does not run here")
+    prompts = {"base": "The capital of France is", "t1": "def fibonacci(n):",
+               "t2": "Once upon a time", "t3": "The three primary colors are"}
+
+    def run() -> dict[str, tuple[list[int], list[float]]]:
+        for k, text in prompts.items():
+            eng.add_request(f"k-{k}", smollm2_tokenizer.encode(text), SamplingParams(
+                temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
+                lora=None if k == "base" else k))
+        got: dict[str, tuple[list[int], list[float]]] = {k: ([], []) for k in prompts}
+        while eng.has_unfinished:
+            for o in eng.step():
+                ids, lps = got[o.request_id[2:]]
+                ids += o.new_token_ids
+                lps += [lp.logprob for lp in o.new_logprobs or []]
+        return got
+
+    calls = {"with adapters": 0}
+    real = cpu_kernels_avx2.decode_layer
+
+    def counted(*a, **kw):
+        if len(a) > 19 and a[19]:
+            calls["with adapters"] += 1
+        return real(*a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels_avx2, "decode_layer", counted)
+        kernel = run()
+    assert calls["with adapters"] > 0
+    rows, runner.decode_kernel_rows = runner.decode_kernel_rows, 0
+    try:
+        eager = run()
+    finally:
+        runner.decode_kernel_rows = rows
+    assert kernel == eager and all(len(ids) == 6 for ids, _ in kernel.values())
+
+
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory, gguf_path, smol_adapters):
     """`kiln serve` (fp32, test_server's flags) with adapters t1, t2 named <base>:<name>, and

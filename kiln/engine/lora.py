@@ -176,6 +176,23 @@ class LoRAStep:
 
 
 _STEP: LoRAStep | None = None
+_NONE = torch.empty(0)
+
+
+def kernel_args(linears: list[nn.Module]) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """The step's adapters of these linears as the AVX2 layer kernel takes them (5 tensors
+    per linear: a, bt, pieces, ranks, local; an empty a where it has none) and the step's row
+    groups; None when the step has no adapter rows. The kernel adds them after each linear with
+    lora_add, as the hooks do in an eager forward."""
+    step = _STEP
+    if step is None:
+        return None
+    out: list[torch.Tensor] = []
+    for lin in linears:
+        hook = getattr(lin, "lora_hook", None)
+        st = hook.stacked if hook is not None and hook.weights else None
+        out += [st.a, st.bt, st.pieces, st.ranks, st.local] if st is not None else [_NONE] * 5
+    return out, step.seg
 
 
 def set_step(step: LoRAStep | None) -> None:
@@ -216,6 +233,7 @@ class _TargetHook:
         self.kernel = kernel
         self.stacked: _Stacked | None = None
         self.handle = module.register_forward_hook(self)
+        module.lora_hook = self  # the AVX2 layer kernel reads the stacks from here (kernel_args)
 
     def set(self, slot: int, item: tuple[torch.Tensor, torch.Tensor,
                                          list[tuple[int, int, int, int]]] | None) -> None:
@@ -297,6 +315,11 @@ class LoRAManager:
         self._next_id = 1
         self._slot_of: dict[int, int] = {}  # adapter id -> slot
         self._kernel = _kernel_ok(device, dtype)
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the adapters are added by lora_add (so the AVX2 layer kernel can add them)."""
+        return self._kernel
 
     def id_of(self, name: str) -> int:
         a = self.adapters.get(name)

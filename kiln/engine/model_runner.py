@@ -248,9 +248,10 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         chunks = [s for s in scheduled if s.num_new_tokens != 1]
         nd = len(decodes)
-        # Rows of LoRA adapters run the eager modules, whose target linears add their adapters
-        # (the layer kernel and the compiled graphs know only the base weights). Decodes are
-        # sorted by adapter so that each adapter's rows are one range (engine/lora.py).
+        # Rows of LoRA adapters run the eager modules, whose target linears add their adapters,
+        # or the AVX2 layer kernel, which adds them with the same lora_add (the AVX512 kernel
+        # and the compiled graphs know only the base weights). Decodes are sorted by adapter so
+        # that each adapter's rows are one range (engine/lora.py).
         adapters = self.lora is not None and any(s.request.lora_id for s in scheduled)
         if adapters:
             decodes.sort(key=lambda s: s.request.lora_id)
@@ -263,8 +264,9 @@ class ModelRunner:
         # speculative verify rows too (each row with its own context: `step_rows`); the AVX512
         # one decode-only steps of up to its rows.
         every_step = self.decode_kernel_rows >= DECODE_KERNEL_ANY_ROWS
-        kernel = not adapters and (bool(scheduled) if every_step
-                                   else not chunks and 0 < nd <= self.decode_kernel_rows)
+        lora_kernel = every_step and self.lora is not None and self.lora.kernel
+        kernel = (not adapters or lora_kernel) and (
+            bool(scheduled) if every_step else not chunks and 0 < nd <= self.decode_kernel_rows)
         compiled = (not kernel and not adapters and graphs is not None and not chunks
                     and 0 < nd <= graphs.buckets[-1] and (not shared or graphs.cascade))
         padded = next(b for b in graphs.buckets if b >= nd) if compiled else nd

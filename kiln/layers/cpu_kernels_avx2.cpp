@@ -1128,6 +1128,8 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
 //                         parts each; biases: the four biases (None: no bias)
 //   table [R, L], row_of [T], lens [T]: row t attends to the first lens[t] slots of
 //                         table[row_of[t]] (attend_rows' arguments)
+//   lora, lora_seg: empty, or per linear (a, bt, pieces, ranks, local) (a empty: no adapters
+//                         on it) and the step's row groups (lora_add's arguments)
 // The ops and their order are LlamaDecoderLayer.forward's with its kernels (see above).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& ln1, const at::Tensor& ln2, double eps,
@@ -1135,9 +1137,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         at::IntArrayRef counts, const c10::List<std::optional<at::Tensor>>& biases,
                         at::Tensor k, at::Tensor v, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
-                        int64_t num_heads, double scale) {
+                        int64_t num_heads, double scale, at::TensorList lora,
+                        const std::optional<at::Tensor>& lora_seg) {
   TORCH_CHECK(counts.size() == 4 && biases.size() == 4,
               "decode_layer: four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(lora.empty() || (lora.size() == 20 && lora_seg.has_value()),
+              "decode_layer: lora is 5 tensors per linear (a, bt, pieces, ranks, local) and a seg");
   TORCH_CHECK(weights.size() == kinds.size() && kinds.size() == rows.size(),
               "decode_layer: one kind and row count per weight part");
   int64_t off[5] = {0};
@@ -1146,8 +1151,14 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
               "decode_layer: counts must add up to the weight parts");
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = off[i], n = counts[i];
-    return layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
-                        biases.get(i));
+    auto y = layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
+                          biases.get(i));
+    // the linear's LoRA adapters, added to its output as the module's forward hook does
+    // (kiln/engine/lora.py): same call, same place, so adapter rows get the eager bits
+    if (!lora.empty() && lora[5 * i].numel() > 0)
+      lora_add(y, h, lora[5 * i], lora[5 * i + 1], lora[5 * i + 2], lora[5 * i + 3], *lora_seg,
+               lora[5 * i + 4]);
+    return y;
   };
   const int64_t B = x.size(0);
   const auto q = rope_write(lin(0, rms_norm(x, ln1, eps)), cos, sin, k, v, slots, num_heads);
@@ -1175,7 +1186,7 @@ TORCH_LIBRARY(kiln_avx2, m) {
   m.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps, "
         "Tensor[] weights, int[] kinds, int[] rows, int[] counts, Tensor?[] biases, Tensor(a!) k, "
         "Tensor(b!) v, Tensor slots, Tensor table, Tensor row_of, Tensor lens, int num_heads, "
-        "float scale) "
+        "float scale, Tensor[] lora, Tensor? lora_seg) "
         "-> Tensor");
   m.impl("supported", &supported);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);

@@ -180,7 +180,7 @@ def _register_avx2_fakes() -> None:
 
     @torch.library.register_fake("kiln_avx2::decode_layer")
     def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
-          table, row_of, lens, num_heads, scale):
+          table, row_of, lens, num_heads, scale, lora=(), lora_seg=None):
         return torch.empty_like(x)
 
     @torch.library.register_fake("kiln_avx2::q8_linear")
@@ -214,17 +214,20 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       counts: list[int], biases: list[torch.Tensor | None], k: torch.Tensor,
                       v: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
                       row_of: torch.Tensor, lens: torch.Tensor, num_heads: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, lora: list[torch.Tensor] | None = None,
+                      lora_seg: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama decoder layer of a whole step in one call (cpu_kernels_avx2.cpp
     decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
     `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
     kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
     `biases` per linear or None. table [R, L] / row_of [T] / lens [T]: what each row attends
-    to (attend_rows' arguments). The same kernels in the same order as the layer's eager
-    forward: the same bits."""
+    to (attend_rows' arguments). `lora` / `lora_seg`: a LoRA step's adapters, 5 tensors per
+    linear (engine/lora.py's stacked a, bt, pieces, ranks, local; empty a: none on it) and the
+    step's row groups, added after each linear by lora_add as the modules' hooks add them. The
+    same kernels in the same order as the layer's eager forward: the same bits."""
     return torch.ops.kiln_avx2.decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
                                             counts, biases, k, v, slots, table, row_of, lens,
-                                            num_heads, scale)
+                                            num_heads, scale, lora or [], lora_seg)
 
 
 Q4_KIND = -1  # decode_layer's kind of a pack_q4 weight

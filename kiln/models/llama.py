@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.engine import lora
 from kiln.layers import cpu_kernels, cpu_kernels_avx2
 from kiln.layers.attention import Attention, get_context
 from kiln.layers.linear import Linear, MergedLinear, TiedLMHead
@@ -206,10 +207,13 @@ class LlamaDecoderLayer(nn.Module):
         if kv.invariant:  # the AVX2 layer kernel: any step, each row its own context
             args = self._avx2_layer_args()
             assert args is not None and meta.step_rows is not None
+            adapters = lora.kernel_args([attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj,
+                                         self.mlp.down_proj])
             return cpu_kernels_avx2.decode_layer(
                 x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
                 self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
-                *meta.step_rows, attn.num_heads, attn.attn.scale)
+                *meta.step_rows, attn.num_heads, attn.attn.scale,
+                *(adapters if adapters is not None else ()))
         assert meta.decode_gather is not None and meta.decode_mask is not None
         if self._kernel_weights is None:
             # Int4Linear holds `packed`; Int8Linear its w8 `weight` and row `scales`.
