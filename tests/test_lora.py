@@ -432,7 +432,6 @@ def test_layer_kernel_adds_adapters_as_the_eager_layers_do(smol_adapters, gguf_p
     kernel turned off (every step eager)."""
     from kiln.engine.model_runner import DECODE_KERNEL_ANY_ROWS
     from kiln.layers import cpu_kernels_avx2
-
     from kiln.llm import LLM
 
     paths, _ = smol_adapters
