@@ -262,7 +262,8 @@ def test_fixed_int8_head_runs_q8_at_every_row_count():
     a batch of 16."""
     from torch import nn
 
-    from kiln.layers.quant import Int8Linear, fix_kernel_choice
+    from kiln.layers.quant import Int8Linear
+    from kiln.layers.quantize import fix_kernel_choice
 
     head = Int8Linear.from_float(torch.randn(72, 64), None, torch.float32)
     body = Int8Linear.from_float(torch.randn(64, 64), None, torch.float32)

@@ -172,7 +172,8 @@ def test_quantize_linear_takes_blocks_as_they_are_or_falls_back() -> None:
     """A layer whose every shard came as GGUF blocks becomes a KQuantLinear holding them; one
     that mixes them with Q4_0/Q4_1 groups is re-quantized to int4 as before (all of it)."""
     from kiln.layers.linear import MergedLinear
-    from kiln.layers.quant import Int4Linear, quantize_int4_groups, quantize_linear
+    from kiln.layers.quant import Int4Linear, quantize_int4_groups
+    from kiln.layers.quantize import quantize_linear
 
     q, v = _blocks(64, 256, "Q4_K", 10), _blocks(32, 256, "Q8_0", 11)
     lin = MergedLinear(256, {"q": 64, "v": 32})

@@ -314,12 +314,8 @@ class LoRAManager:
         self._hooks: dict[str, _TargetHook] = {}  # our module path -> its hook
         self._next_id = 1
         self._slot_of: dict[int, int] = {}  # adapter id -> slot
-        self._kernel = _kernel_ok(device, dtype)
-
-    @property
-    def kernel(self) -> bool:
-        """Whether the adapters are added by lora_add (so the AVX2 layer kernel can add them)."""
-        return self._kernel
+        # whether the adapters are added by lora_add (so the AVX2 layer kernel can add them)
+        self.kernel = _kernel_ok(device, dtype)
 
     def id_of(self, name: str) -> int:
         a = self.adapters.get(name)
@@ -347,7 +343,7 @@ class LoRAManager:
             hook = self._hooks.get(our_path)
             if hook is None:
                 hook = self._hooks[our_path] = _TargetHook(self.model.get_submodule(our_path),
-                                                           self.max_loras, self._kernel)
+                                                           self.max_loras, self.kernel)
             hook.set(slot, item)
         self._slot_of[aid] = slot
         loaded = self.adapters[name] = LoadedAdapter(spec, aid, slot)

@@ -95,7 +95,7 @@ class ModelRunner:
         self.load_seconds = time.monotonic() - t0
         if config.batch_invariant:
             # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
-            from kiln.layers.quant import fix_kernel_choice
+            from kiln.layers.quantize import fix_kernel_choice
             fix_kernel_choice(self.model)
         stage("weights_loaded")
         ckpt.release()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.quant import _QuantizedLinear
+from kiln.layers.quant import QuantizedLinear
 
 # ggml type name -> id (GGUF's tensor-table values): the types kquant_avx2.cpp reads
 KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -114,7 +114,7 @@ def reference(x: torch.Tensor, parts: list[GGUFBlocks]) -> torch.Tensor:
     return F.linear(quantize_act(x.float()), w)
 
 
-class KQuantLinear(_QuantizedLinear):
+class KQuantLinear(QuantizedLinear):
     """y = x @ W^T + b, W the GGUF blocks of one or more checkpoint tensors stacked by rows (a
     merged qkv / gate_up may mix types: Q4_K_M files put Q5_0, Q6_K or Q8_0 beside Q4_K).
     One kernel at every row count (the kernel is batch-invariant), no dense copy.

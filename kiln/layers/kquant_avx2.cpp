@@ -469,11 +469,8 @@ inline __m256i nib_sums(const __m256i* lo, const __m256i* hi, __m256i xl, __m256
   return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
-// Software prefetch, 2 KB ahead of the weight stream. A decode step reads each weight once, from
-// DRAM, while computing on it; left to the hardware prefetcher the kernels reached ~40% of the
-// measured read bandwidth (2-core Zen 2), which the explicit requests raise to ~60-65%: Qwen2.5
-// 1.5B Q4_K_M b=1 10.7 -> 18.4 tok/s, 0.5B 35 -> 45, SmolLM2 Q4_1 +10% (1, 2 and 4 KB ahead
-// measured alike). Past a thread's last tile it touches the next thread's lines: harmless.
+// Software prefetch 2 KB ahead of the weight stream, as the int4 tiles do (why and the numbers:
+// prefetch_ahead in cpu_kernels_avx2.cpp; the two libraries are built apart, so each has it).
 #ifndef KILN_PF
 #define KILN_PF 2048
 #endif

@@ -5,7 +5,7 @@ one matmul instead of three; its `load_shard` copies one checkpoint tensor into 
 Quantized variants (see `kiln/layers/quant.py`) are swapped in as modules after loading.
 
 When the model is loaded for quantization, 4-bit checkpoint blocks skip the dense weight: the
-loader hands them to `stash_quantized` and `kiln.layers.quant.quantize_model` builds the quantized
+loader hands them to `stash_quantized` and `kiln.layers.quantize.quantize_model` builds the quantized
 module from the stash. Whatever is not quantized in the end is written back into the dense weight
 (`materialize_stash`), so the module is always complete after `quantize_model`.
 

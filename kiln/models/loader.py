@@ -340,7 +340,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
                 cpu_kernels: bool = True, gguf_kernels: bool = True,
                 experts_device: torch.device | str | None = None) -> torch.nn.Module:
     """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
-    are swapped for quantized ones (`kiln.layers.quant.quantize_model`); GGUF 4-bit blocks then
+    are swapped for quantized ones (`kiln.layers.quantize.quantize_model`); GGUF 4-bit blocks then
     go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
     from the quantized weight, for large steps). On CPU, bf16 linear layers left dense are
     packed for oneDNN (`kiln.layers.linear.pack_linears`). With `gguf_kernels` (and kiln's
@@ -364,7 +364,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
                  keep_blocks=keep_blocks,
                  quantize_experts=(quantization, cpu_kernels) if quantization != "none" else None)
     if quantization != "none":
-        from kiln.layers.quant import quantize_model
+        from kiln.layers.quantize import quantize_model
 
         quantize_model(model, quantization, keep_dense=keep_dense, use_kernels=cpu_kernels)
     if torch.device(device).type == "cpu":

@@ -1,0 +1,182 @@
+"""The model quantization pass: swaps a loaded model's linears for kiln/layers/quant.py's
+quantized modules (or kquant.py's, where a GGUF's blocks run as they are), picks the head's
+form, and, under --batch-invariant, fixes each layer's kernel (`fix_kernel_choice`). See
+kiln/layers/quant.py's docstring for the modes and why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kiln.layers.linear import Linear, TiedLMHead
+from kiln.layers.quant import (
+    INT4_GROUP,
+    GroupQuant,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantizedLinear,
+    quantize_int4_groups,
+)
+
+log = logging.getLogger("kiln.quant")
+
+
+def fix_kernel_choice(model: nn.Module) -> int:
+    """--batch-invariant: every quantized linear runs one path whatever a step's row count:
+    an int8 head on an AVX2 CPU kiln's q8_linear (its dense copy dropped), else its dense copy
+    where it keeps one, else its kernel (int4 on kiln's AVX512 kernels: the int8-activation
+    one, as the AVX2 kernel does at every size). Each of these computes a row
+    alone, in an order that does not depend on the other rows (the size thresholds above
+    switch between paths that round differently: a decode row's logits then depended on how
+    many requests were decoding with it). Returns the number of layers fixed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.fixed = True
+            n += 1
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Int8Linear) and head.q8_ok:
+        # The head sees one row per sequence (at most --max-num-seqs), where q8_linear is the
+        # faster fixed choice (AVX2_INT8). Its dense copy (4x the int8 bytes in fp32) would
+        # never run: dropped; an Int8Embedding sharing the weight reads the int8 rows instead.
+        head.q8 = True
+        head.dense = None
+    return n
+
+
+def _groups_of(lin: Linear) -> GroupQuant:
+    """The whole weight as 4-bit groups: stashed GGUF blocks as they are, dense rows quantized."""
+    parts = []
+    covered = sorted((lin.shard_rows(s), s) for s in lin.stash)
+    pos = 0
+    for (start, size), shard in covered + [((lin.out_features, 0), None)]:
+        if start > pos:
+            parts.append(quantize_int4_groups(lin.weight.data[pos:start]))
+        if size:
+            part = lin.stash[shard]
+            # GGUF blocks the kquant kernels read, in a layer that cannot run on them (a shard
+            # beside Q4_0 / Q4_1 blocks): dequantized, then re-quantized as before
+            parts.append(part if isinstance(part, GroupQuant)
+                         else quantize_int4_groups(part.dequantize(torch.float32)))
+        pos = max(pos, start + size)
+    gs = {p.group_size for p in parts}
+    if len(gs) != 1:
+        raise ValueError(f"mixed group sizes {gs}")
+    return GroupQuant(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.min for p in parts]), gs.pop())
+
+
+def _dense_fp32(lin: Linear) -> torch.Tensor:
+    w = lin.weight.data.float()
+    for shard, gq in lin.stash.items():
+        start, size = lin.shard_rows(shard)
+        w[start:start + size] = gq.dequantize(torch.float32)
+    return w
+
+
+def _int4_ok(lin: Linear) -> bool:
+    return lin.in_features % INT4_GROUP == 0 and lin.in_features % 2 == 0
+
+
+def _native_blocks(lin: Linear) -> list | None:
+    """The layer's GGUF blocks in row order when every row of it came as `GGUFBlocks` (the
+    loader kept them: kiln/layers/kquant.py's kernels run here), else None."""
+    from kiln.layers.kquant import GGUFBlocks
+
+    parts = sorted((lin.shard_rows(s)[0], s) for s in lin.stash)
+    shards = getattr(lin, "shards", None)
+    whole = None in lin.stash if not shards else set(lin.stash) == set(shards)
+    if not whole or not all(isinstance(lin.stash[s], GGUFBlocks) for _, s in parts):
+        return None
+    return [lin.stash[s] for _, s in parts]
+
+
+def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Module:
+    dtype = lin.weight.dtype
+    bias = lin.bias.data if lin.bias is not None else None
+    blocks = _native_blocks(lin)
+    if blocks is not None:  # GGUF Q8_0 / Q5_x / Q4_K / Q5_K / Q6_K: the file's blocks, as they are
+        from kiln.layers.kquant import KQuantLinear
+
+        lin.stash = {}
+        return KQuantLinear(blocks, bias, dtype)
+    with torch.no_grad():
+        if mode == "int4" and _int4_ok(lin):
+            return Int4Linear(_groups_of(lin), bias, dtype, use_kernels)
+        return Int8Linear.from_float(_dense_fp32(lin), bias, dtype, use_kernels)
+
+
+def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
+                   use_kernels: bool = True) -> nn.Module:
+    """Swaps the model's linear layers for quantized modules, in place; returns the model.
+    `mode`: "int8" | "int4" (see the module docstring); "none" does nothing. `keep_dense`: each
+    quantized layer also keeps its (dequantized) weight in the activation dtype for large steps.
+    `use_kernels`: layers use kiln's own CPU kernels where this machine can (--cpu-kernels)."""
+    if mode == "none":
+        return model
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {mode!r}: choose none, int8 or int4")
+    from kiln.layers.moe import Experts
+
+    n = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, Experts):  # each expert becomes two quantized linears
+            if not parent.is_quantized:  # (the loader may have done it, layer by layer)
+                parent.quantize(mode, use_kernels)
+            n += 2 * parent.num_experts
+            continue
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and name != "lm_head":
+                q = quantize_linear(child, mode, use_kernels)
+                # where a packed layer's checkpoint shards lie (LoRA adds per shard)
+                q.shards = dict(getattr(child, "shards", {}))
+                setattr(parent, name, q)
+                n += 1
+    _quantize_head(model, mode, use_kernels)
+    for m in model.modules():  # anything left dense gets its stashed blocks back
+        if isinstance(m, Linear) and m.stash:
+            m.materialize_stash()
+    if keep_dense:
+        # Experts keep no dense copy: all of a layer's experts in bf16 would cost more memory
+        # than the quantization saves, and an expert's rows per step are few.
+        expert_layers = {id(q) for m in model.modules() if isinstance(m, Experts)
+                         and m.quantized is not None for q in m.quantized}
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear) and id(m) not in expert_layers:
+                m.keep_dense()
+    native = sum(type(m).__name__ == "KQuantLinear" for m in model.modules())
+    log.info("quantized %d linear layers to %s (%d of them, lm_head included, keep the GGUF's "
+             "blocks: kiln.layers.kquant), lm_head to %s%s", n, mode, native,
+             "int4 (the GGUF's blocks)" if isinstance(getattr(model, "lm_head", None), Int4Linear)
+             else type(getattr(model, "lm_head", None)).__name__,
+             " (dense copies kept for large steps)" if keep_dense else "")
+    return model
+
+
+def _quantize_head(model: nn.Module, mode: str, use_kernels: bool) -> None:
+    """lm_head -> Int8Linear in both modes: 4-bit logits cost accuracy (teacher-forced greedy
+    agreement with the fp32 model fell from 0.97 to 0.89 on SmolLM2 with an int4 head). A tied
+    embedding then looks its rows up in the same int8 storage. Except a head that arrives as
+    4-bit GGUF blocks (an untied `output.weight` in Q4_0/Q4_1): an int8 copy of 4-bit values
+    holds nothing more than they do, so it stays int4, as the file has it, at half the bytes
+    per decode step."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return
+    with torch.no_grad():
+        if isinstance(head, TiedLMHead):
+            emb = head.embedding
+            q8 = Int8Linear.from_float(emb.weight.data, None, emb.weight.dtype, use_kernels)
+            model.lm_head = q8
+            model.model.embed_tokens = Int8Embedding(q8, emb.weight.dtype)
+        elif isinstance(head, Linear) and _native_blocks(head) is not None:
+            model.lm_head = quantize_linear(head, mode, use_kernels)  # the GGUF's blocks
+        elif isinstance(head, Linear) and mode == "int4" and None in head.stash \
+                and _int4_ok(head):
+            model.lm_head = Int4Linear(_groups_of(head), None, head.weight.dtype, use_kernels)
+        elif isinstance(head, Linear):
+            model.lm_head = quantize_linear(head, "int8", use_kernels)
