@@ -60,7 +60,7 @@ def test_kernel_matches_reference(type_name: str, m: int) -> None:
     assert rel < 2e-2, rel
 
 
-TILED = [t for t in sorted(KQUANT_TYPES) if t in ("Q8_0", "Q5_0", "Q4_K", "Q6_K")]
+TILED = sorted(KQUANT_TYPES)  # every type has tiles
 
 
 @needs_kernel
@@ -68,12 +68,13 @@ TILED = [t for t in sorted(KQUANT_TYPES) if t in ("Q8_0", "Q5_0", "Q4_K", "Q6_K"
 @pytest.mark.parametrize("rows", [5, 16, 21])
 def test_pack_round_trip(type_name: str, rows: int) -> None:
     """The tiles hold the blocks' bits, moved (no rounding): unpack gives the raw rows back
-    exactly, including the scales' 6-bit packing (Q4_K) and the high bits (Q5_0, Q6_K)."""
+    exactly, including the scales' 6-bit packing (Q4_K, Q5_K), the mins (Q5_1) and the high
+    bits (Q5_0, Q5_1, Q5_K, Q6_K)."""
     assert kquant.has_tiles(type_name)
     b = _blocks(rows, 512, type_name, rows)
     packed = kquant.pack(b)
     assert packed.shape[0] == (rows + 7) // 8 and packed.dtype == torch.uint8
-    # about the blocks' size: Q4_K's unpacked scales add 32 bytes per 8 x 144, others nothing
+    # about the blocks' size: K-quants' unpacked scales add 32 bytes per 8 blocks, others nothing
     assert packed.numel() <= 1.03 * b.raw.numel() * ((rows + 7) // 8 * 8) / rows
     back = kquant.unpack(packed, type_name, rows, 512)
     assert torch.equal(back.raw, b.raw)
@@ -125,15 +126,20 @@ def test_mixed_parts_bf16_and_batch_invariance() -> None:
 
 @needs_kernel
 def test_tiles_beside_row_kernel_parts() -> None:
-    """Q5_1 and Q5_K have no tiles: a layer mixing them with tiled parts runs both kernels in
-    one call, each part's rows in place; dequantize() unpacks the tiles."""
+    """One call may mix raw-row parts and tiled parts, each part's rows in place; a layer of
+    Q5_K + Q4_K + Q5_1 + Q6_K tiles them all; dequantize() unpacks the tiles."""
     parts = [_blocks(6, 512, "Q5_K", 13), _blocks(11, 512, "Q4_K", 14), _blocks(3, 512, "Q5_1", 15),
              _blocks(9, 512, "Q6_K", 16)]
-    lin = KQuantLinear(parts, None, torch.float32)
-    assert lin.tiled == [False, True, False, True]
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
     want = kquant.reference(x, parts)
-    torch.testing.assert_close(lin(x), want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    tol = {"rtol": 2e-5, "atol": 2e-5 * want.abs().max().item()}
+    mixed = kquant.kq_linear(x, [parts[0].raw, kquant.pack(parts[1]), kquant.pack(parts[2]),
+                                 parts[3].raw], [q.type_id for q in parts],
+                             [q.raw.shape[0] for q in parts])
+    torch.testing.assert_close(mixed, want, **tol)
+    lin = KQuantLinear(parts, None, torch.float32)
+    assert lin.tiled == [True, True, True, True]
+    torch.testing.assert_close(lin(x), want, **tol)
     torch.testing.assert_close(lin.dequantize(torch.float32),
                                torch.cat([p.dequantize() for p in parts]))
 

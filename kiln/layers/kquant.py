@@ -6,10 +6,10 @@ start (~57 s for Qwen2.5-Coder-0.5B Q4_K_M on 2 cores) and a second copy of the 
 loading. Now the loader hands such a tensor over as `GGUFBlocks` (its rows of raw blocks, a
 view of the file's memory map: no copy, no decoding at load), and `KQuantLinear` multiplies
 with them through kiln/layers/kquant_avx2.cpp (`kq_linear`: activations quantized to int8 per
-group of 32, int8 dot products per block, as llama.cpp's vec_dot does). Q8_0, Q5_0, Q4_K and
-Q6_K blocks are first reordered (`pack`, once at load, nothing rounded) into tiles of 8 output
-rows that the kernel reads like kiln's int4 tiles; Q5_1 and Q5_K run row by row on the raw
-blocks.
+group of 32, int8 dot products per block, as llama.cpp's vec_dot does). The blocks are first
+reordered (`pack`, once at load, nothing rounded) into tiles of 8 output rows that the kernel
+reads like kiln's int4 tiles; the row-at-a-time kernel over the raw blocks is the tiles'
+check.
 
 `reference` is what the kernel computes, in PyTorch (the weight dequantized by
 kiln/models/gguf.py, the activation rounded as the kernel rounds it): the tests compare the
@@ -82,15 +82,15 @@ def kq_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int],
 
 
 def has_tiles(type_name: str) -> bool:
-    """Whether kq_linear has the 8-row tiled layout for this type (Q8_0, Q5_0, Q4_K, Q6_K;
-    Q5_1 and Q5_K run on the row-at-a-time kernel over the raw rows)."""
+    """Whether kq_linear has the 8-row tiled layout for this type (all of KQUANT_TYPES today;
+    a type without one would run on the row-at-a-time kernel over the raw rows)."""
     return bool(torch.ops.kiln_kquant.has_tiles(KQUANT_TYPES[type_name]))
 
 
 def pack(blocks: GGUFBlocks) -> torch.Tensor:
     """The blocks reordered into kq_linear's tiles of 8 output rows (kquant_avx2.cpp's layout:
     the same codes and scales, moved, nothing rounded): uint8 [ceil(rows / 8), blocks per
-    row, tile block bytes], about the blocks' size (Q4_K +2.8%, the others +0)."""
+    row, tile block bytes], about the blocks' size (Q4_K +2.8%, Q5_K +2.3%, the others +0)."""
     return torch.ops.kiln_kquant.kq_pack(blocks.raw.contiguous(), blocks.type_id)
 
 
@@ -119,8 +119,7 @@ class KQuantLinear(QuantizedLinear):
     merged qkv / gate_up may mix types: Q4_K_M files put Q5_0, Q6_K or Q8_0 beside Q4_K).
     One kernel at every row count (the kernel is batch-invariant), no dense copy.
 
-    With the kernel, the Q8_0 / Q5_0 / Q4_K / Q6_K parts are repacked once here into tiles of
-    8 output rows (`pack`): each activation load then serves 8 rows and the tile's results come
+    With the kernel, the parts are repacked once here into tiles of 8 output rows (`pack`): each activation load then serves 8 rows and the tile's results come
     out of its integer sums in row order, where the raw rows needed a horizontal sum and a float
     scale per row and block (1.8-3.4x slower per layer than the int4 tile kernel). The raw
     blocks are not kept (the tiles are a copy of their size, the file's map is released)."""

@@ -1,6 +1,5 @@
 // kiln's AVX2 kernels for GGUF's quantized blocks, the file's codes and scales as they are (no
-// second rounding; reordered into 8-row tiles for four types): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K,
-// Q6_K. Built and loaded by kiln/layers/cpu_kernels.py (`kquant_available()`);
+// second rounding; reordered into 8-row tiles): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built and loaded by kiln/layers/cpu_kernels.py (`kquant_available()`);
 // kiln/layers/kquant.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
 //
 // Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
@@ -35,12 +34,13 @@
 // trick (|w| as u8, x with w's sign). int16 never saturates: |pair| <= 128 * 127 * 2 = 32512
 // (Q8_0), 63 * 127 * 2 = 16002 (Q6_K; minus 32 * 254 for its offset: 24130).
 //
-// Two layouts: Q8_0, Q5_0, Q4_K and Q6_K are repacked at load (kq_pack, below: the same bits,
-// moved) into tiles of 8 output rows, which one 32-byte load feeds two rows of and whose
-// integer sums reduce to the 8 rows' results in row order (the int4 tile kernel's scheme,
+// Two layouts: every type is repacked at load (kq_pack, below: the same bits, moved) into
+// tiles of 8 output rows, which one 32-byte load feeds two rows of and whose integer sums
+// reduce to the 8 rows' results in row order (the int4 tile kernel's scheme,
 // cpu_kernels_avx2.cpp): a tile costs about the int4 kernel's instructions per weight, where
-// the raw rows needed a horizontal sum and a float scale per row and block (1.8-3.4x slower).
-// Q5_1 and Q5_K (rare in the files people run) keep the row-at-a-time kernels over the raw rows.
+// the raw rows need a horizontal sum and a float scale per row and block (1.8-3.4x slower).
+// The row-at-a-time kernels over the raw rows stay as the tiles' reference (tests) and for
+// callers that pass raw rows.
 //
 // Work: items are (8 weight rows, up to 64 activation rows); each weight block is expanded
 // once per item and reused for up to 4 activation rows held in registers; a row's 8-64 KB of
@@ -97,11 +97,14 @@ int64_t block_bytes(int64_t type) {
 // order, cpu_kernels_avx2.cpp):
 //   Q8_0 272 B / 32:  codes 256 B: pair p at 64p: [row p 0..15 | row p+4 0..15], then
 //                     [row p 16..31 | row p+4 16..31]; fp16 d of rows 0..7 at 256
-//   Q5_0 176 B / 32:  nib (low 4 bits); 32 B of bit 4 at 128: byte 16h + i (h = 0: rows 0..3,
-//                     h = 1: rows 4..7) bit 2p = row (4h + p) value i, bit 2p+1 = value i+16;
-//                     fp16 d of rows 0..7 at 160
+//   Q5_0 176 B / 32:  nib (low 4 bits); "H", 32 B of bit 4 at 128: byte 16h + i (h = 0: rows
+//                     0..3, h = 1: rows 4..7) bit 2p = row (4h + p) value i, bit 2p+1 = value
+//                     i+16; fp16 d of rows 0..7 at 160
+//   Q5_1 192 B / 32:  Q5_0's, then fp16 m of rows 0..7 at 176
 //   Q4_K 1184 B / 256: nib of sub-block j at 128j (j = 0..7); 6-bit scales sc[j] of rows 0..7
 //                     as bytes at 1024 + 8j, mins at 1088 + 8j; fp16 d at 1152, dmin at 1168
+//   Q5_K 1440 B / 256: sub-block j at 160j: nib, then its H (as Q5_0's) at 160j + 128; scales
+//                     at 1280 + 8j, mins at 1344 + 8j; fp16 d at 1408, dmin at 1424
 //   Q6_K 1680 B / 256: group g (32 values, two 16-value scales) at 208g: nib (low 4 bits);
 //                     64 B of the 2 high bits at 128: vector v (pairs 2v, 2v+1), byte 16h + i:
 //                     bits 4e + 2c..4e + 2c + 1 = row (2v + e + 4h)'s value i + 16c; int8
@@ -110,14 +113,17 @@ int64_t block_bytes(int64_t type) {
 // below is written once and serves both directions (kq_pack and kq_unpack, its inverse).
 
 bool tiled_type(int64_t type) {
-  return type == kQ8_0 || type == kQ5_0 || type == kQ4_K || type == kQ6_K;
+  return type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kQ4_K || type == kQ5_K ||
+         type == kQ6_K;
 }
 
 int64_t tile_block_bytes(int64_t type) {
   switch (type) {
     case kQ8_0: return 272;
     case kQ5_0: return 176;
+    case kQ5_1: return 192;
     case kQ4_K: return 1184;
+    case kQ5_K: return 1440;
     case kQ6_K: return 1680;
     default: return 0;
   }
@@ -135,6 +141,25 @@ inline int64_t nib_bit(int t, int i) {
   return 8 * (32 * (t & 3) + 16 * (t >> 2) + (i & 15)) + 4 * (i >> 4);
 }
 
+// bit offset in an H (32 B of fifth bits, Q5_0 / Q5_1 / Q5_K) of row t's value i
+inline int64_t h_bit(int t, int i) {
+  return 8 * (16 * (t >> 2) + (i & 15)) + 2 * (t & 3) + (i >> 4);
+}
+
+// A Q4_K / Q5_K header's 12 bytes of 6-bit scales and mins (see k_scales) at raw bit offset
+// rs -> the tile's byte rows of scales (at bit sc) and mins (at bit mn), row t's column.
+template <typename Mv>
+void map_k_scales(Mv mv, int64_t rs, int64_t sc, int64_t mn, int t) {
+  for (int j = 0; j < 4; ++j) {
+    mv(rs + 8 * j, sc + 8 * (8 * j + t), 6);
+    mv(rs + 8 * (4 + j), mn + 8 * (8 * j + t), 6);
+    mv(rs + 8 * (8 + j), sc + 8 * (8 * (j + 4) + t), 4);
+    mv(rs + 8 * j + 6, sc + 8 * (8 * (j + 4) + t) + 4, 2);
+    mv(rs + 8 * (8 + j) + 4, mn + 8 * (8 * (j + 4) + t), 4);
+    mv(rs + 8 * (4 + j) + 6, mn + 8 * (8 * (j + 4) + t) + 4, 2);
+  }
+}
+
 // One (raw block of row t, tile block) pair: every field of the raw block moved to its place
 // in the tile (to_tile) or back.
 void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
@@ -149,29 +174,34 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
       for (int i = 0; i < 32; ++i) mv(8 * (2 + i), 8 * (64 * p + 32 * (i >> 4) + 16 * h + (i & 15)), 8);
       break;
     case kQ5_0:
+    case kQ5_1: {
+      const int qh = type == kQ5_1 ? 4 : 2;  // Q5_1: d, m, qh, qs; Q5_0: d, qh, qs
       for (int k = 0; k < 2; ++k) mv(8 * k, 8 * (160 + 2 * t + k), 8);
+      if (type == kQ5_1)
+        for (int k = 0; k < 2; ++k) mv(8 * (2 + k), 8 * (176 + 2 * t + k), 8);
       for (int i = 0; i < 32; ++i) {
-        mv(8 * (6 + (i & 15)) + 4 * (i >> 4), nib_bit(t, i), 4);
-        mv(8 * 2 + i, 8 * (128 + 16 * h + (i & 15)) + 2 * p + (i >> 4), 1);
+        mv(8 * (qh + 4 + (i & 15)) + 4 * (i >> 4), nib_bit(t, i), 4);
+        mv(8 * qh + i, 8 * 128 + h_bit(t, i), 1);
       }
       break;
+    }
     case kQ4_K:
+    case kQ5_K: {
+      const bool q5 = type == kQ5_K;
+      const int64_t sub = q5 ? 160 : 128, sc = q5 ? 1280 : 1024, hd = sc + 128;
       for (int k = 0; k < 2; ++k) {
-        mv(8 * k, 8 * (1152 + 2 * t + k), 8);
-        mv(8 * (2 + k), 8 * (1168 + 2 * t + k), 8);
+        mv(8 * k, 8 * (hd + 2 * t + k), 8);
+        mv(8 * (2 + k), 8 * (hd + 16 + 2 * t + k), 8);
       }
-      for (int j = 0; j < 4; ++j) {  // the 12 bytes of 6-bit scales (see k_scales)
-        mv(8 * (4 + j), 8 * (1024 + 8 * j + t), 6);
-        mv(8 * (8 + j), 8 * (1088 + 8 * j + t), 6);
-        mv(8 * (12 + j), 8 * (1024 + 8 * (j + 4) + t), 4);
-        mv(8 * (4 + j) + 6, 8 * (1024 + 8 * (j + 4) + t) + 4, 2);
-        mv(8 * (12 + j) + 4, 8 * (1088 + 8 * (j + 4) + t), 4);
-        mv(8 * (8 + j) + 6, 8 * (1088 + 8 * (j + 4) + t) + 4, 2);
-      }
+      map_k_scales(mv, 8 * 4, 8 * sc, 8 * (sc + 64), t);
+      const int64_t qs = q5 ? 48 : 16;
       for (int j = 0; j < 8; ++j)
-        for (int i = 0; i < 32; ++i)
-          mv(8 * (16 + 32 * (j >> 1) + i) + 4 * (j & 1), 8 * 128 * j + nib_bit(t, i), 4);
+        for (int i = 0; i < 32; ++i) {
+          mv(8 * (qs + 32 * (j >> 1) + i) + 4 * (j & 1), 8 * sub * j + nib_bit(t, i), 4);
+          if (q5) mv(8 * (16 + i) + j, 8 * (sub * j + 128) + h_bit(t, i), 1);
+        }
       break;
+    }
     case kQ6_K:
       for (int k = 0; k < 2; ++k) mv(8 * (208 + k), 8 * (1664 + 2 * t + k), 8);
       for (int g = 0; g < 8; ++g) {
@@ -519,59 +549,76 @@ void tile_q8_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
 
-template <int MB>
-void tile_q5_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+// An H (32 B of fifth bits, see the layout) into a nib's 4 pairs: bit 2p is pair p's low
+// half, bit 2p + 1 its high half; codes become 0..31.
+inline void add_bit4(const uint8_t* hp, __m256i* lo, __m256i* hi) {
   const __m256i b4 = _mm256_set1_epi8(0x10);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += 176) {
-    prefetch_ahead(w, 176);
-    __m256i lo[4], hi[4];
-    nib_load(w, lo, hi);
-    const __m256i H = load32(w + 128);  // bit 2p: pair p's low half, bit 2p + 1: its high half
-    lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), b4));
-    hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(H, 3), b4));
-    lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(H, 2), b4));
-    hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_slli_epi16(H, 1), b4));
-    lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(H, b4));
-    hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_srli_epi16(H, 1), b4));
-    lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(H, 2), b4));
-    hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(H, 3), b4));
-    const __m256 d = f16x8(w + 160);
-    for (int m = 0; m < MB; ++m) {
-      const __m256i xl = bcast16(x[m].q + 32 * b), xh = bcast16(x[m].q + 32 * b + 16);
-      __m256i dp[4];  // int16: 4 products of at most 31 x 127
-      for (int p = 0; p < 4; ++p)
-        dp[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
-      // one hadd keeps 8 products (31496) in int16, then int32
-      const __m256i t = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(dp[0], dp[1]), ones),
-                                          _mm256_madd_epi16(_mm256_hadd_epi16(dp[2], dp[3]), ones));
-      // codes are q - 16: minus 16 x the group's sum of activation codes
-      const __m256i r = _mm256_sub_epi32(t, _mm256_set1_epi32(16 * x[m].is[b]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])),
-                               acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+  const __m256i H = load32(hp);
+  lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), b4));
+  hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(H, 3), b4));
+  lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(H, 2), b4));
+  hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_slli_epi16(H, 1), b4));
+  lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(H, b4));
+  hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_srli_epi16(H, 1), b4));
+  lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(H, 2), b4));
+  hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(H, 3), b4));
 }
 
-template <int MB>
-void tile_q4_k(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+// nib_sums for 5-bit codes: int16 pairs reach 2 x 31 x 127, so only one hadd (8 products,
+// 31496) before widening to int32; rows 0..7 as int32
+inline __m256i nib5_sums(const __m256i* lo, const __m256i* hi, __m256i xl, __m256i xh) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dp[4];
+  for (int p = 0; p < 4; ++p)
+    dp[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
+  return _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(dp[0], dp[1]), ones),
+                           _mm256_madd_epi16(_mm256_hadd_epi16(dp[2], dp[3]), ones));
+}
+
+// Q5_0 (kMin false: codes q - 16, d only) and Q5_1 (codes q, plus m x the group's sum)
+template <int MB, bool kMin>
+void tile_q5(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+  constexpr int64_t kBytes = kMin ? 192 : 176;
+  __m256 acc[MB], accm[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kBytes) {
+    prefetch_ahead(w, kBytes);
+    __m256i lo[4], hi[4];
+    nib_load(w, lo, hi);
+    add_bit4(w + 128, lo, hi);
+    const __m256 d = f16x8(w + 160);
+    for (int m = 0; m < MB; ++m) {
+      __m256i t = nib5_sums(lo, hi, bcast16(x[m].q + 32 * b), bcast16(x[m].q + 32 * b + 16));
+      // Q5_0's codes are q - 16: minus 16 x the group's sum of activation codes
+      if (!kMin) t = _mm256_sub_epi32(t, _mm256_set1_epi32(16 * x[m].is[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])),
+                               acc[m]);
+      if (kMin) accm[m] = _mm256_fmadd_ps(f16x8(w + 176), _mm256_set1_ps(x[m].s[b]), accm[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm256_add_ps(acc[m], accm[m]);
+}
+
+// Q4_K (kQ5 false) and Q5_K
+template <int MB, bool kQ5>
+void tile_qk(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+  constexpr int64_t kSub = kQ5 ? 160 : 128, kSc = 8 * kSub, kBytes = kSc + 160;
   // the 8 rows' scale d * sc[j] and min dmin * m[j] as fp32 (exact: 11 x 6 bits)
   __m256 acc[MB], accm[MB];
   for (int m = 0; m < MB; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += 1184) {
-    const __m256 d = f16x8(w + 1152), dmin = f16x8(w + 1168);
+  for (int64_t b = 0; b < nb; ++b, w += kBytes) {
+    const __m256 d = f16x8(w + kSc + 128), dmin = f16x8(w + kSc + 144);
     for (int j = 0; j < 8; ++j) {
-      prefetch_ahead(w + 148 * j, 148);
+      prefetch_ahead(w + kBytes / 8 * j, kBytes / 8);
       __m256i lo[4], hi[4];
-      nib_load(w + 128 * j, lo, hi);
-      const __m256 sc = _mm256_mul_ps(d, u8x8(w + 1024 + 8 * j));
-      const __m256 mn = _mm256_mul_ps(dmin, u8x8(w + 1088 + 8 * j));
+      nib_load(w + kSub * j, lo, hi);
+      if (kQ5) add_bit4(w + kSub * j + 128, lo, hi);
+      const __m256 sc = _mm256_mul_ps(d, u8x8(w + kSc + 8 * j));
+      const __m256 mn = _mm256_mul_ps(dmin, u8x8(w + kSc + 64 + 8 * j));
       const int64_t g = 8 * b + j;
       for (int m = 0; m < MB; ++m) {
-        const __m256i s = nib_sums(lo, hi, bcast16(x[m].q + 32 * g), bcast16(x[m].q + 32 * g + 16));
+        const __m256i xl = bcast16(x[m].q + 32 * g), xh = bcast16(x[m].q + 32 * g + 16);
+        const __m256i s = kQ5 ? nib5_sums(lo, hi, xl, xh) : nib_sums(lo, hi, xl, xh);
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sc, _mm256_set1_ps(x[m].d[g])),
                                  acc[m]);
         accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x[m].s[g]), accm[m]);
@@ -640,8 +687,10 @@ template <int MB>
 TileFn tile_for(int64_t type) {
   switch (type) {
     case kQ8_0: return &tile_q8_0<MB>;
-    case kQ5_0: return &tile_q5_0<MB>;
-    case kQ4_K: return &tile_q4_k<MB>;
+    case kQ5_0: return &tile_q5<MB, false>;
+    case kQ5_1: return &tile_q5<MB, true>;
+    case kQ4_K: return &tile_qk<MB, false>;
+    case kQ5_K: return &tile_qk<MB, true>;
     case kQ6_K: return &tile_q6_k<MB>;
     default: return nullptr;
   }
