@@ -124,6 +124,9 @@ def main() -> None:
                     help="time the prompts' prefill too (no prefix cache on either side)")
     ap.add_argument("--draft", default=None,
                     help="draft MODEL (--speculative-model) instead of n-gram drafts")
+    ap.add_argument("--draft-vocab", default=None,
+                    help="--speculative-draft-vocab N for the draft model; a comma list "
+                    "(e.g. 0,65536) runs one 'on' engine per value in every pair")
     args = ap.parse_args()
 
     from kiln import LLM
@@ -145,9 +148,14 @@ def main() -> None:
         method = {"speculative_model": str(src.gguf_file or src.path)}
     else:
         method = {"speculative_method": "ngram"}
-    on = Engine(replace(off.config, **method,
-                        num_speculative_tokens=k if k is not None else "auto"),
-                runner=off.runner, tokenizer=llm.tokenizer)
+    vocabs = [int(v) for v in args.draft_vocab.split(",")] if args.draft_vocab else [None]
+    ons = {}  # label -> engine: "on", or "on/vocab=N" per --draft-vocab value
+    for v in vocabs:
+        extra = {} if v is None else {"speculative_draft_vocab": v}
+        ons["on" if len(vocabs) == 1 else f"on/vocab={v}"] = Engine(
+            replace(off.config, **method, **extra,
+                    num_speculative_tokens=k if k is not None else "auto"),
+            runner=off.runner, tokenizer=llm.tokenizer)
     edit = llm.tokenizer.apply_chat_template(EDIT)
     quote = llm.tokenizer.apply_chat_template(QUOTE)
     workloads = {"single": [edit], "c2": [edit, quote],
@@ -158,14 +166,17 @@ def main() -> None:
           f"quantization={off.config.quantization} threads={off.config.num_threads} "
           f"K={args.k} max_tokens={args.max_tokens} draft={args.draft}", flush=True)
     run(off, [edit], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    run(on, [edit], SamplingParams(temperature=0.0, max_tokens=4))
+    for on in ons.values():
+        run(on, [edit], SamplingParams(temperature=0.0, max_tokens=4))
     lines = []
     for name in args.workloads.split(","):
-        ratios = []
+        ratios: dict[str, list[float]] = {label: [] for label in ons}
         for pair in range(args.pairs):
             res = {}
             load = os.getloadavg()[0]
-            order = (("off", off), ("on", on)) if pair % 2 == 0 else (("on", on), ("off", off))
+            order = [("off", off), *ons.items()]
+            if pair % 2:
+                order.reverse()  # a drift of the machine's load favours no side
             for label, eng in order:
                 before = eng.spec.stats.num_draft_tokens if eng.spec else 0
                 acc0 = eng.spec.stats.num_accepted_tokens if eng.spec else 0
@@ -181,20 +192,23 @@ def main() -> None:
                     # tokens a drafted row emits per step: 1 + accepted / drafted rows
                     res[label]["tokens_per_row_step"] = (
                         1 + (eng.spec.stats.num_accepted_tokens - acc0) / rows if rows else 1.0)
-            same = res["on"].pop("toks") == res["off"].pop("toks")
-            ratio = res["on"]["tok_s"] / res["off"]["tok_s"]
-            ratios.append(ratio)
-            line = {"workload": name, "pair": pair, "same_tokens": same, "ratio": ratio,
-                    "loadavg": load, **res}
-            lines.append(line)
-            print(f"{name} pair {pair}: off {res['off']['tok_s']:.2f} tok/s "
-                  f"({res['off']['steps']} steps), on {res['on']['tok_s']:.2f} tok/s "
-                  f"({res['on']['steps']} steps, acceptance "
-                  f"{res['on'].get('acceptance', 0) * 100:.0f}%, "
-                  f"{res['on'].get('tokens_per_row_step', 1):.2f} tok/step per row), "
-                  f"ratio {ratio:.2f}, same tokens: {same}, load {load:.1f}", flush=True)
-        print(f"{name}: on/off median {statistics.median(ratios):.2f} "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f}, {len(ratios)} pairs)", flush=True)
+            off_toks = res["off"].pop("toks")
+            for label in ons:
+                same = res[label].pop("toks") == off_toks
+                ratio = res[label]["tok_s"] / res["off"]["tok_s"]
+                ratios[label].append(ratio)
+                lines.append({"workload": name, "pair": pair, "variant": label,
+                              "same_tokens": same, "ratio": ratio, "loadavg": load,
+                              "off": res["off"], "on": res[label]})
+                r = res[label]
+                print(f"{name} pair {pair}: off {res['off']['tok_s']:.2f} tok/s "
+                      f"({res['off']['steps']} steps), {label} {r['tok_s']:.2f} tok/s "
+                      f"({r['steps']} steps, acceptance {r.get('acceptance', 0) * 100:.0f}%, "
+                      f"{r.get('tokens_per_row_step', 1):.2f} tok/step per row), "
+                      f"ratio {ratio:.2f}, same tokens: {same}, load {load:.1f}", flush=True)
+        for label, rs in ratios.items():
+            print(f"{name}: {label}/off median {statistics.median(rs):.2f} "
+                  f"(min {min(rs):.2f}, max {max(rs):.2f}, {len(rs)} pairs)", flush=True)
     if args.out:
         with args.out.open("a") as f:
             for line in lines:

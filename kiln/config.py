@@ -616,6 +616,12 @@ SETTINGS: list[Setting] = [
             "(vLLM's disable_by_batch_size); above it, steps run without drafts",
             ("--speculative-disable-by-batch-size",), affects="performance",
             auto=auto_spec_disable_by_batch_size, engines=("kiln",)),
+    Setting("speculative_draft_vocab", non_negative_int, 0,
+            "draft model: its head scores only the first N token ids (BPE vocabularies number "
+            "tokens in merge order, roughly by frequency: cheaper drafts of English and code, "
+            "fewer accepted in other scripts); outputs are unchanged (the target checks every "
+            "token); 0: the whole vocabulary", ("--speculative-draft-vocab",),
+            affects="performance", engines=("kiln",)),
     # -- hybrid MoE: hot experts on the GPU, the rest on the CPU: kiln's own engine (device pool +
     # CPU pools, kiln/engine/expert_placement.py) or SGLang + kt-kernel. cpu_offload_experts
     # comes first: the kt_* rules read it (its own rule reads only which kt_* were given).
@@ -944,6 +950,7 @@ class EngineConfig:
     ngram_prompt_lookup_min: int = _table_default("ngram_prompt_lookup_min")
     ngram_prompt_lookup_max: int = _table_default("ngram_prompt_lookup_max")
     speculative_disable_by_batch_size: int | None = None  # None: draft at every batch size
+    speculative_draft_vocab: int = _table_default("speculative_draft_vocab")
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

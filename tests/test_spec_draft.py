@@ -127,6 +127,65 @@ def test_tiny_pair_sampled_rows_draft_from_q_reproducibly_and_abort_frees_draft_
     eng.check_idle_integrity()  # the draft pool too: nothing leaked
 
 
+def test_a_draft_head_cut_to_the_first_ids_keeps_greedy_and_sampled_outputs(tiny_pair):
+    """--speculative-draft-vocab: the draft scores ids 0..n-1 only; the target's tokens past n
+    are never drafted (rejected there), and outputs stay the plain run's (greedy) and
+    reproducible (sampled: q is zero past n, which the rejection rule allows)."""
+    target, draft = tiny_pair
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 250, n).tolist() for n in (7, 30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 2
+    plain_eng = _engine(target)
+    plain = _generate(plain_eng, prompts, params)
+    assert any(t >= 128 for out in plain.values() for t in out)  # the cut matters here
+    eng = _engine(target, speculative_model=str(draft), num_speculative_tokens=3,
+                  speculative_draft_vocab=128, runner=plain_eng.runner)
+    assert eng.drafter.vocab == 128
+    drafted: list[int] = []
+    propose = eng.drafter.propose
+
+    def recording(rows, live):
+        propose(rows, live)
+        drafted.extend(t for req, _ in rows for t in req.spec_token_ids)
+
+    eng.drafter.propose = recording
+    assert _generate(eng, prompts, params) == plain
+    assert drafted and max(drafted) < 128
+    st = eng.spec.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    runs = [_generate(eng, [prompts[0]], [sampled])["0"] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+
+
+def test_head_rows_give_the_whole_heads_first_logits():
+    """kiln.layers.quantize.head_rows on each head layout: the cut head's logits are the
+    whole head's first n (the same storage, the same kernel); a cut inside a tile of rows is
+    refused (None)."""
+    from kiln.layers import kquant
+    from kiln.layers.linear import Linear
+    from kiln.layers.quant import Int8Linear
+    from kiln.layers.quantize import head_rows
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g)
+    heads = [Int8Linear.from_float(w, None, torch.float32)]
+    lin = Linear(256, 96)
+    lin.weight.data.copy_(w)
+    heads.append(lin)
+    if kquant.available():
+        heads.append(kquant.KQuantLinear([kquant._random_blocks(96, 256, "Q8_0", g)], None,
+                                         torch.float32))
+    x = torch.randn(3, 256, generator=g)
+    for head in heads:
+        cut = head_rows(head, 48)
+        assert cut is not None, type(head).__name__
+        torch.testing.assert_close(cut(x), head(x)[:, :48], rtol=1e-6, atol=1e-5)
+        assert head_rows(head, 96) is None
+    if kquant.available():
+        assert head_rows(heads[-1], 44) is None  # inside a tile of 8 rows
+
+
 def test_vocab_mismatch_is_a_one_line_error_before_any_weights_load(tiny_pair, gguf_path):
     from kiln.errors import ConfigError
 

@@ -9,6 +9,10 @@ tokenizer proposes K tokens per running row; the target verifies them in one for
     prefix cache       the draft's own (a new row takes the blocks of a prompt it has seen);
                        blocks are published right after catch-up, when they hold target tokens
                        only
+    head               with --speculative-draft-vocab N, the first N token ids only (BPE ids
+                       follow merge order, roughly frequency: Qwen2.5's first 64k cover ~98% of
+                       code and English tokens); a token past N is never drafted, and the
+                       target, which scores every id, rejects the draft there
     propose            1) catch up: the shadow's KV is kept for the longest prefix it shares
                        with the target's tokens (accepted drafts stay, rejected ones are trimmed
                        away, KVCacheManager.trim); the tokens after it (usually 1-2: the last
@@ -116,6 +120,7 @@ class DraftModel:
                 scheduler_trace_jsonl=None, diagnostic_faults=())
             runner = ModelRunner(dcfg, ckpt)
         self.runner = runner
+        self.vocab = self._cut_head(config.speculative_draft_vocab)
         self.sampler = sampler
         self.max_model_len = runner.max_model_len
         # A prefix cache of its own, as the target has: a prompt the target finds cached (a
@@ -130,6 +135,27 @@ class DraftModel:
         self._synced: dict[str, int] = {}
         self.steps = 0  # draft forwards, for the benchmark
         self.last_tokens = 0  # tokens computed by the last propose call (spec.py's auto K)
+
+    def _cut_head(self, n: int) -> int | None:
+        """--speculative-draft-vocab: the draft's head scores token ids 0..n-1 only (its
+        logits are padded with -inf to the target's width in `_run`, so a draft is always one
+        of them). Returns n, or None where the head stays whole (n = 0, n at least the
+        vocabulary, or a head layout that cannot be cut there)."""
+        from kiln.layers.quantize import head_rows
+
+        model = self.runner.model
+        head = getattr(model, "lm_head", None)
+        vocab = model.config.vocab_size
+        if not n or head is None or n >= vocab:
+            return None
+        cut = head_rows(head, n)
+        if cut is None:
+            log.info("draft model: head kept whole (%s cannot be cut at %d rows)",
+                     type(head).__name__, n)
+            return None
+        model.lm_head = cut
+        log.info("draft model: head scores the first %d of %d token ids", n, vocab)
+        return n
 
     def forget(self, request_id: str) -> None:
         sh = self.shadows.pop(request_id, None)

@@ -180,3 +180,50 @@ def _quantize_head(model: nn.Module, mode: str, use_kernels: bool) -> None:
             model.lm_head = Int4Linear(_groups_of(head), None, head.weight.dtype, use_kernels)
         elif isinstance(head, Linear):
             model.lm_head = quantize_linear(head, "int8", use_kernels)
+
+
+def head_rows(head: nn.Module, n: int) -> nn.Module | None:
+    """The first `n` output rows of a head as a layer of their own, on the same storage (no
+    copy, nothing re-rounded): a draft model's head over the most frequent token ids
+    (kiln/engine/draft.py). None where the head's layout cannot be cut at `n` (an int4 or int8
+    tile boundary, a dense copy, a merged or packed weight): the caller keeps the whole head."""
+    import copy
+
+    from kiln.layers.kquant import KQuantLinear
+
+    rows = head.embedding.num_embeddings if isinstance(head, TiedLMHead) else head.out_features
+    if n >= rows:
+        return None
+    tile = None
+    if isinstance(head, KQuantLinear) and len(head.rows) == 1:
+        tile = 8 if head.tiled[0] else 1
+        names = {"blocks0": tile}
+    elif isinstance(head, Int8Linear) and head.dense is None:
+        tile = 16 if head.kiln else 1
+        names = {"weight": tile, "scales": 1}
+    elif isinstance(head, Int4Linear) and head.avx2 and head.dense is None:
+        tile = 8  # cpu_kernels_avx2.pack_q4: tiles of 8 rows
+        names = {"packed": tile}
+    elif isinstance(head, (Linear, TiedLMHead)):
+        linear = isinstance(head, Linear)
+        if linear and (head.packed or head.stash):
+            return None
+        weight = head.weight if linear else head.embedding.weight
+        bias = head.bias if linear else None
+        cut = Linear(weight.shape[1], n, bias is not None)
+        cut.weight = nn.Parameter(weight[:n], requires_grad=False)
+        if bias is not None:
+            cut.bias = nn.Parameter(bias[:n], requires_grad=False)
+        return cut
+    if tile is None or n % tile:
+        return None
+    cut = copy.copy(head)
+    cut._buffers = dict(head._buffers)
+    for name, rows_per in names.items():
+        setattr(cut, name, getattr(head, name)[:n // rows_per])
+    if getattr(head, "bias", None) is not None:
+        cut.bias = head.bias[:n]
+    cut.out_features = n
+    if isinstance(head, KQuantLinear):
+        cut.rows = [n]
+    return cut
