@@ -9,6 +9,7 @@ machine's load does not favour one side), and reports tokens/s of each and the o
 Workloads:
   single  one stream, a code-editing prompt (rename a variable in ~40 lines of Python and show
           the whole file): the answer repeats most of the prompt, n-gram's best case
+  write   one stream, new code (an LRU cache class): little of the answer is in the prompt
   c2, c4  2 or 4 streams at once (code editing and passage quoting, alternating)
   c16     16 streams at once (each a code-editing or a passage-quoting prompt): throughput
 
@@ -71,6 +72,9 @@ EDIT = [{"role": "user", "content": "Rename the variable `order` to `o` everywhe
          "and show the whole file:\n\n" + CODE}]
 QUOTE = [{"role": "user", "content": "Repeat this passage word for word, then give it a title:"
           "\n\n" + PASSAGE}]
+WRITE = [{"role": "user", "content": "Write a Python class LRUCache with get(key) and "
+          "put(key, value) in O(1), a capacity set in __init__, type hints and docstrings, "
+          "then three unit tests for it."}]
 
 
 def run(engine, prompts: list[list[int]], params, cold: bool = False
@@ -124,9 +128,9 @@ def main() -> None:
                     help="time the prompts' prefill too (no prefix cache on either side)")
     ap.add_argument("--draft", default=None,
                     help="draft MODEL (--speculative-model) instead of n-gram drafts")
-    ap.add_argument("--draft-vocab", default=None,
-                    help="--speculative-draft-vocab N for the draft model; a comma list "
-                    "(e.g. 0,65536) runs one 'on' engine per value in every pair")
+    ap.add_argument("--vary", default=None, metavar="SETTING=V1,V2",
+                    help="one 'on' engine per value of an engine setting, each in every pair "
+                    "(e.g. speculative_draft_vocab=0,32768 or speculative_prompt_lookup=0,8)")
     args = ap.parse_args()
 
     from kiln import LLM
@@ -148,17 +152,18 @@ def main() -> None:
         method = {"speculative_model": str(src.gguf_file or src.path)}
     else:
         method = {"speculative_method": "ngram"}
-    vocabs = [int(v) for v in args.draft_vocab.split(",")] if args.draft_vocab else [None]
-    ons = {}  # label -> engine: "on", or "on/vocab=N" per --draft-vocab value
-    for v in vocabs:
-        extra = {} if v is None else {"speculative_draft_vocab": v}
-        ons["on" if len(vocabs) == 1 else f"on/vocab={v}"] = Engine(
+    name, _, values = (args.vary or "").partition("=")
+    ons = {}  # label -> engine: "on", or "on/SETTING=V" per --vary value
+    for v in (values.split(",") if args.vary else [None]):
+        extra = {} if v is None else {name: int(v) if v.lstrip("-").isdigit() else v}
+        ons["on" if v is None else f"on/{name}={v}"] = Engine(
             replace(off.config, **method, **extra,
                     num_speculative_tokens=k if k is not None else "auto"),
             runner=off.runner, tokenizer=llm.tokenizer)
     edit = llm.tokenizer.apply_chat_template(EDIT)
     quote = llm.tokenizer.apply_chat_template(QUOTE)
-    workloads = {"single": [edit], "c2": [edit, quote],
+    write = llm.tokenizer.apply_chat_template(WRITE)
+    workloads = {"single": [edit], "write": [write], "c2": [edit, quote],
                  "c4": [edit if i % 2 == 0 else quote for i in range(4)],
                  "c16": [edit if i % 2 == 0 else quote for i in range(16)]}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -616,6 +616,12 @@ SETTINGS: list[Setting] = [
             "(vLLM's disable_by_batch_size); above it, steps run without drafts",
             ("--speculative-disable-by-batch-size",), affects="performance",
             auto=auto_spec_disable_by_batch_size, engines=("kiln",)),
+    Setting("speculative_prompt_lookup", non_negative_int, 4,
+            "draft model: where the request's own tokens predict a run of up to N tokens "
+            "(prompt lookup, as --speculative-method ngram) and the draft model's first token "
+            "agrees with it, that run is the step's drafts and the draft model's other steps are "
+            "skipped (greedy rows); 0: off", ("--speculative-prompt-lookup",),
+            affects="performance", metavar="N", engines=("kiln",)),
     Setting("speculative_draft_vocab", non_negative_int, 0,
             "draft model: its head scores only the first N token ids (BPE vocabularies number "
             "tokens in merge order, roughly by frequency: cheaper drafts of English and code, "
@@ -951,6 +957,7 @@ class EngineConfig:
     ngram_prompt_lookup_max: int = _table_default("ngram_prompt_lookup_max")
     speculative_disable_by_batch_size: int | None = None  # None: draft at every batch size
     speculative_draft_vocab: int = _table_default("speculative_draft_vocab")
+    speculative_prompt_lookup: int = _table_default("speculative_prompt_lookup")
 
     @classmethod
     def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None

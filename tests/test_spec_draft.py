@@ -146,7 +146,7 @@ def test_a_draft_head_cut_to_the_first_ids_keeps_greedy_and_sampled_outputs(tiny
 
     def recording(rows, live):
         propose(rows, live)
-        drafted.extend(t for req, _ in rows for t in req.spec_token_ids)
+        drafted.extend(t for req, *_ in rows for t in req.spec_token_ids)
 
     eng.drafter.propose = recording
     assert _generate(eng, prompts, params) == plain
@@ -156,6 +156,34 @@ def test_a_draft_head_cut_to_the_first_ids_keeps_greedy_and_sampled_outputs(tiny
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
     runs = [_generate(eng, [prompts[0]], [sampled])["0"] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 16
+
+
+def test_prompt_lookup_runs_the_draft_confirms_replace_its_steps(tiny_pair):
+    """--speculative-prompt-lookup: a greedy row whose own tokens predict a run, and whose
+    draft model's first token agrees, drafts that run with no more draft steps; the output is
+    the plain run's, and those rows stay out of the auto K's acceptance."""
+    target, draft = tiny_pair
+    prompts = [[5, 6, 7, 8, 9] * 8, list(range(40, 70)) * 2]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2
+    plain_eng = _engine(target)
+    plain = _generate(plain_eng, prompts, params)
+    eng = _engine(target, speculative_model=str(draft), speculative_prompt_lookup=6,
+                  runner=plain_eng.runner)
+    hinted: list[list[int]] = []
+    propose = eng.drafter.propose
+
+    def recording(rows, live):
+        propose(rows, live)
+        hinted.extend(req.spec_token_ids for req, *_ in rows
+                      if req.request_id in eng.drafter.last_hinted)
+
+    eng.drafter.propose = recording
+    assert _generate(eng, prompts, params) == plain
+    assert hinted and max(len(h) for h in hinted) > 1
+    off = _engine(target, speculative_model=str(draft), speculative_prompt_lookup=0,
+                  runner=plain_eng.runner)
+    assert _generate(off, prompts, params) == plain
+    assert not off.drafter.last_hinted
 
 
 def test_head_rows_give_the_whole_heads_first_logits():

@@ -135,6 +135,7 @@ class DraftModel:
         self._synced: dict[str, int] = {}
         self.steps = 0  # draft forwards, for the benchmark
         self.last_tokens = 0  # tokens computed by the last propose call (spec.py's auto K)
+        self.last_hinted: set[str] = set()  # rows whose drafts were their lookup run
 
     def _cut_head(self, n: int) -> int | None:
         """--speculative-draft-vocab: the draft's head scores token ids 0..n-1 only (its
@@ -164,18 +165,23 @@ class DraftModel:
             self.kv.free(sh)
 
     @torch.inference_mode()
-    def propose(self, rows: list[tuple[Request, int]], live: set[str]) -> None:
-        """Drafts for `rows` (target request, at most k drafts) into their spec_token_ids and
-        spec_draft_probs. Shadows of requests not in `live` (finished, preempted) go."""
+    def propose(self, rows: list[tuple[Request, int, list[int]]], live: set[str]) -> None:
+        """Drafts for `rows` (target request, at most k drafts, its prompt-lookup run or [])
+        into their spec_token_ids and spec_draft_probs. Shadows of requests not in `live`
+        (finished, preempted) go."""
         for rid in [r for r in self.shadows if r not in live]:
             self.forget(rid)
         self.last_tokens = 0
+        self.last_hinted = set()
         todo: list[tuple[Request, Request, int]] = []
-        for req, k in rows:
+        hints: dict[str, list[int]] = {}
+        for req, k, hint in rows:
             k = min(k, self.max_model_len - req.num_tokens)
             if k <= 0:
                 continue
             todo.append((req, self._sync(req), k))
+            if hint:
+                hints[req.request_id] = hint[:self.max_model_len - req.num_tokens]
         if not todo:
             return
         sampler = self.sampler
@@ -210,12 +216,23 @@ class DraftModel:
             if not batch and pending:
                 break  # nothing fits at all this step (cannot happen with a budget > 0)
 
+        # A lookup run whose first token is the draft's own is taken whole (greedy rows only:
+        # a sampled draft's q would not describe the run): no more draft steps for that row.
+        # The shadow computed only its first token; the next catch-up computes the accepted
+        # rest as one chunk.
+        for rid, hint in hints.items():
+            got = drafts.get(rid)
+            if got and got[0] == hint[0]:
+                drafts[rid] = list(hint)
+                self.last_hinted.add(rid)
+
         # 2) one-token steps until every row has its k drafts
         while True:
             batch = []
             for req, sh, k in todo:
                 got = drafts.get(req.request_id)
-                if got is None or not got or len(got) >= k or req.request_id not in self.shadows:
+                if (got is None or not got or len(got) >= k or req.request_id not in self.shadows
+                        or req.request_id in self.last_hinted):
                     continue
                 if not self.kv.allocate(sh, 1):
                     continue  # out of draft blocks: this row keeps the drafts it has

@@ -291,7 +291,8 @@ class Engine:
                 if s.spec_token_ids and s.request.request_id in result[0]:
                     got = result[0][s.request.request_id]
                     self.spec.record(len(s.spec_token_ids),
-                                     len(got) - 1 if isinstance(got, list) else 0)
+                                     len(got) - 1 if isinstance(got, list) else 0,
+                                     s.request.request_id in self.spec.hinted)
         return result
 
     def _process(self, touched: list[Request], outputs: list[RequestOutput]) -> None:

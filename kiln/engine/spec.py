@@ -108,6 +108,9 @@ class SpecConfig:
     model: str | None = None  # the draft model's path (method "draft")
     # no drafts while more requests than this are decoding (None: no limit)
     disable_by_batch_size: int | None = None
+    # method "draft": a greedy row's prompt-lookup run of up to this many tokens replaces the
+    # draft model's steps when the draft's first token agrees with it (0: never)
+    lookup_k: int = 0
 
 
 @dataclass
@@ -158,7 +161,8 @@ def spec_config(cfg: EngineConfig) -> SpecConfig | None:
         raise ConfigError(f"--ngram-prompt-lookup-min {lo} is above --ngram-prompt-lookup-max "
                           f"{hi}", hint="give a min no larger than the max")
     return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi, model,
-                      cfg.speculative_disable_by_batch_size)
+                      cfg.speculative_disable_by_batch_size,
+                      cfg.speculative_prompt_lookup if method == "draft" else 0)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -196,6 +200,9 @@ class Speculator:
         self._proposals = 0
         self.propose_seconds = 0.0  # the last propose call's drafting (a draft model's forwards)
         self.propose_tokens = 0  # tokens the draft model computed in it
+        # request ids whose drafts this step are a prompt-lookup run the draft model confirmed
+        # (engine/draft.py): their acceptance and cost are not the draft model's
+        self.hinted: set[str] = set()
 
     @property
     def k(self) -> int:
@@ -210,7 +217,8 @@ class Speculator:
         drafting before it): one point of the auto K's cost line."""
         # a draft model that prefilled a prompt in that call is not a steady step's cost (its
         # steady drafting computes at most k + 1 tokens: the catch-up's 2, then k - 1 steps)
-        if self.config.num_tokens is None and k > 0 and self.propose_tokens <= k + 1:
+        if (self.config.num_tokens is None and k > 0 and self.propose_tokens <= k + 1
+                and not self.hinted):
             self.cost.add(k, seconds + self.propose_seconds)
 
     def propose(self, running: list[Request]) -> None:
@@ -229,7 +237,8 @@ class Speculator:
             decoding = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
             if decoding > limit:
                 k_max = 0  # a full batch: drafts would cost more compute than they save
-        rows: list[tuple[Request, int]] = []
+        rows: list[tuple[Request, int, list[int]]] = []
+        self.hinted = set()
         for req in running:
             req.spec_token_ids = []
             req.spec_draft_probs = None
@@ -237,12 +246,18 @@ class Speculator:
                     or not can_draft(req)):
                 continue
             # no drafts past max_tokens or the context: the step after them could not use them
-            k = min(k_max, req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+            room = min(req.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            k = min(k_max, room)
             if k <= 0:
                 continue
             if self.drafter is not None:
-                rows.append((req, k))
+                hint: list[int] = []
+                if self.config.lookup_k and req.params.temperature == 0.0:
+                    hint = ngram_propose(np.asarray(req.all_token_ids, dtype=np.int64),
+                                         min(self.config.lookup_k, room),
+                                         self.config.ngram_min, self.config.ngram_max)
+                rows.append((req, k, hint))
                 continue
             tokens = np.asarray(req.all_token_ids, dtype=np.int64)
             req.spec_token_ids = ngram_propose(tokens, k, self.config.ngram_min,
@@ -253,9 +268,11 @@ class Speculator:
             self.drafter.propose(rows, {r.request_id for r in running})
             self.propose_seconds = time.perf_counter() - t0
             self.propose_tokens = self.drafter.last_tokens
+            self.hinted = self.drafter.last_hinted
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        """One verified row: `num_drafted` drafts, of which the first `num_accepted` held."""
+    def record(self, num_drafted: int, num_accepted: int, hinted: bool = False) -> None:
+        """One verified row: `num_drafted` drafts, of which the first `num_accepted` held
+        (`hinted`: a prompt-lookup run, counted in the stats, not in the auto K's acceptance)."""
         st = self.stats
         st.num_drafts += 1
         st.num_draft_tokens += num_drafted
@@ -264,6 +281,8 @@ class Speculator:
             st.accepted_per_pos += [0] * (num_drafted - len(st.accepted_per_pos))
         for i in range(num_accepted):
             st.accepted_per_pos[i] += 1
+        if hinted:
+            return
         decay = 0.5 ** (1.0 / AUTO_HALF_LIFE)
         self._acc = self._acc * decay + num_accepted
         self._rej = self._rej * decay + (1 if num_accepted < num_drafted else 0)
