@@ -18,7 +18,9 @@ tokenizer proposes K tokens per running row; the target verifies them in one for
                        away, KVCacheManager.trim); the tokens after it (usually 1-2: the last
                        accepted draft and the token the target added; the whole prompt for a
                        new row) are computed as a chunk, whose last row samples draft 1;
-                       2) K - 1 batched one-token decode steps over every drafting row
+                       2) K - 1 batched one-token decode steps over every drafting row,
+                       except a greedy row whose prompt-lookup run (--speculative-prompt-lookup,
+                       spec.py's ngram_propose) starts with draft 1: that run is its drafts
     draft sampling     greedy rows: the draft's argmax. Sampled rows: a draw from q, the draft's
                        distribution under the row's own temperature / top-k / top-p / min-p;
                        q is kept (Request.spec_draft_probs) for the target's rejection sampling
