@@ -140,7 +140,8 @@ def auto_spec_disable_by_batch_size(ctx: AutoContext, v: dict[str, Any]) -> tupl
     # Measured on 2 CPU cores, Qwen2.5-Coder 0.5B drafting for 1.5B, K=4 (README, Speculative
     # decoding): one stream 1.34x, 2 streams 1.03x (0.95-1.07), 4 streams 0.85x, 16 streams 0.55x: the
     # verify rows and the draft's steps cost compute that a batch already keeps busy. (Since the
-    # kernels' prefetch made plain decode faster, one stream is 1.20x with the auto K.)
+    # kernels' prefetch made plain decode faster, one stream is 1.20x with the auto K, and
+    # 1.51x on code editing with --speculative-prompt-lookup.)
     return 1, ("a draft model on CPU pays off for a single stream only (measured with K=4: 1.34x "
                "at 1 stream, 1.03x at 2, 0.85x at 4, 0.55x at 16)")
 
