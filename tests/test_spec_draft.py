@@ -233,6 +233,9 @@ def test_draft_method_needs_a_draft_model_and_ngram_none(tiny_pair):
         _engine(target, speculative_method="draft")
     with pytest.raises(ConfigError, match="drop one"):
         _engine(target, speculative_method="ngram", speculative_model=str(draft))
+    for method in (None, "ngram"):  # a head cut with no draft model to cut
+        with pytest.raises(ConfigError, match="--speculative-draft-vocab"):
+            _engine(target, speculative_method=method, speculative_draft_vocab=1024)
 
 
 # --------------------------------------------------------------------------- rejection sampling

@@ -139,6 +139,10 @@ def spec_config(cfg: EngineConfig) -> SpecConfig | None:
     method, k, model = cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model
     if method is None and model is not None:
         method = "draft"
+    if cfg.speculative_draft_vocab and method != "draft":
+        raise ConfigError("--speculative-draft-vocab cuts a draft model's head, and no draft "
+                          "model is set",
+                          hint="add --speculative-model DRAFT, or drop --speculative-draft-vocab")
     if method is None:
         if k not in (None, "auto"):
             raise ConfigError("--num-speculative-tokens needs a speculative method",
