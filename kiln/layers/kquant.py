@@ -119,9 +119,10 @@ class KQuantLinear(QuantizedLinear):
     merged qkv / gate_up may mix types: Q4_K_M files put Q5_0, Q6_K or Q8_0 beside Q4_K).
     One kernel at every row count (the kernel is batch-invariant), no dense copy.
 
-    With the kernel, the parts are repacked once here into tiles of 8 output rows (`pack`): each activation load then serves 8 rows and the tile's results come
-    out of its integer sums in row order, where the raw rows needed a horizontal sum and a float
-    scale per row and block (1.8-3.4x slower per layer than the int4 tile kernel). The raw
+    With the kernel, the parts are repacked once here into tiles of 8 output rows (`pack`):
+    each activation load then serves 8 rows and the tile's results come out of its integer
+    sums in row order, where the raw rows needed a horizontal sum and a float scale per row and
+    block (1.8-3.4x slower per layer than the int4 tile kernel). The raw
     blocks are not kept (the tiles are a copy of their size, the file's map is released)."""
 
     dense_min_m = 1 << 62

@@ -1,5 +1,6 @@
 // kiln's AVX2 kernels for GGUF's quantized blocks, the file's codes and scales as they are (no
-// second rounding; reordered into 8-row tiles): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built and loaded by kiln/layers/cpu_kernels.py (`kquant_available()`);
+// second rounding; reordered into 8-row tiles): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built and
+// loaded by kiln/layers/cpu_kernels.py (`kquant_available()`);
 // kiln/layers/kquant.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
 //
 // Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
@@ -112,11 +113,6 @@ int64_t block_bytes(int64_t type) {
 // Rows past the tensor's end are zero (d = 0: their outputs are 0 and not stored). The map
 // below is written once and serves both directions (kq_pack and kq_unpack, its inverse).
 
-bool tiled_type(int64_t type) {
-  return type == kQ8_0 || type == kQ5_0 || type == kQ5_1 || type == kQ4_K || type == kQ5_K ||
-         type == kQ6_K;
-}
-
 int64_t tile_block_bytes(int64_t type) {
   switch (type) {
     case kQ8_0: return 272;
@@ -128,6 +124,8 @@ int64_t tile_block_bytes(int64_t type) {
     default: return 0;
   }
 }
+
+bool tiled_type(int64_t type) { return tile_block_bytes(type) > 0; }
 
 // Moves n bits (within one byte on both sides) from src at bit sb to dst at bit db.
 inline void move_bits(const uint8_t* src, int64_t sb, uint8_t* dst, int64_t db, int n) {

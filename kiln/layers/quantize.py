@@ -194,16 +194,13 @@ def head_rows(head: nn.Module, n: int) -> nn.Module | None:
     rows = head.embedding.num_embeddings if isinstance(head, TiedLMHead) else head.out_features
     if n >= rows:
         return None
-    tile = None
+    per: dict[str, int] = {}  # buffer -> output rows per entry of its first dimension
     if isinstance(head, KQuantLinear) and len(head.rows) == 1:
-        tile = 8 if head.tiled[0] else 1
-        names = {"blocks0": tile}
+        per = {"blocks0": 8 if head.tiled[0] else 1}
     elif isinstance(head, Int8Linear) and head.dense is None:
-        tile = 16 if head.kiln else 1
-        names = {"weight": tile, "scales": 1}
+        per = {"weight": 16 if head.kiln else 1, "scales": 1}
     elif isinstance(head, Int4Linear) and head.avx2 and head.dense is None:
-        tile = 8  # cpu_kernels_avx2.pack_q4: tiles of 8 rows
-        names = {"packed": tile}
+        per = {"packed": 8}  # cpu_kernels_avx2.pack_q4: tiles of 8 rows
     elif isinstance(head, (Linear, TiedLMHead)):
         linear = isinstance(head, Linear)
         if linear and (head.packed or head.stash):
@@ -215,12 +212,12 @@ def head_rows(head: nn.Module, n: int) -> nn.Module | None:
         if bias is not None:
             cut.bias = nn.Parameter(bias[:n], requires_grad=False)
         return cut
-    if tile is None or n % tile:
+    if not per or any(n % r for r in per.values()):
         return None
     cut = copy.copy(head)
     cut._buffers = dict(head._buffers)
-    for name, rows_per in names.items():
-        setattr(cut, name, getattr(head, name)[:n // rows_per])
+    for name, r in per.items():
+        setattr(cut, name, getattr(head, name)[:n // r])
     if getattr(head, "bias", None) is not None:
         cut.bias = head.bias[:n]
     cut.out_features = n
