@@ -333,14 +333,17 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
         cke.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
 
 
+@pytest.mark.parametrize("down_kind", ["Q8_0", "q4"])
 @pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "decode+chunk"])
-def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
+def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind):
     """cpu_kernels_avx2.decode_layer (one call per layer for a whole step) against the same kernels called
     one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
     are the same bits (the batch-invariance argument for kernel steps vs eager steps). The down
-    projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher), the o
-    projection has a bias. `chunk`: rows 1 and 2 are two tokens of one prefill chunk (one
-    table row, consecutive positions: row 2 attends to the key row 1 writes in this call)."""
+    projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher) or, with
+    every linear q4, the one-region layer (decode_layer_q4, residuals and biases folded into
+    the tile stores); the o projection has a bias. `chunk`: rows 1 and 2 are two tokens of one
+    prefill chunk (one table row, consecutive positions: row 2 attends to the key row 1 writes
+    in this call)."""
     from kiln.layers import kquant
 
     if not kquant.available():
@@ -355,7 +358,12 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
 
     w_qkv, w_o, w_gu = packed(qkv_n, h, 2), packed(h, hq * d, 3), packed(2 * inter, h, 4)
     down = kquant._random_blocks(h, inter, "Q8_0", g)
-    w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
+    if down_kind == "q4":
+        w_down, down_id = packed(h, inter, 5), ck.Q4_KIND
+        down_linear = lambda a: ck.q4_linear(a, w_down, h)  # noqa: E731
+    else:
+        w_down, down_id = (kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw), down.type_id
+        down_linear = lambda a: kquant.kq_linear(a, [w_down], [down.type_id], [h])  # noqa: E731
     b_o = torch.randn(h, generator=g) * 0.1
     x = torch.randn(b, h, generator=g)
     ln1, ln2 = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
@@ -373,13 +381,67 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk):
     att = ck.attend_rows(q, k, v, gather, row_of, lens, scale)
     x1 = x + (ck.q4_linear(att.view(b, -1), w_o, h) + b_o)
     gu = ck.q4_linear(cke.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
-    want = x1 + kquant.kq_linear(cke.silu_mul(gu), [w_down], [down.type_id], [h])
+    want = x1 + down_linear(cke.silu_mul(gu))
 
     k2, v2 = k0.clone(), v0.clone()
     got = ck.decode_layer(
         x, cos, sin, ln1, ln2, eps, [w_qkv, w_o, w_gu, w_down],
-        [ck.Q4_KIND, ck.Q4_KIND, ck.Q4_KIND, down.type_id], [qkv_n, h, 2 * inter, h],
+        [ck.Q4_KIND, ck.Q4_KIND, ck.Q4_KIND, down_id], [qkv_n, h, 2 * inter, h],
         [1, 1, 1, 1], [None, b_o, None, None], k2, v2, slots, gather, row_of, lens, hq, scale)
     assert torch.equal(got, want)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert not torch.equal(k, k0)  # the step's keys were written
+
+
+def test_decode_stack_is_decode_layer_layer_after_layer():
+    """decode_stack (a whole step's layers in one call, LlamaModel's kernel steps) against
+    decode_layer called once per layer: the same output and pools, bit for bit. Layer 0 is all
+    q4 with a qkv bias (the one-region path), layer 1 has a GGUF Q8_0 down projection (the
+    general path); each layer writes its own pools."""
+    from kiln.layers import kquant
+
+    if not kquant.available():
+        pytest.skip("no GGUF-block kernels here")
+    g = torch.Generator().manual_seed(3)
+    b, h, hq, hk, d, inter, s, ctx = 2, 128, 4, 2, 32, 96, 48, 11
+    qkv_n = (hq + 2 * hk) * d
+
+    def packed(n: int, k: int, seed: int) -> torch.Tensor:
+        gq = _groups(n, k, seed)
+        return ck.pack_q4(gq.q, gq.scale, gq.min)
+
+    down = kquant._random_blocks(h, inter, "Q8_0", g)
+    w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
+    layers = []
+    for i, (kind, wd) in enumerate([(ck.Q4_KIND, packed(h, inter, 9)), (down.type_id, w_down)]):
+        layers.append(dict(
+            ln1=torch.rand(h, generator=g) + 0.5, ln2=torch.rand(h, generator=g) + 0.5,
+            weights=[packed(qkv_n, h, 10 + i), packed(h, hq * d, 20 + i),
+                     packed(2 * inter, h, 30 + i), wd],
+            kinds=[ck.Q4_KIND] * 3 + [kind], biases=[torch.randn(qkv_n, generator=g), None,
+                                                     None, None],
+            k=torch.randn(s, hk, d, generator=g), v=torch.randn(s, hk, d, generator=g)))
+    x = torch.randn(b, h, generator=g)
+    cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
+    table = torch.stack([torch.randperm(s, generator=g)[:ctx] for _ in range(b)])
+    row_of, lens = torch.arange(b), torch.tensor([ctx, 5])
+    slots = table[row_of, lens - 1]
+    rows, scale, eps = [qkv_n, h, 2 * inter, h], d ** -0.5, 1e-5
+
+    want, pools = x, []
+    for ly in layers:
+        k, v = ly["k"].clone(), ly["v"].clone()
+        want = ck.decode_layer(want, cos, sin, ly["ln1"], ly["ln2"], eps, ly["weights"],
+                               ly["kinds"], rows, [1, 1, 1, 1], ly["biases"], k, v, slots,
+                               table, row_of, lens, hq, scale)
+        pools.append((k, v))
+    stack = ck.layer_stack()
+    for ly in layers:
+        stack.add(ly["ln1"], ly["ln2"], eps, ly["weights"], ly["kinds"], rows, [1, 1, 1, 1],
+                  [bb if bb is not None else torch.empty(0) for bb in ly["biases"]], ly["k"],
+                  ly["v"], hq, scale)
+    assert stack.size() == 2
+    got = ck.decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
+    assert torch.equal(got, want)
+    for ly, (k, v) in zip(layers, pools):
+        assert torch.equal(ly["k"], k) and torch.equal(ly["v"], v)

@@ -195,6 +195,11 @@ def kernel_args(linears: list[nn.Module]) -> tuple[list[torch.Tensor], torch.Ten
     return out, step.seg
 
 
+def step_active() -> bool:
+    """Whether this forward has adapter rows (set_step's groups)."""
+    return _STEP is not None
+
+
 def set_step(step: LoRAStep | None) -> None:
     """The groups the target linears read during this forward (None: no adapter rows)."""
     global _STEP

@@ -30,6 +30,7 @@ from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.engine.spec import sample_with_drafts
+from kiln.models.llama import kernel_layer_call
 from kiln.errors import ConfigError, DeviceError
 from kiln.layers.attention import (
     INT8_SCALE_DTYPE,
@@ -352,7 +353,7 @@ class ModelRunner:
         lora.set_step(lora_step)
         try:
             if kernel:
-                hidden = self.model(input_ids, positions, layer_call=_kernel_layer_call)
+                hidden = self.model(input_ids, positions, layer_call=kernel_layer_call)
             elif compiled:
                 hidden = graphs.run(self.model, input_ids, positions, meta)
             else:
@@ -503,11 +504,6 @@ def _step_rows(dec: _DecodeInputs | None, nd: int, chunk_slots: list[np.ndarray]
         row_of.append(np.full(n, nd + j, dtype=np.int64))
         lens.append(np.arange(start + 1, start + n + 1, dtype=np.int64))
     return table, _cat(row_of), _cat(lens)
-
-
-def _kernel_layer_call(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
-                       x: torch.Tensor) -> torch.Tensor:
-    return layer.forward_decode_kernel(cos, sin, x)  # type: ignore[operator]
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:

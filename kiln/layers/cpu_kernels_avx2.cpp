@@ -35,6 +35,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -80,6 +81,11 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// int8 weights (q8_linear's rows) converted exactly, as q8_linear's L1 buffer holds them
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // One row of K values -> int8 codes q [K], scale d [K/32], sum of the floats [K/32].
@@ -205,13 +211,47 @@ inline void tile_rows(const uint8_t* w, const QRows& xs, const int64_t* rows, in
   }
 }
 
-inline void store_tile(float* y, __m256 v, int64_t valid) {
+// The tiles' epilogue: y = (dots + bias) + resid, in the order the eager layer adds them (the
+// linear's output, then its bias, then the residual: `x + (lin(h) + b)`), each add one fp32 add
+// of the same operands, so the bits match; bias / resid null: not added. `valid` < 8: the last,
+// partial tile of the output row.
+inline void store_tile(float* y, __m256 v, int64_t valid, const float* bias = nullptr,
+                       const float* resid = nullptr) {
   if (valid >= kTile) {
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    if (resid) v = _mm256_add_ps(_mm256_loadu_ps(resid), v);
     _mm256_storeu_ps(y, v);
   } else {
     alignas(32) float t[kTile];
     _mm256_store_ps(t, v);
-    std::memcpy(y, t, valid * sizeof(float));
+    for (int64_t i = 0; i < valid; ++i) {
+      float a = t[i];
+      if (bias) a = a + bias[i];
+      if (resid) a = resid[i] + a;
+      y[i] = a;
+    }
+  }
+}
+
+// The tile loop of a q4 linear, run by every thread of an enclosing parallel region (an
+// orphaned `omp for`, implicit barrier at its end): y [M, n] (+ bias [n]) (+ resid [M, n]) for
+// the quantized rows xs. Work items: (row tile, block of up to 64 activation rows): a tile's
+// blocks stay in L1/L2 while the rows pass over them.
+inline void q4_tiles_omp(const uint8_t* w, int64_t tile_bytes, int64_t NT, const QRows& xs,
+                         const int64_t* rows, int64_t M, int64_t n, float* y, const float* bias,
+                         const float* resid) {
+  constexpr int64_t kRowChunk = 64;
+  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+  __m256 out[kRowChunk];
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < NT * chunks; ++item) {
+    const int64_t t = item % NT, c = item / NT;
+    const int64_t r0 = c * kRowChunk, nr = std::min(kRowChunk, M - r0);
+    tile_rows(w + t * tile_bytes, xs, rows + r0, nr, out);
+    const int64_t valid = std::min(kTile, n - t * kTile), col = t * kTile;
+    for (int64_t m = 0; m < nr; ++m)
+      store_tile(y + (r0 + m) * n + col, out[m], valid, bias ? bias + col : nullptr,
+                 resid ? resid + (r0 + m) * n + col : nullptr);
   }
 }
 
@@ -282,10 +322,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   std::vector<int64_t> rows(M);
   for (int64_t i = 0; i < M; ++i) rows[i] = i;
   const int64_t tile_bytes = packed.size(1) * kBlockBytes;
-  // Work items: (row tile, block of up to 64 activation rows): a tile's blocks stay in L1/L2
-  // while the rows pass over them.
-  constexpr int64_t kRowChunk = 64;
-  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
 #pragma omp parallel num_threads(threads())
   {
     if (x.scalar_type() == at::kFloat)
@@ -293,15 +329,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
     else
       quantize_rows_omp(xc.data_ptr<at::BFloat16>(), M, K, xs);
     // (the implicit barrier of the `omp for` above: all rows are quantized past here)
-    __m256 out[kRowChunk];
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < NT * chunks; ++item) {
-      const int64_t t = item % NT, c = item / NT;
-      const int64_t r0 = c * kRowChunk, nr = std::min(kRowChunk, M - r0);
-      tile_rows(w + t * tile_bytes, xs, rows.data() + r0, nr, out);
-      const int64_t valid = std::min(kTile, n - t * kTile);
-      for (int64_t m = 0; m < nr; ++m) store_tile(yp + (r0 + m) * n + t * kTile, out[m], valid);
-    }
+    q4_tiles_omp(w, tile_bytes, NT, xs, rows.data(), M, n, yp, nullptr, nullptr);
   }
 #else
   TORCH_CHECK(false, "q4_linear: built without AVX2/FMA/F16C");
@@ -592,16 +620,21 @@ inline void pv_n(int nq, const float* const* e, const T* const* vp, int64_t jb, 
   }
 }
 
+// The body, run by every thread of an enclosing parallel region of `nt` threads (an orphaned
+// `omp for`, implicit barrier at its end); attend_rows_impl opens the region.
 template <typename T>
-void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* table,
-                      const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
-                      int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale) {
+void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* table,
+                     const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
+                     int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale,
+                     int nt) {
   const int64_t group = Hq / Hk;
   // Work items: a tile of up to `rows_per_tile` consecutive rows of one table row (a prefill
-  // chunk's rows share their keys), one KV head, and a part of its query heads. Few rows (a
-  // small decode step) split the heads so that every thread has work. None of this touches a
-  // row's arithmetic (see above).
-  const int nt = threads();
+  // chunk's rows share their keys), one KV head, and a part of its query heads. Fewer items
+  // than threads (a decode step of one row on a model with one KV head) split the heads so
+  // that every thread has work; no further: each part reads all of its KV head's keys and
+  // values, which at batch 1 cost more than the imbalance (SmolLM2, 3 KV heads on 2 threads,
+  // ~1,000-token context: 71-75 tok/s with 3 whole heads vs 64-67 with 9 single query heads
+  // and 64 with 6 pairs). None of this touches a row's arithmetic (see above).
   const int64_t rows_per_tile = std::max<int64_t>(1, kTileVecs / group);
   std::vector<int64_t> tiles;  // first row of each tile, then Tn
   for (int64_t t = 0; t < Tn; ++t)
@@ -610,78 +643,84 @@ void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* tab
   const int64_t ntiles = static_cast<int64_t>(tiles.size());
   tiles.push_back(Tn);
   int64_t parts = 1;
-  while (parts < group && ntiles * Hk * parts < 4 * nt) ++parts;
+  while (parts < group && ntiles * Hk * parts < nt) ++parts;
   const __m128 scale4 = _mm_set1_ps(scale);
-#pragma omp parallel num_threads(nt)
-  {
-    // scores, then weights, of the tile's (row, head) pairs: [rows_per_tile * group][L + 8]
-    std::vector<float> sbuf(rows_per_tile * group * (L + 8));
-    std::vector<float> abuf(rows_per_tile * group * Dv);  // their PV sums
-    std::vector<const T*> vp(kVBlock);
+  // scores, then weights, of the tile's (row, head) pairs: [rows_per_tile * group][L + 8]
+  std::vector<float> sbuf(rows_per_tile * group * (L + 8));
+  std::vector<float> abuf(rows_per_tile * group * Dv);  // their PV sums
+  std::vector<const T*> vp(kVBlock);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < ntiles * Hk * parts; ++item) {
-      const int64_t tile = item / (Hk * parts), kh = (item / parts) % Hk, part = item % parts;
-      const int64_t t0 = tiles[tile], nr = tiles[tile + 1] - t0;
-      const int64_t g0 = kh * group + part * group / parts;
-      const int64_t ng = kh * group + (part + 1) * group / parts - g0;  // query heads
-      const int64_t* slots = table + row_of[t0] * L;
-      int64_t nmax = 0;
-      for (int64_t r = 0; r < nr; ++r) nmax = std::max(nmax, lens[t0 + r]);
-      auto srow = [&](int64_t r, int64_t h) { return sbuf.data() + (r * ng + h) * (L + 8); };
-      // Scores: 4 keys at a time, every row of the tile that reaches them (its own keys only,
-      // its last group padded with its last key).
-      for (int64_t j = 0; j < nmax; j += kScoreKeys) {
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t n = lens[t0 + r];
-          if (j >= n) continue;
-          const T* kr[kScoreKeys];
-          for (int kk = 0; kk < kScoreKeys; ++kk)
-            kr[kk] = k + (slots[std::min(j + kk, n - 1)] * Hk + kh) * D;
-          for (int64_t h = 0; h < ng; h += kHeadChunk) {
-            const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));
-            const float* qv[kHeadChunk];
-            float* s[kHeadChunk];
-            for (int i = 0; i < nq; ++i) {
-              qv[i] = q + ((t0 + r) * Hq + g0 + h + i) * D;
-              s[i] = srow(r, h + i);
-            }
-            score4_n<T>(nq, qv, kr, D, scale4, s, j);
+  for (int64_t item = 0; item < ntiles * Hk * parts; ++item) {
+    const int64_t tile = item / (Hk * parts), kh = (item / parts) % Hk, part = item % parts;
+    const int64_t t0 = tiles[tile], nr = tiles[tile + 1] - t0;
+    const int64_t g0 = kh * group + part * group / parts;
+    const int64_t ng = kh * group + (part + 1) * group / parts - g0;  // query heads
+    const int64_t* slots = table + row_of[t0] * L;
+    int64_t nmax = 0;
+    for (int64_t r = 0; r < nr; ++r) nmax = std::max(nmax, lens[t0 + r]);
+    auto srow = [&](int64_t r, int64_t h) { return sbuf.data() + (r * ng + h) * (L + 8); };
+    // Scores: 4 keys at a time, every row of the tile that reaches them (its own keys only,
+    // its last group padded with its last key).
+    for (int64_t j = 0; j < nmax; j += kScoreKeys) {
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t n = lens[t0 + r];
+        if (j >= n) continue;
+        const T* kr[kScoreKeys];
+        for (int kk = 0; kk < kScoreKeys; ++kk)
+          kr[kk] = k + (slots[std::min(j + kk, n - 1)] * Hk + kh) * D;
+        for (int64_t h = 0; h < ng; h += kHeadChunk) {
+          const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));
+          const float* qv[kHeadChunk];
+          float* s[kHeadChunk];
+          for (int i = 0; i < nq; ++i) {
+            qv[i] = q + ((t0 + r) * Hq + g0 + h + i) * D;
+            s[i] = srow(r, h + i);
           }
+          score4_n<T>(nq, qv, kr, D, scale4, s, j);
         }
       }
-      float sums[kTileVecs > kMaxGroup ? kTileVecs : kMaxGroup];
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t h = 0; h < ng; ++h)
-          sums[r * ng + h] = softmax_weights(srow(r, h), lens[t0 + r]);
-      // PV: blocks of kVBlock keys; each row's chains run to its own n.
-      for (int64_t jb = 0; jb < nmax; jb += kVBlock) {
-        const int64_t je = std::min(jb + kVBlock, nmax);
-        for (int64_t j = jb; j < je; ++j) vp[j - jb] = v + (slots[j] * Hk + kh) * Dv;
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t n = lens[t0 + r];
-          if (jb >= n) continue;
-          for (int64_t h = 0; h < ng; h += kHeadChunk) {
-            const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));
-            const float* e[kHeadChunk];
-            float* acc[kHeadChunk];
-            for (int i = 0; i < nq; ++i) {
-              e[i] = srow(r, h + i);
-              acc[i] = abuf.data() + (r * ng + h + i) * Dv;
-            }
-            pv_n<T>(nq, e, vp.data(), jb, jb, std::min(je, n), Dv, acc, jb == 0);
-          }
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t h = 0; h < ng; ++h) {
-          const __m256 inv = _mm256_set1_ps(1.0f / sums[r * ng + h]);
-          const float* a = abuf.data() + (r * ng + h) * Dv;
-          float* o = out + ((t0 + r) * Hq + g0 + h) * Dv;
-          for (int64_t c = 0; c < Dv; c += 8)
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(a + c), inv));
-        }
     }
+    float sums[kTileVecs > kMaxGroup ? kTileVecs : kMaxGroup];
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t h = 0; h < ng; ++h)
+        sums[r * ng + h] = softmax_weights(srow(r, h), lens[t0 + r]);
+    // PV: blocks of kVBlock keys; each row's chains run to its own n.
+    for (int64_t jb = 0; jb < nmax; jb += kVBlock) {
+      const int64_t je = std::min(jb + kVBlock, nmax);
+      for (int64_t j = jb; j < je; ++j) vp[j - jb] = v + (slots[j] * Hk + kh) * Dv;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t n = lens[t0 + r];
+        if (jb >= n) continue;
+        for (int64_t h = 0; h < ng; h += kHeadChunk) {
+          const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));
+          const float* e[kHeadChunk];
+          float* acc[kHeadChunk];
+          for (int i = 0; i < nq; ++i) {
+            e[i] = srow(r, h + i);
+            acc[i] = abuf.data() + (r * ng + h + i) * Dv;
+          }
+          pv_n<T>(nq, e, vp.data(), jb, jb, std::min(je, n), Dv, acc, jb == 0);
+        }
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t h = 0; h < ng; ++h) {
+        const __m256 inv = _mm256_set1_ps(1.0f / sums[r * ng + h]);
+        const float* a = abuf.data() + (r * ng + h) * Dv;
+        float* o = out + ((t0 + r) * Hq + g0 + h) * Dv;
+        for (int64_t c = 0; c < Dv; c += 8)
+          _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(a + c), inv));
+      }
   }
+}
+
+template <typename T>
+void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* table,
+                      const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
+                      int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale) {
+  const int nt = threads();
+#pragma omp parallel num_threads(nt)
+  attend_rows_omp(q, k, v, table, row_of, lens, out, Tn, Hq, Hk, D, Dv, L, scale, nt);
 }
 // q8_linear: y = x @ (q * scale)^T for an int8 weight q [N, K] (row-major, as Int8Linear keeps
 // it) with one scale per output row, x fp32: the int8 head (--batch-invariant). Each output
@@ -694,25 +733,29 @@ template <typename S>
 void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, int64_t M,
                     int64_t N, int64_t K) {
   const int64_t tiles = (N + kScoreKeys - 1) / kScoreKeys;
+  // A decode step (up to kHeadChunk rows) uses each weight row once: converting it into the
+  // buffer first would only add a store and a load per value, so the rows are read in place
+  // (load8's int8 overload: the same exact conversion, the same FMA chains and bits).
+  const bool direct = M <= kHeadChunk;
 #pragma omp parallel num_threads(threads())
   {
-    std::vector<float> wbuf(kScoreKeys * K);
+    std::vector<float> wbuf(direct ? 0 : kScoreKeys * K);
     std::vector<float> tail(kHeadChunk * kScoreKeys);
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t n0 = tile * kScoreKeys, valid = std::min<int64_t>(kScoreKeys, N - n0);
       const float* wr[kScoreKeys];
+      const int8_t* wq[kScoreKeys];
       alignas(16) float sc[kScoreKeys];
       for (int kk = 0; kk < kScoreKeys; ++kk) {
         const int64_t n = n0 + std::min<int64_t>(kk, valid - 1);  // pad with the last row
-        float* b = wbuf.data() + kk * K;
         prefetch_ahead(w + n * K, K);
-        for (int64_t c = 0; c < K; c += 8)
-          _mm256_storeu_ps(b + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                                          w + n * K + c)))));
-        wr[kk] = b;
+        wq[kk] = w + n * K;
         sc[kk] = static_cast<float>(scale[n]);
+        if (direct) continue;
+        float* b = wbuf.data() + kk * K;
+        for (int64_t c = 0; c < K; c += 8) _mm256_storeu_ps(b + c, load8(w + n * K + c));
+        wr[kk] = b;
       }
       const __m128 s4 = _mm_load_ps(sc);
       for (int64_t m = 0; m < M; m += kHeadChunk) {
@@ -723,7 +766,10 @@ void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, i
           xv[i] = x + (m + i) * K;
           out[i] = valid == kScoreKeys ? y + (m + i) * N : tail.data() + i * kScoreKeys;
         }
-        score4_n<float>(nq, xv, wr, K, s4, out, valid == kScoreKeys ? n0 : 0);
+        if (direct)
+          score4_n<int8_t>(nq, xv, wq, K, s4, out, valid == kScoreKeys ? n0 : 0);
+        else
+          score4_n<float>(nq, xv, wr, K, s4, out, valid == kScoreKeys ? n0 : 0);
         if (valid < kScoreKeys)
           for (int i = 0; i < nq; ++i)
             std::memcpy(y + (m + i) * N + n0, out[i], valid * sizeof(float));
@@ -732,6 +778,22 @@ void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, i
   }
 }
 #endif
+
+// attend_rows' table, row_of and lens, contiguous int64 and checked: every row's length within
+// the table's width, every row_of a row of the table.
+struct RowTable {
+  at::Tensor table, row_of, lens;
+  int64_t L;
+  RowTable(const at::Tensor& t, const at::Tensor& r, const at::Tensor& l)
+      : table(t.contiguous()), row_of(r.to(at::kLong).contiguous()),
+        lens(l.to(at::kLong).contiguous()), L(table.size(1)) {
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    const int64_t* rp = row_of.data_ptr<int64_t>();
+    for (int64_t t = 0; t < lens.numel(); ++t)
+      TORCH_CHECK(lp[t] >= 1 && lp[t] <= L && rp[t] >= 0 && rp[t] < table.size(0),
+                  "attend_rows: row ", t, " has length ", lp[t], " (table width ", L, ")");
+  }
+};
 
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
@@ -753,15 +815,11 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 #if KILN_HAVE_AVX2
   if (Tn == 0) return out;
   const auto qc = q.contiguous();
-  const auto tc = table.contiguous();
-  const auto rc = row_of.to(at::kLong).contiguous();
-  const auto lc = lens.to(at::kLong).contiguous();
-  const int64_t L = tc.size(1);
-  const int64_t* lp = lc.data_ptr<int64_t>();
-  const int64_t* rp = rc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < Tn; ++t)
-    TORCH_CHECK(lp[t] >= 1 && lp[t] <= L && rp[t] >= 0 && rp[t] < tc.size(0),
-                "attend_rows: row ", t, " has length ", lp[t], " (table width ", L, ")");
+  const RowTable rt(table, row_of, lens);
+  const auto& tc = rt.table;
+  const int64_t L = rt.L;
+  const int64_t* lp = rt.lens.data_ptr<int64_t>();
+  const int64_t* rp = rt.row_of.data_ptr<int64_t>();
   if (k.scalar_type() == at::kFloat)
     attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                      tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
@@ -1009,6 +1067,21 @@ inline void rope_head(const float* x, const float* cs, const float* sn, int64_t 
                                    _mm256_mul_ps(a, _mm256_loadu_ps(sn + half + i))));
   }
 }
+
+// One row of qkv [(Hq + 2 Hk) D]: its q heads rotated into qd [Hq, D], its k heads rotated into
+// the pool at kd [Hk, D], its v heads copied to vd.
+inline void rope_row(const float* row, const float* cs, const float* sn, int64_t Hq, int64_t Hk,
+                     int64_t D, float* qd, float* kd, float* vd) {
+  for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, cs, sn, D, qd + h * D);
+  for (int64_t h = 0; h < Hk; ++h) rope_head(row + (Hq + h) * D, cs, sn, D, kd + h * D);
+  std::memcpy(vd, row + (Hq + Hk) * D, Hk * D * sizeof(float));
+}
+
+// silu(g) * u of one row: g, u [I] -> y [I].
+inline void silu_row(const float* g, const float* u, int64_t I, float* y) {
+  for (int64_t c = 0; c < I; c += 8)
+    _mm256_storeu_ps(y + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+}
 #endif
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -1042,12 +1115,7 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) {
   const float* gp = gc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for num_threads(threads()) if (M * I >= kRowsParallel) schedule(static)
-  for (int64_t r = 0; r < M; ++r) {
-    const float* g = gp + r * 2 * I;
-    for (int64_t c = 0; c < I; c += 8)
-      _mm256_storeu_ps(yp + r * I + c,
-                       silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(g + I + c)));
-  }
+  for (int64_t r = 0; r < M; ++r) silu_row(gp + r * 2 * I, gp + r * 2 * I + I, I, yp + r * I);
 #else
   TORCH_CHECK(false, "silu_mul: built without AVX2/FMA/F16C");
 #endif
@@ -1087,15 +1155,9 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   float* vp = v.data_ptr<float>();
   const int64_t W = (Hq + 2 * Hk) * D;
 #pragma omp parallel for num_threads(threads()) if (T * W >= kRowsParallel) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = xp + t * W;
-    const float* cs = cp + t * D;
-    const float* sn = snp + t * D;
-    for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, cs, sn, D, qp + (t * Hq + h) * D);
-    float* kd = kp + sp[t] * Hk * D;
-    for (int64_t h = 0; h < Hk; ++h) rope_head(row + (Hq + h) * D, cs, sn, D, kd + h * D);
-    std::memcpy(vp + sp[t] * Hk * D, row + (Hq + Hk) * D, Hk * D * sizeof(float));
-  }
+  for (int64_t t = 0; t < T; ++t)
+    rope_row(xp + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qp + t * Hq * D,
+             kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
 #else
   TORCH_CHECK(false, "rope_write: built without AVX2/FMA/F16C");
 #endif
@@ -1120,6 +1182,132 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
     y = op.call(x, parts, kinds, rows);
   }
   return bias.has_value() ? y + *bias : y;
+}
+
+// decode_layer when its four linears are kiln's q4 tiles and no LoRA adapter runs: the same
+// kernels in the same order (so the same bits), in ONE parallel region, the stages separated by
+// the implicit barriers of their `omp for` loops instead of a region, an allocation and a
+// dispatch per op: a batch-1 decode step of SmolLM2 is ~270 small ops whose fixed costs (a few
+// us each) were a third of the layer's time. The residual adds and biases are folded into the
+// linears' tile stores (store_tile: the same adds in the same order).
+at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                           at::TensorList w, at::IntArrayRef n,
+                           const c10::List<std::optional<at::Tensor>>& biases, at::Tensor k,
+                           at::Tensor v, const at::Tensor& slots, const at::Tensor& table,
+                           const at::Tensor& row_of, const at::Tensor& lens, int64_t num_heads,
+                           double scale) {
+  const int64_t T = x.size(0), H = x.size(1), Hq = num_heads;
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k.sizes() == v.sizes(),
+              "decode_layer: pools must be contiguous fp32 [S, Hk, D], K and V alike");
+  const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), W = (Hq + 2 * Hk) * D;
+  for (int i = 0; i < 4; ++i) check_packed("decode_layer", w[i], 3);
+  const int64_t I = n[2] / 2;
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hk == 0 && Hq / Hk <= 16 && H % 32 == 0 &&
+                  n[0] == W && w[0].size(1) * kGroup == H && n[1] == H &&
+                  w[1].size(1) * kGroup == Hq * D && n[2] % 64 == 0 &&
+                  w[2].size(1) * kGroup == H && n[3] == H && w[3].size(1) * kGroup == I,
+              "decode_layer: the linears' shapes do not make a Llama layer of this x and pool");
+  for (int i = 0; i < 4; ++i)
+    TORCH_CHECK((w[i].size(0) - 1) * kTile < n[i] && w[i].size(0) * kTile >= n[i],
+                "decode_layer: packed weight ", i, " does not hold ", n[i], " rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
+                  slots.scalar_type() == at::kLong && ln1.numel() == H && ln2.numel() == H,
+              "decode_layer: cos/sin fp32 [T, 1, D], slots int64 [T], norms [H]");
+  const float* bias[4];
+  for (int i = 0; i < 4; ++i) {
+    const auto b = biases.get(i);
+    TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() &&
+                                   b->numel() == n[i]),
+                "decode_layer: bias ", i, " must be contiguous fp32 [", n[i], "]");
+    bias[i] = b.has_value() ? b->data_ptr<float>() : nullptr;
+  }
+  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const auto l1 = ln1.contiguous(), l2 = ln2.contiguous(), sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "rope_write: slot ", sp[t], " outside the pool");
+  const RowTable rt(table, row_of, lens);
+  TORCH_CHECK(rt.lens.numel() == T, "attend_rows: table [R, L] int64, row_of and lens [T] int64");
+  auto out = at::empty({T, H}, xc.options());
+  if (T == 0) return out;
+  // The stages' rows: h (normed input, then the MLP's), qkv, q, ctx, x1, gu, a. One workspace
+  // per calling thread, kept between calls: a 512-token prefill chunk's is ~16 MB, whose
+  // zeroing or fresh pages per layer cost more than the layer's norms and adds (prefill 512 on
+  // SmolLM2 ~8% slower with a new zeroed vector per call).
+  // (thread_local: inside the parallel region below the names would be each thread's own,
+  // so the region uses these references, bound here to the calling thread's)
+  static thread_local std::vector<float> ws;
+  static thread_local QRows tl_xh, tl_xc, tl_xa;
+  QRows& xh = tl_xh;
+  QRows& xc2 = tl_xc;
+  QRows& xa = tl_xa;
+  const int64_t need = T * (2 * H + W + 2 * Hq * D + 3 * I);
+  if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
+  float* h = ws.data();
+  float* qkv = h + T * H;
+  float* qb = qkv + T * W;
+  float* ctx = qb + T * Hq * D;
+  float* x1 = ctx + T * Hq * D;
+  float* gu = x1 + T * H;
+  float* act = gu + T * 2 * I;
+  xh.resize(T, H);
+  xc2.resize(T, Hq * D);
+  xa.resize(T, I);
+  std::vector<int64_t> rows(T);
+  for (int64_t i = 0; i < T; ++i) rows[i] = i;
+  const float* xp = xc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* snp = sc.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  auto tiles = [&](int i) { return w[i].size(1) * kBlockBytes; };
+  const uint8_t* wp[4];
+  for (int i = 0; i < 4; ++i) wp[i] = w[i].data_ptr<uint8_t>();
+  const int nt = threads();
+#pragma omp parallel num_threads(nt)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      rms_row(xp + t * H, l1.data_ptr<float>(), e, H, h + t * H);
+      quantize_row(h + t * H, H, xh.q.data() + t * H, xh.d.data() + t * xh.G,
+                   xh.sum.data() + t * xh.G);
+    }
+    q4_tiles_omp(wp[0], tiles(0), w[0].size(0), xh, rows.data(), T, W, qkv, bias[0], nullptr);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      rope_row(qkv + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qb + t * Hq * D,
+               kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
+    attend_rows_omp(qb, static_cast<const float*>(kp), static_cast<const float*>(vp),
+                    rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
+                    rt.lens.data_ptr<int64_t>(), ctx, T, Hq, Hk, D, D, rt.L,
+                    static_cast<float>(scale), nt);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      quantize_row(ctx + t * Hq * D, Hq * D, xc2.q.data() + t * Hq * D,
+                   xc2.d.data() + t * xc2.G, xc2.sum.data() + t * xc2.G);
+    q4_tiles_omp(wp[1], tiles(1), w[1].size(0), xc2, rows.data(), T, H, x1, bias[1], xp);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h + t * H);
+      quantize_row(h + t * H, H, xh.q.data() + t * H, xh.d.data() + t * xh.G,
+                   xh.sum.data() + t * xh.G);
+    }
+    q4_tiles_omp(wp[2], tiles(2), w[2].size(0), xh, rows.data(), T, 2 * I, gu, bias[2], nullptr);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      silu_row(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
+      quantize_row(act + t * I, I, xa.q.data() + t * I, xa.d.data() + t * xa.G,
+                   xa.sum.data() + t * xa.G);
+    }
+    q4_tiles_omp(wp[3], tiles(3), w[3].size(0), xa, rows.data(), T, H, op, bias[3], x1);
+  }
+  return out;
 }
 
 // One Llama decoder layer of a step:
@@ -1149,6 +1337,18 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   for (int i = 0; i < 4; ++i) off[i + 1] = off[i] + counts[i];
   TORCH_CHECK(off[4] == static_cast<int64_t>(weights.size()),
               "decode_layer: counts must add up to the weight parts");
+#if KILN_HAVE_AVX2
+  bool fused = lora.empty() && weights.size() == 4 && x.scalar_type() == at::kFloat &&
+               x.dim() == 2 && k.scalar_type() == at::kFloat;
+  for (int i = 0; i < 4 && fused; ++i) {
+    const auto b = biases.get(i);
+    fused = kinds[i] == kKindQ4 && counts[i] == 1 &&
+            (!b.has_value() || b->scalar_type() == at::kFloat);
+  }
+  if (fused)
+    return decode_layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
+                           row_of, lens, num_heads, scale);
+#endif
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = off[i], n = counts[i];
     auto y = layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
@@ -1165,6 +1365,53 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   const auto ctx = attend_rows(q, k, v, table, row_of, lens, scale);
   const auto x1 = x + lin(1, ctx.view({B, -1}));
   return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
+}
+
+// A model's decoder layers as decode_layer takes them, gathered once (LlamaModel's
+// `_layer_stack`): decode_stack then runs a whole step's layers in one call. Why: passing
+// decode_layer's 21 arguments (lists of weights, kinds, biases...) from Python costs ~15 us a
+// call, 30 calls a SmolLM2 step, more than its norms, RoPE and attention together. `add`'s
+// biases: an empty tensor where a linear has none (a list of Tensors cannot hold None). The
+// pools k, v are the layers' own (KVStore's), written in place by every step.
+struct LayerStack : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor ln1, ln2, k, v;
+    double eps, scale;
+    std::vector<at::Tensor> weights;
+    std::vector<int64_t> kinds, rows, counts;
+    c10::List<std::optional<at::Tensor>> biases;
+    int64_t num_heads;
+  };
+  std::vector<Layer> layers;
+
+  void add(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> weights,
+           std::vector<int64_t> kinds, std::vector<int64_t> rows, std::vector<int64_t> counts,
+           std::vector<at::Tensor> biases, at::Tensor k, at::Tensor v, int64_t num_heads,
+           double scale) {
+    TORCH_CHECK(biases.size() == 4, "LayerStack.add: four biases (empty: none)");
+    c10::List<std::optional<at::Tensor>> b;
+    for (const auto& t : biases)
+      b.push_back(t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt);
+    layers.push_back({std::move(ln1), std::move(ln2), std::move(k), std::move(v), eps, scale,
+                      std::move(weights), std::move(kinds), std::move(rows), std::move(counts),
+                      std::move(b), num_heads});
+  }
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// Every layer of `stack` on x [T, H] in order: decode_layer's arguments per layer, one step's
+// (cos, sin, slots, table, row_of, lens) shared; no LoRA (a step with adapter rows runs layer
+// by layer). Eager only: the schema does not declare the pools' writes.
+at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        const c10::intrusive_ptr<LayerStack>& stack, const at::Tensor& slots,
+                        const at::Tensor& table, const at::Tensor& row_of,
+                        const at::Tensor& lens) {
+  at::Tensor h = x;
+  for (auto& l : stack->layers)
+    h = decode_layer(h, cos, sin, l.ln1, l.ln2, l.eps, l.weights, l.kinds, l.rows, l.counts,
+                     l.biases, l.k, l.v, slots, table, row_of, lens, l.num_heads, l.scale, {},
+                     std::nullopt);
+  return h;
 }
 
 }  // namespace
@@ -1188,7 +1435,15 @@ TORCH_LIBRARY(kiln_avx2, m) {
         "Tensor(b!) v, Tensor slots, Tensor table, Tensor row_of, Tensor lens, int num_heads, "
         "float scale, Tensor[] lora, Tensor? lora_seg) "
         "-> Tensor");
+  m.class_<LayerStack>("LayerStack")
+      .def(torch::init<>())
+      .def("add", &LayerStack::add)
+      .def("size", &LayerStack::size);
+  m.def("decode_stack(Tensor x, Tensor cos, Tensor sin, "
+        "__torch__.torch.classes.kiln_avx2.LayerStack stack, Tensor slots, Tensor table, "
+        "Tensor row_of, Tensor lens) -> Tensor");
   m.impl("supported", &supported);
+  m.impl("decode_stack", c10::DispatchKey::CPU, &decode_stack);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul_rows);
   m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);

@@ -230,4 +230,19 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                             num_heads, scale, lora or [], lora_seg)
 
 
+def layer_stack() -> torch.ScriptObject:
+    """An empty LayerStack (cpu_kernels_avx2.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
+    counts, biases, k, v, num_heads, scale)` appends a layer as decode_layer takes it (biases:
+    an empty tensor where none)."""
+    return torch.classes.kiln_avx2.LayerStack()
+
+
+def decode_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 stack: torch.ScriptObject, slots: torch.Tensor, table: torch.Tensor,
+                 row_of: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Every layer of `stack` on x [T, H], in one call: decode_layer's result layer after
+    layer, bit for bit, without LoRA (eager only: the pools are written in place)."""
+    return torch.ops.kiln_avx2.decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
+
+
 Q4_KIND = -1  # decode_layer's kind of a pack_q4 weight

@@ -288,6 +288,11 @@ class LlamaModel(nn.Module):
         # layer -> index of its table in _rotary
         self._layer_rope = [1 if len(self._rotary) > 1 and cfg.layer_window(i) else 0
                             for i in range(cfg.num_hidden_layers)]
+        # (the layers' KV stores, their cpu_kernels_avx2.LayerStack) or () where the layers
+        # cannot run as one stack (see _layer_stack)
+        self._stack: tuple = ()
+        self._stack_checked = False
+        self._stack_attns: list[Attention] = []
         self.layers = nn.ModuleList(
             make_layer(i, self._rotary[self._layer_rope[i]]) if make_layer is not None else
             LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None, i)
@@ -309,10 +314,61 @@ class LlamaModel(nn.Module):
                      else self.embed_scale)
         # cos/sin once per step and table, not per layer
         tables = [r.lookup(positions, x.dtype) for r in self._rotary]
+        if layer_call is kernel_layer_call and (stack := self._layer_stack()) is not None:
+            meta = get_context()
+            assert meta.step_rows is not None
+            x = cpu_kernels_avx2.decode_stack(x, *tables[0], stack, meta.slot_mapping,
+                                              *meta.step_rows)
+            return self.norm(x)
         for layer, rope in zip(self.layers, self._layer_rope):
             cos, sin = tables[rope]
             x = layer(cos, sin, x) if layer_call is None else layer_call(layer, cos, sin, x)
         return self.norm(x)
+
+
+    def _layer_stack(self) -> object | None:
+        """The AVX2 layer kernel's arguments of every layer, gathered once into one
+        cpu_kernels_avx2.LayerStack, so that a kernel step runs all its layers in one call
+        (decode_stack: the very decode_layer calls forward_decode_kernel makes, without a
+        Python round trip and 21 converted arguments per layer). None: layer by layer, where
+        a step has LoRA rows (their adapters are per step), a layer is not a plain Llama layer
+        on the batch-invariant kernel, or the layers use two RoPE tables. Rebuilt when a
+        layer's KV store is replaced (the runner swaps in scratch pools to profile)."""
+        if lora.step_active():
+            return None
+        if not self._stack_checked:
+            self._stack_checked = True
+            ok = len(self._rotary) == 1 and all(
+                type(layer).forward_decode_kernel is LlamaDecoderLayer.forward_decode_kernel
+                and layer.self_attn.attn.kv is not None and layer.self_attn.attn.kv.invariant
+                and layer._avx2_layer_args() is not None for layer in self.layers)
+            self._stack = (None, None) if ok else ()
+        if not self._stack:
+            return None
+        # (the layers' Attention modules once: reaching them through nn.Module's __getattr__
+        # every step cost ~0.1 ms of a 8 ms SmolLM2 step)
+        if not self._stack_attns:
+            self._stack_attns = [layer.self_attn.attn for layer in self.layers]
+        kvs = [a.kv for a in self._stack_attns]
+        if self._stack[0] is None or any(a is not b for a, b in zip(kvs, self._stack[0])):
+            stack = cpu_kernels_avx2.layer_stack()
+            for layer, kv in zip(self.layers, kvs):
+                weights, kinds, rows, counts, biases = layer._avx2_layer_args()
+                attn = layer.self_attn
+                stack.add(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                          layer.input_layernorm.eps, weights, kinds, rows, counts,
+                          [b if b is not None else _NO_SCALE for b in biases], kv.k, kv.v,
+                          attn.num_heads, attn.attn.scale)
+            self._stack = (kvs, stack)
+        return self._stack[1]
+
+
+def kernel_layer_call(layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+                      x: torch.Tensor) -> torch.Tensor:
+    """The runner's layer call for kernel steps: each layer as one kernel call
+    (LlamaDecoderLayer.forward_decode_kernel); LlamaModel runs all of them as one stack
+    where it can."""
+    return layer.forward_decode_kernel(cos, sin, x)  # type: ignore[operator]
 
 
 class LlamaForCausalLM(nn.Module):
