@@ -121,3 +121,35 @@ def test_activation_peak_is_measured_once_per_configuration(tiny, tmp_path, monk
     assert len(list((tmp_path / memory.PEAK_CACHE).glob("*.json"))) == 1
     runner(tiny, max_num_seqs=3)
     assert len(runs) == 2
+
+
+def test_weights_move_to_huge_pages_keeping_values_and_ties(tmp_path):
+    """memory.weights_on_huge_pages: the large CPU weights are copied into one map advised for
+    transparent huge pages, bit for bit, tied weights (one storage, two views) still one
+    storage; small tensors and views of a mapped file stay where they are."""
+    import torch
+    from torch import nn
+
+    from kiln.engine import memory
+
+    m = nn.Module()
+    m.a = nn.Linear(256, 512)  # weight 512 KiB: moves; bias 2 KiB: stays
+    m.b = nn.Linear(512, 256, bias=False)
+    m.b.weight = nn.Parameter(m.a.weight.detach().t(), requires_grad=False)  # tied: a view
+    path = tmp_path / "w.bin"
+    torch.arange(1 << 18, dtype=torch.int32).numpy().tofile(path)
+    m.register_buffer("mapped", torch.from_file(str(path), shared=False, size=1 << 18,
+                                                dtype=torch.int32))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ptrs = {k: v.data_ptr() for k, v in m.state_dict().items()}
+    moved = memory.weights_on_huge_pages(m)
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert m.b.weight.data_ptr() == m.a.weight.data_ptr()  # still tied
+    assert m.b.weight.stride() == (1, 256) and isinstance(m.b.weight, nn.Parameter)
+    assert after["a.bias"].data_ptr() == ptrs["a.bias"]
+    if moved:  # THP on here (`madvise` or `always`)
+        assert moved == m.a.weight.numel() * 4
+        assert after["a.weight"].data_ptr() != ptrs["a.weight"]
+        assert after["mapped"].data_ptr() == ptrs["mapped"]  # file pages are not copied
+        assert after["a.weight"].data_ptr() % 4096 == 0

@@ -8,6 +8,7 @@ limits: inside a container /proc/meminfo describes the host, not what may OOM-ki
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
@@ -191,6 +192,90 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     count = math.prod(shape)
     buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+
+# Storages below this stay where they are (norm weights, biases: a few pages each).
+HUGE_PAGE_MIN_BYTES = 64 << 10
+_HUGE = 2 << 20
+
+
+def weights_on_huge_pages(model: torch.nn.Module) -> int:
+    """Moves the model's CPU weights (parameters and buffers on storages of 64 KiB or more)
+    into one anonymous map advised for transparent huge pages (madvise MADV_HUGEPAGE; the
+    usual THP setting is `madvise`, so nothing else gets them). Why: a decode step streams
+    every weight once, and on 4 KiB pages it walks a page table every 4 KiB of it (SmolLM2's
+    66 MB of int4 layers: 16k walks a step, while the TLB holds ~8 MB): on 2 MiB pages the same
+    kernels streamed 30 layers of SmolLM2-shaped q4 weights in 4.2 ms instead of 5.0 (2-core
+    EPYC, Dec 5). Each storage is copied once, and every tensor on it is re-pointed at the copy
+    with its own offset, shape and strides (tied weights stay tied); the old storage is freed
+    as its last tensor moves. Returns the bytes moved (0 where THP is off or missing)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or platform.system() != "Linux":
+        return 0
+    try:
+        if "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+            return 0
+    except OSError:
+        return 0
+    files = _file_maps()
+    # storage -> the (table, name) slots of the tensors on it
+    groups: dict[int, list[tuple[dict, str]]] = {}
+    sizes: dict[int, int] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                # (strided tensors only: oneDNN's packed weights have no storage to move)
+                if (t is None or t.device.type != "cpu" or t.layout != torch.strided
+                        or t.is_mkldnn):
+                    continue
+                try:
+                    st = t.untyped_storage()
+                except (NotImplementedError, RuntimeError):
+                    continue
+                # Views of a mapped file (a GGUF's raw blocks, e.g. an embedding table that
+                # only looks rows up) stay: their untouched pages cost no memory, a copy would.
+                if st.nbytes() >= HUGE_PAGE_MIN_BYTES and not _in_ranges(st.data_ptr(), files):
+                    groups.setdefault(st.data_ptr(), []).append((table, name))
+                    sizes[st.data_ptr()] = st.nbytes()
+    if not groups:
+        return 0
+    slot = {key: -(-n // 4096) * 4096 for key, n in sizes.items()}  # page-aligned slots
+    total = sum(slot.values())
+    # private: a shared anonymous map is shmem, whose huge pages are another setting (off)
+    buf = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    off = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _HUGE
+    buf.madvise(mmap.MADV_HUGEPAGE, off, total)  # off: a multiple of the page size
+    for key, slots in groups.items():
+        n = sizes[key]
+        dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
+        first = slots[0][0][slots[0][1]]
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), 0, (n,), (1,)))
+        for table, name in slots:
+            t = table[name]
+            new = torch.empty(0, dtype=t.dtype).set_(dst.untyped_storage(), t.storage_offset(),
+                                                     t.size(), t.stride())
+            table[name] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                           if isinstance(t, torch.nn.Parameter) else new)
+        off += slot[key]
+    return sum(sizes.values())
+
+
+def _file_maps() -> list[tuple[int, int]]:
+    """The address ranges of this process's file-backed maps (/proc/self/maps), sorted."""
+    out = []
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
+                lo, hi = parts[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def _in_ranges(addr: int, ranges: list[tuple[int, int]]) -> bool:
+    i = bisect.bisect_right(ranges, (addr, 1 << 64)) - 1
+    return i >= 0 and ranges[i][0] <= addr < ranges[i][1]
 
 
 def gib(n: float) -> str:

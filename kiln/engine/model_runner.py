@@ -101,6 +101,10 @@ class ModelRunner:
         stage("weights_loaded")
         ckpt.release()
         if self.device.type == "cpu":
+            # (after the checkpoint's release: each old storage is freed as it moves)
+            # (the machine's THP setting decides: `never` leaves them where they are)
+            moved = memory.weights_on_huge_pages(self.model)
+            log.info("weights on huge pages: %.0f MB", moved / 1e6)
             # Loading's transients (dequantized GGUF blocks, fp32 copies while quantizing) go
             # back to the kernel before the KV pool is allocated; from here on, freed memory is
             # kept for the steps to reuse.
