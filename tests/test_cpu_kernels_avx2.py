@@ -284,6 +284,11 @@ def test_fixed_int8_head_runs_q8_at_every_row_count():
 # --------------------------------------------------------------------------- a decoder layer
 
 
+def _packed_q4(n: int, k: int, seed: int) -> torch.Tensor:
+    gq = _groups(n, k, seed)
+    return ck.pack_q4(gq.q, gq.scale, gq.min)
+
+
 def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
     """rms_norm and silu_mul (the fp32 kernels of the eager steps) against kiln.layers.norm /
     F.silu; every row the same bits alone or among 37."""
@@ -352,18 +357,19 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind)
     b, h, hq, hk, d, inter, s, ctx = 3, 128, 4, 2, 32, 96, 64, 20
     qkv_n = (hq + 2 * hk) * d
 
-    def packed(n: int, k: int, seed: int) -> torch.Tensor:
-        gq = _groups(n, k, seed)
-        return ck.pack_q4(gq.q, gq.scale, gq.min)
-
-    w_qkv, w_o, w_gu = packed(qkv_n, h, 2), packed(h, hq * d, 3), packed(2 * inter, h, 4)
+    w_qkv, w_o, w_gu = (_packed_q4(qkv_n, h, 2), _packed_q4(h, hq * d, 3),
+                        _packed_q4(2 * inter, h, 4))
     down = kquant._random_blocks(h, inter, "Q8_0", g)
     if down_kind == "q4":
-        w_down, down_id = packed(h, inter, 5), ck.Q4_KIND
-        down_linear = lambda a: ck.q4_linear(a, w_down, h)  # noqa: E731
+        w_down, down_id = _packed_q4(h, inter, 5), ck.Q4_KIND
     else:
-        w_down, down_id = (kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw), down.type_id
-        down_linear = lambda a: kquant.kq_linear(a, [w_down], [down.type_id], [h])  # noqa: E731
+        w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
+        down_id = down.type_id
+
+    def down_linear(a: torch.Tensor) -> torch.Tensor:
+        if down_kind == "q4":
+            return ck.q4_linear(a, w_down, h)
+        return kquant.kq_linear(a, [w_down], [down_id], [h])
     b_o = torch.randn(h, generator=g) * 0.1
     x = torch.randn(b, h, generator=g)
     ln1, ln2 = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
@@ -406,21 +412,18 @@ def test_decode_stack_is_decode_layer_layer_after_layer():
     b, h, hq, hk, d, inter, s, ctx = 2, 128, 4, 2, 32, 96, 48, 11
     qkv_n = (hq + 2 * hk) * d
 
-    def packed(n: int, k: int, seed: int) -> torch.Tensor:
-        gq = _groups(n, k, seed)
-        return ck.pack_q4(gq.q, gq.scale, gq.min)
-
     down = kquant._random_blocks(h, inter, "Q8_0", g)
     w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
     layers = []
-    for i, (kind, wd) in enumerate([(ck.Q4_KIND, packed(h, inter, 9)), (down.type_id, w_down)]):
-        layers.append(dict(
-            ln1=torch.rand(h, generator=g) + 0.5, ln2=torch.rand(h, generator=g) + 0.5,
-            weights=[packed(qkv_n, h, 10 + i), packed(h, hq * d, 20 + i),
-                     packed(2 * inter, h, 30 + i), wd],
-            kinds=[ck.Q4_KIND] * 3 + [kind], biases=[torch.randn(qkv_n, generator=g), None,
-                                                     None, None],
-            k=torch.randn(s, hk, d, generator=g), v=torch.randn(s, hk, d, generator=g)))
+    for i, (kind, wd) in enumerate([(ck.Q4_KIND, _packed_q4(h, inter, 9)),
+                                    (down.type_id, w_down)]):
+        layers.append({
+            "ln1": torch.rand(h, generator=g) + 0.5, "ln2": torch.rand(h, generator=g) + 0.5,
+            "weights": [_packed_q4(qkv_n, h, 10 + i), _packed_q4(h, hq * d, 20 + i),
+                        _packed_q4(2 * inter, h, 30 + i), wd],
+            "kinds": [ck.Q4_KIND] * 3 + [kind],
+            "biases": [torch.randn(qkv_n, generator=g), None, None, None],
+            "k": torch.randn(s, hk, d, generator=g), "v": torch.randn(s, hk, d, generator=g)})
     x = torch.randn(b, h, generator=g)
     cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
     table = torch.stack([torch.randperm(s, generator=g)[:ctx] for _ in range(b)])

@@ -30,7 +30,6 @@ from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.engine.spec import sample_with_drafts
-from kiln.models.llama import kernel_layer_call
 from kiln.errors import ConfigError, DeviceError
 from kiln.layers.attention import (
     INT8_SCALE_DTYPE,
@@ -40,7 +39,7 @@ from kiln.layers.attention import (
     set_context,
 )
 from kiln.messages import msg
-from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
+from kiln.models.llama import DECODE_KERNEL_ANY_ROWS, kernel_layer_call
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 from kiln.obs.trace import stage
 

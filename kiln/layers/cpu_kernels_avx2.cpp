@@ -1125,6 +1125,14 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) {
 // A step's RoPE and K/V write in one pass: qkv fp32 [T, (Hq + 2 Hk) D], cos and signed sin
 // [T, 1, D] (RotaryEmbedding.lookup); k rotated and v stored at slots [T] of the fp32 pools
 // k, v [S, Hk, D]. Returns the rotated q [T, Hq, D].
+// The step's K/V slots (contiguous int64), each checked to lie in a pool of S slots.
+const int64_t* checked_slots(const at::Tensor& slots, int64_t S) {
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "rope_write: slot ", sp[t], " outside the pool");
+  return sp;
+}
+
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor k, at::Tensor v, const at::Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
@@ -1144,9 +1152,7 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const auto sl = slots.contiguous();
   auto q = at::empty({T, Hq, D}, qkv.options());
 #if KILN_HAVE_AVX2
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "rope_write: slot ", sp[t], " outside the pool");
+  const int64_t* sp = checked_slots(sl, S);
   const float* xp = xc.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
   const float* snp = sc.data_ptr<float>();
@@ -1227,9 +1233,7 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   }
   const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const auto l1 = ln1.contiguous(), l2 = ln2.contiguous(), sl = slots.contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "rope_write: slot ", sp[t], " outside the pool");
+  const int64_t* sp = checked_slots(sl, S);
   const RowTable rt(table, row_of, lens);
   TORCH_CHECK(rt.lens.numel() == T, "attend_rows: table [R, L] int64, row_of and lens [T] int64");
   auto out = at::empty({T, H}, xc.options());
