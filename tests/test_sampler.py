@@ -249,3 +249,20 @@ def test_top_logprobs_break_ties_by_the_lowest_token_id_like_argmax():
         assert lp.top[0][0] == out.token_ids[i] == ref[i].argmax().item()
     assert [t for t, _ in out.logprobs[0].top] == [3, 7, 12]
     assert [t for t, _ in out.logprobs[1].top] == [5, 9, 20, 0]
+
+
+def test_greedy_tokens_is_torch_argmax_ties_nan_and_views():
+    """greedy_tokens (NumPy's argmax on CPU fp32) picks what torch's argmax picks: the lowest id
+    among equal maxima, the first NaN, on contiguous rows and on a column-cut view (the
+    verifier's logits[:, :V])."""
+    from kiln.engine.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 7] = x[1, 9] = x[1, 900] = 100.0
+    x[2, 3] = x[2, 5] = float("nan")
+    x[3] = 0.0
+    for t in (x, x[:, :500], x[2:5], x.to(torch.bfloat16)):
+        got = greedy_tokens(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    assert greedy_tokens(x).tolist()[1:4] == [7, 3, 0]

@@ -45,7 +45,7 @@ from kiln.config import EngineConfig
 from kiln.engine.kv_cache import KVCacheManager
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request
-from kiln.engine.sampler import Sampler
+from kiln.engine.sampler import Sampler, greedy_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.loader import open_checkpoint
@@ -301,7 +301,7 @@ class DraftModel:
                                              value=float("-inf"))
         targets = [by_shadow[id(sh)][0] for sh in reqs]
         params = [t.params for t in targets]
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
         q = None
         if sampled_rows:

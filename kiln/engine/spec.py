@@ -50,7 +50,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.request import Request, TokenLogprob
-from kiln.engine.sampler import Sampler, _top_logprobs
+from kiln.engine.sampler import Sampler, _top_logprobs, greedy_tokens
 from kiln.errors import ConfigError
 
 AUTO_START_K = 4
@@ -364,7 +364,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], drafts: 
     draft_of = torch.tensor([t for d in drafts for t in (*d, -1)], device=dev)
     has_draft = draft_of >= 0
     safe_draft = draft_of.clamp(min=0).unsqueeze(1)
-    target = logits.argmax(dim=-1)
+    target = greedy_tokens(logits)
     accept = has_draft & (target == draft_of)  # greedy: the draft is the argmax
     params = [reqs[i].params for i in row_req]
     if not all(p.temperature == 0.0 for p in params):
