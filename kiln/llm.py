@@ -65,9 +65,9 @@ class LLM:
 
     def effective_config(self) -> dict[str, Any]:
         """What `kiln serve --effective-config-json` writes for the same model and settings."""
-        from kiln import startup
+        from kiln import startup_report
 
-        return startup.effective_config(self.plan, "ok")
+        return startup_report.effective_config(self.plan, "ok")
 
     def load_lora(self, name: str, path: str) -> None:
         """Loads a PEFT LoRA adapter folder under `name` (as `lora_modules=["name=path"]`)."""

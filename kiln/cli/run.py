@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from kiln import startup
+from kiln import startup, startup_report
 from kiln.messages import msg
 
 
@@ -44,13 +44,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         startup.plan(args, sp)
         if args.dry_run:
-            print(startup.describe(sp))
+            print(startup_report.describe(sp))
             return 0
         chat = _Chat(sp, args)
     except BaseException as e:
         if isinstance(e, (SystemExit, KeyboardInterrupt)):
             raise
-        return startup.fail(sp, e)
+        return startup_report.fail(sp, e)
     if prompt:
         chat.ask(prompt)
         return 0

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln import pidfile, startup
+from kiln import pidfile, startup, startup_report
 from kiln.messages import english, msg
 from kiln.resolve import parallel
 
@@ -53,8 +53,8 @@ def main(args: argparse.Namespace) -> int:
         if engine != "kiln":
             return _serve_external(sp, engine)
         if args.dry_run:
-            print(startup.describe(sp))
-            startup.write_artifacts(sp, "dry-run")
+            print(startup_report.describe(sp))
+            startup_report.write_artifacts(sp, "dry-run")
             return 0
         return _serve_kiln(sp)
     except KeyboardInterrupt:
@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise
-        return startup.fail(sp, e)
+        return startup_report.fail(sp, e)
 
 
 def _wants_router(args: argparse.Namespace) -> bool:
@@ -222,17 +222,17 @@ def _serve_kiln(sp: startup.StartupPlan) -> int:
     if s["request_dump_dir"]:
         from kiln.obs.dump import RequestDumper
 
-        dumper = RequestDumper(s["request_dump_dir"], startup.config_hash(sp))
+        dumper = RequestDumper(s["request_dump_dir"], startup_report.config_hash(sp))
     app = build_app(aengine, tokenizer, names, api_key=s["api_key"],
                     max_model_len=engine.max_model_len, version=__version__,
                     limits=RequestLimits.from_settings(s), dumper=dumper, faults=engine.faults,
                     responses_store_size=s["responses_store_size"],
                     coalesce_system=s["interleaved_system_coalescing"],
                     chat=ChatFormat.from_settings(s), cors=Cors.from_settings(s),
-                    ui_pages=s["ui"], effective_config=lambda: startup.effective_config(sp, "ok"),
+                    ui_pages=s["ui"], effective_config=lambda: startup_report.effective_config(sp, "ok"),
                     lora=LoRAOptions.from_settings(s, engine))
     trace.stage("ready")
-    startup.write_artifacts(sp, "ok")
+    startup_report.write_artifacts(sp, "ok")
 
     def details() -> dict[str, str]:
         return {
@@ -271,9 +271,9 @@ def _serve_embed(sp: startup.StartupPlan, tokenizer: Any, names: list[str]) -> i
                     max_model_len=emb.max_len, version=__version__,
                     limits=RequestLimits.from_settings(s), kind="embed", embedder=eng,
                     cors=Cors.from_settings(s), ui_pages=s["ui"],
-                    effective_config=lambda: startup.effective_config(sp, "ok"))
+                    effective_config=lambda: startup_report.effective_config(sp, "ok"))
     trace.stage("ready")
-    startup.write_artifacts(sp, "ok")
+    startup_report.write_artifacts(sp, "ok")
 
     def details() -> dict[str, str]:
         return {"weights": str(src.gguf_file or src.path), "kind": f"embed ({emb.description})",
@@ -309,7 +309,7 @@ def _serve_audio(sp: startup.StartupPlan, names: list[str]) -> int:
                     limits=RequestLimits.from_settings(s), kind=kind,
                     cors=Cors.from_settings(s))
     trace.stage("ready")
-    startup.write_artifacts(sp, "ok")
+    startup_report.write_artifacts(sp, "ok")
 
     def details() -> dict[str, str]:
         return {"weights": str(src.path), "kind": f"{kind} ({model.description})",
@@ -442,18 +442,18 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
     sp.phase = "engine"
     if args.dry_run:
         plan = build_plan(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
-        print(startup.describe(sp))
+        print(startup_report.describe(sp))
         print(msg("serve.engine_command", engine=engine))
         print(plan_to_dry_run(plan, include_warnings=True))
         sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env,
                                "warnings": [english(w) for w in plan.warnings]}}
-        startup.write_artifacts(sp, "dry-run")
+        startup_report.write_artifacts(sp, "dry-run")
         return 0
     plan = prepare_launch(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
     for w in plan.warnings:
         print(msg("cli.warning", warning=w), file=sys.stderr)
     sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env}}
-    startup.write_artifacts(sp, "ok")
+    startup_report.write_artifacts(sp, "ok")
     # kiln supervises the engine (a SIGTERM to kiln drains it), so the pid file names kiln.
     record = pidfile.ServerRecord(pid=os.getpid(), port=s["port"], host=s["host"],
                                   model=bm.served_names[0], weights=model_arg, engine=engine)

@@ -128,6 +128,11 @@ struct QRows {
     d.resize(rows * G);
     sum.resize(rows * G);
   }
+  // row r from K values at x (quantize_row into its codes, scales and sums)
+  template <typename T>
+  void quantize(int64_t r, const T* x) {
+    quantize_row(x, K, q.data() + r * K, d.data() + r * G, sum.data() + r * G);
+  }
   const int8_t* qrow(int64_t r) const { return q.data() + r * K; }
   const float* drow(int64_t r) const { return d.data() + r * G; }
   const float* srow(int64_t r) const { return sum.data() + r * G; }
@@ -283,9 +288,7 @@ inline __m256 silu_mul(__m256 g, __m256 u) {
 template <typename T>
 void quantize_rows_omp(const T* x, int64_t rows, int64_t K, QRows& xs) {
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < rows; ++r)
-    quantize_row(x + r * K, K, xs.q.data() + r * K, xs.d.data() + r * xs.G,
-                 xs.sum.data() + r * xs.G);
+  for (int64_t r = 0; r < rows; ++r) xs.quantize(r, x + r * K);
 }
 
 #endif  // KILN_HAVE_AVX2
@@ -1122,9 +1125,6 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) {
   return y;
 }
 
-// A step's RoPE and K/V write in one pass: qkv fp32 [T, (Hq + 2 Hk) D], cos and signed sin
-// [T, 1, D] (RotaryEmbedding.lookup); k rotated and v stored at slots [T] of the fp32 pools
-// k, v [S, Hk, D]. Returns the rotated q [T, Hq, D].
 // The step's K/V slots (contiguous int64), each checked to lie in a pool of S slots.
 const int64_t* checked_slots(const at::Tensor& slots, int64_t S) {
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -1133,6 +1133,9 @@ const int64_t* checked_slots(const at::Tensor& slots, int64_t S) {
   return sp;
 }
 
+// A step's RoPE and K/V write in one pass: qkv fp32 [T, (Hq + 2 Hk) D], cos and signed sin
+// [T, 1, D] (RotaryEmbedding.lookup); k rotated and v stored at slots [T] of the fp32 pools
+// k, v [S, Hk, D]. Returns the rotated q [T, Hq, D].
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor k, at::Tensor v, const at::Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
@@ -1279,8 +1282,7 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       rms_row(xp + t * H, l1.data_ptr<float>(), e, H, h + t * H);
-      quantize_row(h + t * H, H, xh.q.data() + t * H, xh.d.data() + t * xh.G,
-                   xh.sum.data() + t * xh.G);
+      xh.quantize(t, h + t * H);
     }
     q4_tiles_omp(wp[0], tiles(0), w[0].size(0), xh, rows.data(), T, W, qkv, bias[0], nullptr);
 #pragma omp for schedule(static)
@@ -1291,23 +1293,18 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
                     rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
                     rt.lens.data_ptr<int64_t>(), ctx, T, Hq, Hk, D, D, rt.L,
                     static_cast<float>(scale), nt);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-      quantize_row(ctx + t * Hq * D, Hq * D, xc2.q.data() + t * Hq * D,
-                   xc2.d.data() + t * xc2.G, xc2.sum.data() + t * xc2.G);
+    quantize_rows_omp(static_cast<const float*>(ctx), T, Hq * D, xc2);
     q4_tiles_omp(wp[1], tiles(1), w[1].size(0), xc2, rows.data(), T, H, x1, bias[1], xp);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h + t * H);
-      quantize_row(h + t * H, H, xh.q.data() + t * H, xh.d.data() + t * xh.G,
-                   xh.sum.data() + t * xh.G);
+      xh.quantize(t, h + t * H);
     }
     q4_tiles_omp(wp[2], tiles(2), w[2].size(0), xh, rows.data(), T, 2 * I, gu, bias[2], nullptr);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       silu_row(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
-      quantize_row(act + t * I, I, xa.q.data() + t * I, xa.d.data() + t * xa.G,
-                   xa.sum.data() + t * xa.G);
+      xa.quantize(t, act + t * I);
     }
     q4_tiles_omp(wp[3], tiles(3), w[3].size(0), xa, rows.data(), T, H, op, bias[3], x1);
   }

@@ -288,11 +288,10 @@ class LlamaModel(nn.Module):
         # layer -> index of its table in _rotary
         self._layer_rope = [1 if len(self._rotary) > 1 and cfg.layer_window(i) else 0
                             for i in range(cfg.num_hidden_layers)]
-        # (the layers' KV stores, their cpu_kernels_avx2.LayerStack) or () where the layers
-        # cannot run as one stack (see _layer_stack)
-        self._stack: tuple = ()
-        self._stack_checked = False
-        self._stack_attns: list[Attention] = []
+        # _layer_stack's: the layers' Attention modules (None: not looked at yet; []: the layers
+        # cannot run as one stack), and (their KV stores, the LayerStack built on them)
+        self._stack_attns: list[Attention] | None = None
+        self._stack: tuple[list, object] | None = None
         self.layers = nn.ModuleList(
             make_layer(i, self._rotary[self._layer_rope[i]]) if make_layer is not None else
             LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None, i)
@@ -325,7 +324,6 @@ class LlamaModel(nn.Module):
             x = layer(cos, sin, x) if layer_call is None else layer_call(layer, cos, sin, x)
         return self.norm(x)
 
-
     def _layer_stack(self) -> object | None:
         """The AVX2 layer kernel's arguments of every layer, gathered once into one
         cpu_kernels_avx2.LayerStack, so that a kernel step runs all its layers in one call
@@ -336,28 +334,26 @@ class LlamaModel(nn.Module):
         layer's KV store is replaced (the runner swaps in scratch pools to profile)."""
         if lora.step_active():
             return None
-        if not self._stack_checked:
-            self._stack_checked = True
+        if self._stack_attns is None:  # once: the layers and their kernels do not change
             ok = len(self._rotary) == 1 and all(
                 type(layer).forward_decode_kernel is LlamaDecoderLayer.forward_decode_kernel
                 and layer.self_attn.attn.kv is not None and layer.self_attn.attn.kv.invariant
                 and layer._avx2_layer_args() is not None for layer in self.layers)
-            self._stack = (None, None) if ok else ()
-        if not self._stack:
-            return None
-        # (the layers' Attention modules once: reaching them through nn.Module's __getattr__
-        # every step cost ~0.1 ms of a 8 ms SmolLM2 step)
+            # (kept: reaching them through nn.Module's __getattr__ every step cost ~0.1 ms of
+            # an 8 ms SmolLM2 step)
+            self._stack_attns = [layer.self_attn.attn for layer in self.layers] if ok else []
         if not self._stack_attns:
-            self._stack_attns = [layer.self_attn.attn for layer in self.layers]
+            return None
         kvs = [a.kv for a in self._stack_attns]
-        if self._stack[0] is None or any(a is not b for a, b in zip(kvs, self._stack[0])):
+        if self._stack is None or any(a is not b for a, b in zip(kvs, self._stack[0])):
             stack = cpu_kernels_avx2.layer_stack()
+            no_bias = torch.empty(0)
             for layer, kv in zip(self.layers, kvs):
                 weights, kinds, rows, counts, biases = layer._avx2_layer_args()
                 attn = layer.self_attn
                 stack.add(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           layer.input_layernorm.eps, weights, kinds, rows, counts,
-                          [b if b is not None else _NO_SCALE for b in biases], kv.k, kv.v,
+                          [b if b is not None else no_bias for b in biases], kv.k, kv.v,
                           attn.num_heads, attn.attn.scale)
             self._stack = (kvs, stack)
         return self._stack[1]

@@ -78,7 +78,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_names: lis
     `coalesce_system`: --enable-interleaved-system-coalescing; `chat`: tool-call and reasoning
     parsers, enable_thinking (default: none of them); `cors`: the origins browsers may call from
     (None: CORS off); `ui_pages`: the chat page at / and the dashboard (--no-ui: off);
-    `effective_config`: what /v1/dashboard/config shows (startup.effective_config); `lora`: the
+    `effective_config`: what /v1/dashboard/config shows (startup_report.effective_config); `lora`: the
     LoRA adapters' model ids and runtime updates (None: the LoRA routes answer that runtime
     updates are off)."""
     sv = Serving(engine, tokenizer, served_model_names, max_model_len=max_model_len,
