@@ -105,6 +105,12 @@ def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if v.get("engine") in ("vllm", "sglang"):
         return "auto", "the external engine keeps its KV cache in the model dtype"
     dtype = v["dtype"]
+    if v.get("device") == "cpu" and dtype == "float32" and v.get("quantization") in ("int4",
+                                                                                    "int8"):
+        return "fp16", ("CPU with quantized weights: keys and values stored in fp16, as "
+                        "llama.cpp keeps them, half the memory of fp32 (RSS grows by the blocks "
+                        "in use); kiln's AVX2 kernels write and read them converted in place, a "
+                        "rounding (2^-11 relative) far below the weights' own")
     return _KV_DTYPE_OF[dtype], (f"the model dtype ({dtype}): keys and values are stored as "
                                  "they are computed, no conversion per step")
 

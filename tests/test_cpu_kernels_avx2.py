@@ -191,7 +191,7 @@ def _attend_inputs(dtype: torch.dtype, hq: int, hk: int, d: int, dv: int, seed: 
     return q, k, v, slots
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hk,d,dv", [(9, 3, 64, 64), (16, 1, 128, 128), (8, 2, 32, 40),
                                         (5, 5, 8, 24)])
 def test_attend_rows_matches_reference_and_is_batch_invariant(dtype, hq, hk, d, dv):
@@ -338,9 +338,28 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
         cke.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
 
 
+def test_rope_write_into_an_fp16_pool_rounds_the_fp32_write():
+    """fp32 rows into an fp16 pool (kiln's CPU default with quantized weights): the same q, and
+    the keys and values the fp32 pool gets, each rounded to nearest fp16 (as Tensor.half())."""
+    from kiln.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(9)
+    t, pool, hq, hk, d = 13, 40, 6, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g) * 3
+    cos, sin = RotaryEmbedding(d, 10000.0, 4096).lookup(torch.arange(50, 50 + t), torch.float32)
+    slots = torch.randperm(pool, generator=g)[:t]
+    k32, v32 = torch.zeros(pool, hk, d), torch.zeros(pool, hk, d)
+    k16, v16 = k32.half(), v32.half()
+    q32 = cke.rope_write(qkv, cos, sin, k32, v32, slots, hq)
+    q16 = cke.rope_write(qkv, cos, sin, k16, v16, slots, hq)
+    assert torch.equal(q16, q32)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("down_kind", ["Q8_0", "q4"])
 @pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "decode+chunk"])
-def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind):
+def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind, pool_dtype):
     """cpu_kernels_avx2.decode_layer (one call per layer for a whole step) against the same kernels called
     one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
     are the same bits (the batch-invariance argument for kernel steps vs eager steps). The down
@@ -348,7 +367,7 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind)
     every linear q4, the one-region layer (decode_layer_q4, residuals and biases folded into
     the tile stores); the o projection has a bias. `chunk`: rows 1 and 2 are two tokens of one
     prefill chunk (one table row, consecutive positions: row 2 attends to the key row 1 writes
-    in this call)."""
+    in this call). `pool_dtype`: the K/V pool's (fp16: written rounded, read converted)."""
     from kiln.layers import kquant
 
     if not kquant.available():
@@ -374,7 +393,8 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind)
     x = torch.randn(b, h, generator=g)
     ln1, ln2 = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
     cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
-    k0, v0 = torch.randn(s, hk, d, generator=g), torch.randn(s, hk, d, generator=g)
+    k0 = torch.randn(s, hk, d, generator=g).to(pool_dtype)
+    v0 = torch.randn(s, hk, d, generator=g).to(pool_dtype)
     gather = torch.stack([torch.randperm(s, generator=g)[:ctx] for _ in range(b)])
     row_of = torch.tensor([0, 1, 1]) if chunk else torch.arange(b)
     lens = torch.tensor([ctx, 7, 8] if chunk else [ctx, 7, 13])

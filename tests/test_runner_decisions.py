@@ -50,6 +50,13 @@ def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
     assert explicit["kv_cache_dtype"] == "int8" and explicit.source("kv_cache_dtype") == "cli"
     vllm = resolve_settings(cli={"engine": ("vllm", "--engine")})
     assert vllm["kv_cache_dtype"] == "auto"  # the external engine keeps its own
+    # quantized weights on a CPU: fp16 keys and values (llama.cpp's storage, half of fp32)
+    q = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M"))
+    assert (q["quantization"], q["dtype"], q["kv_cache_dtype"]) == ("int4", "float32", "fp16")
+    assert "quantized weights" in q.values["kv_cache_dtype"].reason
+    exact = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M"),
+                             cli={"quantization": ("none", "--quantization")})
+    assert exact["kv_cache_dtype"] == "fp32"
 
 
 @pytest.mark.parametrize(("max_num_seqs", "compile_", "path", "buckets"), [

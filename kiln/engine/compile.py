@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kiln.layers.attention import AttentionMetadata, set_context
+from kiln.layers.eager import apply_eager_marks
 
 log = logging.getLogger("kiln.runner")
 
@@ -48,6 +49,7 @@ class DecodeGraphs:
         use_kiln_inductor_cache()
         import torch._dynamo
 
+        apply_eager_marks()  # the MoE layers' routing stays eager inside the graphs
         t0 = time.monotonic()
         self.buckets = buckets
         # Cascade steps have graphs of their own (CPU only: on CUDA that graph is unmeasured,

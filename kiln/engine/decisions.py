@@ -56,7 +56,8 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     MLA's values are the keys' first columns): it falls back to the model dtype, saying so."""
     name = config.kv_cache_dtype
     if name == "auto":
-        value, reason = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
+        value, reason = auto_kv_cache_dtype(AutoContext(), {
+            "dtype": config.dtype, "device": device.type, "quantization": config.quantization})
         name, decided = value, Decision(value, reason)
     else:
         decided = None

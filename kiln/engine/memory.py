@@ -197,6 +197,7 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 # Storages below this stay where they are (norm weights, biases: a few pages each).
 HUGE_PAGE_MIN_BYTES = 64 << 10
 _HUGE = 2 << 20
+_TRIM_EVERY = 32 << 20  # weights_on_huge_pages gives the old copies back this often
 
 
 def weights_on_huge_pages(model: torch.nn.Module) -> int:
@@ -244,6 +245,7 @@ def weights_on_huge_pages(model: torch.nn.Module) -> int:
     buf = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     off = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _HUGE
     buf.madvise(mmap.MADV_HUGEPAGE, off, total)  # off: a multiple of the page size
+    unreturned = 0
     for key, slots in groups.items():
         n = sizes[key]
         dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
@@ -256,6 +258,15 @@ def weights_on_huge_pages(model: torch.nn.Module) -> int:
             table[name] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
                            if isinstance(t, torch.nn.Parameter) else new)
         off += slot[key]
+        del first, t, new  # the old storage's last references: freed here
+        unreturned += n
+        if unreturned >= _TRIM_EVERY:
+            # Loading's tensors came from the heap (glibc's mmap threshold had risen past
+            # their size), where a freed one stays resident: without a trim every few
+            # storages, all the old copies would be in RSS beside the new map at the end.
+            release_freed_memory()
+            unreturned = 0
+    release_freed_memory()
     return sum(sizes.values())
 
 

@@ -254,8 +254,10 @@ class Attention(nn.Module):
         kv.invariant = (invariant and use_kernels and not kv.kernel and not kv.quantized
                         and self.softcap is None
                         and not kv.v_in_k and kv.k.device.type == "cpu"
-                        and kv.k.dtype == kv.compute_dtype
-                        and kv.k.dtype in (torch.float32, torch.bfloat16)
+                        and ((kv.k.dtype == kv.compute_dtype
+                              and kv.k.dtype in (torch.float32, torch.bfloat16))
+                             or (kv.k.dtype == torch.float16
+                                 and kv.compute_dtype == torch.float32))
                         and self.head_dim % 8 == 0 and self.v_head_dim % 8 == 0
                         and self.head_dim <= 256 and self.v_head_dim <= 256
                         and self.num_heads // self.num_kv_heads <= 16
@@ -428,8 +430,8 @@ class Attention(nn.Module):
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates q and k of a fused qkv [T, (Hq + 2 Hk) * D] and writes k and v to the pool in
         one kernel pass (cpu_kernels.rope_write); returns q [T, Hq, D] for forward(q, None,
-        None). Only for a kernel-read pool (`kv.kernel`: bf16, AVX512; `kv.invariant`: fp32,
-        AVX2)."""
+        None). Only for a kernel-read pool (`kv.kernel`: bf16, AVX512; `kv.invariant`: fp32
+        or fp16, AVX2)."""
         kv = self.kv
         assert kv is not None and (kv.kernel or kv.invariant)
         return cpu_kernels.rope_write(qkv, cos, sin, kv.k, kv.v, get_context().slot_mapping,

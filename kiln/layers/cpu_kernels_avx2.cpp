@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -81,6 +82,15 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// fp16 (a KV pool's keys and values, llama.cpp's default storage), exactly (F16C)
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// 8 floats into a KV pool: fp32 as they are, fp16 rounded to nearest even (F16C)
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 // int8 weights (q8_linear's rows) converted exactly, as q8_linear's L1 buffer holds them
 inline __m256 load8(const int8_t* p) {
@@ -804,8 +814,9 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_rows: q must be fp32 [T, Hq, D]");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
                   k.scalar_type() == v.scalar_type() &&
-                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
-              "attend_rows: k, v must be contiguous fp32/bf16 [S, Hk, D]");
+                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16 ||
+                   k.scalar_type() == at::kHalf),
+              "attend_rows: k, v must be contiguous fp32/bf16/fp16 [S, Hk, D]");
   const int64_t Tn = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1), Dv = v.size(2);
   TORCH_CHECK(k.size(2) == D && D % 8 == 0 && Dv % 8 == 0 && Hq % Hk == 0 && D <= 256 &&
                   Dv <= 256 && Hq / Hk <= 16,
@@ -825,6 +836,10 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t* rp = rt.row_of.data_ptr<int64_t>();
   if (k.scalar_type() == at::kFloat)
     attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                     tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
+                     static_cast<float>(scale));
+  else if (k.scalar_type() == at::kHalf)
+    attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
                      tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
                      static_cast<float>(scale));
   else
@@ -1059,25 +1074,39 @@ void rms_row(const float* x, const float* w, float eps, int64_t H, float* y) {
 
 // One head of D values rotated: y = x * cos + cat(x2, x1) * sin_signed (RotaryEmbedding's
 // signed sin: HF's rotate_half folded in).
-inline void rope_head(const float* x, const float* cs, const float* sn, int64_t D, float* y) {
+// y: the query's fp32 rows, or a KV pool's (fp32 or fp16: the same floats, stored rounded).
+template <typename T>
+inline void rope_head(const float* x, const float* cs, const float* sn, int64_t D, T* y) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i += 8) {
     const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
-    _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(cs + i)),
-                                          _mm256_mul_ps(b, _mm256_loadu_ps(sn + i))));
-    _mm256_storeu_ps(y + half + i,
-                     _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cs + half + i)),
-                                   _mm256_mul_ps(a, _mm256_loadu_ps(sn + half + i))));
+    store8(y + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(cs + i)),
+                                _mm256_mul_ps(b, _mm256_loadu_ps(sn + i))));
+    store8(y + half + i, _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cs + half + i)),
+                                       _mm256_mul_ps(a, _mm256_loadu_ps(sn + half + i))));
   }
 }
 
 // One row of qkv [(Hq + 2 Hk) D]: its q heads rotated into qd [Hq, D], its k heads rotated into
-// the pool at kd [Hk, D], its v heads copied to vd.
+// the pool at kd [Hk, D], its v heads copied to vd (T: the pool's fp32 or fp16).
+template <typename T>
 inline void rope_row(const float* row, const float* cs, const float* sn, int64_t Hq, int64_t Hk,
-                     int64_t D, float* qd, float* kd, float* vd) {
+                     int64_t D, float* qd, T* kd, T* vd) {
   for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, cs, sn, D, qd + h * D);
   for (int64_t h = 0; h < Hk; ++h) rope_head(row + (Hq + h) * D, cs, sn, D, kd + h * D);
-  std::memcpy(vd, row + (Hq + Hk) * D, Hk * D * sizeof(float));
+  const float* vs = row + (Hq + Hk) * D;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(vd, vs, Hk * D * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < Hk * D; i += 8) store8(vd + i, _mm256_loadu_ps(vs + i));
+  }
+}
+
+// A KV pool's element type as the kernels take it: fp32 or fp16 (K and V alike).
+bool kernel_pool(const at::Tensor& k, const at::Tensor& v) {
+  return k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+         k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+         (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf);
 }
 
 // silu(g) * u of one row: g, u [I] -> y [I].
@@ -1138,10 +1167,8 @@ const int64_t* checked_slots(const at::Tensor& slots, int64_t S) {
 // k, v [S, Hk, D]. Returns the rotated q [T, Hq, D].
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor k, at::Tensor v, const at::Tensor& slots, int64_t num_heads) {
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k.sizes() == v.sizes(),
-              "rope_write: pools must be contiguous fp32 [S, Hk, D], K and V alike");
+  TORCH_CHECK(kernel_pool(k, v),
+              "rope_write: pools must be contiguous fp32 or fp16 [S, Hk, D], K and V alike");
   const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), Hq = num_heads;
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat &&
                   qkv.size(1) == (Hq + 2 * Hk) * D && D % 16 == 0,
@@ -1160,13 +1187,17 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const float* cp = cc.data_ptr<float>();
   const float* snp = sc.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
   const int64_t W = (Hq + 2 * Hk) * D;
+  auto run = [&](auto* kp, auto* vp) {
 #pragma omp parallel for num_threads(threads()) if (T * W >= kRowsParallel) schedule(static)
-  for (int64_t t = 0; t < T; ++t)
-    rope_row(xp + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qp + t * Hq * D,
-             kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
+    for (int64_t t = 0; t < T; ++t)
+      rope_row(xp + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qp + t * Hq * D,
+               kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
+  };
+  if (k.scalar_type() == at::kFloat)
+    run(k.data_ptr<float>(), v.data_ptr<float>());
+  else
+    run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
 #else
   TORCH_CHECK(false, "rope_write: built without AVX2/FMA/F16C");
 #endif
@@ -1198,7 +1229,8 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
 // the implicit barriers of their `omp for` loops instead of a region, an allocation and a
 // dispatch per op: a batch-1 decode step of SmolLM2 is ~270 small ops whose fixed costs (a few
 // us each) were a third of the layer's time. The residual adds and biases are folded into the
-// linears' tile stores (store_tile: the same adds in the same order).
+// linears' tile stores (store_tile: the same adds in the same order). KT: the pool's type.
+template <typename KT>
 at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                            at::TensorList w, at::IntArrayRef n,
@@ -1207,10 +1239,8 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
                            const at::Tensor& row_of, const at::Tensor& lens, int64_t num_heads,
                            double scale) {
   const int64_t T = x.size(0), H = x.size(1), Hq = num_heads;
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k.sizes() == v.sizes(),
-              "decode_layer: pools must be contiguous fp32 [S, Hk, D], K and V alike");
+  TORCH_CHECK(kernel_pool(k, v) && k.scalar_type() == c10::CppTypeToScalarType<KT>::value,
+              "decode_layer: pools must be contiguous fp32 or fp16 [S, Hk, D], K and V alike");
   const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), W = (Hq + 2 * Hk) * D;
   for (int i = 0; i < 4; ++i) check_packed("decode_layer", w[i], 3);
   const int64_t I = n[2] / 2;
@@ -1269,8 +1299,8 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   const float* xp = xc.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
   const float* snp = sc.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
+  KT* kp = k.data_ptr<KT>();
+  KT* vp = v.data_ptr<KT>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   auto tiles = [&](int i) { return w[i].size(1) * kBlockBytes; };
@@ -1289,7 +1319,7 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
     for (int64_t t = 0; t < T; ++t)
       rope_row(qkv + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qb + t * Hq * D,
                kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
-    attend_rows_omp(qb, static_cast<const float*>(kp), static_cast<const float*>(vp),
+    attend_rows_omp(qb, static_cast<const KT*>(kp), static_cast<const KT*>(vp),
                     rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
                     rt.lens.data_ptr<int64_t>(), ctx, T, Hq, Hk, D, D, rt.L,
                     static_cast<float>(scale), nt);
@@ -1340,15 +1370,18 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
               "decode_layer: counts must add up to the weight parts");
 #if KILN_HAVE_AVX2
   bool fused = lora.empty() && weights.size() == 4 && x.scalar_type() == at::kFloat &&
-               x.dim() == 2 && k.scalar_type() == at::kFloat;
+               x.dim() == 2 && kernel_pool(k, v);
   for (int i = 0; i < 4 && fused; ++i) {
     const auto b = biases.get(i);
     fused = kinds[i] == kKindQ4 && counts[i] == 1 &&
             (!b.has_value() || b->scalar_type() == at::kFloat);
   }
+  if (fused && k.scalar_type() == at::kFloat)
+    return decode_layer_q4<float>(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots,
+                                  table, row_of, lens, num_heads, scale);
   if (fused)
-    return decode_layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
-                           row_of, lens, num_heads, scale);
+    return decode_layer_q4<at::Half>(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v,
+                                     slots, table, row_of, lens, num_heads, scale);
 #endif
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = off[i], n = counts[i];

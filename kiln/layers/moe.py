@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers.eager import eager_only
+
 # --------------------------------------------------------------------------- routing
 
 
@@ -363,7 +365,7 @@ class Experts(nn.Module):
 
     # ------------------------------------------------------------------ running
 
-    @torch.compiler.disable  # data-dependent: which experts run depends on the routing
+    @eager_only  # data-dependent: which experts run depends on the routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k] from a router. Returns sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype. An id of -1 skips its

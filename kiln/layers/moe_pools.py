@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.layers.eager import eager_only
 from kiln.layers.moe import Experts
 
 
@@ -115,7 +116,7 @@ class SplitExperts(nn.Module):
         dev = self.device_pool.storage_bytes() if self.device_pool is not None else 0
         return dev, sum(p.storage_bytes() for p in self.host_pools)
 
-    @torch.compiler.disable
+    @eager_only
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         ids_cpu = ids.cpu()  # the host pools route on the CPU (one sync per layer on a GPU)
         self.tokens_per_expert += torch.bincount(ids_cpu.reshape(-1), minlength=self.num_experts)

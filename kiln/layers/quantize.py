@@ -7,6 +7,7 @@ kiln/layers/quant.py's docstring for the modes and why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from kiln.layers.quant import (
 )
 
 log = logging.getLogger("kiln.quant")
+# quantize_model's release_source cadence: a madvise over the whole map per call
+_RELEASE_EVERY = 64 << 20
 
 
 def fix_kernel_choice(model: nn.Module) -> int:
@@ -111,18 +114,22 @@ def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Modu
 
 
 def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
-                   use_kernels: bool = True) -> nn.Module:
+                   use_kernels: bool = True,
+                   release_source: Callable[[], None] | None = None) -> nn.Module:
     """Swaps the model's linear layers for quantized modules, in place; returns the model.
     `mode`: "int8" | "int4" (see the module docstring); "none" does nothing. `keep_dense`: each
     quantized layer also keeps its (dequantized) weight in the activation dtype for large steps.
-    `use_kernels`: layers use kiln's own CPU kernels where this machine can (--cpu-kernels)."""
+    `use_kernels`: layers use kiln's own CPU kernels where this machine can (--cpu-kernels).
+    `release_source`: called after every ~64 MiB of layers made, to give back the pages of the
+    mapped file they were read from (a GGUF's blocks are read once, to be repacked): without
+    it, the file's pages and their copies would both be resident by the end of the pass."""
     if mode == "none":
         return model
     if mode not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {mode!r}: choose none, int8 or int4")
     from kiln.layers.moe import Experts
 
-    n = 0
+    n = made = 0
     for parent in list(model.modules()):
         if isinstance(parent, Experts):  # each expert becomes two quantized linears
             if not parent.is_quantized:  # (the loader may have done it, layer by layer)
@@ -136,7 +143,13 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
                 q.shards = dict(getattr(child, "shards", {}))
                 setattr(parent, name, q)
                 n += 1
+                made += sum(b.nbytes for b in q.buffers())
+                if release_source is not None and made >= _RELEASE_EVERY:
+                    release_source()
+                    made = 0
     _quantize_head(model, mode, use_kernels)
+    if release_source is not None:
+        release_source()  # the head: the largest single matrix
     for m in model.modules():  # anything left dense gets its stashed blocks back
         if isinstance(m, Linear) and m.stash:
             m.materialize_stash()

@@ -97,7 +97,8 @@ class LlamaAttention(nn.Module):
         if (self.elementwise_kernel and not self.qk_norm and kv is not None
                 and self.rotary_dim == self.head_dim and self.head_dim % 16 == 0
                 and ((kv.kernel and qkv.dtype == torch.bfloat16)
-                     or (kv.invariant and qkv.dtype == kv.k.dtype == torch.float32))
+                     or (kv.invariant and qkv.dtype == torch.float32
+                         and kv.k.dtype in (torch.float32, torch.float16)))
                 and not torch.compiler.is_compiling()):
             return self.o_proj(self.attn(self.attn.rope_write(qkv, cos, sin), None, None))
         t = qkv.shape[0]
@@ -246,7 +247,7 @@ class LlamaDecoderLayer(nn.Module):
               and hidden % 16 == 0 and attn.head_dim % 16 == 0
               and mlp.intermediate_size % 16 == 0
               and attn.attn.sliding_window is None and attn.attn.kv is not None
-              and attn.attn.kv.k.dtype == torch.float32)
+              and attn.attn.kv.k.dtype in (torch.float32, torch.float16))
         parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if isinstance(lin, Int4Linear) and lin.avx2 and lin.dense is None:

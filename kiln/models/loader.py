@@ -137,9 +137,13 @@ class Checkpoint:
         (380 MB for Qwen2.5-0.5B Q4_K_M, whose blocks were repacked into tiles): those pages
         are given back too. Nothing writes into the map, so a page touched again is read back
         from the file, the same bytes."""
+        self.release_pages()
+        self._reader = None
+
+    def release_pages(self) -> None:
+        """Gives the GGUF map's resident pages back, keeping the map (loading may go on)."""
         if self._reader is not None:
             self._reader.release_pages()
-        self._reader = None
 
     @property
     def total_bytes(self) -> int:
@@ -366,7 +370,8 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     if quantization != "none":
         from kiln.layers.quantize import quantize_model
 
-        quantize_model(model, quantization, keep_dense=keep_dense, use_kernels=cpu_kernels)
+        quantize_model(model, quantization, keep_dense=keep_dense, use_kernels=cpu_kernels,
+                       release_source=ckpt.release_pages if ckpt.format == "gguf" else None)
     if torch.device(device).type == "cpu":
         from kiln.layers.linear import pack_linears
 
