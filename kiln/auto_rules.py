@@ -31,6 +31,7 @@ class AutoContext:
     is_moe: bool = False
     numa_nodes: int = 1
     cpu_amx: bool = False  # Intel AMX tiles (amx_tile/amx_int8/amx_bf16): kt-kernel's AMX methods
+    cpu_avx2: bool = True  # AVX2 + FMA + F16C: kiln's AVX2 kernels (cpu_kernels_avx2.cpp) run
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
     # What the model's files say it is for (kiln.kinds.detect_kind): (kind, reason).
     model_kind: tuple[str, str] | None = None
@@ -98,6 +99,8 @@ def auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
 
 # The model dtype's name -> the KV cache storing it as it is computed.
 _KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# /proc/cpuinfo flags kiln's AVX2 kernels need (AutoContext.cpu_avx2)
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
 def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
@@ -105,8 +108,8 @@ def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if v.get("engine") in ("vllm", "sglang"):
         return "auto", "the external engine keeps its KV cache in the model dtype"
     dtype = v["dtype"]
-    if v.get("device") == "cpu" and dtype == "float32" and v.get("quantization") in ("int4",
-                                                                                    "int8"):
+    if (v.get("device") == "cpu" and ctx.cpu_avx2 and dtype == "float32"
+            and v.get("quantization") in ("int4", "int8")):
         return "fp16", ("CPU with quantized weights: keys and values stored in fp16, as "
                         "llama.cpp keeps them, half the memory of fp32 (RSS grows by the blocks "
                         "in use); kiln's AVX2 kernels write and read them converted in place, a "

@@ -20,6 +20,7 @@ from typing import Any
 from kiln import config as C
 from kiln import setting_sources as S
 from kiln import startup_report
+from kiln.auto_rules import AVX2_FLAGS
 from kiln.errors import KilnError, ModelNotFoundError
 from kiln.kinds import AUDIO_FORMATS
 from kiln.messages import english, msg, set_lang
@@ -192,6 +193,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         model_quant=sp.source.quant or (mc.quantization if mc else None),
         numa_nodes=hw.numa_nodes,
         cpu_amx=any(hw.has_flag(f) for f in parallel.AMX_FLAGS),
+        cpu_avx2=all(hw.has_flag(f) for f in AVX2_FLAGS),
         model_kind=model_kind,
     )
     registry_vals = dict(entry.recommended) if entry else {}

@@ -57,6 +57,9 @@ def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
     exact = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M"),
                              cli={"quantization": ("none", "--quantization")})
     assert exact["kv_cache_dtype"] == "fp32"
+    # without kiln's AVX2 kernels an fp16 pool would be converted per step: the model dtype
+    plain = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M", cpu_avx2=False))
+    assert plain["kv_cache_dtype"] == "fp32"
 
 
 @pytest.mark.parametrize(("max_num_seqs", "compile_", "path", "buckets"), [

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.auto_rules import AutoContext, auto_kv_cache_dtype
+from kiln.auto_rules import AVX2_FLAGS, AutoContext, auto_kv_cache_dtype
 from kiln.config import EngineConfig
 from kiln.engine.compile import decode_buckets
 from kiln.engine.memory import KV_DTYPES, gib
@@ -56,7 +56,10 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     MLA's values are the keys' first columns): it falls back to the model dtype, saying so."""
     name = config.kv_cache_dtype
     if name == "auto":
-        value, reason = auto_kv_cache_dtype(AutoContext(), {
+        from kiln.resolve.hardware import cpu_flags
+
+        ctx = AutoContext(cpu_avx2=AVX2_FLAGS <= cpu_flags())
+        value, reason = auto_kv_cache_dtype(ctx, {
             "dtype": config.dtype, "device": device.type, "quantization": config.quantization})
         name, decided = value, Decision(value, reason)
     else:

@@ -26,6 +26,7 @@ from kiln.messages import msg
 FLAGS_OF_INTEREST: tuple[str, ...] = (
     "avx2",
     "fma",
+    "f16c",
     "avx512f",
     "avx512_vnni",
     "avx512_bf16",
