@@ -266,8 +266,7 @@ def weights_on_huge_pages(model: torch.nn.Module) -> int:
             # storages, all the old copies would be in RSS beside the new map at the end.
             release_freed_memory()
             unreturned = 0
-    release_freed_memory()
-    return sum(sizes.values())
+    return sum(sizes.values())  # (the caller trims what the last storages left)
 
 
 def _file_maps() -> list[tuple[int, int]]:

@@ -190,8 +190,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch
                v: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
     """A step's RoPE and K/V write in one pass: qkv [T, (Hq + 2 Hk) * D] bf16 (AVX512) or fp32
     (AVX2), cos and signed sin [T, 1, D] in its dtype (RotaryEmbedding.lookup); k and v
-    rotated/stored at `slots` [T] of the pools [S, Hk, D] (same dtype; fp16 too on AVX2). Returns the rotated q
-    [T, Hq, D]."""
+    rotated/stored at `slots` [T] of the pools [S, Hk, D] (same dtype; fp16 too on AVX2).
+    Returns the rotated q [T, Hq, D]."""
     return _elementwise_ops(qkv.dtype).rope_write(qkv, cos, sin, k, v, slots, num_heads)
 
 

@@ -834,18 +834,16 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t L = rt.L;
   const int64_t* lp = rt.lens.data_ptr<int64_t>();
   const int64_t* rp = rt.row_of.data_ptr<int64_t>();
+  auto run = [&](const auto* kp, const auto* vp) {
+    attend_rows_impl(qc.data_ptr<float>(), kp, vp, tc.data_ptr<int64_t>(), rp, lp,
+                     out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L, static_cast<float>(scale));
+  };
   if (k.scalar_type() == at::kFloat)
-    attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                     tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
-                     static_cast<float>(scale));
+    run(k.data_ptr<float>(), v.data_ptr<float>());
   else if (k.scalar_type() == at::kHalf)
-    attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
-                     tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
-                     static_cast<float>(scale));
+    run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
   else
-    attend_rows_impl(qc.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
-                     tc.data_ptr<int64_t>(), rp, lp, out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L,
-                     static_cast<float>(scale));
+    run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>());
 #else
   TORCH_CHECK(false, "attend_rows: built without AVX2/FMA/F16C");
 #endif
@@ -1376,12 +1374,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
     fused = kinds[i] == kKindQ4 && counts[i] == 1 &&
             (!b.has_value() || b->scalar_type() == at::kFloat);
   }
-  if (fused && k.scalar_type() == at::kFloat)
-    return decode_layer_q4<float>(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots,
-                                  table, row_of, lens, num_heads, scale);
-  if (fused)
-    return decode_layer_q4<at::Half>(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v,
-                                     slots, table, row_of, lens, num_heads, scale);
+  if (fused) {
+    const auto layer_q4 = k.scalar_type() == at::kFloat ? &decode_layer_q4<float>
+                                                        : &decode_layer_q4<at::Half>;
+    return layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
+                    row_of, lens, num_heads, scale);
+  }
 #endif
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = off[i], n = counts[i];

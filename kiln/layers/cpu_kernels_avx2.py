@@ -111,8 +111,9 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.
                 row_of: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Batch-invariant attention over the pool (cpu_kernels_avx2.cpp): query row t (q [T, Hq,
     D] fp32) attends to the first lens[t] slots of table[row_of[t]] (k [S, Hk, D], v [S, Hk,
-    Dv], fp32, bf16 or fp16, read in place) -> fp32 [T, Hq, Dv]. Each (row, head) is computed alone,
-    in an order fixed by its own context length: the same bits whatever else is in the step."""
+    Dv], fp32, bf16 or fp16, read in place) -> fp32 [T, Hq, Dv]. Each (row, head) is computed
+    alone, in an order fixed by its own context length: the same bits whatever else is in the
+    step."""
     return torch.ops.kiln_avx2.attend_rows(q, k, v, table, row_of, lens, scale)
 
 
