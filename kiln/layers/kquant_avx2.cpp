@@ -36,18 +36,18 @@
 // (Q8_0), 63 * 127 * 2 = 16002 (Q6_K; minus 32 * 254 for its offset: 24130).
 //
 // Two layouts: every type is repacked at load (kq_pack, below: the same bits, moved) into
-// tiles of 8 output rows, which one 32-byte load feeds two rows of and whose integer sums
-// reduce to the 8 rows' results in row order (the int4 tile kernel's scheme,
-// cpu_kernels_avx2.cpp): a tile costs about the int4 kernel's instructions per weight, where
-// the raw rows need a horizontal sum and a float scale per row and block (1.8-3.4x slower).
-// The row-at-a-time kernels over the raw rows stay as the tiles' reference (tests) and for
-// callers that pass raw rows.
+// tiles of 8 output rows in which each 32-bit lane of a 32-byte vector holds one row's codes
+// for the same four values: one maddubs against those four activation codes broadcast gives
+// the 8 rows' products in row order, and a group's products add up in place (no horizontal
+// sums, the float work shared by the 8 rows). The row-at-a-time kernels over the raw rows
+// stay as the tiles' reference (tests) and for callers that pass raw rows.
 //
-// Work: items are (8 weight rows, up to 64 activation rows); each weight block is expanded
-// once per item and reused for up to 4 activation rows held in registers; a row's 8-64 KB of
-// activations stay in L2 across the item's weight rows. Each output is computed alone in a
-// fixed order (its own blocks, its own activation row): a row's result does not depend on the
-// other rows of the step (batch-invariant).
+// Work: items are (8 weight rows, up to 64 activation rows); each weight vector is expanded
+// once and used by up to 4 activation rows in turn, whose integer sums stay in registers
+// until the group's float step; a row's 8-64 KB of activations stay in L2 across the item's
+// weight rows. Each output is computed alone in a fixed order (its own blocks, its own
+// activation row): a row's result does not depend on the other rows of the step
+// (batch-invariant).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -90,25 +90,22 @@ int64_t block_bytes(int64_t type) {
 }
 
 // ---- the tiled layout (kq_pack): 8 output rows per tile, the GGUF blocks' own codes and
-// scales reordered so that one 32-byte load feeds two rows and a tile's 8 results come out of
-// the integer sums in row order (no per-row horizontal sums; the float work is shared by the
-// 8 rows). Per (tile, block), with "nib" = 128 bytes of 4-bit codes for one group of 32 values
-// of the 8 rows: 4 row pairs of 32 bytes, pair p = rows (p, p + 4): bytes 32p..32p+15 row p,
-// 32p+16..32p+31 row p + 4; in a row's 16 bytes, byte i = c[i] | c[i + 16] << 4 (the q4 tile's
-// order, cpu_kernels_avx2.cpp):
-//   Q8_0 272 B / 32:  codes 256 B: pair p at 64p: [row p 0..15 | row p+4 0..15], then
-//                     [row p 16..31 | row p+4 16..31]; fp16 d of rows 0..7 at 256
-//   Q5_0 176 B / 32:  nib (low 4 bits); "H", 32 B of bit 4 at 128: byte 16h + i (h = 0: rows
-//                     0..3, h = 1: rows 4..7) bit 2p = row (4h + p) value i, bit 2p+1 = value
-//                     i+16; fp16 d of rows 0..7 at 160
+// scales reordered so that 32-bit lane r of every 32-byte vector is row r. Per (tile, block),
+// with "nib" = 128 bytes of 4-bit codes for one group of 32 values of the 8 rows: 4 vectors,
+// vector k byte 4r + i = row r's value 8k + i (low nibble) | value 8k + 4 + i << 4, i < 4;
+// with "H" = 32 bytes of fifth bits: byte 4r + i bit 2k = row r's value 8k + i, bit 2k + 1
+// = value 8k + 4 + i:
+//   Q8_0 272 B / 32:  codes 256 B: vector k byte 4r + i = row r's value 4k + i; fp16 d of
+//                     rows 0..7 at 256
+//   Q5_0 176 B / 32:  nib (low 4 bits), H at 128, fp16 d of rows 0..7 at 160
 //   Q5_1 192 B / 32:  Q5_0's, then fp16 m of rows 0..7 at 176
 //   Q4_K 1184 B / 256: nib of sub-block j at 128j (j = 0..7); 6-bit scales sc[j] of rows 0..7
 //                     as bytes at 1024 + 8j, mins at 1088 + 8j; fp16 d at 1152, dmin at 1168
-//   Q5_K 1440 B / 256: sub-block j at 160j: nib, then its H (as Q5_0's) at 160j + 128; scales
-//                     at 1280 + 8j, mins at 1344 + 8j; fp16 d at 1408, dmin at 1424
+//   Q5_K 1440 B / 256: sub-block j at 160j: nib, then its H at 160j + 128; scales at
+//                     1280 + 8j, mins at 1344 + 8j; fp16 d at 1408, dmin at 1424
 //   Q6_K 1680 B / 256: group g (32 values, two 16-value scales) at 208g: nib (low 4 bits);
-//                     64 B of the 2 high bits at 128: vector v (pairs 2v, 2v+1), byte 16h + i:
-//                     bits 4e + 2c..4e + 2c + 1 = row (2v + e + 4h)'s value i + 16c; int8
+//                     the 2 high bits as two H-like vectors: at 128, byte 4r + i bits 2k, 2k + 1
+//                     = row r's value 8k + i, at 160 the same for value 8k + 4 + i; int8
 //                     scales (row r: sc[2g], sc[2g + 1]) at 192 + 2r; fp16 d of rows 0..7 at 1664
 // Rows past the tensor's end are zero (d = 0: their outputs are 0 and not stored). The map
 // below is written once and serves both directions (kq_pack and kq_unpack, its inverse).
@@ -136,12 +133,12 @@ inline void move_bits(const uint8_t* src, int64_t sb, uint8_t* dst, int64_t db, 
 
 // byte offset in a nib of row t's value i's 4 bits, as a bit offset
 inline int64_t nib_bit(int t, int i) {
-  return 8 * (32 * (t & 3) + 16 * (t >> 2) + (i & 15)) + 4 * (i >> 4);
+  return 8 * (32 * (i >> 3) + 4 * t + (i & 3)) + 4 * ((i >> 2) & 1);
 }
 
 // bit offset in an H (32 B of fifth bits, Q5_0 / Q5_1 / Q5_K) of row t's value i
 inline int64_t h_bit(int t, int i) {
-  return 8 * (16 * (t >> 2) + (i & 15)) + 2 * (t & 3) + (i >> 4);
+  return 8 * (4 * t + (i & 3)) + 2 * (i >> 3) + ((i >> 2) & 1);
 }
 
 // A Q4_K / Q5_K header's 12 bytes of 6-bit scales and mins (see k_scales) at raw bit offset
@@ -165,11 +162,10 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
     if (to_tile) move_bits(raw, rb, tile, tb, n);
     else move_bits(tile, tb, raw, rb, n);
   };
-  const int p = t & 3, h = t >> 2;
   switch (type) {
     case kQ8_0:
       for (int k = 0; k < 2; ++k) mv(8 * k, 8 * (256 + 2 * t + k), 8);
-      for (int i = 0; i < 32; ++i) mv(8 * (2 + i), 8 * (64 * p + 32 * (i >> 4) + 16 * h + (i & 15)), 8);
+      for (int i = 0; i < 32; ++i) mv(8 * (2 + i), 8 * (32 * (i >> 2) + 4 * t + (i & 3)), 8);
       break;
     case kQ5_0:
     case kQ5_1: {
@@ -208,8 +204,7 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
         for (int l = 0; l < 32; ++l) {
           mv(8 * (64 * hf + 32 * (r & 1) + l) + 4 * (r >> 1), 8 * 208 * g + nib_bit(t, l), 4);
           mv(8 * (128 + 32 * hf + l) + 2 * r,
-             8 * (208 * g + 128 + 32 * (p >> 1) + 16 * h + (l & 15)) + 4 * (p & 1) + 2 * (l >> 4),
-             2);
+             8 * (208 * g + 128 + 32 * ((l >> 2) & 1) + 4 * t + (l & 3)) + 2 * (l >> 3), 2);
         }
       }
       break;
@@ -475,26 +470,12 @@ DotFn dot_for(int64_t type) {
   }
 }
 
-inline __m256i bcast16(const int8_t* p) {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 inline __m256 f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline __m256 u8x8(const uint8_t* p) {  // 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// 8 rows' sums of a nib's 4 pairs (pair p: lo[p] x values 0..15, hi[p] x 16..31), each int16
-// at most 16 products of 15 x 127 (30480): rows 0..7 as int32
-inline __m256i nib_sums(const __m256i* lo, const __m256i* hi, __m256i xl, __m256i xh) {
-  __m256i d[4];
-  for (int p = 0; p < 4; ++p)
-    d[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
-  const __m256i s = _mm256_hadd_epi16(_mm256_hadd_epi16(d[0], d[1]), _mm256_hadd_epi16(d[2], d[3]));
-  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
 // Software prefetch 2 KB ahead of the weight stream, as the int4 tiles do (why and the numbers:
@@ -508,178 +489,228 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + KILN_PF + o), _MM_HINT_T0);
 }
 
-inline void nib_load(const uint8_t* b, __m256i* lo, __m256i* hi) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (int p = 0; p < 4; ++p) {
-    const __m256i v = load32(b + 32 * p);
-    lo[p] = _mm256_and_si256(v, m4);
-    hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+// The activation rows a tile kernel reads: row m's codes at q + m * K, its per-group scalars
+// at d / s / is / h + m * G (the rows of one kq_linear call are consecutive).
+struct XTiles {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* is;
+  const int32_t* h;
+  int64_t K, G;
+};
+
+// Four activation codes (p[0..3]) in every 32-bit lane: the other side of a tile vector,
+// whose 32-bit lane r holds row r's codes for the same four values.
+inline __m256i x4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// An empty asm that takes v and gives it back "changed": the compiler keeps the sums in the
+// order written. Without it GCC moved every product of a group ahead of the first addition
+// (integer adds reassociate) and spilled 32 of them to the stack: 1.5-2x slower.
+inline void pin(__m256i& v) { __asm__("" : "+x"(v)); }
+
+// v << n (n > 0) or v >> -n in 16-bit lanes; n is a constant once the k loops unroll.
+inline __m256i shift16(__m256i v, int n) {
+  switch (n) {
+    case 4: return _mm256_slli_epi16(v, 4);
+    case 3: return _mm256_slli_epi16(v, 3);
+    case 2: return _mm256_slli_epi16(v, 2);
+    case 1: return _mm256_slli_epi16(v, 1);
+    case -1: return _mm256_srli_epi16(v, 1);
+    case -2: return _mm256_srli_epi16(v, 2);
+    case -3: return _mm256_srli_epi16(v, 3);
+    default: return v;
   }
 }
 
+// A nib's vector k (values 8k..8k+7 of the 8 rows) as lo (values 8k..8k+3) and hi
+// (8k+4..8k+7) codes, one row per 32-bit lane.
+inline void nib_k(const uint8_t* nib, int k, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = load32(nib + 32 * k);
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+// Vector k's fifth bits from an H (lo: bit 2k, hi: bit 2k + 1): codes become 0..31.
+inline void bit4_k(const uint8_t* hp, int k, __m256i& lo, __m256i& hi) {
+  const __m256i b4 = _mm256_set1_epi8(0x10);
+  const __m256i H = load32(hp);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(H, 4 - 2 * k), b4));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(H, 3 - 2 * k), b4));
+}
+
+// lo / hi codes of vector k against activation row xq (the group's codes): int16, row r's
+// 4 products in lanes 2r, 2r + 1
+inline __m256i pair_k(__m256i lo, __m256i hi, const int8_t* xq, int k) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(xq + 8 * k)),
+                          _mm256_maddubs_epi16(hi, x4(xq + 8 * k + 4)));
+}
+
 // Each tile_* computes one tile (8 rows, nb blocks at w) against MB activation rows:
-// out[m] = the 8 rows' fp32 results for activation row m.
+// out[m] = the 8 rows' fp32 results for activation row m (one row per lane: no horizontal
+// sums). The weight vectors are expanded once per group and used by the MB rows in turn
+// (vector-outer, row-inner: two weight registers live, not eight), each row's integer sums
+// kept in a register until the group's float step. Every output is computed alone in a fixed
+// order (batch-invariant).
 
 template <int MB>
-void tile_q8_0(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+void tile_q8_0(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 272) {
     prefetch_ahead(w, 272);
-    __m256i v[8], a[8];
-    for (int k = 0; k < 8; ++k) v[k] = load32(w + 32 * k), a[k] = _mm256_sign_epi8(v[k], v[k]);
+    __m256i S[MB];
+    for (int k = 0; k < 8; ++k) {  // vector k: values 4k..4k+3 of the 8 rows
+      const __m256i v = load32(w + 32 * k), a = _mm256_sign_epi8(v, v);
+      for (int m = 0; m < MB; ++m) {
+        // int16 pairs reach 2 x 128 x 127: widened to int32 before anything is added
+        const __m256i t = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a, _mm256_sign_epi8(x4(x.q + m * x.K + 32 * b + 4 * k), v)), ones);
+        S[m] = k ? _mm256_add_epi32(S[m], t) : t;
+        pin(S[m]);
+      }
+    }
     const __m256 d = f16x8(w + 256);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]),
+                               _mm256_mul_ps(d, _mm256_set1_ps(x.d[m * x.G + b])), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+}
+
+// The int16 sums of a group of 5-bit codes (nib + H at w) against MB rows: S (vectors 0, 1)
+// and S2 (2, 3), each at most 4 x 2 x 31 x 127 = 31496
+template <int MB>
+inline void q5_sums(const uint8_t* w, const int8_t* xq, int64_t K, __m256i* S, __m256i* S2) {
+  for (int k = 0; k < 4; ++k) {
+    __m256i lo, hi;
+    nib_k(w, k, lo, hi);
+    bit4_k(w + 128, k, lo, hi);
     for (int m = 0; m < MB; ++m) {
-      const __m256i xl = bcast16(x[m].q + 32 * b), xh = bcast16(x[m].q + 32 * b + 16);
-      // int16 pairs reach 2 x 128 x 127: widened to int32 before anything is added
-      __m256i s[4];
-      for (int p = 0; p < 4; ++p)
-        s[p] = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(a[2 * p], _mm256_sign_epi8(xl, v[2 * p])), ones),
-            _mm256_madd_epi16(_mm256_maddubs_epi16(a[2 * p + 1], _mm256_sign_epi8(xh, v[2 * p + 1])),
-                              ones));
-      const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])),
-                               acc[m]);
+      const __m256i t = pair_k(lo, hi, xq + m * K, k);
+      __m256i& s = k < 2 ? S[m] : S2[m];
+      s = (k & 1) ? _mm256_add_epi16(s, t) : t;
+      pin(s);
+    }
+  }
+}
+
+// Q5_0 (kMin false: codes q - 16, d only) and Q5_1 (codes q, plus m x the group's sum)
+template <int MB, bool kMin>
+void tile_q5(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
+  constexpr int64_t kBytes = kMin ? 192 : 176;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kBytes) {
+    prefetch_ahead(w, kBytes);
+    __m256i S[MB], S2[MB];
+    q5_sums<MB>(w, x.q + 32 * b, x.K, S, S2);
+    const __m256 d = f16x8(w + 160);
+    for (int m = 0; m < MB; ++m) {
+      __m256i t = _mm256_add_epi32(_mm256_madd_epi16(S[m], ones), _mm256_madd_epi16(S2[m], ones));
+      // Q5_0's codes are q - 16: minus 16 x the group's sum of activation codes
+      if (!kMin) t = _mm256_sub_epi32(t, _mm256_set1_epi32(16 * x.is[m * x.G + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                               _mm256_mul_ps(d, _mm256_set1_ps(x.d[m * x.G + b])), acc[m]);
+      if (kMin) acc[m] = _mm256_fmadd_ps(f16x8(w + 176), _mm256_set1_ps(x.s[m * x.G + b]), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
 
-// An H (32 B of fifth bits, see the layout) into a nib's 4 pairs: bit 2p is pair p's low
-// half, bit 2p + 1 its high half; codes become 0..31.
-inline void add_bit4(const uint8_t* hp, __m256i* lo, __m256i* hi) {
-  const __m256i b4 = _mm256_set1_epi8(0x10);
-  const __m256i H = load32(hp);
-  lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(H, 4), b4));
-  hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(H, 3), b4));
-  lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(H, 2), b4));
-  hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_slli_epi16(H, 1), b4));
-  lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(H, b4));
-  hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_srli_epi16(H, 1), b4));
-  lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(H, 2), b4));
-  hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(H, 3), b4));
-}
-
-// nib_sums for 5-bit codes: int16 pairs reach 2 x 31 x 127, so only one hadd (8 products,
-// 31496) before widening to int32; rows 0..7 as int32
-inline __m256i nib5_sums(const __m256i* lo, const __m256i* hi, __m256i xl, __m256i xh) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i dp[4];
-  for (int p = 0; p < 4; ++p)
-    dp[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
-  return _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(dp[0], dp[1]), ones),
-                           _mm256_madd_epi16(_mm256_hadd_epi16(dp[2], dp[3]), ones));
-}
-
-// Q5_0 (kMin false: codes q - 16, d only) and Q5_1 (codes q, plus m x the group's sum)
-template <int MB, bool kMin>
-void tile_q5(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
-  constexpr int64_t kBytes = kMin ? 192 : 176;
-  __m256 acc[MB], accm[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kBytes) {
-    prefetch_ahead(w, kBytes);
-    __m256i lo[4], hi[4];
-    nib_load(w, lo, hi);
-    add_bit4(w + 128, lo, hi);
-    const __m256 d = f16x8(w + 160);
-    for (int m = 0; m < MB; ++m) {
-      __m256i t = nib5_sums(lo, hi, bcast16(x[m].q + 32 * b), bcast16(x[m].q + 32 * b + 16));
-      // Q5_0's codes are q - 16: minus 16 x the group's sum of activation codes
-      if (!kMin) t = _mm256_sub_epi32(t, _mm256_set1_epi32(16 * x[m].is[b]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])),
-                               acc[m]);
-      if (kMin) accm[m] = _mm256_fmadd_ps(f16x8(w + 176), _mm256_set1_ps(x[m].s[b]), accm[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m] = _mm256_add_ps(acc[m], accm[m]);
-}
-
 // Q4_K (kQ5 false) and Q5_K
 template <int MB, bool kQ5>
-void tile_qk(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+void tile_qk(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   constexpr int64_t kSub = kQ5 ? 160 : 128, kSc = 8 * kSub, kBytes = kSc + 160;
-  // the 8 rows' scale d * sc[j] and min dmin * m[j] as fp32 (exact: 11 x 6 bits)
-  __m256 acc[MB], accm[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBytes) {
     const __m256 d = f16x8(w + kSc + 128), dmin = f16x8(w + kSc + 144);
     for (int j = 0; j < 8; ++j) {
-      prefetch_ahead(w + kBytes / 8 * j, kBytes / 8);
-      __m256i lo[4], hi[4];
-      nib_load(w + kSub * j, lo, hi);
-      if (kQ5) add_bit4(w + kSub * j + 128, lo, hi);
+      const uint8_t* sw = w + kSub * j;
+      prefetch_ahead(sw, kSub);
+      const int64_t g = 8 * b + j;
+      __m256i S[MB], S2[MB];
+      if (kQ5) {
+        q5_sums<MB>(sw, x.q + 32 * g, x.K, S, S2);
+      } else {
+        for (int k = 0; k < 4; ++k) {  // int16: at most 4 x 4 products of 15 x 127 (30480)
+          __m256i lo, hi;
+          nib_k(sw, k, lo, hi);
+          for (int m = 0; m < MB; ++m) {
+            const __m256i t = pair_k(lo, hi, x.q + m * x.K + 32 * g, k);
+            S[m] = k ? _mm256_add_epi16(S[m], t) : t;
+            pin(S[m]);
+          }
+        }
+      }
+      // the 8 rows' scale d * sc[j] and min dmin * m[j] as fp32 (exact: 11 x 6 bits)
       const __m256 sc = _mm256_mul_ps(d, u8x8(w + kSc + 8 * j));
       const __m256 mn = _mm256_mul_ps(dmin, u8x8(w + kSc + 64 + 8 * j));
-      const int64_t g = 8 * b + j;
       for (int m = 0; m < MB; ++m) {
-        const __m256i xl = bcast16(x[m].q + 32 * g), xh = bcast16(x[m].q + 32 * g + 16);
-        const __m256i s = kQ5 ? nib5_sums(lo, hi, xl, xh) : nib_sums(lo, hi, xl, xh);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sc, _mm256_set1_ps(x[m].d[g])),
-                                 acc[m]);
-        accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x[m].s[g]), accm[m]);
+        __m256i t = _mm256_madd_epi16(S[m], ones);
+        if (kQ5) t = _mm256_add_epi32(t, _mm256_madd_epi16(S2[m], ones));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                 _mm256_mul_ps(sc, _mm256_set1_ps(x.d[m * x.G + g])), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x.s[m * x.G + g]), acc[m]);
       }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = _mm256_sub_ps(acc[m], accm[m]);
+  for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
 
 template <int MB>
-void tile_q6_k(const uint8_t* w, int64_t nb, const XRow* x, __m256* out) {
+void tile_q6_k(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   const __m256i m30 = _mm256_set1_epi8(0x30);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  // pshufb controls: int16 lanes [2p] x 4 then [2p + 1] x 4 of each 128-bit lane
-  __m256i ctl[4];
-  for (int p = 0; p < 4; ++p) {
-    const int8_t a = static_cast<int8_t>(4 * p), c = static_cast<int8_t>(4 * p + 2);
-    ctl[p] = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, c, c + 1, c, c + 1, c, c + 1,
-                              c, c + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, c, c + 1, c, c + 1,
-                              c, c + 1, c, c + 1);
-  }
+  // pshufb controls: row r's (sc[2g], sc[2g + 1]) pair -> (sc[2g], sc[2g]) / (sc[2g + 1], ...)
+  const __m256i ctl_a = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
+                                         0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i ctl_b = _mm256_add_epi8(ctl_a, _mm256_set1_epi8(2));
   for (int64_t b = 0; b < nb; ++b, w += 1680) {
     const __m256 d = f16x8(w + 1664);
     for (int j = 0; j < 8; ++j) {
       const uint8_t* gw = w + 208 * j;
       prefetch_ahead(gw, 208);
-      __m256i lo[4], hi[4];
-      nib_load(gw, lo, hi);
-      const __m256i H0 = load32(gw + 128), H1 = load32(gw + 160);
-      lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(H0, 4), m30));
-      hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(H0, 2), m30));
-      lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(H0, m30));
-      hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_srli_epi16(H0, 2), m30));
-      lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(_mm256_slli_epi16(H1, 4), m30));
-      hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_slli_epi16(H1, 2), m30));
-      lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(H1, m30));
-      hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(H1, 2), m30));
-      // T: int16 (sc[2g], sc[2g + 1]) of rows 0..3 | rows 4..7
-      const __m256i T = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw + 192)));
-      __m256i scv[4];
-      for (int p = 0; p < 4; ++p) scv[p] = _mm256_shuffle_epi8(T, ctl[p]);
       const int64_t g = 8 * b + j;
+      // T: int16 (sc[2g], sc[2g + 1]) of row r in 32-bit lane r
+      const __m256i T = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw + 192)));
+      __m256i S[MB];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        __m256i lo, hi;
+        nib_k(gw, k, lo, hi);  // the 2 high bits: lo's at 128, hi's at 160, bits 2k, 2k + 1
+        lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(load32(gw + 128), 4 - 2 * k), m30));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(load32(gw + 160), 4 - 2 * k), m30));
+        const __m256i scl = _mm256_shuffle_epi8(T, k < 2 ? ctl_a : ctl_b);
+        for (int m = 0; m < MB; ++m) {  // int16: 4 products of at most 63 x 127 (32004)
+          const __m256i t = _mm256_madd_epi16(pair_k(lo, hi, x.q + m * x.K + 32 * g, k), scl);
+          S[m] = k ? _mm256_add_epi32(S[m], t) : t;
+          pin(S[m]);
+        }
+      }
       for (int m = 0; m < MB; ++m) {
-        const __m256i xl = bcast16(x[m].q + 32 * g), xh = bcast16(x[m].q + 32 * g + 16);
-        __m256i dp[4];
-        for (int p = 0; p < 4; ++p)  // int16: 4 products of at most 63 x 127 (32004), x scale
-          dp[p] = _mm256_madd_epi16(
-              _mm256_hadd_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)),
-              scv[p]);
-        __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(dp[0], dp[1]), _mm256_hadd_epi32(dp[2], dp[3]));
         // codes are q - 32: minus 32 x (sc[2g] x sum of codes 0..15 + sc[2g + 1] x 16..31)
-        const __m256i off = _mm256_madd_epi16(T, _mm256_set1_epi32(x[m].h[g]));
-        t = _mm256_sub_epi32(t, _mm256_slli_epi32(off, 5));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x[m].d[g])),
-                                 acc[m]);
+        const __m256i off = _mm256_madd_epi16(T, _mm256_set1_epi32(x.h[m * x.G + g]));
+        const __m256i t = _mm256_sub_epi32(S[m], _mm256_slli_epi32(off, 5));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                 _mm256_mul_ps(d, _mm256_set1_ps(x.d[m * x.G + g])), acc[m]);
       }
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
 
-using TileFn = void (*)(const uint8_t*, int64_t, const XRow*, __m256*);
+using TileFn = void (*)(const uint8_t*, int64_t, const XTiles&, __m256*);
 
 template <int MB>
 TileFn tile_for(int64_t type) {
@@ -801,10 +832,10 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
         const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
         for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
-          XRow xr[kMaxRows];
+          const XTiles xt{xq.data() + m * K, xd.data() + m * G, xs.data() + m * G,
+                          xi.data() + m * G, xh.data() + m * G, K, G};
           __m256 out[kMaxRows];
-          for (int i = 0; i < mb; ++i) xr[i] = xrow(m + i);
-          p.tfn[mb](wt, p.nb, xr, out);
+          p.tfn[mb](wt, p.nb, xt, out);
           for (int i = 0; i < mb; ++i) {
             float* yr = yp + (m + i) * N + p.row0 + r0;
             if (nr == kTile) {
