@@ -146,11 +146,12 @@ def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def quantize_act_q8(x: torch.Tensor) -> torch.Tensor:
-    """What the AVX2 kernels see of an activation x [M, K]: int8 per group of 32 (scale
-    amax/127, round half to even), returned dequantized in fp32 (tests, self-check)."""
+def quantize_act_q8(x: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """What the AVX2 kernels see of an activation x [M, K]: int8 per span of 32 values (256
+    for the GGUF K-quants' kernels; scale amax/127, round half to even), returned dequantized
+    in fp32 (tests, self-check)."""
     m, k = x.shape
-    g = x.float().reshape(m, k // 32, 32)
+    g = x.float().reshape(m, k // span, span)
     amax = g.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)

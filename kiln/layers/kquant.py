@@ -6,10 +6,10 @@ start (~57 s for Qwen2.5-Coder-0.5B Q4_K_M on 2 cores) and a second copy of the 
 loading. Now the loader hands such a tensor over as `GGUFBlocks` (its rows of raw blocks, a
 view of the file's memory map: no copy, no decoding at load), and `KQuantLinear` multiplies
 with them through kiln/layers/kquant_avx2.cpp (`kq_linear`: activations quantized to int8 per
-group of 32, int8 dot products per block, as llama.cpp's vec_dot does). The blocks are first
-reordered (`pack`, once at load, nothing rounded) into tiles of 8 output rows that the kernel
-reads like kiln's int4 tiles; the row-at-a-time kernel over the raw blocks is the tiles'
-check.
+group of 32, or per super-block of 256 for the K-quants, int8 dot products per block, as
+llama.cpp's vec_dot does with its Q8_0 and Q8_K). The blocks are first reordered (`pack`,
+once at load, nothing rounded) into tiles of 8 output rows, one row per 32-bit lane; the
+row-at-a-time kernel over the raw blocks is the tiles' check.
 
 `reference` is what the kernel computes, in PyTorch (the weight dequantized by
 kiln/models/gguf.py, the activation rounded as the kernel rounds it): the tests compare the
@@ -100,18 +100,24 @@ def unpack(packed: torch.Tensor, type_name: str, rows: int, in_features: int) ->
     return GGUFBlocks(raw, type_name, in_features)
 
 
-def quantize_act(x: torch.Tensor) -> torch.Tensor:
-    """The activation as the kernel sees it (int8 per group of 32, returned dequantized): the
-    AVX2 q4 kernel's rounding, one definition for both."""
+# the K-quants' kernels round the activation per super-block of 256 (llama.cpp's Q8_K), the
+# others per group of 32 (its Q8_0)
+K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def quantize_act(x: torch.Tensor, type_name: str = "Q8_0") -> torch.Tensor:
+    """The activation as the kernel sees it for weights of `type_name` (int8 per span of 32,
+    or 256 for the K-quants; returned dequantized): the AVX2 kernels' rounding, one
+    definition for all."""
     from kiln.layers.cpu_kernels_avx2 import quantize_act_q8
 
-    return quantize_act_q8(x)
+    return quantize_act_q8(x, 256 if type_name in K_TYPES else 32)
 
 
 def reference(x: torch.Tensor, parts: list[GGUFBlocks]) -> torch.Tensor:
     """What kq_linear computes, in fp32 PyTorch (tests, self-check)."""
-    w = torch.cat([p.dequantize(torch.float32) for p in parts])
-    return F.linear(quantize_act(x.float()), w)
+    return torch.cat([F.linear(quantize_act(x.float(), p.type_name), p.dequantize(torch.float32))
+                      for p in parts], dim=-1)
 
 
 class KQuantLinear(QuantizedLinear):

@@ -22,11 +22,13 @@
 //   Q6_K 210 B / 256:  u8 ql[128], u8 qh[64], int8 sc[16], f16 d; w = d * sc[i / 16] * (q - 32)
 //                      with q = 4 low bits from ql, 2 high bits from qh (see dot_q6_k)
 //
-// Activations are quantized once per call, per row and group of 32 (llama.cpp's Q8_0 form):
-// d = amax / 127, xq = round(x / d) in int8, and s = d * sum(xq). Every dot product is then
-// exactly (up to fp32 summation order) the dequantized weight times the dequantized
+// Activations are quantized once per call, per row, in int8 with d = amax / 127 and
+// xq = round(x / d) over a span: 32 values for Q8_0 / Q5_0 / Q5_1 (llama.cpp's Q8_0 form),
+// 256 for the K-quants (its Q8_K form: one scale per super-block, so a tile sums a whole
+// super-block in int32 and does its float work once, not per group of 32). Every dot product
+// is then exactly (up to fp32 summation order) the dequantized weight times the dequantized
 // activation: sum over a group of w_i * d * xq_i, including the min terms (K-quants' mins use
-// s, the rounded activation's sum, as llama.cpp's Q8_K bsums do). kiln/layers/kquant.py's
+// the rounded activation's sums, as llama.cpp's Q8_K bsums do). kiln/layers/kquant.py's
 // `reference` computes that in PyTorch; the tests compare the two on blocks written by the
 // `gguf` package's quantizers.
 //
@@ -214,12 +216,13 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
 
 #if KILN_KQ_AVX2
 
-// One quantized activation row: codes q [K], scales d [K/32], sums s [K/32] (d * sum(q)).
+// One quantized activation row: codes q [K], per group of 32 its span's scale d [K/32] (the
+// same for the 8 groups of a 256-value span) and s [K/32] (d * sum(q)).
 struct XRow {
   const int8_t* q;
   const float* d;
   const float* s;
-  const int32_t* is;  // sum of the group's codes (the tiles' Q5_0 offset)
+  const int32_t* is;  // sum of the group's codes (the tiles' Q5_0 offset, K-quants' mins)
   const int32_t* h;   // int16 pair: sums of codes 0..15 and 16..31 (the tiles' Q6_K offset)
 };
 
@@ -271,16 +274,18 @@ inline __m256i nibbles32(const uint8_t* p) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
+// x [K] -> int8 codes q [K] with one d = amax / 127 per span of `span` values (32 or 256, see
+// the file's header); per group g of 32: d[g] (its span's d), s[g] = d * sum(xq), is[g] =
+// sum(xq), h[g] = the sums of codes 0..15 and 16..31 as two int16s.
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, int32_t* is,
-                  int32_t* h) {
+void quantize_row(const T* x, int64_t K, int64_t span, int8_t* q, float* d, float* s,
+                  int32_t* is, int32_t* h) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t g = 0; g < K / 32; ++g) {
-    const T* p = x + g * 32;
-    const __m256 v0 = load8(p), v1 = load8(p + 8), v2 = load8(p + 16), v3 = load8(p + 24);
-    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  for (int64_t g0 = 0; g0 < K / 32; g0 += span / 32) {
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t i = 32 * g0; i < 32 * g0 + span; i += 8)
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(x + i)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -291,19 +296,23 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, int32_t*
       return _mm256_cvtps_epi32(
           _mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     };
-    const __m256i i0 = cvt(v0), i1 = cvt(v1), i2 = cvt(v2), i3 = cvt(v3);
-    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-    const __m256i a = _mm256_packs_epi32(i0, i1);
-    const __m256i b = _mm256_packs_epi32(i2, i3);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32),
-                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm));
-    d[g] = dg;
-    s[g] = dg * hsum(_mm256_cvtepi32_ps(isum));  // exact: |sum| <= 32 * 127
-    const int h0 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1))));
-    const int h1 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i2, i3))));
-    is[g] = h0 + h1;
-    h[g] = static_cast<int32_t>((static_cast<uint32_t>(h0) & 0xFFFF) |
-                                (static_cast<uint32_t>(h1) << 16));
+    for (int64_t g = g0; g < g0 + span / 32; ++g) {
+      const T* p = x + g * 32;
+      const __m256i i0 = cvt(load8(p)), i1 = cvt(load8(p + 8)), i2 = cvt(load8(p + 16)),
+                    i3 = cvt(load8(p + 24));
+      const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+      const __m256i a = _mm256_packs_epi32(i0, i1);
+      const __m256i b = _mm256_packs_epi32(i2, i3);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm));
+      d[g] = dg;
+      s[g] = dg * hsum(_mm256_cvtepi32_ps(isum));  // exact: |sum| <= 32 * 127
+      const int h0 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1))));
+      const int h1 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i2, i3))));
+      is[g] = h0 + h1;
+      h[g] = static_cast<int32_t>((static_cast<uint32_t>(h0) & 0xFFFF) |
+                                  (static_cast<uint32_t>(h1) << 16));
+    }
   }
 }
 
@@ -625,15 +634,15 @@ void tile_q5(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
 
-// Q4_K (kQ5 false) and Q5_K
+// Q4_K (kQ5 false) and Q5_K, against Q8_K-form activations (one d per super-block): a
+// super-block's scaled sums and min sums stay int32, one float step per super-block.
 template <int MB, bool kQ5>
 void tile_qk(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   constexpr int64_t kSub = kQ5 ? 160 : 128, kSc = 8 * kSub, kBytes = kSc + 160;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBytes) {
-    const __m256 d = f16x8(w + kSc + 128), dmin = f16x8(w + kSc + 144);
+    __m256i I[MB];  // sum over j of sc[j] x the sub-block's code products: < 8 x 63 x 61K
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sw = w + kSub * j;
       prefetch_ahead(sw, kSub);
@@ -652,21 +661,43 @@ void tile_qk(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
           }
         }
       }
-      // the 8 rows' scale d * sc[j] and min dmin * m[j] as fp32 (exact: 11 x 6 bits)
-      const __m256 sc = _mm256_mul_ps(d, u8x8(w + kSc + 8 * j));
-      const __m256 mn = _mm256_mul_ps(dmin, u8x8(w + kSc + 64 + 8 * j));
+      // the 8 rows' 6-bit scales sc[j] as int16 pairs (sc, sc), one row per 32-bit lane
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kSc + 8 * j)));
+      const __m256i scv = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
       for (int m = 0; m < MB; ++m) {
-        __m256i t = _mm256_madd_epi16(S[m], ones);
-        if (kQ5) t = _mm256_add_epi32(t, _mm256_madd_epi16(S2[m], ones));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
-                                 _mm256_mul_ps(sc, _mm256_set1_ps(x.d[m * x.G + g])), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x.s[m * x.G + g]), acc[m]);
+        __m256i t = _mm256_madd_epi16(S[m], scv);
+        if (kQ5) t = _mm256_add_epi32(t, _mm256_madd_epi16(S2[m], scv));
+        I[m] = j ? _mm256_add_epi32(I[m], t) : t;
+        pin(I[m]);
       }
+    }
+    // the mins: sum over j of m[j] x the group's code sum, sub-blocks 2c and 2c + 1 in one madd
+    __m256i N[MB];
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* mn = w + kSc + 64 + 16 * c;
+      const __m256i mp = _mm256_cvtepu8_epi16(
+          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 8))));
+      for (int m = 0; m < MB; ++m) {
+        const int32_t* is = x.is + m * x.G + 8 * b + 2 * c;  // |sum| <= 32 x 127: an int16
+        const __m256i t = _mm256_madd_epi16(
+            mp, _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(is[0]) & 0xFFFF) |
+                                                       (static_cast<uint32_t>(is[1]) << 16))));
+        N[m] = c ? _mm256_add_epi32(N[m], t) : t;
+      }
+    }
+    const __m256 d = f16x8(w + kSc + 128), dmin = f16x8(w + kSc + 144);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xd = _mm256_set1_ps(x.d[m * x.G + 8 * b]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[m]), _mm256_mul_ps(d, xd), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(N[m]), _mm256_mul_ps(dmin, xd), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
 
+// Q6_K, against Q8_K-form activations: a super-block's sums stay int32 (|sum| < 256 x 32 x
+// 127 x 127), one float step per super-block.
 template <int MB>
 void tile_q6_k(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   const __m256i m30 = _mm256_set1_epi8(0x30);
@@ -677,7 +708,7 @@ void tile_q6_k(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
                                          0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
   const __m256i ctl_b = _mm256_add_epi8(ctl_a, _mm256_set1_epi8(2));
   for (int64_t b = 0; b < nb; ++b, w += 1680) {
-    const __m256 d = f16x8(w + 1664);
+    __m256i I[MB];
     for (int j = 0; j < 8; ++j) {
       const uint8_t* gw = w + 208 * j;
       prefetch_ahead(gw, 208);
@@ -702,10 +733,14 @@ void tile_q6_k(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
         // codes are q - 32: minus 32 x (sc[2g] x sum of codes 0..15 + sc[2g + 1] x 16..31)
         const __m256i off = _mm256_madd_epi16(T, _mm256_set1_epi32(x.h[m * x.G + g]));
         const __m256i t = _mm256_sub_epi32(S[m], _mm256_slli_epi32(off, 5));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
-                                 _mm256_mul_ps(d, _mm256_set1_ps(x.d[m * x.G + g])), acc[m]);
+        I[m] = j ? _mm256_add_epi32(I[m], t) : t;
+        pin(I[m]);
       }
     }
+    const __m256 d = f16x8(w + 1664);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[m]),
+                               _mm256_mul_ps(d, _mm256_set1_ps(x.d[m * x.G + 8 * b])), acc[m]);
   }
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
@@ -729,6 +764,7 @@ struct Part {
   const uint8_t* w;
   int64_t row_bytes, rows, row0, nb;
   bool tiled;  // kq_pack's layout (tile_bytes per 8 rows) or raw rows
+  int form;    // the activation form it reads: 0 = spans of 32, 1 = spans of 256 (K-quants)
   int64_t tile_bytes;
   DotFn fn[kMaxRows + 1];  // fn[mb]: mb activation rows at once
   TileFn tfn[kMaxRows + 1];
@@ -778,6 +814,7 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     p.tile_bytes = p.tiled ? weights[i].size(1) * weights[i].size(2) : 0;
     p.row0 = row0;
     p.nb = K / block_elems(types[i]);
+    p.form = block_elems(types[i]) == 256 ? 1 : 0;
     p.fn[0] = nullptr;
     p.fn[1] = dot_for<1>(types[i]);
     p.fn[2] = dot_for<2>(types[i]);
@@ -801,12 +838,18 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     }
   const int64_t NT = static_cast<int64_t>(tile_part.size());
   const int64_t chunks = (M + kChunk - 1) / kChunk, G = K / 32;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * G), xs(M * G);
-  std::vector<int32_t> xi(M * G), xh(M * G);
+  // the activation in the forms the parts read (a Q4_K_M layer can mix Q5_0 and Q4_K parts):
+  // form f's rows at slot[f] * M rows in each buffer
+  bool need[2] = {false, false};
+  for (const Part& p : parts) need[p.form] = true;
+  const int64_t slot[2] = {0, need[0] ? 1 : 0}, F = need[0] + need[1];
+  std::vector<int8_t> xq(F * M * K);
+  std::vector<float> xd(F * M * G), xs(F * M * G);
+  std::vector<int32_t> xi(F * M * G), xh(F * M * G);
   const auto xc = x.contiguous();
   float* yp = y.data_ptr<float>();
-  auto xrow = [&](int64_t r) -> XRow {
+  auto xrow = [&](int f, int64_t r) -> XRow {
+    r += slot[f] * M;
     return {xq.data() + r * K, xd.data() + r * G, xs.data() + r * G, xi.data() + r * G,
             xh.data() + r * G};
   };
@@ -814,13 +857,16 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; ++r) {
+    for (int64_t fr = 0; fr < F * M; ++fr) {  // fr = slot[f] * M + r
+      const int f = (fr < M && need[0]) ? 0 : 1;
+      const int64_t r = fr % M, span = f == 1 ? 256 : 32;
+      int8_t* q = xq.data() + fr * K;
+      float *d = xd.data() + fr * G, *s = xs.data() + fr * G;
+      int32_t *is = xi.data() + fr * G, *h = xh.data() + fr * G;
       if (x.scalar_type() == at::kFloat)
-        quantize_row(xc.data_ptr<float>() + r * K, K, xq.data() + r * K, xd.data() + r * G,
-                     xs.data() + r * G, xi.data() + r * G, xh.data() + r * G);
+        quantize_row(xc.data_ptr<float>() + r * K, K, span, q, d, s, is, h);
       else
-        quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, xq.data() + r * K,
-                     xd.data() + r * G, xs.data() + r * G, xi.data() + r * G, xh.data() + r * G);
+        quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, span, q, d, s, is, h);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < NT * chunks; ++item) {
@@ -832,8 +878,8 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
         const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
         for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
-          const XTiles xt{xq.data() + m * K, xd.data() + m * G, xs.data() + m * G,
-                          xi.data() + m * G, xh.data() + m * G, K, G};
+          const XRow x0 = xrow(p.form, m);
+          const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G};
           __m256 out[kMaxRows];
           p.tfn[mb](wt, p.nb, xt, out);
           for (int i = 0; i < mb; ++i) {
@@ -855,7 +901,7 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
           XRow xr[kMaxRows];
           float out[kMaxRows];
-          for (int i = 0; i < mb; ++i) xr[i] = xrow(m + i);
+          for (int i = 0; i < mb; ++i) xr[i] = xrow(p.form, m + i);
           p.fn[mb](wr, p.nb, xr, out);
           for (int i = 0; i < mb; ++i) yp[(m + i) * N + p.row0 + r] = out[i];
         }
