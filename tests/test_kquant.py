@@ -60,6 +60,26 @@ def test_kernel_matches_reference(type_name: str, m: int) -> None:
     assert rel < 2e-2, rel
 
 
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_round_the_activation_per_super_block(type_name: str) -> None:
+    """The K-quants' kernels see the activation rounded per 256 values (llama.cpp's Q8_K: one
+    scale per super-block, so the tiles sum a super-block in int32), the others per 32: one
+    large value in a super-block coarsens its 255 neighbours' rounding, and the kernel follows
+    the per-256 reference, not the per-32 one."""
+    rows, k = 16, 512
+    b = _blocks(rows, k, type_name, 21)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    x[:, 7] = 40.0  # sets the first super-block's scale
+    got = kquant.kq_linear(x, [kquant.pack(b)], [b.type_id], [rows])
+    w = b.dequantize(torch.float32)
+    per256 = kquant.quantize_act(x, type_name) @ w.t()
+    per32 = kquant.quantize_act(x, "Q8_0") @ w.t()
+    tol = 2e-5 * per256.abs().max().item()
+    torch.testing.assert_close(got, per256, rtol=2e-5, atol=tol)
+    assert (got - per32).abs().max().item() > 100 * tol
+
+
 TILED = sorted(KQUANT_TYPES)  # every type has tiles
 
 

@@ -564,8 +564,8 @@ inline __m256i pair_k(__m256i lo, __m256i hi, const int8_t* xq, int k) {
 // out[m] = the 8 rows' fp32 results for activation row m (one row per lane: no horizontal
 // sums). The weight vectors are expanded once per group and used by the MB rows in turn
 // (vector-outer, row-inner: two weight registers live, not eight), each row's integer sums
-// kept in a register until the group's float step. Every output is computed alone in a fixed
-// order (batch-invariant).
+// kept in a register until the float step (per group of 32; per super-block for the
+// K-quants). Every output is computed alone in a fixed order (batch-invariant).
 
 template <int MB>
 void tile_q8_0(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
