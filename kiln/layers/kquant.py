@@ -100,18 +100,14 @@ def unpack(packed: torch.Tensor, type_name: str, rows: int, in_features: int) ->
     return GGUFBlocks(raw, type_name, in_features)
 
 
-# the K-quants' kernels round the activation per super-block of 256 (llama.cpp's Q8_K), the
-# others per group of 32 (its Q8_0)
-K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
-
-
 def quantize_act(x: torch.Tensor, type_name: str = "Q8_0") -> torch.Tensor:
-    """The activation as the kernel sees it for weights of `type_name` (int8 per span of 32,
-    or 256 for the K-quants; returned dequantized): the AVX2 kernels' rounding, one
-    definition for all."""
+    """The activation as the kernel sees it for weights of `type_name`: int8 per span of the
+    type's block (32 values, or a K-quant's super-block of 256: llama.cpp's Q8_0 and Q8_K
+    forms), returned dequantized; the AVX2 kernels' rounding, one definition for all."""
     from kiln.layers.cpu_kernels_avx2 import quantize_act_q8
+    from kiln.models.gguf import GGML_TYPES
 
-    return quantize_act_q8(x, 256 if type_name in K_TYPES else 32)
+    return quantize_act_q8(x, GGML_TYPES[KQUANT_TYPES[type_name]][1])
 
 
 def reference(x: torch.Tensor, parts: list[GGUFBlocks]) -> torch.Tensor:

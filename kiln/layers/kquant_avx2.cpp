@@ -764,7 +764,7 @@ struct Part {
   const uint8_t* w;
   int64_t row_bytes, rows, row0, nb;
   bool tiled;  // kq_pack's layout (tile_bytes per 8 rows) or raw rows
-  int form;    // the activation form it reads: 0 = spans of 32, 1 = spans of 256 (K-quants)
+  int64_t slot;  // which rounding of the activation it reads (kq_linear's `spans`)
   int64_t tile_bytes;
   DotFn fn[kMaxRows + 1];  // fn[mb]: mb activation rows at once
   TileFn tfn[kMaxRows + 1];
@@ -804,6 +804,9 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
 #if KILN_KQ_AVX2
   if (M == 0 || N == 0) return y.to(x.scalar_type());
   std::vector<Part> parts;
+  // the activation rounded per span of the parts' block size (32, or 256 for the K-quants; a
+  // Q4_K_M layer can mix both): spans[s]'s rows sit at s * M rows in each buffer below
+  std::vector<int64_t> spans;
   int64_t row0 = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     Part p;
@@ -814,7 +817,9 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     p.tile_bytes = p.tiled ? weights[i].size(1) * weights[i].size(2) : 0;
     p.row0 = row0;
     p.nb = K / block_elems(types[i]);
-    p.form = block_elems(types[i]) == 256 ? 1 : 0;
+    const auto sp = std::find(spans.begin(), spans.end(), block_elems(types[i]));
+    p.slot = sp - spans.begin();
+    if (sp == spans.end()) spans.push_back(block_elems(types[i]));
     p.fn[0] = nullptr;
     p.fn[1] = dot_for<1>(types[i]);
     p.fn[2] = dot_for<2>(types[i]);
@@ -838,18 +843,14 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     }
   const int64_t NT = static_cast<int64_t>(tile_part.size());
   const int64_t chunks = (M + kChunk - 1) / kChunk, G = K / 32;
-  // the activation in the forms the parts read (a Q4_K_M layer can mix Q5_0 and Q4_K parts):
-  // form f's rows at slot[f] * M rows in each buffer
-  bool need[2] = {false, false};
-  for (const Part& p : parts) need[p.form] = true;
-  const int64_t slot[2] = {0, need[0] ? 1 : 0}, F = need[0] + need[1];
+  const int64_t F = static_cast<int64_t>(spans.size());
   std::vector<int8_t> xq(F * M * K);
   std::vector<float> xd(F * M * G), xs(F * M * G);
   std::vector<int32_t> xi(F * M * G), xh(F * M * G);
   const auto xc = x.contiguous();
   float* yp = y.data_ptr<float>();
-  auto xrow = [&](int f, int64_t r) -> XRow {
-    r += slot[f] * M;
+  auto xrow = [&](int64_t slot, int64_t r) -> XRow {
+    r += slot * M;
     return {xq.data() + r * K, xd.data() + r * G, xs.data() + r * G, xi.data() + r * G,
             xh.data() + r * G};
   };
@@ -857,9 +858,8 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
-    for (int64_t fr = 0; fr < F * M; ++fr) {  // fr = slot[f] * M + r
-      const int f = (fr < M && need[0]) ? 0 : 1;
-      const int64_t r = fr % M, span = f == 1 ? 256 : 32;
+    for (int64_t fr = 0; fr < F * M; ++fr) {  // fr = slot * M + r
+      const int64_t r = fr % M, span = spans[fr / M];
       int8_t* q = xq.data() + fr * K;
       float *d = xd.data() + fr * G, *s = xs.data() + fr * G;
       int32_t *is = xi.data() + fr * G, *h = xh.data() + fr * G;
@@ -878,7 +878,7 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
         const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
         for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
-          const XRow x0 = xrow(p.form, m);
+          const XRow x0 = xrow(p.slot, m);
           const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G};
           __m256 out[kMaxRows];
           p.tfn[mb](wt, p.nb, xt, out);
@@ -901,7 +901,7 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
           XRow xr[kMaxRows];
           float out[kMaxRows];
-          for (int i = 0; i < mb; ++i) xr[i] = xrow(p.form, m + i);
+          for (int i = 0; i < mb; ++i) xr[i] = xrow(p.slot, m + i);
           p.fn[mb](wr, p.nb, xr, out);
           for (int i = 0; i < mb; ++i) yp[(m + i) * N + p.row0 + r] = out[i];
         }
