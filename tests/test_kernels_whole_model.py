@@ -1,7 +1,7 @@
 """kiln's batch-invariant AVX2 kernels checked inside the whole model, not only on made-up
 tensors (tests/test_cpu_kernels_avx2.py does that): SmolLM2 with the default settings except
-int8 weights runs 3 chat requests, a batched prefill then 4 batched decode steps, once with
-the kernels (cpu_kernels_avx2.attend_rows for every attention row, q8_linear for the int8 head) and
+int8 weights (re-quantized from the GGUF's blocks: --no-gguf-kernels) runs 3 chat requests, a
+batched prefill then 4 batched decode steps, once with the kernels (cpu_kernels_avx2.attend_rows for every attention row, q8_linear for the int8 head) and
 once with their PyTorch references swapped in, fed the same tokens; every logit of every step
 must agree. That covers what unit tests cannot: the pool layout, the gather tables and
 context lengths the runner builds for decode and prefill rows, the query-to-KV head mapping of
@@ -44,7 +44,10 @@ def llm() -> Any:
     # fp32 KV: an fp16 pool (the default with quantized weights) rounds every key and value,
     # and a 1e-6 difference upstream then flips some of those roundings, as int4's activation
     # rounding does above (measured: 1e-2 between the two runs instead of 1e-4).
-    return LLM(None, quantization="int8", kv_cache_memory=64 << 20, kv_cache_dtype="fp32")
+    # --no-gguf-kernels: the tied Q8_0 embedding then becomes an int8 head on q8_linear (with
+    # the GGUF kernels it runs on the file's blocks, whose int8 activations round like int4's)
+    return LLM(None, quantization="int8", kv_cache_memory=64 << 20, kv_cache_dtype="fp32",
+               gguf_kernels=False)
 
 
 def _run(llm: Any, monkeypatch: pytest.MonkeyPatch, force: list[list[int]] | None

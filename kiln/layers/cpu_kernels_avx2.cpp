@@ -148,13 +148,16 @@ struct QRows {
   const float* srow(int64_t r) const { return sum.data() + r * G; }
 };
 
-// Software prefetch, 2 KB ahead of the weight stream. A decode step reads each weight once, from
+// Software prefetch, 1 KB ahead of the weight stream. A decode step reads each weight once, from
 // DRAM, while computing on it; left to the hardware prefetcher the kernels reached ~40% of the
-// measured read bandwidth (2-core Zen 2), which the explicit requests raise to ~60-65%: Qwen2.5
-// 1.5B Q4_K_M b=1 10.7 -> 18.4 tok/s, 0.5B 35 -> 45, SmolLM2 Q4_1 +10% (1, 2 and 4 KB ahead
-// measured alike). Past a thread's last tile it touches the next thread's lines: harmless.
+// measured read bandwidth (2-core Zen 2), which the explicit requests raise to ~60-70%: Qwen2.5
+// 1.5B Q4_K_M b=1 10.7 -> 18.4 tok/s, 0.5B 35 -> 45, SmolLM2 Q4_1 +10%. The distance, measured
+// interleaved in one process (SmolLM2's 120 int4 linears back to back at one row, 2 threads,
+// ms): 0 B 3.86, 512 3.46, 1 KB 3.29-3.31, 1.25 KB 3.28, 1.5 KB 3.61, 2 KB 3.60, 3 KB 3.50,
+// 4 KB 3.49; one thread 1 KB 4.68 vs 2 KB 5.44. (kquant_avx2.cpp: the same shape.) Past a
+// thread's last tile it touches the next thread's lines: harmless.
 #ifndef KILN_PF
-#define KILN_PF 2048
+#define KILN_PF 1024
 #endif
 // Asks for the cache lines of [p + KILN_PF, p + KILN_PF + bytes) ahead of use.
 inline void prefetch_ahead(const void* p, int64_t bytes) {

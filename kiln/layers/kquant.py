@@ -189,6 +189,9 @@ class BlockEmbedding(nn.Module):
         self.dtype = dtype
         self.register_buffer("blocks", blocks.raw)
 
+    def as_blocks(self) -> GGUFBlocks:
+        return GGUFBlocks(self.blocks, self.type_name, self.embedding_dim)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = GGUFBlocks(self.blocks[ids.reshape(-1)], self.type_name, self.embedding_dim)
         return rows.dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)

@@ -26,6 +26,7 @@ import torch
 
 from kiln.errors import ModelLoadError
 from kiln.layers.kquant import EMBED_TYPES, KQUANT_TYPES, BlockEmbedding, GGUFBlocks
+from kiln.layers.linear import TiedLMHead
 from kiln.layers.moe import Experts
 from kiln.layers.quant import GroupQuant
 from kiln.messages import msg
@@ -288,9 +289,10 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = Fa
         blocks: Collection[str] = ()
         if keep_blocks and linear and ".experts." not in name:
             blocks = KQUANT_TYPES
-        elif keep_blocks and name.endswith("embed_tokens.weight") and \
-                not cfg.tie_word_embeddings:  # (a tied head reads the embedding's weight)
-            blocks = EMBED_TYPES
+        elif keep_blocks and name.endswith("embed_tokens.weight"):
+            # a tied embedding is the head too: kept as blocks only where kq_linear reads them
+            # (SmolLM2's Q8_0; see kiln.layers.quantize._quantize_head)
+            blocks = KQUANT_TYPES if cfg.tie_word_embeddings else EMBED_TYPES
         tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and linear, keep_blocks=blocks)
         if name == "rope_freqs":
             yield name, tensor
@@ -482,7 +484,10 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
         if isinstance(tensor, GGUFBlocks) and isinstance(module, torch.nn.Embedding):
             # the embedding keeps the file's blocks and dequantizes the rows it looks up
             owner = modules[parent] if parent else model
-            setattr(owner, child, BlockEmbedding(tensor, param.dtype))
+            embedding = BlockEmbedding(tensor, param.dtype)
+            setattr(owner, child, embedding)
+            if tied:  # the head reads the same blocks (the quantization pass makes it a kernel)
+                model.lm_head = TiedLMHead(embedding)
             loaded.add((pname, None))
             continue
         with torch.no_grad():
