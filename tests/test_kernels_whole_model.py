@@ -1,8 +1,9 @@
 """kiln's batch-invariant AVX2 kernels checked inside the whole model, not only on made-up
 tensors (tests/test_cpu_kernels_avx2.py does that): SmolLM2 with the default settings except
 int8 weights (re-quantized from the GGUF's blocks: --no-gguf-kernels) runs 3 chat requests, a
-batched prefill then 4 batched decode steps, once with the kernels (cpu_kernels_avx2.attend_rows for every attention row, q8_linear for the int8 head) and
-once with their PyTorch references swapped in, fed the same tokens; every logit of every step
+batched prefill then 4 batched decode steps, once with the kernels (cpu_kernels_avx2.attend_rows
+for every attention row, q8_linear for the int8 head) and once with their PyTorch references
+swapped in, fed the same tokens; every logit of every step
 must agree. That covers what unit tests cannot: the pool layout, the gather tables and
 context lengths the runner builds for decode and prefill rows, the query-to-KV head mapping of
 a GQA model, the head's real scales.
