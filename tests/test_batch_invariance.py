@@ -37,7 +37,8 @@ def _results(outs: list[Any]) -> list[tuple[list[int], list[Any]]]:
 
 
 @pytest.fixture(scope="module")
-def llm(gguf_path: Path) -> Any:
+def llm(gguf_path: Path, kernel_level_module: str) -> Any:
+    """At every ISA level this CPU runs (the promise holds on each)."""
     from kiln.llm import LLM
 
     # The default model with default settings; a small KV pool only so that loading does not
@@ -63,22 +64,19 @@ def _with_engine(llm: Any, **changes: Any) -> Any:
 
 def test_batch_invariance_is_on_by_default_and_says_why(llm: Any) -> None:
     decided = llm.engine.runner.decisions
-    if not decided.batch_invariant.value:
-        pytest.skip(f"not batch-invariant here: {decided.batch_invariant.reason}")
+    assert decided.batch_invariant.value, decided.batch_invariant.reason
     assert decided.compiled.value is False and decided.cascade.value is False
     assert ("batch-invariant" in decided.compiled.reason or "layer kernel" in decided.compiled.reason
             or not llm.config.compile)
 
 
-def test_decode_steps_run_the_invariant_layer_kernel(llm: Any) -> None:
-    """With kiln's AVX2 kernels, SmolLM2's decode-only steps run each layer as one call of the
-    kernels its eager steps chain (cpu_kernels_avx2.cpp decode_layer): the 16-at-once test
-    below then compares those steps with the eager ones that mix decodes and prefill."""
-    from kiln.layers import cpu_kernels_avx2
-
+def test_decode_steps_run_the_invariant_layer_kernel(llm: Any, kernel_level_module: str) -> None:
+    """With kiln's kernels, SmolLM2's decode-only steps run each layer as one call of the
+    kernels its eager steps chain (kernels.cpp decode_layer): the 16-at-once test below then
+    compares those steps with the eager ones that mix decodes and prefill."""
     decided = llm.engine.runner.decisions
-    if not decided.batch_invariant.value or not cpu_kernels_avx2.avx2_available():
-        pytest.skip("no AVX2 kernels here")
+    assert decided.batch_invariant.value, decided.batch_invariant.reason
+    assert decided.cpu_kernels.value == kernel_level_module, decided.cpu_kernels.reason
     assert decided.decode_path.value == "kernel", decided.decode_path.reason
     assert "any row count" in decided.decode_path.reason
     assert "one call of the same kernels" in decided.batch_invariant.reason
@@ -91,8 +89,8 @@ def test_decode_steps_run_the_invariant_layer_kernel(llm: Any) -> None:
 ], ids=["cache", "no-cache", "chunks-of-32"])
 def test_sixteen_at_once_equal_each_alone_exactly(llm: Any, alone: list[Any],
                                                   changes: dict[str, Any]) -> None:
-    if not llm.engine.runner.decisions.batch_invariant.value:
-        pytest.skip(llm.engine.runner.decisions.batch_invariant.reason)
+    assert llm.engine.runner.decisions.batch_invariant.value, \
+        llm.engine.runner.decisions.batch_invariant.reason
     old = _with_engine(llm, **changes) if changes else None
     try:
         together = _results(llm.chat(MESSAGES, GREEDY))
@@ -112,8 +110,7 @@ def test_layer_kernel_and_eager_decode_give_the_same_bits(llm: Any, alone: list[
     own kernels in its order, so a decode row in a step mixed with prefill (eager) and one in a
     decode-only step (the kernel) cannot differ."""
     runner = llm.engine.runner
-    if not runner.decode_kernel_rows:
-        pytest.skip("no decode-layer kernel here")
+    assert runner.decode_kernel_rows, runner.decisions.decode_path.reason
     rows, runner.decode_kernel_rows = runner.decode_kernel_rows, 0
     try:
         eager = _results(llm.chat(MESSAGES, GREEDY))

@@ -1,7 +1,7 @@
 """kiln's batch-invariant AVX2 kernels checked inside the whole model, not only on made-up
-tensors (tests/test_cpu_kernels_avx2.py does that): SmolLM2 with the default settings except
+tensors (tests/test_kernels.py does that): SmolLM2 with the default settings except
 int8 weights (re-quantized from the GGUF's blocks: --no-gguf-kernels) runs 3 chat requests, a
-batched prefill then 4 batched decode steps, once with the kernels (cpu_kernels_avx2.attend_rows
+batched prefill then 4 batched decode steps, once with the kernels (ops.attend_rows
 for every attention row, q8_linear for the int8 head) and once with their PyTorch references
 swapped in, fed the same tokens; every logit of every step
 must agree. That covers what unit tests cannot: the pool layout, the gather tables and
@@ -36,12 +36,9 @@ TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def llm() -> Any:
-    from kiln.layers import cpu_kernels_avx2
+def llm(kernel_level_module: str) -> Any:
     from kiln.llm import LLM
 
-    if not cpu_kernels_avx2.avx2_available():
-        pytest.skip("kiln's AVX2 kernels are not built here")
     # fp32 KV: an fp16 pool (the default with quantized weights) rounds every key and value,
     # and a 1e-6 difference upstream then flips some of those roundings, as int4's activation
     # rounding does above (measured: 1e-2 between the two runs instead of 1e-4).
@@ -91,7 +88,7 @@ def _run(llm: Any, monkeypatch: pytest.MonkeyPatch, force: list[list[int]] | Non
 def _attend_rows_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                         row_of: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """attend_rows' contract in plain PyTorch, all rows of a call at once (padded to the longest
-    context and masked): cpu_kernels_avx2.attend_rows_reference loops over rows in Python, ~10x
+    context and masked): ops.attend_rows_reference loops over rows in Python, ~10x
     slower here, too slow for this test's budget."""
     hq, hk = q.shape[1], k.shape[1]
     length = int(lens.max())
@@ -111,11 +108,10 @@ def q8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
 
 def test_kernels_match_their_references_in_the_whole_model(
         llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.layers import cpu_kernels_avx2
+    from kiln.layers.kernels import ops
 
     decided = llm.engine.runner.decisions
-    if not decided.batch_invariant.value:
-        pytest.skip(decided.batch_invariant.reason)
+    assert decided.batch_invariant.value, decided.batch_invariant.reason
     head = llm.engine.runner.model.lm_head
     assert getattr(head, "q8", False), "the int8 head should run q8_linear here"
 
@@ -128,16 +124,16 @@ def test_kernels_match_their_references_in_the_whole_model(
         return call
 
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels_avx2, "attend_rows", counted("attend_rows", cpu_kernels_avx2.attend_rows))
-        m.setattr(cpu_kernels_avx2, "q8_linear", counted("q8_linear", cpu_kernels_avx2.q8_linear))
+        m.setattr(ops, "attend_rows", counted("attend_rows", ops.attend_rows))
+        m.setattr(ops, "q8_linear", counted("q8_linear", ops.q8_linear))
         tokens, kernels = _run(llm, m, None)
     layers = len(list(llm.engine.runner.model.attention_layers()))
     # Every layer of every step went through the kernels (prefill: one call per chunk).
     assert calls["attend_rows"] >= layers * STEPS and calls["q8_linear"] == STEPS
 
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels_avx2, "attend_rows", _attend_rows_masked)
-        m.setattr(cpu_kernels_avx2, "q8_linear", q8_reference)
+        m.setattr(ops, "attend_rows", _attend_rows_masked)
+        m.setattr(ops, "q8_linear", q8_reference)
         forced, reference = _run(llm, m, tokens)
     assert forced == tokens
     diff = (kernels - reference).abs()

@@ -1,4 +1,4 @@
-"""GGUF blocks run as they are (kiln/layers/kquant.py, kquant_avx2.cpp): the kernel against the
+"""GGUF blocks run as they are (kiln/layers/kquant.py, kiln/layers/kernels/kquant.cpp), at every ISA level: the kernel against the
 dequantized-weight matmul for every type, odd row counts, activation tails past a register
 block and a 64-row chunk, layers mixing types; kiln's dequantizer against the `gguf` package's;
 the 8-row tiles (kquant.pack) bit for bit back to the blocks, and their kernel against the
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kiln.layers import kquant
+from kiln.layers.kernels.choose import Choice
 from kiln.layers.kquant import KQUANT_TYPES, GGUFBlocks, KQuantLinear
 from kiln.models.gguf import GGML_TYPES
 
 gguf = pytest.importorskip("gguf")
 
-needs_kernel = pytest.mark.skipif(not kquant.available(),
-                                  reason="kiln's GGUF-block kernels do not run here")
+needs_kernel = pytest.mark.usefixtures("kernel_level")  # at every ISA level this CPU runs
 
 
 def _blocks(rows: int, k: int, type_name: str, seed: int) -> GGUFBlocks:
@@ -131,7 +131,7 @@ def test_mixed_parts_bf16_and_batch_invariance() -> None:
     parts = [_blocks(9, 512, "Q4_K", 3), _blocks(4, 512, "Q5_0", 4), _blocks(11, 512, "Q6_K", 5),
              _blocks(2, 512, "Q8_0", 6)]
     lin = KQuantLinear(parts, torch.randn(26), torch.float32)
-    assert lin.kernel and lin.out_features == 26
+    assert lin.kernel == "gguf" and lin.out_features == 26
     assert lin.tiled == [True, True, True, True]
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     y = lin(x)
@@ -168,7 +168,7 @@ def test_reference_fallback_without_kernel() -> None:
     """The module's PyTorch path (no kernel): the dequantized weight's matmul."""
     parts = [_blocks(5, 256, "Q6_K", 7), _blocks(3, 256, "Q5_1", 8)]
     lin = KQuantLinear(parts, None, torch.float32)
-    lin.kernel = False
+    lin.kernel_choice = Choice("reference", ("test",))
     x = torch.randn(2, 256)
     w = torch.cat([p.dequantize() for p in parts])
     torch.testing.assert_close(lin(x), x @ w.t())

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.layers import kquant
-
-pytestmark = pytest.mark.skipif(not kquant.available(),
-                                reason="kiln's GGUF-block kernels do not run here")
+pytestmark = pytest.mark.usefixtures("kernel_level")  # at every ISA level this CPU runs
 
 TEXT = ("We hold these truths to be self-evident, that all men are created equal, that they "
         "are endowed by their Creator with certain unalienable Rights, that among these are "

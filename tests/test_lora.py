@@ -76,15 +76,13 @@ def tiny_engine(base_dir, paths, **kw):
     return Engine(cfg)
 
 
-def test_lora_add_kernel_equals_the_grouped_matmuls():
-    """cpu_kernels_avx2.lora_add (one call per linear) against the per-group matmuls it replaces:
+def test_lora_add_kernel_equals_the_grouped_matmuls(kernel_level):
+    """ops.lora_add (one call per linear) against the per-group matmuls it replaces:
     uneven groups (1..9 rows: the 4-row blocks and their tails), base rows between them, an
     adapter slot the linear does not have, ranks below the stack's, block-diagonal pieces
     (a packed linear's shards) and widths that are not a multiple of 8."""
-    from kiln.layers import cpu_kernels_avx2
+    from kiln.layers.kernels import ops
 
-    if not cpu_kernels_avx2.avx2_available():
-        pytest.skip("kiln's AVX2 kernels are not built here")
     g = torch.Generator().manual_seed(0)
     k, n, r_max = 70, 45, 12
     # slot -> (rank, pieces (j0, j1, lo, hi)); slot 2 is not in this linear
@@ -116,8 +114,7 @@ def test_lora_add_kernel_equals_the_grouped_matmuls():
         if slot in adapters:
             r = adapters[slot][0]
             want[first:end] += (x[first:end] @ a[int(local[slot]), :r].t()) @ dense_b[slot].t()
-    cpu_kernels_avx2.lora_add(out, x, a, bt, pieces, ranks,
-                         torch.tensor(groups, dtype=torch.int64), local)
+    ops.lora_add(out, x, a, bt, pieces, ranks, torch.tensor(groups, dtype=torch.int64), local)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
@@ -424,14 +421,14 @@ def smol_adapters(tmp_path_factory, gguf_path, smollm2_runner):
         smollm2_runner.lora = None
 
 
-def test_layer_kernel_adds_adapters_as_the_eager_layers_do(smol_adapters, gguf_path,
+def test_layer_kernel_adds_adapters_as_the_eager_layers_do(kernel_level, smol_adapters, gguf_path,
                                                           smollm2_tokenizer, monkeypatch):
-    """On the AVX2 layer kernel (the CPU default) a step with adapter rows runs the kernel, which
+    """On the layer kernel (the CPU default) a step with adapter rows runs the kernel, which
     adds each linear's adapters with the same lora_add the eager hooks call: a batch mixing
     three adapters and the base gives the same tokens and logprobs, bit for bit, with the
     kernel turned off (every step eager)."""
     from kiln.engine.model_runner import DECODE_KERNEL_ANY_ROWS
-    from kiln.layers import cpu_kernels_avx2
+    from kiln.layers.kernels import ops
     from kiln.llm import LLM
 
     paths, _ = smol_adapters
@@ -440,8 +437,8 @@ def test_layer_kernel_adds_adapters_as_the_eager_layers_do(smol_adapters, gguf_p
               lora_modules=tuple(f"{n}={p}" for n, p in paths.items()))
     eng = llm.engine
     runner = eng.runner
-    if runner.decode_kernel_rows < DECODE_KERNEL_ANY_ROWS or not runner.lora.kernel:
-        pytest.skip("the AVX2 layer kernel does not run here")
+    assert runner.decode_kernel_rows >= DECODE_KERNEL_ANY_ROWS and runner.lora.kernel, \
+        runner.decisions.decode_path.reason
     prompts = {"base": "The capital of France is", "t1": "def fibonacci(n):",
                "t2": "Once upon a time", "t3": "The three primary colors are"}
 
@@ -459,7 +456,7 @@ def test_layer_kernel_adds_adapters_as_the_eager_layers_do(smol_adapters, gguf_p
         return got
 
     calls = {"with adapters": 0}
-    real = cpu_kernels_avx2.decode_layer
+    real = ops.decode_layer
 
     def counted(*a, **kw):
         if len(a) > 19 and a[19]:
@@ -467,7 +464,7 @@ def test_layer_kernel_adds_adapters_as_the_eager_layers_do(smol_adapters, gguf_p
         return real(*a, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels_avx2, "decode_layer", counted)
+        m.setattr(ops, "decode_layer", counted)
         kernel = run()
     assert calls["with adapters"] > 0
     rows, runner.decode_kernel_rows = runner.decode_kernel_rows, 0

@@ -68,16 +68,14 @@ def test_dense_copies_give_the_quantized_layers_numbers(m):
         want = x.float() @ layer.dequantize(torch.float32).t()
         plain = layer(x).float()
         layer.keep_dense()
-        if isinstance(layer, Int4Linear) and (layer.kiln or layer.avx2):
-            # kiln's w4a8_linear / AVX2 q4_linear beat a dense copy at every size: none is made
+        if isinstance(layer, Int4Linear) and layer.kernel == "q4":
+            # kiln's q4_linear beats a dense copy at every size: none is made
             assert layer.dense is None
             assert (plain - want).abs().max() <= 0.02 * want.abs().max()
             continue
         assert layer.dense is not None and layer.dense.shape == (192, 256)
         assert layer.dense_packed == packing_works(torch.bfloat16)
-        if layer.kiln:  # kiln's kernels reuse weight tiles across rows: dense only at prefill
-            assert layer.dense_min_m == layer.kiln_dense_min_m > PACKED_DENSE_MIN_M
-        elif layer.dense_packed:
+        if layer.dense_packed:
             assert layer.dense_min_m == PACKED_DENSE_MIN_M
         got = layer(x).float()
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
@@ -92,10 +90,10 @@ def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
     33 rows are padded to 64 inside the op (ROWS_QUANTUM) and cut back."""
     import torch.nn.functional as F
 
+    from kiln.layers.kernels import cpu_native_bf16
     from kiln.layers.linear import pack_weight, packed_linear, packing_works
-    from kiln.resolve.hardware import cpu_flags
 
-    if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():
+    if cpu_native_bf16():
         assert packing_works(torch.bfloat16), "oneDNN packs bf16 weights on a CPU with bf16"
     # Elsewhere pack_weight leaves the weight as it is and packed_linear is F.linear: the
     # numbers below must hold either way.
@@ -160,7 +158,7 @@ def test_reference_fallback_gives_the_native_numbers(monkeypatch):
     w8 = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     native8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
     kiln8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16)
-    assert not native.kiln and not native8.kiln
+    assert native.kernel != "q4" and not native8.q8
     monkeypatch.setattr(quant, "native_int4", lambda device_type: False)
     monkeypatch.setattr(quant, "native_int8", lambda device_type: False)
     ref = quant.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
@@ -244,23 +242,23 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     else:
         assert isinstance(head, Int8Linear)
         assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear, Int8Linear})
-    # On a CPU with AVX512-BF16 every quantized layer runs kiln's own kernels (int4 and int8).
-    from kiln.layers import cpu_kernels, cpu_kernels_avx2
-    assert all(m.kiln == cpu_kernels.available() for m in quantized_layers)
+    # Where kiln's kernels run every int4 layer runs q4_linear.
+    from kiln.layers import kernels
+    assert all(m.kernel == "q4" for m in quantized_layers
+               if isinstance(m, Int4Linear)) == kernels.available()
     fp32_bytes = smollm2_runner.weight_bytes
     if mode.endswith("+dense"):
         # Every quantized layer also holds its weight in bf16 (~1/2 of fp32 + the int4 copy),
-        # except int4 layers on kiln's kernels: w4a8_linear (AVX512) and q4_linear (AVX2) beat
-        # the copy at every size; and the int8 head on q8_linear (AVX2, --batch-invariant).
+        # except int4 layers on kiln's q4_linear, which beats the copy at every size; and the
+        # int8 head on q8_linear (--batch-invariant).
         kept = [m for m in quantized_layers
-                if not ((isinstance(m, Int4Linear) and (m.kiln or m.avx2))
+                if not ((isinstance(m, Int4Linear) and m.kernel == "q4")
                         or getattr(m, "q8", False))]
         assert all(m.dense is not None and m.dense.dtype == torch.bfloat16 for m in kept)
         assert all(m.dense is None for m in quantized_layers if m not in kept)
-        kernels = cpu_kernels.available() or cpu_kernels_avx2.avx2_available()
         head_kept = isinstance(head, Int8Linear) and not head.q8
         assert (mode != "int4+dense") or (
-            len(kept) == int(head_kept) if kernels else len(kept) != 1)
+            len(kept) == int(head_kept) if kernels.available() else len(kept) != 1)
         assert llm.engine.runner.weight_bytes < fp32_bytes * 0.75
         return
     assert all(m.dense is None for m in quantized_layers)
@@ -272,13 +270,13 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
 
 
 def test_quantized_greedy_agrees_with_unquantized(quantized, smollm2_runner, smollm2_tokenizer):
-    from kiln.layers import cpu_kernels
+    from kiln.layers import kernels
     from kiln.sampling_params import SamplingParams
 
     mode, llm = quantized
-    # bf16 pools: decode runs kiln's CPU kernel wherever it can (tests/test_cpu_kernels.py)
+    # every row attends through attend_rows wherever kiln's kernels run (--batch-invariant)
     layers = llm.engine.runner.model.attention_layers()
-    assert all(layer.kv.kernel == cpu_kernels.available() for layer in layers)
+    assert all(layer.kv.invariant == kernels.available() for layer in layers)
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                 min_tokens=NEW_TOKENS))

@@ -1,6 +1,6 @@
 """What the model runner decides once at startup (engine/decisions.py): the KV dtype, the decode
 path, whether torch.compile compiled anything, dense copies; each with the reason the effective
-config records. The layer-kernel path is checked for real in test_cpu_kernels.py (where the
+config records. The layer-kernel path is checked for real in test_kernel_layer.py (where the
 kernels run); here the decision logic runs on a tiny fp32 model on any machine."""
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
     exact = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M"),
                              cli={"quantization": ("none", "--quantization")})
     assert exact["kv_cache_dtype"] == "fp32"
-    # without kiln's AVX2 kernels an fp16 pool would be converted per step: the model dtype
-    plain = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M", cpu_avx2=False))
+    # without kiln's kernels an fp16 pool would be converted per step: the model dtype
+    plain = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M", cpu_kernels=False))
     assert plain["kv_cache_dtype"] == "fp32"
 
 
@@ -77,7 +77,6 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
 
     r = runner(tiny)
     monkeypatch.setattr(llama.LlamaDecoderLayer, "decode_kernel_rows", lambda self: 64)
-    # (the AVX512 layer kernel's case: its pool is not the batch-invariant kernel's)
     cfg = EngineConfig(model=tiny, dtype="float32", max_num_seqs=max_num_seqs,
                        compile=compile_, batch_invariant=False)
     d = decide(cfg, r.model, r.device, choose_kv_cache_dtype(cfg, r.device))
@@ -108,19 +107,20 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     (False, False, "dense_weights off: quantized weights only"),
 ])
 def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, words):
-    # --no-batch-invariant: with it, an AVX2 machine's int8 head runs q8_linear, no copy (below)
+    # --no-batch-invariant: with it, the int8 head runs q8_linear, no copy (below)
     r = runner(tiny, quantization="int8", dense_weights=dense, batch_invariant=False)
     d = r.decisions.dense_weights
     assert d.value is value and words in d.reason, d.reason
 
 
-def test_a_batch_invariant_int8_head_on_avx2_keeps_no_dense_copy_and_says_why(tiny):
+def test_a_batch_invariant_int8_head_keeps_no_dense_copy_and_says_why(tiny, kernel_level):
     r = runner(tiny, quantization="int8", dense_weights=True)
-    if not r.model.lm_head.q8:
-        pytest.skip("no AVX2 q8_linear for the head here (or not batch-invariant)")
+    assert r.model.lm_head.q8
     d = r.decisions.dense_weights
     assert d.value is True and "8 of 9 quantized linears keep a dense copy" in d.reason
-    assert "the int8 head runs kiln's AVX2 q8_linear at every size" in d.reason
+    assert "the int8 head runs kiln's q8_linear at every size" in d.reason
+    k = r.decisions.cpu_kernels
+    assert k.value == kernel_level and "9 on " in k.reason, k.reason
 
 
 def test_a_moe_model_asked_to_compile_decodes_eagerly_and_says_why(tmp_path):

@@ -201,7 +201,7 @@ def moe_routing(before: dict[int, list[int]], after: dict[int, list[int]]
 
 # What the offline report names: the settings that decide the engine's speed.
 REPORTED = ("device", "dtype", "quantization", "dense_weights", "kv_cache_dtype", "cpu_kernels",
-            "compile", "num_threads", "max_num_seqs", "max_num_batched_tokens",
+            "cpu_isa", "compile", "num_threads", "max_num_seqs", "max_num_batched_tokens",
             "runtime_preset")
 
 

@@ -80,7 +80,9 @@ def _hardware_checks(hw: Any) -> list[Check]:
     if hw.usable_cores < hw.logical_cores:
         cores = join([cores, msg("doctor.cores_usable", usable=hw.usable_cores)])
     detail = join([hw.cpu_model, ": ", cores, "; ", flags])
-    no_avx2 = hw.machine in ("x86_64", "AMD64") and "avx2" not in hw.cpu_flags
+    from kiln.layers.kernels.isa import flags_avx2
+
+    no_avx2 = hw.machine in ("x86_64", "AMD64") and not flags_avx2(hw.cpu_flags)
     out.append(_check("cpu", no_avx2, detail, msg("doctor.cpu_no_avx2", detail=detail),
                       msg("doctor.cpu_no_avx2.fix")))
     dtypes = supported_dtypes("cpu", hw)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.auto_rules import AVX2_FLAGS, AutoContext, auto_kv_cache_dtype
+from kiln.auto_rules import AutoContext, auto_kv_cache_dtype
 from kiln.config import EngineConfig
 from kiln.engine.compile import decode_buckets
 from kiln.engine.memory import KV_DTYPES, gib
@@ -39,6 +39,7 @@ class RuntimeDecisions:
     cascade: Decision  # bool: cascade attention over shared prefixes
     # What the runner's step reads: decode steps of up to this many rows run the layer kernel
     # (0: none), and the batch buckets that have compiled graphs (empty: nothing compiled).
+    cpu_kernels: Decision  # the ISA level kiln's kernels run at, and each layer's kernel
     decode_kernel_rows: int
     compile_buckets: tuple[int, ...]
 
@@ -56,9 +57,9 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     MLA's values are the keys' first columns): it falls back to the model dtype, saying so."""
     name = config.kv_cache_dtype
     if name == "auto":
-        from kiln.resolve.hardware import cpu_flags
+        from kiln.layers import kernels
 
-        ctx = AutoContext(cpu_avx2=AVX2_FLAGS <= cpu_flags())
+        ctx = AutoContext(cpu_kernels=kernels.available())
         value, reason = auto_kv_cache_dtype(ctx, {
             "dtype": config.dtype, "device": device.type, "quantization": config.quantization})
         name, decided = value, Decision(value, reason)
@@ -95,10 +96,10 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
     invariant = _batch_invariant(config, model, kernel_rows)
     buckets = (decode_buckets(kernel_rows, config.max_num_seqs)
                if config.compile and not moe and not invariant.value else [])
-    reads = any(getattr(layer.kv, "kernel", False) for layer in model.attention_layers())
+    reads = any(getattr(layer.kv, "invariant", False) for layer in model.attention_layers())
     cascade = _cascade(model, invariant.value)
     kv = Decision(kv_cache_dtype.value, kv_cache_dtype.reason + (
-        "; kiln's CPU attention kernels read the pool" if reads else ""))
+        "; kiln's attend_rows reads the pool in place" if reads else ""))
     return RuntimeDecisions(
         kv_cache_dtype=kv,
         decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device,
@@ -109,6 +110,7 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
         dense_weights=_dense_weights(config, model),
         batch_invariant=invariant,
         cascade=cascade,
+        cpu_kernels=_cpu_kernels(config, model, device),
         decode_kernel_rows=kernel_rows,
         compile_buckets=tuple(buckets))
 
@@ -116,8 +118,7 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
 def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
                         device: torch.device) -> tuple[int, str]:
     """Up to how many rows every decoder layer can run a decode step as one kernel call (kiln's
-    CPU kernels: AVX512 with int4/int8 layers and a bf16 pool, or AVX2 under --batch-invariant
-    with an fp32 pool; see decode_kernel_rows in models/llama.py), and why not when 0."""
+    CPU kernels under --batch-invariant with an fp32 pool; see decode_kernel_rows in models/llama.py), and why not when 0."""
     if device.type != "cpu":
         return 0, "kiln's decode-layer kernel is CPU-only"
     if not config.cpu_kernels:
@@ -130,15 +131,23 @@ def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
         return rows, ""
     if config.quantization in (None, "none"):
         return 0, "the layer kernels run quantized layers only, and nothing is quantized"
-    if config.dtype == "float32":
-        return 0, ("the fp32 layer kernel (AVX2) runs under --batch-invariant, for Llama-form "
-                   "layers (no q/k norms, no sliding window, full RoPE) whose linears are int4 "
-                   "or GGUF blocks")
-    if config.dtype != "bfloat16":
-        return 0, (f"the layer kernels run bf16 (AVX512) or fp32 (AVX2), the model runs "
-                   f"{config.dtype}")
-    return 0, ("a layer cannot run it (q/k norms, biases, or a KV pool kiln's kernels do not "
-               "read: they need AVX512-BF16 and a 16-bit pool in the compute dtype)")
+    if config.dtype != "float32":
+        return 0, f"the layer kernel computes in fp32, the model runs {config.dtype}"
+    return 0, ("the layer kernel runs under --batch-invariant, for Llama-form layers (no q/k "
+               "norms, no sliding window, full RoPE) whose linears are int4 or GGUF blocks")
+
+
+def _cpu_kernels(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> Decision:
+    """Which ISA level kiln's CPU kernels run at and which kernel each quantized layer took
+    (kiln.layers.kernels.choose), with the reasons."""
+    if device.type != "cpu":
+        return Decision(None, f"kiln's CPU kernels do not run on {device.type}")
+    if not config.cpu_kernels:
+        return Decision(None, "--no-cpu-kernels: PyTorch's paths")
+    from kiln.layers.kernels.choose import summary
+
+    level, why = summary(model)
+    return Decision(level, why)
 
 
 def _moe_eager(model: torch.nn.Module) -> str:
@@ -155,7 +164,7 @@ def _moe_eager(model: torch.nn.Module) -> str:
 
 
 def _kernel_reach(kernel_rows: int) -> str:
-    """The decode steps the layer kernel runs, in words (the AVX2 one has no row limit)."""
+    """The steps the layer kernel runs, in words."""
     from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
 
     return (f"up to {kernel_rows} rows" if kernel_rows < DECODE_KERNEL_ANY_ROWS
@@ -195,14 +204,12 @@ def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
                                "its layers attend through PyTorch")
     if not layers or not all(getattr(layer.kv, "invariant", False) for layer in layers):
         return Decision(False, "asked, but the batch-invariant attention kernel does not run "
-                               "here (it needs kiln's AVX2 kernels, --cpu-kernels, an fp32/bf16 "
+                               "here (it needs kiln's CPU kernels, --cpu-kernels, an fp32/bf16 "
                                "KV pool in the model dtype)")
-    # (every layer attending through attend_rows rules out the AVX512 kernels: their layer
-    # kernel reads a pool only they attend over)
     layer_kernel = ("decode steps run each layer as one call of the same kernels"
-                    if kernel_rows else "decode steps run the eager layers (no AVX2 layer kernel "
+                    if kernel_rows else "decode steps run the eager layers (no layer kernel "
                                         "for this model's layers)")
-    return Decision(True, "attention row by row in one fixed order (kiln's AVX2 kernel), one "
+    return Decision(True, "attention row by row in one fixed order (kiln's attend_rows), one "
                           "kernel per quantized layer at every row count; "
                           f"{layer_kernel}; decode not compiled, no cascade attention")
 
@@ -262,11 +269,11 @@ def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
         return Decision(False, "dense_weights off: quantized weights only")
     kept = [m for m in quantized if m.dense is not None]
     size = gib(sum(m.dense.numel() * m.dense.element_size() for m in kept))
-    skipped = sum(isinstance(m, Int4Linear) and (m.kiln or m.avx2) for m in quantized)
+    skipped = sum(isinstance(m, Int4Linear) and m.kernel == "q4" for m in quantized)
     none_int4 = ("int4 layers on kiln's kernels keep none (their int8-activation kernel is "
                  "faster at every size)")
     q8 = any(isinstance(m, Int8Linear) and m.q8 for m in quantized)
-    none_int8 = ("the int8 head runs kiln's AVX2 q8_linear at every size (--batch-invariant) "
+    none_int8 = ("the int8 head runs kiln's q8_linear at every size (--batch-invariant) "
                  "and keeps none")
     none = "; ".join(r for r, on in ((none_int4, skipped), (none_int8, q8)) if on)
     if not kept:

@@ -25,6 +25,7 @@ from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.engine.spec import Speculator, spec_config
 from kiln.engine.structured import StructuredOutputs
 from kiln.errors import KilnError
+from kiln.layers.kernels_threads import ThreadGovernor
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
 from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
 from kiln.obs.faults import Faults
@@ -147,6 +148,13 @@ class Engine:
         self._experts = experts_of(self.runner.model)
         reset_routing_counts(self._experts)
         self.moe_layers: list[int] = [m.layer for m in self._experts]
+        # Fewer compute threads while other processes hold some of our CPUs (kiln/layers/
+        # kernels_threads.py); consulted at the start of each step, on the thread that steps
+        # (OpenMP's count is that thread's own). None: off, or not on the CPU.
+        self.threads: ThreadGovernor | None = None
+        self._cpu_threads = self.runner.num_threads
+        if config.adaptive_threads and self._cpu_threads:
+            self.threads = ThreadGovernor(self._cpu_threads)
         # Traces and faults (kiln/obs/): None when off, and the step only tests for None.
         self.profiler: StepProfiler | None = None
         self.sched_trace: SchedulerTracer | None = None
@@ -247,6 +255,8 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        if self.threads is not None:
+            self.threads.poll()  # between steps only: no region changes size mid-step
         prof = self.profiler
         if prof is not None and prof.want():
             return self._profiled_step(prof)
@@ -413,8 +423,16 @@ class Engine:
             "session_cache_entries": len(sessions) if sessions else 0,
             "session_cache_pinned_blocks": sessions.num_pinned_blocks if sessions else 0,
             "session_cache_released": sessions.stats.released if sessions is not None else 0,
+            **self._threads_metrics(),
             **self.spec_metrics(),
         }
+
+    def _threads_metrics(self) -> dict[str, float]:
+        """The compute threads in use now (CPU engines only): the governor's count, else the
+        one the runner set."""
+        if self.threads is not None:
+            return {"cpu_threads_active": self.threads.active}
+        return {"cpu_threads_active": self._cpu_threads} if self._cpu_threads else {}
 
     def spec_metrics(self) -> dict[str, float]:
         """Speculative decoding's counters ({} when it is off) and the K in use."""

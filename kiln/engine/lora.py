@@ -20,7 +20,7 @@ costs one shrink and one expand per group of rows, as one unpacked linear does.
     hook on each target linear: out[first:end] += (x[first:end] @ A^T) @ B^T per group
 
 On a CPU with fp32 activations a linear's groups are one call of kiln's kernel (lora_add in
-cpu_kernels_avx2.cpp: each 4-row block's shrink then its expand, B's zero blocks skipped,
+kiln/layers/kernels/kernels.cpp: each 4-row block's shrink then its expand, B's zero blocks skipped,
 added into the base linear's output): a decode step's adapter products are tiny (16 rows x
 rank 16), so PyTorch's ops cost their dispatch and parallel regions more than their arithmetic,
 and a masked or padded batched form would multiply zeros. Elsewhere (GPU, bf16) each group is
@@ -208,18 +208,18 @@ def set_step(step: LoRAStep | None) -> None:
 
 def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the target linears add their adapters with kiln's CPU kernel (lora_add in
-    cpu_kernels_avx2.cpp): fp32 activations on an x86 CPU where it is built; else PyTorch's
+    kiln/layers/kernels/kernels.cpp): fp32 activations where kiln's kernels run; else PyTorch's
     matmuls, two per group of rows."""
     if device.type != "cpu" or dtype != torch.float32:
         return False
-    from kiln.layers import cpu_kernels_avx2
+    from kiln.layers import kernels
 
-    return cpu_kernels_avx2.avx2_available()
+    return kernels.available()
 
 
 @dataclass
 class _Stacked:
-    """A target linear's adapters laid out for lora_add (see cpu_kernels_avx2.cpp)."""
+    """A target linear's adapters laid out for lora_add (see kiln/layers/kernels/kernels.cpp)."""
 
     a: torch.Tensor  # [L, R, in]
     bt: torch.Tensor  # [L, R, out]: B transposed
@@ -280,9 +280,9 @@ class _TargetHook:
                 and x.dtype == out.dtype == torch.float32
                 and x.stride(1) == 1 and out.stride(1) == 1):
             # One call for all groups: shrink and expand per row block, added into out.
-            from kiln.layers import cpu_kernels_avx2
+            from kiln.layers.kernels import ops
 
-            cpu_kernels_avx2.lora_add(out, x, st.a, st.bt, st.pieces, st.ranks, step.seg, st.local)
+            ops.lora_add(out, x, st.a, st.bt, st.pieces, st.ranks, step.seg, st.local)
             return out
         for slot, first, end in step.groups:
             w = self.weights.get(slot)

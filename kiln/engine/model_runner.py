@@ -70,6 +70,13 @@ class ModelRunner:
             raise DeviceError(msg("device.torch_sees_no_cuda"), hint=msg("device.cuda_fix"))
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # The compute threads this runner was configured with (0 off the CPU): the engine's
+        # thread governor (kiln/layers/kernels_threads.py) never goes above it.
+        self.num_threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        if self.device.type == "cpu" and config.cpu_kernels:
+            from kiln.layers import kernels
+
+            kernels.ensure_selected(config.cpu_isa)  # before any layer chooses its kernel
         self.dtype = DTYPES[config.dtype]
         mc = ckpt.config
         self.model_config = mc
@@ -253,8 +260,8 @@ class ModelRunner:
         chunks = [s for s in scheduled if s.num_new_tokens != 1]
         nd = len(decodes)
         # Rows of LoRA adapters run the eager modules, whose target linears add their adapters,
-        # or the AVX2 layer kernel, which adds them with the same lora_add (the AVX512 kernel
-        # and the compiled graphs know only the base weights). Decodes are sorted by adapter so
+        # or the layer kernel, which adds them with the same lora_add (the compiled graphs know
+        # only the base weights). Decodes are sorted by adapter so
         # that each adapter's rows are one range (engine/lora.py).
         adapters = self.lora is not None and any(s.request.lora_id for s in scheduled)
         if adapters:
@@ -264,9 +271,8 @@ class ModelRunner:
         # A decode-only step runs kiln's layer kernel up to its rows, else the compiled layers
         # padded up to its batch bucket; cascade steps only where their graphs exist.
         graphs = self.graphs
-        # The AVX2 layer kernel (batch-invariant) runs every step, prefill chunks and
-        # speculative verify rows too (each row with its own context: `step_rows`); the AVX512
-        # one decode-only steps of up to its rows.
+        # The layer kernel (batch-invariant) runs every step, prefill chunks and speculative
+        # verify rows too (each row with its own context: `step_rows`).
         every_step = self.decode_kernel_rows >= DECODE_KERNEL_ANY_ROWS
         lora_kernel = every_step and self.lora is not None and self.lora.kernel
         kernel = (not adapters or lora_kernel) and (

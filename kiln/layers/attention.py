@@ -9,16 +9,13 @@ The step's tokens are laid out decodes first (one token per sequence), then each
 Decodes attend over their contexts gathered from the pool (padded to the longest, masked): fp32
 SDPA for one or two rows, two batched matmuls for larger bf16 batches, a fused product-sum form
 under torch.compile, and cascade attention when every row starts with the same cached blocks
-(see `Attention._decode` and `_cascade`). On a CPU with AVX512-BF16 and a bf16 pool, decode rows
-instead use kiln's C++ kernel, which reads the pool in place (`Attention._decode_kernel`,
-kiln/layers/cpu_kernels.cpp; about 2x faster per layer than inductor's loop).
+(see `Attention._decode` and `_cascade`). Under --batch-invariant, where kiln's CPU kernels run,
+every row (decode or prefill) instead goes through `attend_rows`, which reads the pool in place,
+each row over its own context in one fixed order (kiln/layers/kernels/kernels.cpp).
 
 A prefill chunk that starts at position 0 attends to its own fresh K/V with a causal mask (no
 pool read); a chunk that continues a sequence (chunked prefill, prefix-cache hit) gathers its
-whole context from the pool. Where the decode kernel runs, every chunk instead goes to kiln's
-flash-attention kernel over the pool (`cpu_kernels.prefill_attention`: 512 causal tokens in
-1.3 vs 5.6 ms per SmolLM2 layer with PyTorch's SDPA; 107 tokens after a 900-token prefix
-1.1 vs 3.1 ms). All index tensors are built once per step by the model
+whole context from the pool. All index tensors are built once per step by the model
 runner (`AttentionMetadata`) and shared by every layer through `get_context()`, so a model's
 forward stays `(input_ids, positions)`.
 
@@ -57,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers import cpu_kernels, cpu_kernels_avx2
+from kiln.layers.kernels import choose, ops
 
 INT8_SCALE_DTYPE = torch.float16  # per (slot, head) scale of int8 KV
 INT8_SCALE_BYTES = 2
@@ -144,11 +141,10 @@ class KVStore:
         self.k_scale, self.v_scale = k_scale, v_scale
         self.compute_dtype = compute_dtype
         self.rotation = rotation_matrix(k.shape[-1], k.device) if k_scale is not None else None
-        # Decode rows and prefill chunks read this pool with kiln's CPU kernels (set by
-        # Attention.attach).
-        self.kernel = False
-        # Every row attends with kiln's batch-invariant kernel (cpu_kernels_avx2.attend_rows).
+        # Every row attends with kiln's batch-invariant kernel (ops.attend_rows; set by
+        # Attention.attach from choose_attention_kernel).
         self.invariant = False
+        self.kernel_choice: choose.Choice | None = None
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """Queries that attend to keys read from this store: q [..., D] in the store's basis."""
@@ -236,32 +232,15 @@ class Attention(nn.Module):
         return (self.num_kv_heads, self.head_dim), v
 
     def attach(self, kv: KVStore, use_kernels: bool = True, invariant: bool = False) -> None:
-        """Give the layer its slice of the KV pool; decode and prefill with kiln's CPU
-        kernels where they run (a bf16 pool on a CPU with AVX512-BF16: see
-        kiln.layers.cpu_kernels) unless `use_kernels` (--no-cpu-kernels) is off. The kernels
-        read queries and pool in one dtype, so the pool must be kept in the compute dtype."""
-        # kiln's kernels take K and V of one width, in separate tensors, and attend to the
-        # whole causal context with plain softmax scores: windowed or soft-capped layers stay on
-        # the PyTorch paths below (kiln/layers/cpu_kernels.cpp has neither).
-        kv.kernel = (use_kernels and not kv.quantized and not kv.v_in_k
-                     and self.sliding_window is None and self.softcap is None
-                     and kv.k.dtype == kv.compute_dtype
-                     and cpu_kernels.decode_attention_ok(kv.k, self.num_heads))
-        # `invariant` (--batch-invariant): every row, decode or prefill, through attend_rows,
-        # where it runs (AVX2, an fp32/bf16 pool in the compute dtype, K and V apart, head dims
-        # multiples of 8). The AVX512 kernels above keep their own paths. A sliding window is
-        # a shorter gather per row (`_window_rows`); soft-capped scores are not in attend_rows.
-        kv.invariant = (invariant and use_kernels and not kv.kernel and not kv.quantized
-                        and self.softcap is None
-                        and not kv.v_in_k and kv.k.device.type == "cpu"
-                        and ((kv.k.dtype == kv.compute_dtype
-                              and kv.k.dtype in (torch.float32, torch.bfloat16))
-                             or (kv.k.dtype == torch.float16
-                                 and kv.compute_dtype == torch.float32))
-                        and self.head_dim % 8 == 0 and self.v_head_dim % 8 == 0
-                        and self.head_dim <= 256 and self.v_head_dim <= 256
-                        and self.num_heads // self.num_kv_heads <= 16
-                        and cpu_kernels_avx2.avx2_available())
+        """Give the layer its slice of the KV pool. `invariant` (--batch-invariant): every row,
+        decode or prefill, through attend_rows where choose_attention_kernel says it runs (a
+        sliding window is a shorter gather per row, `_window_rows`); else PyTorch's paths."""
+        kv.kernel_choice = choose.choose_attention_kernel(
+            invariant=invariant, use_kernels=use_kernels, device=kv.k.device,
+            k_dtype=kv.k.dtype, compute_dtype=kv.compute_dtype, quantized=kv.quantized,
+            v_in_k=kv.v_in_k, softcap=self.softcap, head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim, group=self.num_heads // self.num_kv_heads)
+        kv.invariant = kv.kernel_choice.kernel == "attend_rows"
         self.kv = kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
@@ -275,7 +254,7 @@ class Attention(nn.Module):
         if self.v_in_k and k is not None:
             v = k[..., :self.v_head_dim]
         if k is None or v is None:
-            assert kv.kernel or kv.invariant, \
+            assert kv.invariant, \
                 "k/v already written: only the kernels' paths read the pool alone"
         else:
             kv.write(meta.slot_mapping, k, v)
@@ -283,9 +262,7 @@ class Attention(nn.Module):
             return self._invariant(q, kv, meta)
         out = q.new_empty((*q.shape[:-1], self.v_head_dim))
         nd = meta.num_decodes
-        if nd and kv.kernel:
-            out[:nd] = self._decode_kernel(q[:nd], kv, meta).to(q.dtype)
-        elif nd:
+        if nd:
             assert meta.decode_gather is not None
             ck, cv = kv.gather(meta.decode_gather)  # [nd, kv, Hk, D]
             mask = meta.decode_mask
@@ -308,11 +285,6 @@ class Attention(nn.Module):
             else:
                 out[:nd] = self._decode(kv.query(q[:nd]), ck, cv, mask)
         for c in meta.prefills:
-            if kv.kernel:
-                slots = meta.slot_mapping[c.start:c.end] if c.gather is None else c.gather
-                out[c.start:c.end] = cpu_kernels.prefill_attention(
-                    q[c.start:c.end], kv.k, kv.v, slots, c.context_start, self.scale)
-                continue
             qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
             if self.sliding_window is not None or self.softcap is not None:
                 out[c.start:c.end] = self._chunk_explicit(qc, k, v, c, kv)
@@ -399,7 +371,7 @@ class Attention(nn.Module):
         return own, torch.arange(rows.shape[0], device=rows.device), lens - start
 
     def _invariant(self, q: torch.Tensor, kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
-        """Every row of the step through cpu_kernels_avx2.attend_rows, reading the pool (this step's
+        """Every row of the step through ops.attend_rows, reading the pool (this step's
         K/V are written already): a decode row over its gathered slots up to its length, a
         prefill row over its chunk's context up to its own position. A row's arithmetic depends
         only on its query and context, so it is the same alone or batched, in one prefill chunk
@@ -413,8 +385,7 @@ class Attention(nn.Module):
                                   meta.decode_lens)
             if self.sliding_window is not None:
                 gather, rows, lens = self._window_rows(gather, rows, lens)
-            out[:nd] = cpu_kernels_avx2.attend_rows(qf[:nd], kv.k, kv.v, gather, rows, lens,
-                                               self.scale)
+            out[:nd] = ops.attend_rows(qf[:nd], kv.k, kv.v, gather, rows, lens, self.scale)
         for c in meta.prefills:
             slots = meta.slot_mapping[c.start:c.end] if c.gather is None else c.gather
             n = c.end - c.start
@@ -423,35 +394,18 @@ class Attention(nn.Module):
             rows = torch.zeros(n, dtype=torch.long, device=q.device)
             if self.sliding_window is not None:
                 gather, rows, lens = self._window_rows(gather, rows, lens)
-            out[c.start:c.end] = cpu_kernels_avx2.attend_rows(
+            out[c.start:c.end] = ops.attend_rows(
                 qf[c.start:c.end], kv.k, kv.v, gather, rows, lens, self.scale)
         return out.to(q.dtype).reshape(q.shape[0], self.num_heads * self.v_head_dim)
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates q and k of a fused qkv [T, (Hq + 2 Hk) * D] and writes k and v to the pool in
-        one kernel pass (cpu_kernels.rope_write); returns q [T, Hq, D] for forward(q, None,
-        None). Only for a kernel-read pool (`kv.kernel`: bf16, AVX512; `kv.invariant`: fp32
-        or fp16, AVX2)."""
+        one kernel pass (ops.rope_write); returns q [T, Hq, D] for forward(q, None, None).
+        Only for a pool attend_rows reads (`kv.invariant`: fp32 or fp16)."""
         kv = self.kv
-        assert kv is not None and (kv.kernel or kv.invariant)
-        return cpu_kernels.rope_write(qkv, cos, sin, kv.k, kv.v, get_context().slot_mapping,
+        assert kv is not None and kv.invariant
+        return ops.rope_write(qkv, cos, sin, kv.k, kv.v, get_context().slot_mapping,
                                       self.num_heads)
-
-    def _decode_kernel(self, q: torch.Tensor, kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode rows with kiln's CPU kernel, reading the pool in place; a shared prefix
-        (cascade) is attended separately by the flash kernel (all rows' queries against its
-        keys, read once) and the two softmaxes are merged through their log-sum-exps, which is
-        exact. Returns fp32 [B, Hq, D]."""
-        assert meta.decode_gather is not None and meta.decode_mask is not None
-        b = q.shape[0]
-        o, lse = cpu_kernels.decode_attention(q, kv.k, kv.v, meta.decode_gather,
-                                              meta.decode_mask.view(b, -1), self.scale)
-        if meta.decode_shared is None:
-            return o
-        o_s, lse_s = cpu_kernels.shared_attention(q, kv.k, kv.v, meta.decode_shared, self.scale)
-        top = torch.maximum(lse, lse_s)
-        w, w_s = torch.exp(lse - top), torch.exp(lse_s - top)
-        return (o * w[..., None] + o_s * w_s[..., None]) / (w + w_s)[..., None]
 
     def _shared_scores(self, q: torch.Tensor, sk: torch.Tensor) -> torch.Tensor:
         """Scaled fp32 scores of every row's queries q [B, Hq, D] against the P keys every row

@@ -5,7 +5,7 @@ rows): a second rounding on top of the GGUF's (a Q5_0 or Q6_K weight lost bits),
 start (~57 s for Qwen2.5-Coder-0.5B Q4_K_M on 2 cores) and a second copy of the weights while
 loading. Now the loader hands such a tensor over as `GGUFBlocks` (its rows of raw blocks, a
 view of the file's memory map: no copy, no decoding at load), and `KQuantLinear` multiplies
-with them through kiln/layers/kquant_avx2.cpp (`kq_linear`: activations quantized to int8 per
+with them through kiln/layers/kernels/kquant.cpp (`kq_linear`: activations quantized to int8 per
 group of 32, or per super-block of 256 for the K-quants, int8 dot products per block, as
 llama.cpp's vec_dot does with its Q8_0 and Q8_K). The blocks are first reordered (`pack`,
 once at load, nothing rounded) into tiles of 8 output rows, one row per 32-bit lane; the
@@ -30,7 +30,7 @@ from torch import nn
 
 from kiln.layers.quant import QuantizedLinear
 
-# ggml type name -> id (GGUF's tensor-table values): the types kquant_avx2.cpp reads
+# ggml type name -> id (GGUF's tensor-table values): the types kernels/kquant.cpp reads
 KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # types an untied embedding keeps as blocks (kiln/models/gguf.py's torch dequantizer reads
 # them row by row): Qwen2.5-0.5B's 151936 x 896 token_embd is 545 MB in fp32, 94 MB as Q5_0
@@ -66,9 +66,15 @@ class GGUFBlocks:
 
 
 def available() -> bool:
-    from kiln.layers import cpu_kernels
+    from kiln.layers import kernels
 
-    return cpu_kernels.kquant_available()
+    return kernels.available()
+
+
+def _lib():
+    from kiln.layers.kernels import lib
+
+    return lib()
 
 
 def kq_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int],
@@ -78,33 +84,33 @@ def kq_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int],
     x's dtype."""
     if rows is None:
         rows = [w.shape[0] for w in weights]
-    return torch.ops.kiln_kquant.kq_linear(x, weights, types, rows)
+    return _lib().kq_linear(x, weights, types, rows)
 
 
 def has_tiles(type_name: str) -> bool:
     """Whether kq_linear has the 8-row tiled layout for this type (all of KQUANT_TYPES today;
     a type without one would run on the row-at-a-time kernel over the raw rows)."""
-    return bool(torch.ops.kiln_kquant.has_tiles(KQUANT_TYPES[type_name]))
+    return bool(_lib().has_tiles(KQUANT_TYPES[type_name]))
 
 
 def pack(blocks: GGUFBlocks) -> torch.Tensor:
-    """The blocks reordered into kq_linear's tiles of 8 output rows (kquant_avx2.cpp's layout:
+    """The blocks reordered into kq_linear's tiles of 8 output rows (kernels/kquant.cpp's layout:
     the same codes and scales, moved, nothing rounded): uint8 [ceil(rows / 8), blocks per
     row, tile block bytes], about the blocks' size (Q4_K +2.8%, Q5_K +2.3%, the others +0)."""
-    return torch.ops.kiln_kquant.kq_pack(blocks.raw.contiguous(), blocks.type_id)
+    return _lib().kq_pack(blocks.raw.contiguous(), blocks.type_id)
 
 
 def unpack(packed: torch.Tensor, type_name: str, rows: int, in_features: int) -> GGUFBlocks:
     """`pack`'s inverse: the raw GGUF rows, bit for bit."""
-    raw = torch.ops.kiln_kquant.kq_unpack(packed, KQUANT_TYPES[type_name], rows)
+    raw = _lib().kq_unpack(packed, KQUANT_TYPES[type_name], rows)
     return GGUFBlocks(raw, type_name, in_features)
 
 
 def quantize_act(x: torch.Tensor, type_name: str = "Q8_0") -> torch.Tensor:
     """The activation as the kernel sees it for weights of `type_name`: int8 per span of the
     type's block (32 values, or a K-quant's super-block of 256: llama.cpp's Q8_0 and Q8_K
-    forms), returned dequantized; the AVX2 kernels' rounding, one definition for all."""
-    from kiln.layers.cpu_kernels_avx2 import quantize_act_q8
+    forms), returned dequantized; the kernels' rounding, one definition for all."""
+    from kiln.layers.kernels.ops import quantize_act_q8
     from kiln.models.gguf import GGML_TYPES
 
     return quantize_act_q8(x, GGML_TYPES[KQUANT_TYPES[type_name]][1])
@@ -135,13 +141,15 @@ class KQuantLinear(QuantizedLinear):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.raw.shape[0] for p in parts)
         self.native = False
-        self.avx2 = True
         self.types = [p.type_id for p in parts]
         self.type_names = [p.type_name for p in parts]
         self.rows = [p.raw.shape[0] for p in parts]
-        self.kernel = parts[0].raw.device.type == "cpu" and available()
+        from kiln.layers.kernels.choose import choose_linear_kernel
+
+        self.kernel_choice = choose_linear_kernel("gguf", parts[0].raw.device,
+                                                  self.out_features, self.in_features)
         # per part: True where blocks{i} holds `pack`'s tiles, False for raw rows
-        self.tiled = [self.kernel and has_tiles(p.type_name) for p in parts]
+        self.tiled = [self.kernel == "gguf" and has_tiles(p.type_name) for p in parts]
         for i, p in enumerate(parts):
             self.register_buffer(f"blocks{i}", pack(p) if self.tiled[i] else p.raw.contiguous())
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
@@ -152,7 +160,7 @@ class KQuantLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel:
+        if self.kernel == "gguf":
             xa = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
             y = kq_linear(xa, self._parts(), self.types, self.rows).to(x.dtype)
         else:
@@ -175,7 +183,7 @@ class KQuantLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, "
-                f"{'+'.join(self.type_names)}, {'kiln-kquant' if self.kernel else 'reference'}")
+                f"{'+'.join(self.type_names)}, {self.kernel}")
 
 
 class BlockEmbedding(nn.Module):
@@ -200,8 +208,8 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} blocks"
 
 
-def register_fakes() -> None:
-    @torch.library.register_fake("kiln_kquant::kq_linear")
+def register_fakes(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::kq_linear")
     def _(x, weights, types, rows):
         return x.new_empty((x.shape[0], sum(rows)))
 
@@ -221,7 +229,9 @@ def _random_blocks(rows: int, k: int, type_name: str, g: torch.Generator) -> GGU
     return GGUFBlocks(raw.reshape(rows, -1), type_name, k)
 
 
-def self_check() -> bool:
+def self_check(ns) -> bool:
+    """kq_linear of library `ns` (the ops of one ISA level) on raw rows and on tiles against
+    `reference`, for every type at once."""
     g = torch.Generator().manual_seed(0)
     parts = [_random_blocks(5, 512, "Q4_K", g), _random_blocks(3, 512, "Q6_K", g),
              _random_blocks(4, 512, "Q8_0", g), _random_blocks(9, 512, "Q5_0", g),
@@ -230,8 +240,8 @@ def self_check() -> bool:
     want = reference(x, parts)
     types = [p.type_id for p in parts]
     rows = [p.raw.shape[0] for p in parts]
-    raw = kq_linear(x, [p.raw for p in parts], types, rows)
-    tiled = kq_linear(x, [pack(p) if has_tiles(p.type_name) else p.raw for p in parts], types,
-                      rows)
+    raw = ns.kq_linear(x, [p.raw for p in parts], types, rows)
+    tiled = ns.kq_linear(x, [ns.kq_pack(p.raw.contiguous(), p.type_id)
+                             if ns.has_tiles(p.type_id) else p.raw for p in parts], types, rows)
     tol = {"rtol": 1e-4, "atol": 1e-4 * want.abs().max().item()}
     return bool(torch.allclose(raw, want, **tol) and torch.allclose(tiled, want, **tol))

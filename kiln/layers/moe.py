@@ -16,7 +16,7 @@ transformers-5 fused tensor). With --quantization, `quantize` turns each expert 
 Int4Linear/Int8Linear modules (kiln/layers/quant.py), so experts run the same kernels as dense
 layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`). On x86 CPUs
 with kiln's AVX2 kernels (and not its AVX512 ones) int4 experts stay stacked instead, packed for
-`cpu_kernels_avx2.moe_q4`, which runs all of a step's routed experts in one call
+`kernels.ops.moe_q4`, which runs all of a step's routed experts in one call
 (`expert_weights(e)` gives any form's dense weights back, for tests). `select` takes a pool of a
 layer's experts for kiln/layers/moe_pools.py, which splits layers between devices.
 
@@ -128,7 +128,7 @@ class Experts(nn.Module):
         self.stash: dict[tuple[str, int | None], Any] = {}
         # Set by `quantize`: per expert, a module for gate_up and one for down.
         self.quantized: nn.ModuleList | None = None
-        # Or, with kiln's AVX2 kernels (int4): all experts stacked in cpu_kernels_avx2.pack_q4's
+        # Or, with kiln's CPU kernels (int4): all experts stacked in ops.pack_q4's
         # layout, w13 [E, 2I/8, H/32, 160] and w2 [E, H/8, I/32, 160], run by one moe_q4 call.
         self.register_buffer("w13_q4", None)
         self.register_buffer("w2_q4", None)
@@ -214,18 +214,17 @@ class Experts(nn.Module):
     def quantize(self, mode: str, use_kernels: bool = True) -> None:
         """Each expert's gate_up and down become kiln's quantized linears (int4 groups of 32,
         or int8 rows); the stacked dense weights are dropped. GGUF 4-bit blocks are repacked
-        as they are; anything loaded dense is quantized here. int4 on a CPU with kiln's AVX2
-        kernels (and not its AVX512 ones): all experts stay stacked, packed for moe_q4, which
+        as they are; anything loaded dense is quantized here. int4 where kiln's CPU kernels run
+        (choose_linear_kernel gives q4): all experts stay stacked, packed for moe_q4, which
         runs a step's active experts in one call (threads over experts x row tiles, each
         token's row quantized to int8 once) instead of two module calls per active expert."""
-        from kiln.layers import cpu_kernels, cpu_kernels_avx2
+        from kiln.layers.kernels.choose import choose_linear_kernel
         from kiln.layers.quant import Int4Linear, Int8Linear
 
         dtype = self.gate_up_proj.dtype
         h, i = self.hidden_size, self.intermediate_size
-        if (mode == "int4" and use_kernels and h % 32 == 0 and i % 32 == 0
-                and not cpu_kernels.available()
-                and cpu_kernels_avx2.q4_ok(self.gate_up_proj.device, h)):
+        if mode == "int4" and i % 32 == 0 and choose_linear_kernel(
+                "int4", self.gate_up_proj.device, 2 * i, h, use_kernels=use_kernels).kernel == "q4":
             self._quantize_stacked_q4()
             return
         mods: list[nn.Module] = []
@@ -261,16 +260,16 @@ class Experts(nn.Module):
                           torch.cat([p.min for p in pieces]), 32)
 
     def _quantize_stacked_q4(self) -> None:
-        """All experts into the AVX2 kernels' stacked layout (see w13_q4), one expert at a time
+        """All experts into the kernels' stacked layout (see w13_q4), one expert at a time
         (a whole layer's codes are never held unpacked)."""
-        from kiln.layers import cpu_kernels_avx2
+        from kiln.layers.kernels import ops
 
         w13, w2 = [], []
         for e in range(self.num_experts):
             gq = self._expert_int4(e, "gate_up")
-            w13.append(cpu_kernels_avx2.pack_q4(gq.q, gq.scale, gq.min))
+            w13.append(ops.pack_q4(gq.q, gq.scale, gq.min))
             gq = self._expert_int4(e, "down")
-            w2.append(cpu_kernels_avx2.pack_q4(gq.q, gq.scale, gq.min))
+            w2.append(ops.pack_q4(gq.q, gq.scale, gq.min))
         self.w13_q4 = torch.stack(w13)
         self.w2_q4 = torch.stack(w2)
         self._drop_dense()
@@ -279,13 +278,13 @@ class Experts(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) weights, dense, whatever the form they run
         in (dequantized where quantized): for tests and inspection."""
-        from kiln.layers import cpu_kernels_avx2
+        from kiln.layers.kernels import ops
         from kiln.layers.quant import GroupQuant
 
         if self.w13_q4 is not None:
             i, h = self.intermediate_size, self.hidden_size
-            return (GroupQuant(*cpu_kernels_avx2.unpack_q4(self.w13_q4[e], 2 * i)).dequantize(dtype),
-                    GroupQuant(*cpu_kernels_avx2.unpack_q4(self.w2_q4[e], h)).dequantize(dtype))
+            return (GroupQuant(*ops.unpack_q4(self.w13_q4[e], 2 * i)).dequantize(dtype),
+                    GroupQuant(*ops.unpack_q4(self.w2_q4[e], h)).dequantize(dtype))
         if self.quantized is not None:
             return (self.quantized[2 * e].dequantize(dtype),
                     self.quantized[2 * e + 1].dequantize(dtype))
@@ -334,13 +333,13 @@ class Experts(nn.Module):
                 pool.w13_q4 = self.w13_q4.index_select(0, idx).contiguous()
                 pool.w2_q4 = self.w2_q4.index_select(0, idx).contiguous()
             elif self.w13_q4 is not None:
-                from kiln.layers import cpu_kernels_avx2
+                from kiln.layers.kernels import ops
 
                 i, h = self.intermediate_size, self.hidden_size
                 mods: list[nn.Module] = []
                 for e in expert_ids:
                     for packed, rows in ((self.w13_q4[e], 2 * i), (self.w2_q4[e], h)):
-                        q, scale, mn = cpu_kernels_avx2.unpack_q4(packed, rows)
+                        q, scale, mn = ops.unpack_q4(packed, rows)
                         gq = GroupQuant(q.to(device), scale.to(device), mn.to(device), 32)
                         mods.append(Int4Linear(gq, None, dtype, False))
                 pool.quantized = nn.ModuleList(mods)
@@ -438,12 +437,11 @@ def _grouped_mm_ok(xs: torch.Tensor) -> bool:
 
 def _moe_q4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             w13: torch.Tensor, w2: torch.Tensor, threads: int = 0) -> torch.Tensor:
-    """Experts.forward on the AVX2 kernels: one call for the layer's routed rows."""
-    from kiln.layers import cpu_kernels_avx2
+    """Experts.forward on kiln's kernels: one call for the layer's routed rows."""
+    from kiln.layers.kernels import ops
 
     xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    y = cpu_kernels_avx2.moe_q4(xa.contiguous(), ids.to(torch.int64), weights.float(), w13, w2,
-                           threads)
+    y = ops.moe_q4(xa.contiguous(), ids.to(torch.int64), weights.float(), w13, w2, threads)
     return y.to(x.dtype)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.layers import cpu_kernels
+from kiln.layers.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -20,15 +20,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.weight_in_float = weight_in_float or offset
-        # Eager bf16 (AVX512) and fp32 (AVX2) CPU steps run kiln's one-pass kernel
-        # (cpu_kernels.use_elementwise_kernels); under torch.compile inductor fuses the ops
+        # Eager fp32 CPU steps run kiln's one-pass kernel
+        # (kernels.ops.use_elementwise_kernels); under torch.compile inductor fuses the ops
         # below itself. Llama's form only.
         self.elementwise_kernel = False if not self.weight_in_float else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.elementwise_kernel and x.dim() == 2 and x.dtype == self.weight.dtype
                 and x.shape[1] % 16 == 0 and not torch.compiler.is_compiling()):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

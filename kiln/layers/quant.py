@@ -7,11 +7,12 @@ kiln/layers/quantize.py's pass:
 
 Decode is memory-bound, so fewer weight bytes read per token is more tokens/s.
 
-Where kiln's own CPU kernels run (`--cpu-kernels`, AVX512-BF16: kiln/layers/cpu_kernels.cpp),
-both modules keep their weight in those kernels' layouts (`kiln` = True) and every step below
-`dense_min_m` rows calls them: they read each weight tile once per step and reuse it for all of
-the step's rows, so a 16-row decode step costs about 3x a single row, not 16x. Elsewhere the
-packed forms are PyTorch's own CPU kernels, which take bf16 activations:
+Which kernel runs a layer is chosen once, at construction, by
+kiln.layers.kernels.choose.choose_linear_kernel (its reasons go to the decision trace). Where
+kiln's CPU kernels run (every x86 CPU with AVX2, at the best ISA level it has: see
+kiln/layers/kernels/isa.py), int4 layers keep pack_q4's tiles and run q4_linear at every row
+count (int8 activations, no dense copy). Elsewhere the packed forms are PyTorch's own CPU
+kernels, which take bf16 activations:
 
     int8: torch.ops.aten._weight_int8pack_mm(x[M,K] bf16, w[N,K] int8, scales[N] bf16)
     int4: torch.ops.aten._weight_int4pack_mm_for_cpu(x[M,K] bf16, packed, 32, sz[K/32,N,2] bf16)
@@ -30,9 +31,7 @@ torch has it, see kiln/layers/linear.py), and steps of many rows (prefill chunks
 and more) run one dense GEMM on it: decode at low batch is bound by the bytes of weight read,
 large steps by arithmetic, where the kernels' in-loop dequantization loses. The copy is the
 quantized weight, dequantized: both paths compute with the same numbers. Int4 layers on kiln's
-kernels keep no copy: from KILN_INT4_A8_MIN_M rows on they quantize the activations to int8
-(cpu_kernels.w4a8_linear, as llama.cpp does for its 4-bit formats), which beats the bf16 GEMM
-at every size; their numbers then differ from the copy's by that rounding.
+kernels keep no copy (q4_linear beats it at every size: AVX2_INT4 below).
 
 GGUF Q4_0/Q4_1 blocks are exactly this int4 form (groups of 32, a scale and a min), so a 4-bit
 GGUF becomes an int4 model with no requantization error: the loader stashes the blocks in the
@@ -57,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers import cpu_kernels, cpu_kernels_avx2
+from kiln.layers.kernels import choose, ops
 from kiln.layers.linear import pack_weight, packed_linear
 
 log = logging.getLogger("kiln.quant")
@@ -85,20 +84,8 @@ INT4_DENSE_MIN_M = 12
 # 3.3-3.4 ms (int8 kernel), M=4 2.4 vs 3.6, M=8 3.0 vs 6.2-6.5. In the whole model (compiled
 # decode) batch 2 ran slower on the copy (74-84 vs 115-166 tok/s), so 1-3 rows keep the kernels.
 PACKED_DENSE_MIN_M = 4
-# With kiln's own kernels (kiln/layers/cpu_kernels.cpp, `--cpu-kernels`), which reuse each weight
-# tile across a step's rows, the dense copy only wins at prefill sizes, and for int4 not even
-# there: from KILN_INT4_A8_MIN_M rows on, int4 layers quantize the activations to int8 and run
-# w4a8_linear (int8 dot products, twice the multiply-adds of bf16's). 30 SmolLM2 layers' four
-# linears (one layer's weights, in cache), 2 threads, min of 20 runs, w4a8 vs oneDNN bf16 vs w4
-# (bf16 activations): M=16 9.5 vs 16.2 vs 11.2 ms, M=32 15.8 vs 24.1 vs 21.0, M=128 49.1 vs
-# 80.5 vs 79.8, M=512 175-231 vs 275-283 vs 298-347. So int4 layers keep no dense copy. Below
-# the threshold (decode) the activations stay bf16, as in decode_layer. The int8 head
-# (49152 x 576) against its copy:
-# M=4 2.2 vs 2.7 ms, M=8 3.8 vs 3.9, M=16 5.7 vs 5.7, M=32 10.2 vs 6.6.
-KILN_INT4_A8_MIN_M = 32
-KILN_INT8_DENSE_MIN_M = 16
-# AVX2_INT4: on x86 CPUs without AVX512-BF16, int4 layers run kiln's AVX2 kernel
-# (cpu_kernels_avx2.q4_linear: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
+# AVX2_INT4: where kiln's kernels run, int4 layers run q4_linear
+# (kiln/layers/kernels/kernels.cpp: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
 # int8 x 4-bit dot products) at every row count and keep no dense copy. One Zen 3 thread (a
 # shared machine: ratios): [768, 1024] at M=1 38 us vs 140 for PyTorch's int4 kernel; M=16
 # 378 vs 1281 (vs 970 for fp32 F.linear on a dense copy); against the dense copy at prefill
@@ -242,24 +229,25 @@ def _unpack_int4_blocks(packed: torch.Tensor, n: int, k: int, bn: int) -> torch.
 
 class QuantizedLinear(nn.Module):
     """What Int8Linear and Int4Linear share: the activation dtype they return and the optional
-    dense copy of their weight (`keep_dense`) that steps of `dense_min_m` rows or more use.
-    `kiln`: the weight is in the layout of kiln's own CPU kernel (cpu_kernels.w4_linear /
-    w8_linear), which then runs every step below `dense_min_m`; else PyTorch's packed ops
-    (`native`) or the reference form."""
+    dense copy of their weight (`keep_dense`) that steps of `dense_min_m` rows or more use, and
+    the kernel their chooser gave them (`kernel_choice`: kiln's q4 / gguf tiles, PyTorch's
+    packed ops or the reference form, with the reasons)."""
 
     dense_min_m: int
-    kiln_dense_min_m: int
 
     def __init__(self, out_dtype: torch.dtype) -> None:
         super().__init__()
         self.out_dtype = out_dtype
-        self.kiln = False
-        self.avx2 = False  # Int4Linear on kiln's AVX2 kernel
+        self.kernel_choice = choose.Choice("reference", ())
         self.register_buffer("dense", None)  # [N, K] in out_dtype, see keep_dense
         self.dense_packed = False  # dense is in oneDNN's layout (kiln.layers.linear.pack_weight)
         # --batch-invariant: one path for every row count (fix_kernel_choice), so a row's
         # numbers do not depend on how many other rows share its step.
         self.fixed = False
+
+    @property
+    def kernel(self) -> str:
+        return self.kernel_choice.kernel
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -267,9 +255,7 @@ class QuantizedLinear(nn.Module):
     def keep_dense(self) -> None:
         self.dense = pack_weight(self.dequantize(self.out_dtype).contiguous())
         self.dense_packed = self.dense.is_mkldnn
-        if self.kiln:
-            self.dense_min_m = self.kiln_dense_min_m
-        elif self.dense_packed:
+        if self.dense_packed:
             self.dense_min_m = PACKED_DENSE_MIN_M
 
     def _use_dense(self, rows: int) -> bool:
@@ -283,26 +269,22 @@ class Int8Linear(QuantizedLinear):
     """y = x @ (q * scale)^T + b with q int8 [N, K] and one scale per output row."""
 
     dense_min_m = INT8_DENSE_MIN_M
-    kiln_dense_min_m = KILN_INT8_DENSE_MIN_M
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype, use_kernels: bool = True) -> None:
         super().__init__(out_dtype)
         n, k = q.shape
         self.in_features, self.out_features = k, n
-        self.kiln = use_kernels and cpu_kernels.linear_ok(q.device, n, k)
-        self.native = not self.kiln and native_int8(q.device.type)
+        self.kernel_choice = choose.choose_linear_kernel(
+            "int8", q.device, n, k, use_kernels=use_kernels, native=native_int8(q.device.type))
+        self.native = self.kernel == "torch-int8"
         self.kernel_max_m = INT8_KERNEL_MAX_M
-        if self.kiln:  # weight: cpu_kernels.pack_w8's layout, [N/16, K/2, 32]
-            self.register_buffer("weight", cpu_kernels.pack_w8(q))
-            self.register_buffer("scales", scale.float().contiguous())
-        else:
-            self.register_buffer("weight", q.contiguous())
-            self.register_buffer("scales", scale.to(KERNEL_DTYPE if self.native else out_dtype))
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("scales", scale.to(KERNEL_DTYPE if self.native else out_dtype))
         self.register_buffer("bias", bias.to(out_dtype) if bias is not None else None)
-        # Whether kiln's AVX2 q8_linear can run this layer (no AVX512-BF16); fix_kernel_choice
-        # sets `q8` on the head, which then runs it at every row count (see AVX2_INT8 above).
-        self.q8_ok = (not self.kiln and use_kernels and cpu_kernels_avx2.q8_ok(q.device, k)
+        # Whether kiln's q8_linear can run this layer; fix_kernel_choice sets `q8` on the head,
+        # which then runs it at every row count (see AVX2_INT8 above).
+        self.q8_ok = (choose.q8_ok(q.device, k, use_kernels)
                       and self.scales.dtype in (torch.float32, torch.bfloat16))
         self.q8 = False
 
@@ -314,19 +296,15 @@ class Int8Linear(QuantizedLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the int8 weight (what an embedding lookup reads)."""
-        if self.kiln:
-            return cpu_kernels.unpack_w8_rows(self.weight, ids)
         return self.weight[ids]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.q8:
-            y = cpu_kernels_avx2.q8_linear(x2.float(), self.weight, self.scales)
+            y = ops.q8_linear(x2.float(), self.weight, self.scales)
         elif self._use_dense(x2.shape[0]):
             y = self._dense_linear(x2)
-        elif self.kiln:
-            y = cpu_kernels.w8_linear(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         elif self.native and (self.fixed or x2.shape[0] <= self.kernel_max_m):
             y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.weight, self.scales)
         else:
@@ -339,17 +317,14 @@ class Int8Linear(QuantizedLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        q = cpu_kernels.unpack_w8(self.weight) if self.kiln else self.weight
-        return q.to(dtype) * self.scales.to(dtype).unsqueeze(1)
+        return self.weight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {_kernel_name(self)}"
 
 
 def _kernel_name(layer: QuantizedLinear) -> str:
-    if layer.avx2 or getattr(layer, "q8", False):
-        return "kiln-avx2"
-    return "kiln" if layer.kiln else "native" if layer.native else "reference"
+    return "q8" if getattr(layer, "q8", False) else layer.kernel
 
 
 class Int8Embedding(nn.Module):
@@ -382,22 +357,17 @@ class Int4Linear(QuantizedLinear):
         self.in_features, self.out_features = k, n
         self.group_size = gq.group_size
         device = gq.q.device
-        self.kiln = (use_kernels and gq.group_size == 32
-                     and cpu_kernels.linear_ok(device, n, k))
-        # Without AVX512-BF16: kiln's AVX2 kernel (int8 activations, see AVX2_INT4 above).
-        self.avx2 = (not self.kiln and use_kernels and gq.group_size == 32
-                     and cpu_kernels_avx2.q4_ok(device, k))
-        self.native = (not self.kiln and not self.avx2 and native_int4(device.type)
-                       and k % gq.group_size == 0
-                       and n % 16 == 0 and gq.group_size in (32, 64, 128, 256))
+        native = (native_int4(device.type) and k % gq.group_size == 0 and n % 16 == 0
+                  and gq.group_size in (32, 64, 128, 256))
+        self.kernel_choice = choose.choose_linear_kernel(
+            "int4", device, n, k, group_size=gq.group_size, use_kernels=use_kernels,
+            native=native)
+        self.native = self.kernel == "torch-int4"
         self.kernel_max_m = INT4_KERNEL_MAX_M
         bn = int4_block_n() if self.native else None
         self.block_n = bn if bn is not None and n % bn == 0 else None
-        if self.kiln:  # cpu_kernels.pack_w4's layout: codes + fp16 scale/min per group of 32
-            self.register_buffer("packed", cpu_kernels.pack_w4(gq.q, gq.scale, gq.min))
-            self.register_buffer("scales_zeros", None)
-        elif self.avx2:  # cpu_kernels_avx2.pack_q4's layout: tiles of 8 rows, fp16 scale/min
-            self.register_buffer("packed", cpu_kernels_avx2.pack_q4(gq.q, gq.scale, gq.min))
+        if self.kernel == "q4":  # ops.pack_q4's layout: tiles of 8 rows, fp16 scale/min
+            self.register_buffer("packed", ops.pack_q4(gq.q, gq.scale, gq.min))
             self.register_buffer("scales_zeros", None)
         elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -420,13 +390,9 @@ class Int4Linear(QuantizedLinear):
         m = x2.shape[0]
         if self._use_dense(m):
             y = self._dense_linear(x2)
-        elif self.kiln and (self.fixed or m >= KILN_INT4_A8_MIN_M):
-            y = cpu_kernels.w4a8_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
-        elif self.kiln:
-            y = cpu_kernels.w4_linear(x2.to(KERNEL_DTYPE), self.packed, self.out_features)
-        elif self.avx2:
+        elif self.kernel == "q4":
             xa = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
-            y = cpu_kernels_avx2.q4_linear(xa, self.packed, self.out_features)
+            y = ops.q4_linear(xa, self.packed, self.out_features)
         elif self.native and (self.fixed or m <= self.kernel_max_m or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_zeros)
@@ -440,7 +406,7 @@ class Int4Linear(QuantizedLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def keep_dense(self) -> None:
-        if not self.kiln and not self.avx2:  # kiln's kernels beat the copy at every size
+        if self.kernel != "q4":  # kiln's kernel beats the copy at every size
             super().keep_dense()
 
     def _dequant_t(self, dtype: torch.dtype) -> torch.Tensor:
@@ -459,10 +425,8 @@ class Int4Linear(QuantizedLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype` (reference path; also used by tests)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        if self.kiln:
-            return GroupQuant(*cpu_kernels.unpack_w4(self.packed), g).dequantize(dtype)
-        if self.avx2:
-            return GroupQuant(*cpu_kernels_avx2.unpack_q4(self.packed, n), g).dequantize(dtype)
+        if self.kernel == "q4":
+            return GroupQuant(*ops.unpack_q4(self.packed, n), g).dequantize(dtype)
         if self.native:
             if self.block_n is not None:
                 return self._dequant_t(torch.float32).t().to(dtype)

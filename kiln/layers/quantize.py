@@ -30,9 +30,9 @@ _RELEASE_EVERY = 64 << 20
 
 def fix_kernel_choice(model: nn.Module) -> int:
     """--batch-invariant: every quantized linear runs one path whatever a step's row count:
-    an int8 head on an AVX2 CPU kiln's q8_linear (its dense copy dropped), else its dense copy
-    where it keeps one, else its kernel (int4 on kiln's AVX512 kernels: the int8-activation
-    one, as the AVX2 kernel does at every size). Each of these computes a row
+    an int8 head kiln's q8_linear where kiln's kernels run (its dense copy dropped), else its
+    dense copy where it keeps one, else its kernel (int4: q4_linear, the same at every size).
+    Each of these computes a row
     alone, in an order that does not depend on the other rows (the size thresholds above
     switch between paths that round differently: a decode row's logits then depended on how
     many requests were decoding with it). Returns the number of layers fixed."""
@@ -221,9 +221,9 @@ def head_rows(head: nn.Module, n: int) -> nn.Module | None:
     if isinstance(head, KQuantLinear) and len(head.rows) == 1:
         per = {"blocks0": 8 if head.tiled[0] else 1}
     elif isinstance(head, Int8Linear) and head.dense is None:
-        per = {"weight": 16 if head.kiln else 1, "scales": 1}
-    elif isinstance(head, Int4Linear) and head.avx2 and head.dense is None:
-        per = {"packed": 8}  # cpu_kernels_avx2.pack_q4: tiles of 8 rows
+        per = {"weight": 1, "scales": 1}
+    elif isinstance(head, Int4Linear) and head.kernel == "q4" and head.dense is None:
+        per = {"packed": 8}  # ops.pack_q4: tiles of 8 rows
     elif isinstance(head, (Linear, TiedLMHead)):
         linear = isinstance(head, Linear)
         if linear and (head.packed or head.stash):

@@ -329,7 +329,7 @@ def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
     """One GGUF tensor as a fp32 tensor in torch layout ([out, in] for weights), or as a
     `GroupQuant` when `keep_4bit` and its blocks are Q4_0/Q4_1 (stacked experts [E, out, in]
     come as one GroupQuant of E * out rows), or, when its type is in `keep_blocks` (the types
-    kiln/layers/kquant_avx2.cpp reads, or those an embedding dequantizes per lookup), a 2-D
+    kiln/layers/kernels/kquant.cpp reads, or those an embedding dequantizes per lookup), a 2-D
     tensor as `GGUFBlocks`: its raw rows, a view of the memory map (no copy and no decoding at
     load; the pages are the file's, shared with the page cache)."""
     shape = t.torch_shape

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.engine import lora
-from kiln.layers import cpu_kernels, cpu_kernels_avx2
 from kiln.layers.attention import Attention, get_context
+from kiln.layers.kernels import ops
 from kiln.layers.linear import Linear, MergedLinear, TiedLMHead
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
@@ -44,14 +44,9 @@ PACKED = {
 
 # How the runner may call a decoder layer: (layer, cos, sin, x) -> x.
 LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# Decode steps of up to this many rows may run a layer as one kernel call (decode_kernel_rows).
-DECODE_KERNEL_MAX_ROWS = 64
-# The AVX2 layer kernel (--batch-invariant) computes each row as the eager layers do, at any
-# row count: it runs every step (decode rows, prefill chunks, verify rows).
+# The layer kernel (--batch-invariant) computes each row as the eager layers do, at any row
+# count: it runs every step (decode rows, prefill chunks, verify rows).
 DECODE_KERNEL_ANY_ROWS = 1 << 30
-
-
-_NO_SCALE = torch.empty(0)  # decode_layer's scale for a w4 weight
 
 
 # The MLP's gate activations (HF's hidden_act names).
@@ -96,9 +91,8 @@ class LlamaAttention(nn.Module):
         kv = self.attn.kv
         if (self.elementwise_kernel and not self.qk_norm and kv is not None
                 and self.rotary_dim == self.head_dim and self.head_dim % 16 == 0
-                and ((kv.kernel and qkv.dtype == torch.bfloat16)
-                     or (kv.invariant and qkv.dtype == torch.float32
-                         and kv.k.dtype in (torch.float32, torch.float16)))
+                and kv.invariant and qkv.dtype == torch.float32
+                and kv.k.dtype in (torch.float32, torch.float16)
                 and not torch.compiler.is_compiling()):
             return self.o_proj(self.attn(self.attn.rope_write(qkv, cos, sin), None, None))
         t = qkv.shape[0]
@@ -140,9 +134,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if (self.elementwise_kernel and gu.dtype in (torch.bfloat16, torch.float32)
+        if (self.elementwise_kernel and gu.dtype == torch.float32
                 and gu.shape[1] % 32 == 0 and not torch.compiler.is_compiling()):
-            return self.down_proj(cpu_kernels.silu_mul(gu))
+            return self.down_proj(ops.silu_mul(gu))
         i = self.intermediate_size
         return self.down_proj(self.act(gu[:, :i]) * gu[:, i:])
 
@@ -156,10 +150,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg)  # a MoE block in MoE families
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
-        # (weights, w8 scales) for forward_decode_kernel, gathered on its first call.
-        self._kernel_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        # cpu_kernels_avx2.decode_layer's arguments (see _avx2_layer_args; () when it cannot run)
-        self._avx2_args: tuple | None = None
+        # ops.decode_layer's arguments (see _layer_args; () when it cannot run)
+        self._layer_args_cache: tuple | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = self.residual_multiplier
@@ -170,12 +162,11 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode_kernel_rows(self) -> int:
-        """Up to how many rows a decode step may run this layer as one call of kiln's CPU
-        kernel (`forward_decode_kernel`); 0 where it cannot: q/k norms, biases, a linear not
-        in kiln's int4/int8 layouts, a pool the attention kernels do not read. AVX512 (bf16):
-        above a linear's dense-copy threshold its dense GEMM is faster, so the kernel stops
-        there. AVX2 (fp32, --batch-invariant: the pool read by attend_rows): any row count,
-        where `_avx2_layer_args` finds the eager step's own kernels."""
+        """Up to how many rows a step may run this layer as one call of kiln's layer kernel
+        (`forward_decode_kernel`); 0 where it cannot: q/k norms, a linear not on kiln's q4 or
+        GGUF-block tiles, a pool attend_rows does not read (the kernel runs under
+        --batch-invariant, fp32). Any row count where `_layer_args` finds the eager step's
+        own kernels."""
         attn, mlp = self.self_attn, self.mlp
         kv = attn.attn.kv
         if attn.qk_norm or kv is None or not isinstance(mlp, LlamaMLP):
@@ -184,58 +175,36 @@ class LlamaDecoderLayer(nn.Module):
         if (attn.rotary_dim != attn.head_dim or mlp.act is not F.silu
                 or self.residual_multiplier != 1.0):
             return 0
-        if kv.invariant:
-            return DECODE_KERNEL_ANY_ROWS if self._avx2_layer_args() is not None else 0
-        if not kv.kernel or self.input_layernorm.weight.dtype != torch.bfloat16:
-            return 0
-        rows = DECODE_KERNEL_MAX_ROWS
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not getattr(lin, "kiln", False) or lin.bias is not None:
-                return 0
-            if lin.dense is not None:
-                rows = min(rows, lin.dense_min_m - 1)
-        return rows
+        if kv.invariant and self._layer_args() is not None:
+            return DECODE_KERNEL_ANY_ROWS
+        return 0
 
     def forward_decode_kernel(self, cos: torch.Tensor, sin: torch.Tensor,
                               x: torch.Tensor) -> torch.Tensor:
-        """`forward` for a decode step (one token per row), as one kernel call: the same math,
-        without the ~15 separate ops and their dispatch (see decode_layer in cpu_kernels.cpp,
-        and in cpu_kernels_avx2.cpp for the batch-invariant fp32 one)."""
+        """`forward` for a whole step as one kernel call (ops.decode_layer): the same kernels
+        in the same order, without the ~15 separate ops and their dispatch; each row its own
+        context (batch-invariant)."""
         meta = get_context()
         attn = self.self_attn
         kv = attn.attn.kv
-        assert kv is not None
-        if kv.invariant:  # the AVX2 layer kernel: any step, each row its own context
-            args = self._avx2_layer_args()
-            assert args is not None and meta.step_rows is not None
-            adapters = lora.kernel_args([attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj,
-                                         self.mlp.down_proj])
-            return cpu_kernels_avx2.decode_layer(
-                x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
-                *meta.step_rows, attn.num_heads, attn.attn.scale,
-                *(adapters if adapters is not None else ()))
-        assert meta.decode_gather is not None and meta.decode_mask is not None
-        if self._kernel_weights is None:
-            # Int4Linear holds `packed`; Int8Linear its w8 `weight` and row `scales`.
-            pairs = [(lin.packed, _NO_SCALE) if hasattr(lin, "packed") else (lin.weight, lin.scales)
-                     for lin in (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj,
-                                 self.mlp.down_proj)]
-            self._kernel_weights = ([w for w, _ in pairs], [s for _, s in pairs])
-        weights, scales = self._kernel_weights
-        return cpu_kernels.decode_layer(
+        assert kv is not None and kv.invariant
+        args = self._layer_args()
+        assert args is not None and meta.step_rows is not None
+        adapters = lora.kernel_args([attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj,
+                                     self.mlp.down_proj])
+        return ops.decode_layer(
             x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-            self.input_layernorm.eps, weights, scales, kv.k, kv.v, meta.slot_mapping,
-            meta.decode_gather, meta.decode_mask.view(x.shape[0], -1), meta.decode_shared,
-            attn.num_heads, attn.attn.scale)
+            self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
+            *meta.step_rows, attn.num_heads, attn.attn.scale,
+            *(adapters if adapters is not None else ()))
 
-    def _avx2_layer_args(self) -> tuple | None:
-        """cpu_kernels_avx2.decode_layer's (weights, kinds, rows, counts, biases) for this layer, or None
-        where its eager fp32 forward does not run exactly the kernels cpu_kernels_avx2.decode_layer chains
+    def _layer_args(self) -> tuple | None:
+        """ops.decode_layer's (weights, kinds, rows, counts, biases) for this layer, or None
+        where its eager fp32 forward does not run exactly the kernels ops.decode_layer chains
         (rms_norm, a q4 / GGUF-block linear + bias, rope_write, attend_rows, silu_mul): the two
         must compute a decode row the same way, bit for bit (--batch-invariant)."""
-        if self._avx2_args is not None:
-            return self._avx2_args or None
+        if self._layer_args_cache is not None:
+            return self._layer_args_cache or None
         from kiln.layers.kquant import KQuantLinear
         from kiln.layers.quant import Int4Linear
 
@@ -250,20 +219,20 @@ class LlamaDecoderLayer(nn.Module):
               and attn.attn.kv.k.dtype in (torch.float32, torch.float16))
         parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if isinstance(lin, Int4Linear) and lin.avx2 and lin.dense is None:
-                parts.append(([lin.packed], [cpu_kernels_avx2.Q4_KIND], [lin.out_features]))
-            elif isinstance(lin, KQuantLinear) and lin.kernel:
+            if isinstance(lin, Int4Linear) and lin.kernel == "q4" and lin.dense is None:
+                parts.append(([lin.packed], [ops.Q4_KIND], [lin.out_features]))
+            elif isinstance(lin, KQuantLinear) and lin.kernel == "gguf":
                 parts.append((lin._parts(), list(lin.types), list(lin.rows)))
             else:
                 ok = False
         if not ok:
-            self._avx2_args = ()
+            self._layer_args_cache = ()
             return None
-        self._avx2_args = ([w for p in parts for w in p[0]], [k for p in parts for k in p[1]],
+        self._layer_args_cache = ([w for p in parts for w in p[0]], [k for p in parts for k in p[1]],
                            [r for p in parts for r in p[2]], [len(p[0]) for p in parts],
                            [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                  mlp.down_proj)])
-        return self._avx2_args
+        return self._layer_args_cache
 
 
 class LlamaModel(nn.Module):
@@ -317,8 +286,7 @@ class LlamaModel(nn.Module):
         if layer_call is kernel_layer_call and (stack := self._layer_stack()) is not None:
             meta = get_context()
             assert meta.step_rows is not None
-            x = cpu_kernels_avx2.decode_stack(x, *tables[0], stack, meta.slot_mapping,
-                                              *meta.step_rows)
+            x = ops.decode_stack(x, *tables[0], stack, meta.slot_mapping, *meta.step_rows)
             return self.norm(x)
         for layer, rope in zip(self.layers, self._layer_rope):
             cos, sin = tables[rope]
@@ -326,8 +294,8 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def _layer_stack(self) -> object | None:
-        """The AVX2 layer kernel's arguments of every layer, gathered once into one
-        cpu_kernels_avx2.LayerStack, so that a kernel step runs all its layers in one call
+        """The layer kernel's arguments of every layer, gathered once into one
+        LayerStack (kernels.cpp), so that a kernel step runs all its layers in one call
         (decode_stack: the very decode_layer calls forward_decode_kernel makes, without a
         Python round trip and 21 converted arguments per layer). None: layer by layer, where
         a step has LoRA rows (their adapters are per step), a layer is not a plain Llama layer
@@ -339,7 +307,7 @@ class LlamaModel(nn.Module):
             ok = len(self._rotary) == 1 and all(
                 type(layer).forward_decode_kernel is LlamaDecoderLayer.forward_decode_kernel
                 and layer.self_attn.attn.kv is not None and layer.self_attn.attn.kv.invariant
-                and layer._avx2_layer_args() is not None for layer in self.layers)
+                and layer._layer_args() is not None for layer in self.layers)
             # (kept: reaching them through nn.Module's __getattr__ every step cost ~0.1 ms of
             # an 8 ms SmolLM2 step)
             self._stack_attns = [layer.self_attn.attn for layer in self.layers] if ok else []
@@ -347,10 +315,10 @@ class LlamaModel(nn.Module):
             return None
         kvs = [a.kv for a in self._stack_attns]
         if self._stack is None or any(a is not b for a, b in zip(kvs, self._stack[0])):
-            stack = cpu_kernels_avx2.layer_stack()
+            stack = ops.layer_stack()
             no_bias = torch.empty(0)
             for layer, kv in zip(self.layers, kvs):
-                weights, kinds, rows, counts, biases = layer._avx2_layer_args()
+                weights, kinds, rows, counts, biases = layer._layer_args()
                 attn = layer.self_attn
                 stack.add(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           layer.input_layernorm.eps, weights, kinds, rows, counts,

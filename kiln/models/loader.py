@@ -379,9 +379,9 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
 
         pack_linears(model)  # bf16 layers left dense: ~2x faster GEMMs at 4-16 rows
         if cpu_kernels:
-            from kiln.layers import cpu_kernels as kernels
+            from kiln.layers.kernels import ops
 
-            kernels.use_elementwise_kernels(model, dtype)
+            ops.use_elementwise_kernels(model, dtype)
     model.eval()
     return model
 

@@ -111,7 +111,9 @@ class HardwareInfo:
     @property
     def cpu_native_bf16(self) -> bool:
         """bf16 matmuls run in hardware (AVX512-BF16, AMX, or ARMv8.6 BF16), not by conversion."""
-        return any(self.has_flag(f) for f in ("avx512_bf16", "amx_bf16", "bf16"))
+        from kiln.layers.kernels.isa import flags_native_bf16
+
+        return flags_native_bf16(self.cpu_flags)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -496,7 +498,9 @@ def _cpu_bf16_reasonable(hw: HardwareInfo | None) -> bool:
     # slower than plain fp32; with AVX512F oneDNN has fast bf16 paths, with AVX512-BF16/AMX native.
     if hw is None:
         return True
-    return hw.cpu_native_bf16 or hw.has_flag("avx512f")
+    from kiln.layers.kernels.isa import flags_fast_bf16
+
+    return flags_fast_bf16(hw.cpu_flags)
 
 
 def supported_dtypes(device: str, hw: HardwareInfo | None = None) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import config as C
+from kiln.layers.kernels.isa import AMX_FLAGS, flags_amx
 from kiln.messages import msg
 
 
@@ -39,10 +40,6 @@ def record_placement(sp: Any, placement: Any, source: str) -> None:
     sp.extra["moe_placement"] = placement.to_dict()
     sp.extra.setdefault("decisions", {})["moe_placement"] = {
         "chosen": placement.summary(), "reason": f"N: {placement.rule}; which: {placement.hot}"}
-
-
-# /proc/cpuinfo flags of Intel AMX: kt-kernel's AMXINT4/AMXINT8 methods run on these tiles.
-AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 
 
 def model_is_moe(entry: Any, mc: Any) -> bool:
@@ -91,11 +88,11 @@ def check_kt(s: C.ResolvedSettings, sp: Any, hw: Any) -> None:
                    "kt-cli's default: no converted weights given, so kt-kernel reads the "
                    "experts from the model folder")
     method = str(s.get("kt_method") or "").upper()
-    if method.startswith("AMX") and not any(hw.has_flag(f) for f in AMX_FLAGS):
+    if method.startswith("AMX") and not flags_amx(hw.cpu_flags):
         how = (msg("startup.kt_default_method") if s.source("kt_method") == "auto"
                else s.source("kt_method"))
         raise C.ConfigError(
-            msg("startup.kt_no_amx", method=method, how=how, flags="/".join(AMX_FLAGS)),
+            msg("startup.kt_no_amx", method=method, how=how, flags="/".join(sorted(AMX_FLAGS))),
             hint=msg("startup.kt_no_amx.hint"))
 
 

@@ -69,6 +69,9 @@ METRICS: dict[str, tuple[str, str, str]] = {
                            "Seconds of grammar work: masks filled and applied, matchers advanced."),
     "structured_compiles": ("kiln:structured_output_compiles_total", "counter",
                             "Grammars compiled (structured-output cache misses)."),
+    "cpu_threads_active": ("kiln:cpu_threads_active", "gauge",
+                           ("CPU compute threads the engine runs now (below --threads while "
+                            "other processes hold some of its CPUs; --adaptive-threads).")),
     "spec_num_speculative_tokens": ("kiln:spec_decode_num_speculative_tokens", "gauge",
                                     ("Draft tokens proposed per step now (K; moves with "
                                     "--num-speculative-tokens auto).")),

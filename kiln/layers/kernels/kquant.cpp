@@ -60,20 +60,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KILN_KQ_AVX2 1
-#include <immintrin.h>
-#else
-#define KILN_KQ_AVX2 0
-#endif
+#include "simd.h"
 
+namespace KILN_NS {
 namespace {
 
 // ggml type ids (GGUF's tensor-table values)
 constexpr int64_t kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int kMaxRows = 4;  // activation rows per register block
 
-bool supported() { return KILN_KQ_AVX2 == 1; }
 
 int64_t block_elems(int64_t type) {
   return (type == kQ4_K || type == kQ5_K || type == kQ6_K) ? 256 : 32;
@@ -214,7 +209,6 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
   }
 }
 
-#if KILN_KQ_AVX2
 
 // One quantized activation row: codes q [K], per group of 32 its span's scale d [K/32] (the
 // same for the 8 groups of a 256-value span) and s [K/32] (d * sum(q)).
@@ -230,19 +224,6 @@ inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 inline __m256i load32(const void* p) {
@@ -272,48 +253,6 @@ inline __m256i bits_to_bytes(uint32_t bits) {
 inline __m256i nibbles32(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-}
-
-// x [K] -> int8 codes q [K] with one d = amax / 127 per span of `span` values (32 or 256, see
-// the file's header); per group g of 32: d[g] (its span's d), s[g] = d * sum(xq), is[g] =
-// sum(xq), h[g] = the sums of codes 0..15 and 16..31 as two int16s.
-template <typename T>
-void quantize_row(const T* x, int64_t K, int64_t span, int8_t* q, float* d, float* s,
-                  int32_t* is, int32_t* h) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t g0 = 0; g0 < K / 32; g0 += span / 32) {
-    __m256 mx = _mm256_setzero_ps();
-    for (int64_t i = 32 * g0; i < 32 * g0 + span; i += 8)
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(x + i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const float dg = amax / 127.0f;
-    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    auto cvt = [&](__m256 v) {
-      return _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    };
-    for (int64_t g = g0; g < g0 + span / 32; ++g) {
-      const T* p = x + g * 32;
-      const __m256i i0 = cvt(load8(p)), i1 = cvt(load8(p + 8)), i2 = cvt(load8(p + 16)),
-                    i3 = cvt(load8(p + 24));
-      const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-      const __m256i a = _mm256_packs_epi32(i0, i1);
-      const __m256i b = _mm256_packs_epi32(i2, i3);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32),
-                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm));
-      d[g] = dg;
-      s[g] = dg * hsum(_mm256_cvtepi32_ps(isum));  // exact: |sum| <= 32 * 127
-      const int h0 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1))));
-      const int h1 = static_cast<int>(hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i2, i3))));
-      is[g] = h0 + h1;
-      h[g] = static_cast<int32_t>((static_cast<uint32_t>(h0) & 0xFFFF) |
-                                  (static_cast<uint32_t>(h1) << 16));
-    }
-  }
 }
 
 // ---- per type: one weight row (nb blocks) against MB activation rows -> out[m] (+=)
@@ -487,20 +426,6 @@ inline __m256 u8x8(const uint8_t* p) {  // 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Software prefetch 1 KB ahead of the weight stream, as the int4 tiles do (why: prefetch_ahead
-// in cpu_kernels_avx2.cpp; the two libraries are built apart, so each has it). Measured
-// interleaved at one row, 2 threads, every linear of a step back to back (ms), 1 KB vs 2 KB:
-// Qwen2.5-Coder-0.5B Q4_K_M layers 10.16 vs 11.32, its Q8_0 head 4.85 vs 5.76; 1.5B layers
-// 30.4 vs 32.7, Q6_K head 6.17 vs 7.43 (512 B, 3 KB and 4 KB in between; 16 rows: alike).
-#ifndef KILN_PF
-#define KILN_PF 1024
-#endif
-// Asks for the cache lines of [p + KILN_PF, p + KILN_PF + bytes) ahead of use.
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + KILN_PF + o), _MM_HINT_T0);
-}
-
 // The activation rows a tile kernel reads: row m's codes at q + m * K, its per-group scalars
 // at d / s / is / h + m * G (the rows of one kq_linear call are consecutive).
 struct XTiles {
@@ -563,6 +488,42 @@ inline __m256i pair_k(__m256i lo, __m256i hi, const int8_t* xq, int k) {
                           _mm256_maddubs_epi16(hi, x4(xq + 8 * k + 4)));
 }
 
+// A group's code sums, one row per 32-bit lane, accumulated over vectors k: with VNNI int32
+// sums of the products straight from vpdpbusd; without, pair_k's int16 pairs (row r's in
+// lanes 2r, 2r + 1), which `sum32` / `scaled32` then widen. Either way the same integers: the
+// int16 pairs never saturate (see each caller's bound).
+inline void acc_k(__m256i& S, __m256i lo, __m256i hi, const int8_t* xq, int k, bool first) {
+#if KILN_VNNI
+  const __m256i a = first ? _mm256_setzero_si256() : S;
+  S = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a, lo, x4(xq + 8 * k)), hi, x4(xq + 8 * k + 4));
+#else
+  const __m256i t = pair_k(lo, hi, xq, k);
+  S = first ? t : _mm256_add_epi16(S, t);
+#endif
+  pin(S);
+}
+
+// acc_k's sums as int32, one row per lane
+inline __m256i sum32(__m256i S) {
+#if KILN_VNNI
+  return S;
+#else
+  return _mm256_madd_epi16(S, _mm256_set1_epi16(1));
+#endif
+}
+
+// acc_k's sums times the rows' scales: sc32 (int32, row r's in lane r; VNNI) or scv16 (the
+// same scale in both int16 halves of lane r: one vpmaddwd)
+inline __m256i scaled32(__m256i S, __m256i sc32, __m256i scv16) {
+#if KILN_VNNI
+  (void)scv16;
+  return _mm256_mullo_epi32(S, sc32);
+#else
+  (void)sc32;
+  return _mm256_madd_epi16(S, scv16);
+#endif
+}
+
 // Each tile_* computes one tile (8 rows, nb blocks at w) against MB activation rows:
 // out[m] = the 8 rows' fp32 results for activation row m (one row per lane: no horizontal
 // sums). The weight vectors are expanded once per group and used by the MB rows in turn
@@ -582,9 +543,14 @@ void tile_q8_0(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
       const __m256i v = load32(w + 32 * k), a = _mm256_sign_epi8(v, v);
       for (int m = 0; m < MB; ++m) {
         // int16 pairs reach 2 x 128 x 127: widened to int32 before anything is added
-        const __m256i t = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(a, _mm256_sign_epi8(x4(x.q + m * x.K + 32 * b + 4 * k), v)), ones);
+        const __m256i xs = _mm256_sign_epi8(x4(x.q + m * x.K + 32 * b + 4 * k), v);
+#if KILN_VNNI
+        S[m] = _mm256_dpbusd_epi32(k ? S[m] : _mm256_setzero_si256(), a, xs);
+        (void)ones;
+#else
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones);
         S[m] = k ? _mm256_add_epi32(S[m], t) : t;
+#endif
         pin(S[m]);
       }
     }
@@ -604,12 +570,7 @@ inline void q5_sums(const uint8_t* w, const int8_t* xq, int64_t K, __m256i* S, _
     __m256i lo, hi;
     nib_k(w, k, lo, hi);
     bit4_k(w + 128, k, lo, hi);
-    for (int m = 0; m < MB; ++m) {
-      const __m256i t = pair_k(lo, hi, xq + m * K, k);
-      __m256i& s = k < 2 ? S[m] : S2[m];
-      s = (k & 1) ? _mm256_add_epi16(s, t) : t;
-      pin(s);
-    }
+    for (int m = 0; m < MB; ++m) acc_k(k < 2 ? S[m] : S2[m], lo, hi, xq + m * K, k, !(k & 1));
   }
 }
 
@@ -617,7 +578,6 @@ inline void q5_sums(const uint8_t* w, const int8_t* xq, int64_t K, __m256i* S, _
 template <int MB, bool kMin>
 void tile_q5(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
   constexpr int64_t kBytes = kMin ? 192 : 176;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBytes) {
@@ -626,7 +586,7 @@ void tile_q5(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
     q5_sums<MB>(w, x.q + 32 * b, x.K, S, S2);
     const __m256 d = f16x8(w + 160);
     for (int m = 0; m < MB; ++m) {
-      __m256i t = _mm256_add_epi32(_mm256_madd_epi16(S[m], ones), _mm256_madd_epi16(S2[m], ones));
+      __m256i t = _mm256_add_epi32(sum32(S[m]), sum32(S2[m]));
       // Q5_0's codes are q - 16: minus 16 x the group's sum of activation codes
       if (!kMin) t = _mm256_sub_epi32(t, _mm256_set1_epi32(16 * x.is[m * x.G + b]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
@@ -657,19 +617,15 @@ void tile_qk(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
         for (int k = 0; k < 4; ++k) {  // int16: at most 4 x 4 products of 15 x 127 (30480)
           __m256i lo, hi;
           nib_k(sw, k, lo, hi);
-          for (int m = 0; m < MB; ++m) {
-            const __m256i t = pair_k(lo, hi, x.q + m * x.K + 32 * g, k);
-            S[m] = k ? _mm256_add_epi16(S[m], t) : t;
-            pin(S[m]);
-          }
+          for (int m = 0; m < MB; ++m) acc_k(S[m], lo, hi, x.q + m * x.K + 32 * g, k, k == 0);
         }
       }
       // the 8 rows' 6-bit scales sc[j] as int16 pairs (sc, sc), one row per 32-bit lane
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kSc + 8 * j)));
       const __m256i scv = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
       for (int m = 0; m < MB; ++m) {
-        __m256i t = _mm256_madd_epi16(S[m], scv);
-        if (kQ5) t = _mm256_add_epi32(t, _mm256_madd_epi16(S2[m], scv));
+        __m256i t = scaled32(S[m], v, scv);
+        if (kQ5) t = _mm256_add_epi32(t, scaled32(S2[m], v, scv));
         I[m] = j ? _mm256_add_epi32(I[m], t) : t;
         pin(I[m]);
       }
@@ -719,6 +675,25 @@ void tile_q6_k(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
       // T: int16 (sc[2g], sc[2g + 1]) of row r in 32-bit lane r
       const __m256i T = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gw + 192)));
       __m256i S[MB];
+#if KILN_VNNI
+      // values 0..15 (k = 0, 1) and 16..31 (k = 2, 3) summed apart in int32, then times
+      // sc[2g] and sc[2g + 1] (T's low and high int16, sign-extended)
+      __m256i S2[MB];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        __m256i lo, hi;
+        nib_k(gw, k, lo, hi);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(load32(gw + 128), 4 - 2 * k), m30));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(load32(gw + 160), 4 - 2 * k), m30));
+        for (int m = 0; m < MB; ++m)
+          acc_k(k < 2 ? S[m] : S2[m], lo, hi, x.q + m * x.K + 32 * g, k, !(k & 1));
+      }
+      const __m256i sca = _mm256_srai_epi32(_mm256_slli_epi32(T, 16), 16);
+      const __m256i scb = _mm256_srai_epi32(T, 16);
+      for (int m = 0; m < MB; ++m)
+        S[m] = _mm256_add_epi32(_mm256_mullo_epi32(S[m], sca), _mm256_mullo_epi32(S2[m], scb));
+      (void)ctl_b;
+#else
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) {
         __m256i lo, hi;
@@ -732,6 +707,7 @@ void tile_q6_k(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
           pin(S[m]);
         }
       }
+#endif
       for (int m = 0; m < MB; ++m) {
         // codes are q - 32: minus 32 x (sc[2g] x sum of codes 0..15 + sc[2g + 1] x 16..31)
         const __m256i off = _mm256_madd_epi16(T, _mm256_set1_epi32(x.h[m * x.G + g]));
@@ -773,13 +749,12 @@ struct Part {
   TileFn tfn[kMaxRows + 1];
 };
 
-#endif  // KILN_KQ_AVX2
 
 // y [M, N] = x [M, K] @ W^T, W = the parts' rows stacked (N = the sum of `rows`), in x's
 // dtype. A part is raw rows (uint8 [rows, row_bytes]) or kq_pack's tiles (uint8
 // [ceil(rows / 8), K / block, tile block bytes]).
-at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
-                     at::IntArrayRef rows) {
+at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                          at::IntArrayRef rows) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "kq_linear: x must be [M, K] float32 or bfloat16");
   TORCH_CHECK(weights.size() == types.size() && weights.size() == rows.size() && !weights.empty(),
@@ -804,7 +779,6 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
     N += rows[i];
   }
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-#if KILN_KQ_AVX2
   if (M == 0 || N == 0) return y.to(x.scalar_type());
   std::vector<Part> parts;
   // the activation rounded per span of the parts' block size (32, or 256 for the K-quants; a
@@ -867,9 +841,9 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
       float *d = xd.data() + fr * G, *s = xs.data() + fr * G;
       int32_t *is = xi.data() + fr * G, *h = xh.data() + fr * G;
       if (x.scalar_type() == at::kFloat)
-        quantize_row(xc.data_ptr<float>() + r * K, K, span, q, d, s, is, h);
+        quantize_row(xc.data_ptr<float>() + r * K, K, span, q, d, nullptr, s, is, h);
       else
-        quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, span, q, d, s, is, h);
+        quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, span, q, d, nullptr, s, is, h);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < NT * chunks; ++item) {
@@ -911,9 +885,6 @@ at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
       }
     }
   }
-#else
-  TORCH_CHECK(false, "kq_linear: built without AVX2/FMA/F16C");
-#endif
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -961,15 +932,20 @@ bool has_tiles(int64_t type) { return tiled_type(type); }
 
 }  // namespace
 
-TORCH_LIBRARY(kiln_kquant, m) {
-  m.def("supported() -> bool");
+at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                     at::IntArrayRef rows) {
+  return kq_linear_impl(x, weights, types, rows);
+}
+
+KILN_LIBRARY_FRAGMENT(m) {
   m.def("kq_linear(Tensor x, Tensor[] weights, int[] types, int[] rows) -> Tensor");
   m.def("kq_pack(Tensor raw, int type) -> Tensor");
   m.def("kq_unpack(Tensor packed, int type, int rows) -> Tensor");
   m.def("has_tiles(int type) -> bool");
-  m.impl("supported", &supported);
   m.impl("has_tiles", &has_tiles);
   m.impl("kq_linear", c10::DispatchKey::CPU, &kq_linear);
   m.impl("kq_pack", c10::DispatchKey::CPU, &kq_pack);
   m.impl("kq_unpack", c10::DispatchKey::CPU, &kq_unpack);
 }
+
+}  // namespace KILN_NS

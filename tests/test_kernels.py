@@ -1,7 +1,7 @@
-"""kiln's AVX2 kernels (kiln/layers/cpu_kernels_avx2.cpp) against PyTorch: the 4-bit packing,
-q4_linear (int8 activations x 4-bit weights), moe_q4 (a whole MoE layer's routed experts in one
-call), attend_rows (batch-invariant attention), and the modules that use them. Skipped where the
-kernels cannot run."""
+"""kiln's CPU kernels (kiln/layers/kernels/kernels.cpp) against PyTorch, at every ISA level this
+CPU runs (the `kernel_level` fixture): the 4-bit packing, q4_linear (int8 activations x 4-bit
+weights), moe_q4 (a whole MoE layer's routed experts in one call), attend_rows (batch-invariant
+attention), the row kernels, the one-call layer, and the modules that use them."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.layers import cpu_kernels as cke
-from kiln.layers import cpu_kernels_avx2 as ck
+from kiln.layers.kernels import ops as ck
 from kiln.layers.moe import Experts, softmax_topk
 from kiln.layers.quant import GroupQuant, Int4Linear, quantize_int4_groups
 
-pytestmark = pytest.mark.skipif(not ck.avx2_available(), reason="no AVX2 kernels here")
+pytestmark = pytest.mark.usefixtures("kernel_level")
 
 
 def _groups(n: int, k: int, seed: int, q4_0: bool = False) -> GroupQuant:
@@ -60,21 +59,22 @@ def test_q4_linear_matches_reference(m, n, dtype):
     assert err < 2e-2, err
 
 
-def test_int4_linear_runs_the_avx2_kernel():
-    """Int4Linear on a machine with only the AVX2 kernels picks them, keeps dequantize() exact,
-    and agrees with the dense product; use_kernels=False keeps PyTorch's path."""
+def test_int4_linear_runs_the_q4_kernel(kernel_level):
+    """Int4Linear where kiln's kernels run picks q4_linear (the chooser says so, naming the
+    level), keeps dequantize() exact, and agrees with the dense product; use_kernels=False keeps
+    PyTorch's path, saying why."""
     w = torch.randn(48, 128) * 0.05
     gq = quantize_int4_groups(w)
     lin = Int4Linear(gq, None, torch.float32)
-    if lin.kiln:
-        pytest.skip("the AVX512 kernels run here")
-    assert lin.avx2 and "kiln-avx2" in lin.extra_repr()
+    assert lin.kernel == "q4" and "q4" in lin.extra_repr()
+    assert f"at {kernel_level}" in lin.kernel_choice.why
     # scale and min are kept in fp16 (relative rounding 2^-11 of values up to ~0.1)
     torch.testing.assert_close(lin.dequantize(torch.float32), gq.dequantize(), rtol=0, atol=5e-4)
     x = torch.randn(5, 128)
     ref = x @ gq.dequantize().t()
     assert (lin(x) - ref).norm() / ref.norm() < 2e-2
-    assert not Int4Linear(gq, None, torch.float32, use_kernels=False).avx2
+    off = Int4Linear(gq, None, torch.float32, use_kernels=False)
+    assert off.kernel != "q4" and "--no-cpu-kernels" in off.kernel_choice.why
 
 
 def _moe_weights(e: int, h: int, i: int, seed: int) -> tuple[list[GroupQuant], list[GroupQuant]]:
@@ -296,28 +296,24 @@ def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
     x = torch.randn(37, 96, generator=g)
     w = torch.randn(96, generator=g)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    got = cke.rms_norm(x, w, 1e-5)
+    got = ck.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(cke.rms_norm(x[5:6], w, 1e-5), got[5:6])
+    assert torch.equal(ck.rms_norm(x[5:6], w, 1e-5), got[5:6])
 
     gu = torch.randn(37, 2 * 48, generator=g) * 4
-    got = cke.silu_mul(gu)
+    got = ck.silu_mul(gu)
     torch.testing.assert_close(got, F.silu(gu[:, :48]) * gu[:, 48:], rtol=1e-5, atol=1e-6)
-    assert torch.equal(cke.silu_mul(gu[7:8]), got[7:8])
+    assert torch.equal(ck.silu_mul(gu[7:8]), got[7:8])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 128), (6, 2, 96)])
-def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
-    """rope_write, fp32 (AVX2) and bf16 (AVX512-BF16, cpu_kernels.cpp): q and k rotated as
-    apply_rotary does (bf16: to one rounding, the kernel rounds once, PyTorch's bf16 ops after
-    each op), k and v stored at their slots, other slots left."""
+def test_rope_write_equals_rotary_and_the_pool_write(hq, hk, d):
+    """rope_write (fp32): q and k rotated as apply_rotary does, k and v stored at their slots,
+    other slots left."""
     from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 
-    if dtype == torch.bfloat16 and not cke.available():
-        pytest.skip("no AVX512-BF16 kernels here")
-    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6,
-                                                                          "atol": 1e-6}
+    dtype = torch.float32
+    tol = {"rtol": 1e-6, "atol": 1e-6}
     g = torch.Generator().manual_seed(8)
     t, pool = 21, 50
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
@@ -326,7 +322,7 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
     k = torch.randn(pool, hk, d, generator=g).to(dtype)
     v = torch.randn(pool, hk, d, generator=g).to(dtype)
     k0, v0 = k.clone(), v.clone()
-    q = cke.rope_write(qkv, cos, sin, k, v, slots, hq)
+    q = ck.rope_write(qkv, cos, sin, k, v, slots, hq)
     x = qkv.view(t, hq + 2 * hk, d)
     torch.testing.assert_close(q, apply_rotary(x[:, :hq], cos, sin), **tol)
     torch.testing.assert_close(k[slots], apply_rotary(x[:, hq:hq + hk], cos, sin), **tol)
@@ -335,7 +331,7 @@ def test_rope_write_equals_rotary_and_the_pool_write(dtype, hq, hk, d):
     rest[slots] = False
     assert torch.equal(k[rest], k0[rest]) and torch.equal(v[rest], v0[rest])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        cke.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
+        ck.rope_write(qkv, cos, sin, k, v, slots + pool, hq)
 
 
 def test_rope_write_into_an_fp16_pool_rounds_the_fp32_write():
@@ -350,8 +346,8 @@ def test_rope_write_into_an_fp16_pool_rounds_the_fp32_write():
     slots = torch.randperm(pool, generator=g)[:t]
     k32, v32 = torch.zeros(pool, hk, d), torch.zeros(pool, hk, d)
     k16, v16 = k32.half(), v32.half()
-    q32 = cke.rope_write(qkv, cos, sin, k32, v32, slots, hq)
-    q16 = cke.rope_write(qkv, cos, sin, k16, v16, slots, hq)
+    q32 = ck.rope_write(qkv, cos, sin, k32, v32, slots, hq)
+    q16 = ck.rope_write(qkv, cos, sin, k16, v16, slots, hq)
     assert torch.equal(q16, q32)
     assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
 
@@ -360,7 +356,7 @@ def test_rope_write_into_an_fp16_pool_rounds_the_fp32_write():
 @pytest.mark.parametrize("down_kind", ["Q8_0", "q4"])
 @pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "decode+chunk"])
 def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind, pool_dtype):
-    """cpu_kernels_avx2.decode_layer (one call per layer for a whole step) against the same kernels called
+    """ops.decode_layer (one call per layer for a whole step) against the same kernels called
     one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
     are the same bits (the batch-invariance argument for kernel steps vs eager steps). The down
     projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher) or, with
@@ -402,12 +398,12 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind,
     scale, eps = d ** -0.5, 1e-5
 
     k, v = k0.clone(), v0.clone()
-    hidden = cke.rms_norm(x, ln1, eps)
-    q = cke.rope_write(ck.q4_linear(hidden, w_qkv, qkv_n), cos, sin, k, v, slots, hq)
+    hidden = ck.rms_norm(x, ln1, eps)
+    q = ck.rope_write(ck.q4_linear(hidden, w_qkv, qkv_n), cos, sin, k, v, slots, hq)
     att = ck.attend_rows(q, k, v, gather, row_of, lens, scale)
     x1 = x + (ck.q4_linear(att.view(b, -1), w_o, h) + b_o)
-    gu = ck.q4_linear(cke.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
-    want = x1 + down_linear(cke.silu_mul(gu))
+    gu = ck.q4_linear(ck.rms_norm(x1, ln2, eps), w_gu, 2 * inter)
+    want = x1 + down_linear(ck.silu_mul(gu))
 
     k2, v2 = k0.clone(), v0.clone()
     got = ck.decode_layer(

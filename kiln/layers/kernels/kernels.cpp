@@ -46,13 +46,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KILN_HAVE_AVX2 1
-#include <immintrin.h>
-#else
-#define KILN_HAVE_AVX2 0
-#endif
+#include "simd.h"
 
+namespace KILN_NS {
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -60,71 +56,7 @@ constexpr int64_t kTile = 8;           // output rows per tile
 constexpr int64_t kBlockBytes = 160;  // one (tile, group) block
 constexpr int kMaxBlockRows = 4;      // activation rows per register block
 
-bool supported() { return KILN_HAVE_AVX2 == 1; }
 
-#if KILN_HAVE_AVX2
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-// fp16 (a KV pool's keys and values, llama.cpp's default storage), exactly (F16C)
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-// 8 floats into a KV pool: fp32 as they are, fp16 rounded to nearest even (F16C)
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::Half* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-// int8 weights (q8_linear's rows) converted exactly, as q8_linear's L1 buffer holds them
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// One row of K values -> int8 codes q [K], scale d [K/32], sum of the floats [K/32].
-template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sum) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    const T* p = x + g * kGroup;
-    const __m256 v0 = load8(p), v1 = load8(p + 8), v2 = load8(p + 16), v3 = load8(p + 24);
-    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0),
-                                                  _mm256_andnot_ps(sign, v1)),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2),
-                                                  _mm256_andnot_ps(sign, v3)));
-    const float amax = hmax(mx);
-    d[g] = amax / 127.0f;
-    sum[g] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    auto cvt = [&](__m256 v) {
-      return _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    };
-    // packs work per 128-bit lane: the permute puts the 32 codes back in order
-    const __m256i a = _mm256_packs_epi32(cvt(v0), cvt(v1));
-    const __m256i b = _mm256_packs_epi32(cvt(v2), cvt(v3));
-    const __m256i c = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), c);
-  }
-}
 
 // Quantized activation rows: codes [rows, K], scale and sum [rows, K/32].
 struct QRows {
@@ -138,32 +70,17 @@ struct QRows {
     d.resize(rows * G);
     sum.resize(rows * G);
   }
-  // row r from K values at x (quantize_row into its codes, scales and sums)
+  // row r from K values at x (simd.h's quantize_row, per group of 32: codes, scales and the
+  // floats' sums)
   template <typename T>
   void quantize(int64_t r, const T* x) {
-    quantize_row(x, K, q.data() + r * K, d.data() + r * G, sum.data() + r * G);
+    quantize_row(x, K, kGroup, q.data() + r * K, d.data() + r * G, sum.data() + r * G, nullptr,
+                 nullptr, nullptr);
   }
   const int8_t* qrow(int64_t r) const { return q.data() + r * K; }
   const float* drow(int64_t r) const { return d.data() + r * G; }
   const float* srow(int64_t r) const { return sum.data() + r * G; }
 };
-
-// Software prefetch, 1 KB ahead of the weight stream. A decode step reads each weight once, from
-// DRAM, while computing on it; left to the hardware prefetcher the kernels reached ~40% of the
-// measured read bandwidth (2-core Zen 2), which the explicit requests raise to ~60-70%: Qwen2.5
-// 1.5B Q4_K_M b=1 10.7 -> 18.4 tok/s, 0.5B 35 -> 45, SmolLM2 Q4_1 +10%. The distance, measured
-// interleaved in one process (SmolLM2's 120 int4 linears back to back at one row, 2 threads,
-// ms): 0 B 3.86, 512 3.46, 1 KB 3.29-3.31, 1.25 KB 3.28, 1.5 KB 3.61, 2 KB 3.60, 3 KB 3.50,
-// 4 KB 3.49; one thread 1 KB 4.68 vs 2 KB 5.44. (kquant_avx2.cpp: the same shape.) Past a
-// thread's last tile it touches the next thread's lines: harmless.
-#ifndef KILN_PF
-#define KILN_PF 1024
-#endif
-// Asks for the cache lines of [p + KILN_PF, p + KILN_PF + bytes) ahead of use.
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(static_cast<const char*>(p) + KILN_PF + o, _MM_HINT_T0);
-}
 
 // One tile (8 output rows, all G groups of its blocks at w) against MB activation rows
 // (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m.
@@ -201,6 +118,17 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
           reinterpret_cast<const __m128i*>(xp)));
       const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128(
           reinterpret_cast<const __m128i*>(xp + 16)));
+#if KILN_VNNI
+      // lane 0: row p, lane 1: row p+4; 4 int32 of 8 products each (vpdpbusd)
+      auto dot = [&](int p) {
+        return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[p], xl),
+                                   hi[p], xh);
+      };
+      const __m256i s01 = _mm256_hadd_epi32(dot(0), dot(1));
+      const __m256i s23 = _mm256_hadd_epi32(dot(2), dot(3));
+      const __m256i s = _mm256_hadd_epi32(s01, s23);  // rows 0..7
+      (void)ones;
+#else
       // lane 0: row p, lane 1: row p+4; 8 int16 of 4 products each
       auto dot = [&](int p) {
         return _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
@@ -208,6 +136,7 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
       const __m256i s01 = _mm256_hadd_epi16(dot(0), dot(1));
       const __m256i s23 = _mm256_hadd_epi16(dot(2), dot(3));
       const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(s01, s23), ones);  // rows 0..7
+#endif
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                _mm256_mul_ps(sc, _mm256_set1_ps(xd[m][g])), acc[m]);
       accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m][g]), accm[m]);
@@ -304,7 +233,6 @@ void quantize_rows_omp(const T* x, int64_t rows, int64_t K, QRows& xs) {
   for (int64_t r = 0; r < rows; ++r) xs.quantize(r, x + r * K);
 }
 
-#endif  // KILN_HAVE_AVX2
 
 int threads() { return std::max(1, at::get_num_threads()); }
 
@@ -328,7 +256,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
               "q4_linear: packed weight holds [", NT * kTile, ", ", packed.size(1) * kGroup,
               "], x has K = ", K, " and n = ", n);
   auto y = at::empty({M, n}, x.options().dtype(at::kFloat));
-#if KILN_HAVE_AVX2
   if (M == 0) return y.to(x.scalar_type());
   const auto xc = x.contiguous();
   const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -347,9 +274,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
     // (the implicit barrier of the `omp for` above: all rows are quantized past here)
     q4_tiles_omp(w, tile_bytes, NT, xs, rows.data(), M, n, yp, nullptr, nullptr);
   }
-#else
-  TORCH_CHECK(false, "q4_linear: built without AVX2/FMA/F16C");
-#endif
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -387,7 +311,6 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
               H, "] (I = ", I, ")");
   const int64_t k = ids.size(1), P = T * k;
   auto y = at::empty({T, H}, x.options().dtype(at::kFloat));
-#if KILN_HAVE_AVX2
   if (T == 0) return y.to(x.scalar_type());
   const auto xc = x.contiguous();
   const auto idc = ids.contiguous();
@@ -487,9 +410,6 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
       }
     }
   }
-#else
-  TORCH_CHECK(false, "moe_q4: built without AVX2/FMA/F16C");
-#endif
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -517,7 +437,6 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
 // read once into L1 (each row still stops at its own n), and the PV chains are cut into blocks
 // of kVBlock keys whose partial sums go through memory exactly. No padding enters a sum, there
 // is no split of a row's keys and no merge: no other row can move a row's bits.
-#if KILN_HAVE_AVX2
 // One fixed tree: (lanes 0-3 + 4-7), then pairs, then the last two.
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -793,7 +712,6 @@ void q8_linear_impl(const float* x, const int8_t* w, const S* scale, float* y, i
     }
   }
 }
-#endif
 
 // attend_rows' table, row_of and lens, contiguous int64 and checked: every row's length within
 // the table's width, every row_of a row of the table.
@@ -829,7 +747,6 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                   lens.numel() == Tn,
               "attend_rows: table [R, L] int64, row_of and lens [T] int64");
   auto out = at::empty({Tn, Hq, Dv}, q.options());
-#if KILN_HAVE_AVX2
   if (Tn == 0) return out;
   const auto qc = q.contiguous();
   const RowTable rt(table, row_of, lens);
@@ -847,9 +764,6 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
   else
     run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>());
-#else
-  TORCH_CHECK(false, "attend_rows: built without AVX2/FMA/F16C");
-#endif
   return out;
 }
 
@@ -863,7 +777,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               "q8_linear: scale must be contiguous fp32/bf16 [N]");
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
-#if KILN_HAVE_AVX2
   if (M == 0 || N == 0) return y;
   const auto xc = x.contiguous();
   if (scale.scalar_type() == at::kFloat)
@@ -872,9 +785,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   else
     q8_linear_impl(xc.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<at::BFloat16>(),
                    y.data_ptr<float>(), M, N, K);
-#else
-  TORCH_CHECK(false, "q8_linear: built without AVX2/FMA/F16C");
-#endif
   return y;
 }
 
@@ -900,7 +810,6 @@ namespace {
 
 constexpr int kRowsLoRA = 4;
 
-#if KILN_HAVE_AVX2
 template <int NR>
 void lora_rows(const float* x, int64_t ldx, float* out, int64_t ldo, const float* a,
                const float* bt, const int32_t* pieces, int64_t npieces, int64_t K, int64_t N,
@@ -946,7 +855,6 @@ void lora_rows(const float* x, int64_t ldx, float* out, int64_t ldo, const float
       }
   }
 }
-#endif
 
 // Below this many multiply-adds (~20 us on one core) a call runs on the calling thread: a
 // parallel region's start and barrier cost more than it saves. A c=16 decode step's linears
@@ -975,7 +883,6 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
                   local.scalar_type() == at::kInt && local.is_contiguous(),
               "lora_add: pieces int32 [L, P, 4], ranks int32 [L], seg int64 [S, 3], "
               "local int32 [slots]");
-#if KILN_HAVE_AVX2
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t L = a.size(0), R = a.size(1), P = pieces.size(1);
   const int64_t S = seg.numel() / 3, slots = local.numel();
@@ -1036,9 +943,6 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
     run(0, nu);
   else
     at::parallel_for(0, nu, 1, run);
-#else
-  TORCH_CHECK(false, "lora_add: built without AVX2/FMA/F16C");
-#endif
 }
 
 
@@ -1057,7 +961,6 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
 // start and barrier cost more than a decode step's few rows).
 constexpr int64_t kRowsParallel = 1 << 15;
 
-#if KILN_HAVE_AVX2
 // y = w * (x * 1/sqrt(mean(x^2) + eps)), kiln/layers/norm.py's fp32 math: the sum of squares
 // in 8 lanes by column mod 8 from 0, then hsum8's fixed tree.
 void rms_row(const float* x, const float* w, float eps, int64_t H, float* y) {
@@ -1115,7 +1018,6 @@ inline void silu_row(const float* g, const float* u, int64_t I, float* y) {
   for (int64_t c = 0; c < I; c += 8)
     _mm256_storeu_ps(y + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
 }
-#endif
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
@@ -1123,7 +1025,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
               "rms_norm: x fp32 [M, H] with H a multiple of 8, weight fp32 [H]");
   const auto xc = x.contiguous(), wc = w.contiguous();
   auto y = at::empty_like(xc);
-#if KILN_HAVE_AVX2
   const int64_t M = xc.size(0), H = xc.size(1);
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
@@ -1131,9 +1032,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float e = static_cast<float>(eps);
 #pragma omp parallel for num_threads(threads()) if (M * H >= kRowsParallel) schedule(static)
   for (int64_t r = 0; r < M; ++r) rms_row(xp + r * H, wp, e, H, yp + r * H);
-#else
-  TORCH_CHECK(false, "rms_norm: built without AVX2/FMA/F16C");
-#endif
   return y;
 }
 
@@ -1144,14 +1042,10 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) {
   const auto gc = gu.contiguous();
   const int64_t M = gc.size(0), I = gc.size(1) / 2;
   auto y = at::empty({M, I}, gc.options());
-#if KILN_HAVE_AVX2
   const float* gp = gc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for num_threads(threads()) if (M * I >= kRowsParallel) schedule(static)
   for (int64_t r = 0; r < M; ++r) silu_row(gp + r * 2 * I, gp + r * 2 * I + I, I, yp + r * I);
-#else
-  TORCH_CHECK(false, "silu_mul: built without AVX2/FMA/F16C");
-#endif
   return y;
 }
 
@@ -1182,7 +1076,6 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const auto xc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const auto sl = slots.contiguous();
   auto q = at::empty({T, Hq, D}, qkv.options());
-#if KILN_HAVE_AVX2
   const int64_t* sp = checked_slots(sl, S);
   const float* xp = xc.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
@@ -1199,14 +1092,11 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     run(k.data_ptr<float>(), v.data_ptr<float>());
   else
     run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
-#else
-  TORCH_CHECK(false, "rope_write: built without AVX2/FMA/F16C");
-#endif
   return q;
 }
 
 // A linear of the layer as its module runs it: kiln's q4 tiles (kind -1, one part) or GGUF
-// blocks through kiln_kquant::kq_linear (kinds = GGML type ids), then the bias added.
+// blocks through kq_linear (kquant.cpp) (kinds = GGML type ids), then the bias added.
 constexpr int64_t kKindQ4 = -1;
 
 at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
@@ -1215,12 +1105,9 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
   if (kinds.size() == 1 && kinds[0] == kKindQ4) {
     y = q4_linear(x, parts[0], rows[0]);
   } else {
-    // the GGUF-block kernels are another library (kquant_avx2.cpp): called through the
-    // dispatcher, the same function kiln/layers/kquant.py's module calls
-    static const auto op = c10::Dispatcher::singleton()
-        .findSchemaOrThrow("kiln_kquant::kq_linear", "")
-        .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef)>();
-    y = op.call(x, parts, kinds, rows);
+    // the GGUF-block kernels (kquant.cpp, the same library): the function kiln/layers/kquant.py's
+    // module calls
+    y = kq_linear(x, parts, kinds, rows);
   }
   return bias.has_value() ? y + *bias : y;
 }
@@ -1369,7 +1256,6 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   for (int i = 0; i < 4; ++i) off[i + 1] = off[i] + counts[i];
   TORCH_CHECK(off[4] == static_cast<int64_t>(weights.size()),
               "decode_layer: counts must add up to the weight parts");
-#if KILN_HAVE_AVX2
   bool fused = lora.empty() && weights.size() == 4 && x.scalar_type() == at::kFloat &&
                x.dim() == 2 && kernel_pool(k, v);
   for (int i = 0; i < 4 && fused; ++i) {
@@ -1383,7 +1269,6 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
     return layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
                     row_of, lens, num_heads, scale);
   }
-#endif
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = off[i], n = counts[i];
     auto y = layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
@@ -1451,8 +1336,8 @@ at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& cos, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(kiln_avx2, m) {
-  m.def("supported() -> bool");
+KILN_LIBRARY(m) {
+  m.def("isa() -> str");
   m.def("q4_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("moe_q4(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int threads=0) "
         "-> Tensor");
@@ -1475,9 +1360,9 @@ TORCH_LIBRARY(kiln_avx2, m) {
       .def("add", &LayerStack::add)
       .def("size", &LayerStack::size);
   m.def("decode_stack(Tensor x, Tensor cos, Tensor sin, "
-        "__torch__.torch.classes.kiln_avx2.LayerStack stack, Tensor slots, Tensor table, "
+        "__torch__.torch.classes." KILN_STR(KILN_NS) ".LayerStack stack, Tensor slots, Tensor table, "
         "Tensor row_of, Tensor lens) -> Tensor");
-  m.impl("supported", &supported);
+  m.impl("isa", [] { return std::string(compiled_isa()); });
   m.impl("decode_stack", c10::DispatchKey::CPU, &decode_stack);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul_rows);
@@ -1489,3 +1374,5 @@ TORCH_LIBRARY(kiln_avx2, m) {
   m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
 }
+
+}  // namespace KILN_NS

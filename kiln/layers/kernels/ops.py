@@ -1,47 +1,35 @@
-"""Python faces of kiln's AVX2 kernels (cpu_kernels_avx2.cpp), for x86 CPUs with AVX2 + FMA +
-F16C and no AVX512-BF16 (this project's AMD EPYC CI). The library is built and loaded by
-kiln/layers/cpu_kernels.py's builder (`avx2_available()` here asks it once).
+"""Python faces of kiln's CPU kernels (kernels.cpp; kquant.cpp's are in kiln/layers/kquant.py),
+at the level kiln.layers.kernels selected (`lib()`: torch.ops.kiln_<level>).
 
 `q4_linear`: int4 weights in pack_q4's tiles x activations quantized to int8 per group of 32
 (llama.cpp's Q4_0 x Q8_0 scheme); `moe_q4`: a whole MoE layer's routed experts in one call;
 `lora_add`: a linear's LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py);
 `attend_rows`: attention row by row in one fixed order (batch-invariant); `q8_linear`: the int8
-head; `decode_layer`: a whole Llama decoder layer of any step (decode rows, prefill chunks,
-speculative verify rows) in one call, chaining those kernels in the eager layer's order. The
-elementwise kernels (rms_norm, silu_mul, rope_write) are dispatched by dtype in cpu_kernels.py
-with the AVX512 library's. Why kiln's own: PyTorch's `_weight_int4pack_mm_for_cpu` is
-compute-bound there ([1,1024] x [768,1024]: ~140 us on one Zen 3 thread, vs ~38 us for
-q4_linear), and a MoE step made 2 module calls per active expert.
+head; `rms_norm`, `silu_mul`, `rope_write`: the fp32 row kernels; `decode_layer`: a whole Llama
+decoder layer of any step (decode rows, prefill chunks, speculative verify rows) in one call,
+chaining those kernels in the eager layer's order; `decode_stack`: all of a step's layers.
 """
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import torch
 
-from kiln.layers.cpu_kernels import AVX2_SOURCE, load_checked, register_elementwise_fakes
+from kiln.layers.kernels import available, lib
 
 Q4_TILE = 8  # output rows per tile of pack_q4's layout
 Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 fp16 mins
 
 
-@functools.cache
-def avx2_available() -> bool:
-    """cpu_kernels_avx2.cpp, built and self-checked once (no compiler, no AVX2/FMA/F16C, not x86
-    Linux: False)."""
-    return load_checked("kiln_cpu_avx2", AVX2_SOURCE, "kiln's AVX2 kernels", "AVX2/FMA/F16C",
-                         _register_avx2_fakes, _avx2_self_check)
-
-
 def q4_ok(device: torch.device, k: int) -> bool:
-    """Whether a 4-bit linear over k inputs can run on the AVX2 kernels here."""
-    return device.type == "cpu" and k % 32 == 0 and avx2_available()
+    """Whether a 4-bit linear over k inputs can run on q4_linear here."""
+    return device.type == "cpu" and k % 32 == 0 and available()
 
 
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q +
-    min) -> the AVX2 kernels' layout, uint8 [ceil(N/8), K/32, 160] (see cpu_kernels_avx2.cpp):
+    min) -> the kernels' layout, uint8 [ceil(N/8), K/32, 160] (see kernels.cpp):
     per tile of 8 rows and group, the codes of row pairs (p, p+4) in 32 bytes each (byte j of
     a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales, then their fp16 mins. Rows
     past N are zeros."""
@@ -84,7 +72,7 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] fp32 or bf16 @ W^T, W in pack_q4's layout -> [M, n] in x's dtype. x is
     quantized to int8 per group of 32 inside (llama.cpp's Q8_0): relative error vs the
     dequantized weight in fp32 ~0.5% on random data (q4_reference computes the same rounding)."""
-    return torch.ops.kiln_avx2.q4_linear(x, packed, n)
+    return lib().q4_linear(x, packed, n)
 
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
@@ -93,8 +81,8 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tens
     """out [M, N] += (x [M, K] @ A_l^T) @ B_l^T over the row ranges of `seg` (int64 [S, 3]:
     adapter slot, first row, end row; `local` int32 [slots] -> l, -1: skip), in place, fp32.
     a [L, R, K], bt [L, R, N] (B transposed), pieces int32 [L, P, 4] (ranks j0..j1 write
-    columns lo..hi only), ranks int32 [L]: see lora_add in cpu_kernels_avx2.cpp."""
-    torch.ops.kiln_avx2.lora_add(out, x, a, bt, pieces, ranks, seg, local)
+    columns lo..hi only), ranks int32 [L]: see lora_add in kernels.cpp."""
+    lib().lora_add(out, x, a, bt, pieces, ranks, seg, local)
 
 
 def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
@@ -104,35 +92,35 @@ def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     stacked), w2 [E, H/8, I/32, 160] -> sum_j weights[t, j] * down(silu(gate x) * up x),
     [T, H] in x's dtype. An id of -1 skips its pair (its expert runs in another pool).
     `threads`: OpenMP threads for this call (0: torch's count)."""
-    return torch.ops.kiln_avx2.moe_q4(x, ids, weights, w13, w2, threads)
+    return lib().moe_q4(x, ids, weights, w13, w2, threads)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                 row_of: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Batch-invariant attention over the pool (cpu_kernels_avx2.cpp): query row t (q [T, Hq,
+    """Batch-invariant attention over the pool (kernels.cpp): query row t (q [T, Hq,
     D] fp32) attends to the first lens[t] slots of table[row_of[t]] (k [S, Hk, D], v [S, Hk,
     Dv], fp32, bf16 or fp16, read in place) -> fp32 [T, Hq, Dv]. Each (row, head) is computed
     alone, in an order fixed by its own context length: the same bits whatever else is in the
     step."""
-    return torch.ops.kiln_avx2.attend_rows(q, k, v, table, row_of, lens, scale)
+    return lib().attend_rows(q, k, v, table, row_of, lens, scale)
 
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 @ (w * scale)^T for an int8 weight w [N, K] with one fp32/bf16 scale per
-    row -> fp32 [M, N] (cpu_kernels_avx2.cpp): each output one FMA chain over K, the same bits
+    row -> fp32 [M, N] (kernels.cpp): each output one FMA chain over K, the same bits
     whatever the row count (the int8 head under --batch-invariant)."""
-    return torch.ops.kiln_avx2.q8_linear(x, w, scale)
+    return lib().q8_linear(x, w, scale)
 
 
 def q8_ok(device: torch.device, k: int) -> bool:
     """Whether an int8 linear over k inputs can run q8_linear here."""
-    return device.type == "cpu" and k % 8 == 0 and avx2_available()
+    return device.type == "cpu" and k % 8 == 0 and available()
 
 
 def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           table: torch.Tensor, row_of: torch.Tensor, lens: torch.Tensor,
                           scale: float) -> torch.Tensor:
-    """attend_rows in PyTorch, one row at a time (where the AVX2 library is not built; tests):
+    """attend_rows in PyTorch, one row at a time (where the kernels are not built; tests):
     every row's ops see only its own context, so it is batch-invariant too, only slower."""
     t_n, hq, _ = q.shape
     hk = k.shape[1]
@@ -147,7 +135,7 @@ def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def quantize_act_q8(x: torch.Tensor, span: int = 32) -> torch.Tensor:
-    """What the AVX2 kernels see of an activation x [M, K]: int8 per span of 32 values (256
+    """What the kernels see of an activation x [M, K]: int8 per span of 32 values (256
     for the GGUF K-quants' kernels; scale amax/127, round half to even), returned dequantized
     in fp32 (tests, self-check)."""
     m, k = x.shape
@@ -169,32 +157,45 @@ def q4_reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((dots * s.double()).sum(-1) + sums @ mn.double().t()).float()
 
 
-def _register_avx2_fakes() -> None:
-    @torch.library.register_fake("kiln_avx2::q4_linear")
+def register_fakes(ns: str) -> None:
+    """Output shapes for torch.compile's tracing of library `ns` (the kernels run as one opaque
+    call each)."""
+    @torch.library.register_fake(f"{ns}::q4_linear")
     def _(x, packed, n):
         return x.new_empty((x.shape[0], n))
 
-    @torch.library.register_fake("kiln_avx2::attend_rows")
+    @torch.library.register_fake(f"{ns}::attend_rows")
     def _(q, k, v, table, row_of, lens, scale):
         return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
 
-    register_elementwise_fakes("kiln_avx2")
+    @torch.library.register_fake(f"{ns}::rope_write")
+    def _(qkv, cos, sin, k, v, slots, num_heads):
+        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[2]))
 
-    @torch.library.register_fake("kiln_avx2::decode_layer")
+    @torch.library.register_fake(f"{ns}::rms_norm")
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{ns}::silu_mul")
+    def _(gu):
+        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
+
+    @torch.library.register_fake(f"{ns}::decode_layer")
     def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
           table, row_of, lens, num_heads, scale, lora=(), lora_seg=None):
         return torch.empty_like(x)
 
-    @torch.library.register_fake("kiln_avx2::q8_linear")
+    @torch.library.register_fake(f"{ns}::q8_linear")
     def _(x, w, scale):
         return x.new_empty((x.shape[0], w.shape[0]))
 
-    @torch.library.register_fake("kiln_avx2::moe_q4")
-    def _(x, ids, weights, w13, w2):
+    @torch.library.register_fake(f"{ns}::moe_q4")
+    def _(x, ids, weights, w13, w2, threads=0):
         return torch.empty_like(x)
 
 
-def _avx2_self_check() -> bool:
+def self_check(ns: Any) -> bool:
+    """q4_linear of library `ns` against q4_reference, on odd sizes (a padded tile)."""
     g = torch.Generator().manual_seed(0)
     n, k = 21, 96
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -206,7 +207,7 @@ def _avx2_self_check() -> bool:
     if not (torch.equal(q2, q) and torch.allclose(s2, s, rtol=1e-3)
             and torch.allclose(mn2, mn, rtol=1e-3, atol=1e-5)):
         return False
-    got, want = q4_linear(x, packed, n), q4_reference(x, packed, n)
+    got, want = ns.q4_linear(x, packed, n), q4_reference(x, packed, n)
     return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -218,7 +219,7 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       row_of: torch.Tensor, lens: torch.Tensor, num_heads: int,
                       scale: float, lora: list[torch.Tensor] | None = None,
                       lora_seg: torch.Tensor | None = None) -> torch.Tensor:
-    """One Llama decoder layer of a whole step in one call (cpu_kernels_avx2.cpp
+    """One Llama decoder layer of a whole step in one call (kernels.cpp
     decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
     `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
     kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
@@ -227,16 +228,18 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     linear (engine/lora.py's stacked a, bt, pieces, ranks, local; empty a: none on it) and the
     step's row groups, added after each linear by lora_add as the modules' hooks add them. The
     same kernels in the same order as the layer's eager forward: the same bits."""
-    return torch.ops.kiln_avx2.decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
+    return lib().decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
                                             counts, biases, k, v, slots, table, row_of, lens,
                                             num_heads, scale, lora or [], lora_seg)
 
 
 def layer_stack() -> torch.ScriptObject:
-    """An empty LayerStack (cpu_kernels_avx2.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
+    """An empty LayerStack (kernels.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
     counts, biases, k, v, num_heads, scale)` appends a layer as decode_layer takes it (biases:
     an empty tensor where none)."""
-    return torch.classes.kiln_avx2.LayerStack()
+    from kiln.layers.kernels import level
+
+    return getattr(torch.classes, f"kiln_{level()}").LayerStack()
 
 
 def decode_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -244,7 +247,45 @@ def decode_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  row_of: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Every layer of `stack` on x [T, H], in one call: decode_layer's result layer after
     layer, bit for bit, without LoRA (eager only: the pools are written in place)."""
-    return torch.ops.kiln_avx2.decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
+    return lib().decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
 
 
 Q4_KIND = -1  # decode_layer's kind of a pack_q4 weight
+
+
+# --------------------------------------------------------------------------- row kernels
+# rms_norm / silu_mul / rope_write: fp32 rows (the KV pools of rope_write fp32 or fp16).
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A step's RoPE and K/V write in one pass: qkv [T, (Hq + 2 Hk) * D] fp32, cos and signed
+    sin [T, 1, D] (RotaryEmbedding.lookup); k and v rotated/stored at `slots` [T] of the pools
+    [S, Hk, D] (fp32 or fp16). Returns the rotated q [T, Hq, D]."""
+    return lib().rope_write(qkv, cos, sin, k, v, slots, num_heads)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, H] fp32 with weight [H] in one pass (kiln.layers.norm's math)."""
+    return lib().rms_norm(x, weight, eps)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for gu = [g u], [M, 2 I] fp32 -> [M, I], in one pass."""
+    return lib().silu_mul(gu)
+
+
+def elementwise_kernels_ok(dtype: torch.dtype) -> bool:
+    """Whether rms_norm / silu_mul / rope_write run for a model computing in `dtype` here."""
+    return dtype == torch.float32 and available()
+
+
+def use_elementwise_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Lets the modules of a CPU model that have an `elementwise_kernel` flag (RMSNorm,
+    LlamaMLP, LlamaAttention) run rms_norm / silu_mul / rope_write in their eager steps, where
+    the kernels for the model's dtype run here."""
+    if not elementwise_kernels_ok(dtype):
+        return
+    for m in model.modules():
+        if getattr(m, "elementwise_kernel", None) is False:
+            m.elementwise_kernel = True

@@ -1,0 +1,136 @@
+"""The one builder of kiln's C++ CPU kernels: one library per ISA level (isa.LEVELS), each the
+same sources (kernels.cpp, kquant.cpp, simd.h) compiled with that level's -m flags into
+torch.ops.kiln_<level>.
+
+Built with torch.utils.cpp_extension (g++ and ninja, ~30 s a level) into ~/.cache/kiln/ext,
+keyed by the sources, torch, the flags and this CPU, so later starts only load it; `make
+install` builds ahead (`python -m kiln.layers.kernels`). A level this CPU cannot run is never
+loaded (its static initializers could hold its instructions), but `compile_only` still
+compiles it to an object file: CI on any CPU keeps every level's code compiling.
+
+Why C++ at all: decode reads every weight once per token, so the kernels are a memory stream
+with int8 dot products on it; PyTorch's int4 CPU kernel is compute-bound there ([1,1024] x
+[768,1024]: ~140 us on one Zen 3 thread vs ~38 us for q4_linear) and its per-op dispatch and
+parallel regions cost a third of a small model's step (see kernels.cpp's decode_layer).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.layers.kernels.isa import BY_NAME, Level, cpu_runs
+from kiln.paths import cache_dir
+from kiln.resolve.hardware import cpu_signature
+
+log = logging.getLogger("kiln.kernels")
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "kernels.cpp", HERE / "kquant.cpp")
+HEADERS = (HERE / "simd.h",)
+# -mtune=native: scheduling for this CPU, no instruction beyond the level's -m flags.
+BASE_CFLAGS = ("-O3", "-mtune=native", "-fopenmp", "-std=c++17")
+
+
+def cflags(level: Level) -> list[str]:
+    return [*BASE_CFLAGS, *level.cflags, f"-DKILN_NS=kiln_{level.name}"]
+
+
+def build_dir(level: Level) -> Path:
+    # The sources' paths are part of the key: torch's builder rebuilds (~30 s) when the path in a
+    # build folder's ninja file changes, so two checkouts sharing one folder rebuilt at each start.
+    parts = [str(p.resolve()) + "\n" + p.read_text() for p in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\n".join([*parts, torch.__version__, " ".join(cflags(level)),
+                                    cpu_signature(), sys.version]).encode()).hexdigest()[:16]
+    return cache_dir("ext", f"kiln_{level.name}-{key}")
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH; the `ninja` package (a dependency)
+    installs it next to this interpreter, which need not be on PATH (.venv/bin/python ...)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def _build(level: Level) -> tuple[bool, bool]:
+    """Builds (or loads the cached build of) `level`'s library. Returns (loaded, was cached); a
+    failure is logged."""
+    out = build_dir(level)
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        out.mkdir(parents=True, exist_ok=True)
+        cached = any(out.glob("*.so"))
+        load(name=f"kiln_{level.name}", sources=[str(s) for s in SOURCES],
+             extra_cflags=cflags(level), extra_ldflags=["-fopenmp"], build_directory=str(out),
+             is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers, odd platform: fall back
+        first = str(e).splitlines()[0] if str(e) else ""
+        log.warning("kiln's CPU kernels (%s) could not be built (%s: %s); using PyTorch's paths",
+                    level.name, type(e).__name__, first)
+        return False, False
+    return True, cached
+
+
+@functools.cache
+def library(name: str) -> bool:
+    """`name`'s library built, loaded, its fake ops registered and its arithmetic checked
+    against PyTorch, once. False, with the reason logged, where it cannot run here."""
+    level = BY_NAME[name]
+    if (why := cpu_runs(level)) is not None:
+        log.info("kiln's %s kernels do not run here: %s", name, why)
+        return False
+    t0 = time.monotonic()
+    ok, cached = _build(level)
+    if not ok:
+        return False
+    ns = getattr(torch.ops, f"kiln_{name}")
+    if ns.isa() != name:
+        log.warning("kiln's %s library reports %s: not used", name, ns.isa())
+        return False
+    from kiln.layers import kquant
+    from kiln.layers.kernels import ops
+
+    ops.register_fakes(f"kiln_{name}")
+    kquant.register_fakes(f"kiln_{name}")
+    if not (ops.self_check(ns) and kquant.self_check(ns)):
+        log.warning("kiln's %s kernels disagree with PyTorch on this machine: not used", name)
+        return False
+    log.info("kiln's %s kernels %s in %.1f s (%s)", name, "loaded" if cached else "built",
+             time.monotonic() - t0, build_dir(level))
+    return True
+
+
+def compile_only(name: str) -> tuple[bool, str]:
+    """Compiles `name`'s sources to object files without loading them (a level this CPU cannot
+    run: CI keeps its code compiling). Returns (ok, the compiler's first error line)."""
+    from torch.utils.cpp_extension import include_paths
+
+    level = BY_NAME[name]
+    out = cache_dir("ext", f"compile-only-{name}")
+    out.mkdir(parents=True, exist_ok=True)
+    incs = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    for src in SOURCES:
+        abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+        cmd = ["c++", *cflags(level), "-fPIC", abi, *incs, "-c", str(src),
+               "-o", str(out / f"{src.stem}.o")]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            errors = [ln for ln in r.stderr.splitlines() if "error" in ln] or [r.stderr[:200]]
+            return False, f"{src.name}: {errors[0]}"
+    return True, ""

@@ -1,0 +1,124 @@
+"""One chooser per layer kind: which kernel runs it, and why (vLLM's choose_mp_linear_kernel:
+an ordered list of candidates, each saying whether it can run this layer and, if not, why).
+The modules call these at construction; `summary` gathers a model's choices for the decision
+trace (RuntimeDecisions.cpu_kernels).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from kiln.layers import kernels
+
+# Kernel names: kiln's own (at the selected ISA level) and the fallbacks.
+KILN_KERNELS = ("q4", "gguf", "q8", "attend_rows")
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: str  # "q4" | "gguf" | "q8" | "attend_rows" | "torch-int4" | "torch-int8" | "torch" | "reference"
+    reasons: tuple[str, ...]  # why this one, after why not each better candidate
+
+    @property
+    def kiln(self) -> bool:
+        return self.kernel in KILN_KERNELS
+
+    @property
+    def why(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _kiln_why_not(device: torch.device, use_kernels: bool) -> str | None:
+    if not use_kernels:
+        return "--no-cpu-kernels"
+    if device.type != "cpu":
+        return f"kiln's kernels are CPU-only ({device.type})"
+    if not kernels.available():
+        return kernels.reason()
+    return None
+
+
+def _ran(name: str) -> str:
+    return f"kiln {name} at {kernels.level()}"
+
+
+def choose_linear_kernel(kind: str, device: torch.device, n: int, k: int, *,
+                         group_size: int = 32, use_kernels: bool = True,
+                         native: bool = False) -> Choice:
+    """The kernel of a quantized linear of `kind` ("int4": GroupQuant groups, "int8": rows with
+    one scale each, "gguf": GGUF blocks) with n outputs over k inputs. `native`: PyTorch's
+    packed CPU op for the kind exists in this build (the next candidate after kiln's)."""
+    why_not: list[str] = []
+    kiln_no = _kiln_why_not(device, use_kernels)
+    if kind == "int4":
+        if kiln_no is None and group_size == 32 and k % 32 == 0:
+            return Choice("q4", (_ran("q4_linear (int4 tiles x int8 activations)"),))
+        why_not.append(f"q4_linear: {kiln_no or f'groups of {group_size} over K={k}'}")
+        if native:
+            return Choice("torch-int4", (*why_not, "PyTorch's int4 CPU op"))
+    elif kind == "gguf":
+        if kiln_no is None:
+            return Choice("gguf", (_ran("kq_linear (GGUF-block tiles)"),))
+        why_not.append(f"kq_linear: {kiln_no}")
+    elif kind == "int8":
+        # kiln's q8_linear runs the int8 head under --batch-invariant (fix_kernel_choice, which
+        # reads `q8_ok`); other int8 layers take PyTorch's int8 op.
+        if native:
+            return Choice("torch-int8", ("PyTorch's int8 CPU op",))
+    else:
+        raise ValueError(f"unknown linear kind {kind!r}")
+    return Choice("reference", (*why_not, "dequantized per call (slow, same numbers)"))
+
+
+def q8_ok(device: torch.device, k: int, use_kernels: bool = True) -> bool:
+    """Whether kiln's q8_linear can run an int8 linear over k inputs here."""
+    return _kiln_why_not(device, use_kernels) is None and k % 8 == 0
+
+
+def choose_attention_kernel(*, invariant: bool, use_kernels: bool, device: torch.device,
+                            k_dtype: torch.dtype, compute_dtype: torch.dtype, quantized: bool,
+                            v_in_k: bool, softcap: float | None, head_dim: int,
+                            v_head_dim: int, group: int) -> Choice:
+    """attend_rows (kiln's batch-invariant attention, every row of a step) or PyTorch's
+    paths. attend_rows runs under --batch-invariant for pools it reads in place: fp32/bf16 in
+    the compute dtype or fp16 under fp32, K and V apart, head dims multiples of 8 up to 256, up
+    to 16 query heads per KV head, no soft-capped scores."""
+    if not invariant:
+        return Choice("torch", ("not --batch-invariant: PyTorch's SDPA / matmuls",))
+    kiln_no = _kiln_why_not(device, use_kernels)
+    pool_ok = ((k_dtype == compute_dtype and k_dtype in (torch.float32, torch.bfloat16))
+               or (k_dtype == torch.float16 and compute_dtype == torch.float32))
+    checks = [
+        (kiln_no is None, kiln_no or ""),
+        (not quantized, "an int8 pool"),
+        (not v_in_k, "values inside the keys (MLA)"),
+        (softcap is None, "soft-capped scores"),
+        (pool_ok, f"a {k_dtype} pool computed in {compute_dtype}"),
+        (head_dim % 8 == 0 and v_head_dim % 8 == 0 and max(head_dim, v_head_dim) <= 256,
+         f"head dims {head_dim}/{v_head_dim}"),
+        (group <= 16, f"{group} query heads per KV head"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return Choice("torch", (f"attend_rows: {why}",))
+    return Choice("attend_rows", (_ran("attend_rows (batch-invariant)"),))
+
+
+def summary(model: torch.nn.Module) -> tuple[str, str]:
+    """(level or "none", "N linears on q4, M on gguf, ...; why for the others"): what the
+    model's layers chose, for the decision trace."""
+    counts: Counter[str] = Counter()
+    others: dict[str, str] = {}
+    for m in model.modules():
+        choice = getattr(m, "kernel_choice", None)
+        if isinstance(choice, Choice):
+            counts[choice.kernel] += 1
+            if not choice.kiln:
+                others.setdefault(choice.kernel, choice.why)
+    level = kernels.level() or "none"
+    text = ", ".join(f"{n} on {k}" for k, n in counts.most_common()) or "no quantized layer"
+    why = "; ".join(f"{k}: {w}" for k, w in others.items())
+    return level, f"{kernels.reason()}; {text}" + (f" ({why})" if why else "")

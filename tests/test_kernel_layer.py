@@ -1,0 +1,286 @@
+"""kiln's CPU kernel layer (kiln/layers/kernels): the ISA probe and its level table, every level
+compiled (loaded where the CPU runs it), every level computing the same bits, the chooser and
+its reasons, --cpu-isa, the one-call layer against the layer's modules, an int4 engine through
+the layer kernel or the eager modules, and the cut that keeps CPU-flag reads in one place."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import KERNEL_LEVELS
+
+from kiln.layers import kernels
+from kiln.layers.kernels import isa
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_probe_reconciles_flags_and_the_os():
+    """On x86 Linux XCR0 is read (the OS's word, not a flag's), and a level runs exactly where
+    its flags are there and XCR0 enables its registers."""
+    if not isa.x86_linux():
+        assert KERNEL_LEVELS == []
+        return
+    x = isa.xcr0()
+    assert x is not None and x & isa.XCR0_AVX == isa.XCR0_AVX  # every x86-64 Linux enables AVX
+    for lv in isa.LEVELS:
+        runs = lv.flags <= isa.cpu_flags() and x & lv.xcr0 == lv.xcr0
+        assert (isa.cpu_runs(lv) is None) == runs, (lv.name, isa.cpu_runs(lv))
+    # AMX: granted only where the flag, XCR0's tile bits and the kernel's permission agree
+    if not isa.flags_amx(isa.cpu_flags()):
+        assert not isa.amx_granted()
+
+
+def test_every_level_the_cpu_runs_loads_and_the_others_compile():
+    """A level the CPU runs must build and pass its self-check (never a skip); one it lacks is
+    still compiled, so its code cannot rot on CPUs that never load it."""
+    from kiln.layers.kernels.build import compile_only, library
+
+    for lv in isa.LEVELS:
+        if lv.name in KERNEL_LEVELS:
+            assert library(lv.name), f"{lv.name} runs here but did not build or self-check"
+            assert getattr(torch.ops, f"kiln_{lv.name}").isa() == lv.name
+        else:
+            ok, err = compile_only(lv.name)
+            assert ok, f"{lv.name} does not compile: {err}"
+    if KERNEL_LEVELS:
+        assert kernels.runnable_levels() == KERNEL_LEVELS  # best first, as auto picks
+
+
+def _q4_case(n: int, k: int, m: int, seed: int):
+    from kiln.layers.kernels import ops
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    mn = (-8 * s + torch.randn(n, k // 32, generator=g) * 0.01).half().float()
+    return torch.randn(m, k, generator=g), ops.pack_q4(q, s, mn)
+
+
+@pytest.mark.skipif(len(KERNEL_LEVELS) < 2, reason="one ISA level runs here: nothing to compare")
+def test_every_level_computes_the_same_bits():
+    """The levels differ in instructions, not arithmetic (simd.h): q4_linear, moe_q4 and every
+    GGUF block type give identical results at each level (so greedy tokens do too)."""
+    from kiln.layers import kquant
+    from kiln.layers.kernels import ops
+
+    x, packed = _q4_case(77, 512, 19, 0)
+    ids = torch.tensor([[0, 2], [1, 2], [3, 0]])
+    w = torch.rand(3, 2)
+    g = torch.Generator().manual_seed(1)
+    parts = [kquant._random_blocks(9, 512, t, g) for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0",
+                                                           "Q5_0", "Q5_1")]
+    w13 = torch.stack([_q4_case(64, 512, 1, e)[1] for e in range(4)])
+    w2 = torch.stack([_q4_case(512, 32, 1, 10 + e)[1] for e in range(4)])
+    results = {}
+    for lv in KERNEL_LEVELS:
+        with kernels.at_level(lv):
+            tiles = [kquant.pack(p) for p in parts]
+            results[lv] = (ops.q4_linear(x, packed, 77),
+                           kquant.kq_linear(x, tiles, [p.type_id for p in parts],
+                                            [p.raw.shape[0] for p in parts]),
+                           ops.moe_q4(x[:3], ids, w, w13, w2))
+    first, *others = results.values()
+    for other in others:
+        for a, b in zip(first, other):
+            assert torch.equal(a, b)
+
+
+def test_the_chooser_names_the_level_and_says_why_not(kernel_level):
+    from kiln.layers.kernels.choose import choose_linear_kernel
+
+    cpu = torch.device("cpu")
+    c = choose_linear_kernel("int4", cpu, 64, 128)
+    assert c.kernel == "q4" and c.kiln and f"at {kernel_level}" in c.why
+    off = choose_linear_kernel("int4", cpu, 64, 128, use_kernels=False, native=True)
+    assert off.kernel == "torch-int4" and off.why.startswith("q4_linear: --no-cpu-kernels")
+    odd = choose_linear_kernel("int4", cpu, 64, 128, group_size=64)
+    assert odd.kernel == "reference" and "groups of 64" in odd.why
+    assert choose_linear_kernel("gguf", cpu, 64, 256).kernel == "gguf"
+
+
+def test_cpu_isa_above_what_runs_is_refused_with_what_does():
+    from kiln.errors import ConfigError
+
+    missing = [lv.name for lv in isa.LEVELS if lv.name not in KERNEL_LEVELS]
+    with pytest.raises(ConfigError) as e:
+        kernels.select("avx9000")
+    assert "auto" in str(e.value)
+    for name in missing:
+        with pytest.raises(ConfigError) as e:
+            kernels.select(name)
+        assert "this machine runs" in (e.value.hint or "")
+    for name in KERNEL_LEVELS:  # and each level that runs can be forced
+        with kernels.at_level(name):
+            assert kernels.level() == name
+
+
+def test_cpu_isa_setting_reaches_the_runner_and_the_decision_trace(tmp_path, kernel_level):
+    """--cpu-isa LEVEL (here each level the CPU runs) is the level the engine's layers run at,
+    and the effective config's decision says so."""
+    from conftest import make_tiny_model
+
+    from kiln.config import EngineConfig
+    from kiln.engine.model_runner import ModelRunner
+    from kiln.models.loader import open_checkpoint
+
+    folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
+    cfg = EngineConfig(model=str(folder), quantization="int4", cpu_isa=kernel_level,
+                       kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=64)
+    r = ModelRunner(cfg, open_checkpoint(folder))
+    d = r.decisions.to_dict()["cpu_kernels"]
+    assert d["value"] == kernel_level and "asked for" in d["reason"]
+    assert "on q4" in d["reason"]
+
+
+def test_decode_layer_equals_the_layer_modules(tmp_path, kernel_level):
+    """One int4 decoder layer's step as one decode_layer call equals the layer's modules with
+    PyTorch's attention (norms, RoPE, K/V written to the pool, attention over ragged contexts,
+    the MLP, the residuals), to the kernels' int8 activation rounding; a slot outside the pool
+    is an error, not a write."""
+    from conftest import make_tiny_model
+
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+    from kiln.layers.attention import AttentionMetadata, set_context
+
+    folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
+    cfg = EngineConfig(model=str(folder), dtype="float32", quantization="int4",
+                       kv_cache_dtype="fp32", dense_weights=False, kv_cache_memory=8 << 20,
+                       max_num_seqs=4, max_num_batched_tokens=64, compile=False)
+    model = Engine(cfg).runner.model
+    layer = model.model.layers[1]
+    kv = layer.self_attn.attn.kv
+    assert layer.decode_kernel_rows() > 0 and kv.invariant
+    g = torch.Generator().manual_seed(5)
+    b, length = 3, 40
+    x = torch.randn(b, 256, generator=g)
+    own = torch.tensor([39, 20, 5])  # each row's last position
+    cos, sin = model.model._rotary[0].lookup(own, torch.float32)
+    gather = torch.arange(b * length).view(b, length) + 64
+    mask = torch.arange(length)[None, :] <= own[:, None]
+    meta = AttentionMetadata(slot_mapping=gather[torch.arange(b), own], num_decodes=b,
+                             decode_gather=gather, decode_mask=mask[:, None, None, :],
+                             decode_lens=own + 1)
+    meta.step_rows = (gather, torch.arange(b), own + 1)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    pool = kv.k.clone(), kv.v.clone()
+    set_context(meta)
+    try:
+        with torch.inference_mode():
+            kv.invariant = False  # the layer's modules, PyTorch's attention
+            want = layer(cos, sin, x)
+            want_pool = kv.k.clone(), kv.v.clone()
+            kv.invariant = True
+            kv.k.copy_(pool[0])
+            kv.v.copy_(pool[1])
+            got = layer.forward_decode_kernel(cos, sin, x)
+    finally:
+        set_context(None)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * scale)
+    torch.testing.assert_close(kv.k, want_pool[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(kv.v, want_pool[1])
+    meta.slot_mapping = torch.tensor([0, 1, kv.k.shape[0]])
+    set_context(meta)
+    try:
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            layer.forward_decode_kernel(cos, sin, x)
+    finally:
+        set_context(None)
+
+
+def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_path, kernel_level):
+    """An int4 engine: batch-invariant (the layer kernel runs every step, decode_stack) and not
+    (compiled graphs or eager modules calling q4_linear) give the same greedy tokens on a random
+    tiny model up to near-ties; the kernel's steps call the level's ops, none of PyTorch's int4."""
+    from conftest import make_tiny_model, run_to_completion
+
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+    from kiln.sampling_params import SamplingParams
+
+    folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
+    common = {"model": str(folder), "quantization": "int4", "kv_cache_memory": 8 << 20,
+              "max_num_seqs": 4, "max_num_batched_tokens": 64}
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+    outs, ns = {}, f"kiln_{kernel_level}::"
+    for mode, kw in (("kernel", {}), ("eager", {"batch_invariant": False, "compile": False})):
+        e = Engine(EngineConfig(**common, **kw))
+        assert (e.runner.decode_kernel_rows > 0) == (mode == "kernel")
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, params)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs[mode] = run_to_completion(e)
+        calls = {ev.key: ev.count for ev in prof.key_averages()}
+        assert not any("int4pack" in key for key in calls)
+        if mode == "kernel":
+            assert calls.get(ns + "decode_stack", 0) >= 10, calls
+        else:
+            layers = e.runner.model_config.num_hidden_layers
+            assert calls.get(ns + "q4_linear", 0) >= 10 * 4 * layers, calls
+    total = sum(len(t) for t in outs["eager"].values())
+    assert total == 30
+    same = sum(a == b for rid in outs["eager"] for a, b in zip(outs["kernel"][rid],
+                                                                 outs["eager"][rid]))
+    assert all(outs["kernel"][r][:3] == outs["eager"][r][:3] for r in outs["eager"])
+    assert same / total >= 0.8, f"{same}/{total}"
+
+
+# The cut this layer keeps: no module outside it reads CPU flags to choose a kernel or asks a
+# library whether it loaded. hardware.py is the probe's /proc reader (it lists the flags it
+# reports); everything that interprets them calls kiln.layers.kernels.isa.
+_FLAG_READ = re.compile(r"has_flag\(|cpu_flags\(\)|['\"](avx|amx)[a-z0-9_]*['\"]|"
+                        r"torch\.(ops|classes)\.kiln_|(?<!is)_available\(\)")
+_ALLOWED = {"kiln/resolve/hardware.py"}
+
+
+def test_no_cpu_flag_read_or_library_check_outside_the_kernel_layer():
+    offenders = []
+    for path in sorted((ROOT / "kiln").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("kiln/layers/kernels/") or rel in _ALLOWED:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _FLAG_READ.search(code) and "--cpu-isa" not in code and "choices=" not in code:
+                offenders.append(f"{rel}:{i}: {line.strip()}")
+    assert offenders == []
+
+
+def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_level):
+    """A Q8_0 Gemma 3 GGUF (sliding-window layers, Gemma's norms) with what the settings table
+    picks for it on this CPU: it loads (the old AVX-512 bf16 kernels failed here), every step
+    runs batch-invariant, and a row's greedy tokens are the same alone and among four."""
+    from conftest import make_tiny_model, run_to_completion
+
+    from kiln.config import AutoContext, EngineConfig, resolve_settings
+    from kiln.engine.engine import Engine
+    from kiln.models.gguf_writer import write_gguf
+    from kiln.models.loader import iter_tensors, open_checkpoint
+    from kiln.sampling_params import SamplingParams
+
+    ck = open_checkpoint(make_tiny_model("gemma3", tmp_path / "g3"))
+    path = write_gguf(tmp_path / "g3.gguf", ck.config, iter_tensors(ck), qtype="Q8_0")
+    s = resolve_settings(ctx=AutoContext(model_quant="Q8_0", cpu_kernels=True))
+    picked = {k: s[k] for k in ("dtype", "quantization", "kv_cache_dtype", "batch_invariant",
+                                "compile", "gguf_kernels")}
+    assert picked["dtype"] == "float32" and picked["batch_invariant"] is True
+    cfg = EngineConfig(model=str(path), **picked, kv_cache_memory=8 << 20, max_num_seqs=4,
+                       max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    prompts = [[5, 9, 11, 3, 200], [7] * 30, [1, 2, 3], list(range(40, 80))]
+    eng = Engine(cfg)
+    assert eng.runner.decisions.batch_invariant.value, eng.runner.decisions.batch_invariant.reason
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    together = run_to_completion(eng)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"alone{i}", p, params)
+        assert run_to_completion(eng)[f"alone{i}"] == together[str(i)]
