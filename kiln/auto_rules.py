@@ -123,6 +123,20 @@ def auto_kv_cache_dtype(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
                                  "they are computed, no conversion per step")
 
 
+def auto_cpu_isa(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    # The value stays "auto" (the runner takes the best level whose library builds, else
+    # PyTorch's paths); the reason names the level the probe expects, and the effective
+    # config's `cpu_kernels` decision records what ran.
+    if v.get("device") == "cuda":
+        return "auto", "GPU: kiln's CPU kernels do not run"
+    from kiln.layers.kernels.isa import LEVELS, cpu_runs
+
+    for lv in LEVELS:
+        if (why := cpu_runs(lv)) is None:
+            return "auto", f"{lv.name}: the best level this CPU and OS run ({lv.about})"
+    return "auto", f"no level runs here ({why}): PyTorch's paths"
+
+
 def auto_threads(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
     return ctx.physical_cores, f"{ctx.physical_cores} physical core(s)"
 

@@ -24,6 +24,7 @@ from kiln.auto_rules import (
     AutoRule,
     GiB,  # noqa: F401 - re-exported: the unit kiln's modules size memory in
     auto_batched_tokens,
+    auto_cpu_isa,
     auto_cpu_offload_experts,
     auto_dense_weights,
     auto_device,
@@ -373,11 +374,11 @@ SETTINGS: list[Setting] = [
             "run: avx512 where AVX512 F/BW/VL/DQ/VNNI run, else avx2) or a lower one; every "
             "level computes the same numbers (kiln/layers/kernels/isa.py)",
             ("--cpu-isa",), choices=("auto", "avx512", "avx2"), affects="performance",
-            engines=("kiln",)),
+            auto=auto_cpu_isa, engines=("kiln",)),
     Setting("adaptive_threads", parse_bool, True,
             "while other processes keep some of the CPUs kiln may run on busy, run fewer compute "
             "threads (one per CPU left, at least 1; back up to --threads once they free), so no "
-            "parallel region waits for a thread the OS gave away (kiln/layers/kernels_threads.py)",
+            "parallel region waits for a thread the OS gave away (kiln/layers/kernels/threads.py)",
             ("--adaptive-threads",), neg_flags=("--no-adaptive-threads",),
             affects="performance", engines=("kiln",)),
     Setting("gguf_kernels", parse_bool, True,

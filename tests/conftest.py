@@ -41,11 +41,20 @@ def kernel_level_module(request):
         yield request.param
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
+def _isa_matrix() -> str:
     runs = ", ".join(KERNEL_LEVELS) or "none"
     lacks = ", ".join(f"{lv.name} ({_isa.cpu_runs(lv)})" for lv in _isa.LEVELS
                       if lv.name not in KERNEL_LEVELS) or "none"
-    return [f"kiln CPU kernel levels: tested at {runs}; compiled only: {lacks}"]
+    return f"kiln CPU kernel levels: tested at {runs}; compiled only: {lacks}"
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [_isa_matrix()]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    # (the header is not printed under -q, as make test runs: the matrix goes in the summary)
+    terminalreporter.write_line(_isa_matrix())
 
 
 def smollm2_gguf() -> Path:

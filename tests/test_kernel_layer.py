@@ -284,3 +284,60 @@ def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_lev
     for i, p in enumerate(prompts):
         eng.add_request(f"alone{i}", p, params)
         assert run_to_completion(eng)[f"alone{i}"] == together[str(i)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_level, family):
+    """An int4 MoE model (Qwen3-MoE: q/k norms; Mixtral): every step runs each layer as one
+    moe_layer call, and greedy tokens and logprobs equal those of the eager layers (the layer
+    kernel off) bit for bit, for four requests batched and each alone; the routing counters
+    see the same tokens either way."""
+    from conftest import make_tiny_model
+
+    from kiln.config import EngineConfig
+    from kiln.engine.engine import Engine
+    from kiln.layers.moe import experts_of
+    from kiln.sampling_params import SamplingParams
+
+    folder = make_tiny_model(family, tmp_path / family, hidden_size=128,
+                             moe_intermediate_size=64, intermediate_size=64)
+    eng = Engine(EngineConfig(model=str(folder), quantization="int4", kv_cache_memory=8 << 20,
+                              max_num_seqs=4, max_num_batched_tokens=64))
+    runner = eng.runner
+    assert runner.decode_kernel_rows > 0, runner.decisions.decode_path.reason
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30, 9)]
+
+    def run(batched: bool) -> dict[str, tuple[list[int], list[float]]]:
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        groups = [list(enumerate(prompts))] if batched else [[ip] for ip in enumerate(prompts)]
+        for group in groups:
+            for i, p in group:
+                eng.add_request(str(i), p, params)
+            while eng.has_unfinished:
+                for o in eng.step():
+                    ids, lps = out.setdefault(o.request_id, ([], []))
+                    ids += o.new_token_ids
+                    lps += [lp.logprob for lp in o.new_logprobs or []]
+        return out
+
+    ns = f"kiln_{kernel_level}::moe_layer"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        kernel = run(batched=True)
+    calls = {ev.key: ev.count for ev in prof.key_averages()}
+    moe = len(experts_of(runner.model))
+    dense = runner.model_config.num_hidden_layers - moe
+    assert moe and calls.get(ns, 0) >= 8 * moe, calls
+    assert calls.get(f"kiln_{kernel_level}::decode_layer", 0) >= 8 * dense, calls
+    # every row the kernel run computed was routed and counted: prompts and 7 decode rows each
+    counted = sum(int(e.tokens_per_expert.sum()) for e in experts_of(runner.model))
+    top_k = runner.model_config.num_experts_per_tok
+    assert counted == sum(len(p) + 7 for p in prompts) * top_k * moe
+    rows, runner.decode_kernel_rows = runner.decode_kernel_rows, 0
+    try:
+        eager = run(batched=True)
+    finally:
+        runner.decode_kernel_rows = rows
+    assert eager == kernel
+    assert run(batched=False) == kernel

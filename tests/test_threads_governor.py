@@ -1,4 +1,4 @@
-"""The thread governor (kiln/layers/kernels_threads.py): fewer compute threads while other
+"""The thread governor (kiln/layers/kernels/threads.py): fewer compute threads while other
 processes hold some of our CPUs, back up once they free.
 
 The decision is checked on /proc readings recorded on a 2-core machine while kiln decoded
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.layers.kernels_threads import (
+from kiln.layers.kernels.threads import (
     CpuSample,
     ThreadGovernor,
     decide,

@@ -25,7 +25,7 @@ from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.engine.spec import Speculator, spec_config
 from kiln.engine.structured import StructuredOutputs
 from kiln.errors import KilnError
-from kiln.layers.kernels_threads import ThreadGovernor
+from kiln.layers.kernels.threads import ThreadGovernor
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
 from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
 from kiln.obs.faults import Faults
@@ -149,7 +149,7 @@ class Engine:
         reset_routing_counts(self._experts)
         self.moe_layers: list[int] = [m.layer for m in self._experts]
         # Fewer compute threads while other processes hold some of our CPUs (kiln/layers/
-        # kernels_threads.py); consulted at the start of each step, on the thread that steps
+        # kernels/threads.py); consulted at the start of each step, on the thread that steps
         # (OpenMP's count is that thread's own). None: off, or not on the CPU.
         self.threads: ThreadGovernor | None = None
         self._cpu_threads = self.runner.num_threads

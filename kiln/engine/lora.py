@@ -180,7 +180,7 @@ _NONE = torch.empty(0)
 
 
 def kernel_args(linears: list[nn.Module]) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-    """The step's adapters of these linears as the AVX2 layer kernel takes them (5 tensors
+    """The step's adapters of these linears as the layer kernel takes them (5 tensors
     per linear: a, bt, pieces, ranks, local; an empty a where it has none) and the step's row
     groups; None when the step has no adapter rows. The kernel adds them after each linear with
     lora_add, as the hooks do in an eager forward."""

@@ -71,7 +71,7 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         # The compute threads this runner was configured with (0 off the CPU): the engine's
-        # thread governor (kiln/layers/kernels_threads.py) never goes above it.
+        # thread governor (kiln/layers/kernels/threads.py) never goes above it.
         self.num_threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         if self.device.type == "cpu" and config.cpu_kernels:
             from kiln.layers import kernels

@@ -95,6 +95,9 @@ class Router(nn.Module):
         # sigmoid scores differ by less than bf16's step, and routing flips change a token's
         # whole MoE output.
         self.keep_fp32 = keep_fp32
+        # Eager fp32 CPU steps run kiln's router_logits (row-invariant: see ops.router_logits),
+        # set by ops.use_elementwise_kernels as for the norms.
+        self.elementwise_kernel = False
 
     def _apply(self, fn: Any, recurse: bool = True) -> Router:
         super()._apply(fn, recurse)
@@ -105,6 +108,12 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.elementwise_kernel and x.dim() == 2 and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and x.shape[1] % 8 == 0
+                and not torch.compiler.is_compiling()):
+            from kiln.layers.kernels import ops
+
+            return ops.router_logits(x, self.weight)
         return F.linear(x.float(), self.weight.float())
 
 
@@ -365,14 +374,19 @@ class Experts(nn.Module):
     # ------------------------------------------------------------------ running
 
     @eager_only  # data-dependent: which experts run depends on the routing
+    def count(self, ids: torch.Tensor) -> None:
+        """Adds a step's routing (ids [T, k]) to the counters /metrics reads (a pool of a
+        SplitExperts counts nothing: the layer counts in global ids)."""
+        if self.counts_routing:
+            self.tokens_per_expert += torch.bincount(ids.reshape(-1),
+                                                     minlength=self.num_experts).cpu()
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k] from a router. Returns sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype. An id of -1 skips its
         pair: SplitExperts hands each pool the ids of its own experts only."""
         if self.w13_q4 is not None:
-            if self.counts_routing:
-                counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-                self.tokens_per_expert += counts.cpu()
+            self.count(ids)
             return _moe_q4(x, weights, ids, self.w13_q4, self.w2_q4, self.threads)
         k = ids.shape[1]
         flat = ids.reshape(-1)

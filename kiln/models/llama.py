@@ -89,11 +89,14 @@ class LlamaAttention(nn.Module):
         """cos, sin: [T, 1, rotary_dim] from `RotaryEmbedding.lookup` (sin signed)."""
         qkv = self.qkv_proj(x)
         kv = self.attn.kv
-        if (self.elementwise_kernel and not self.qk_norm and kv is not None
+        if (self.elementwise_kernel and (not self.qk_norm or self.kernel_qk_norm())
+                and kv is not None
                 and self.rotary_dim == self.head_dim and self.head_dim % 16 == 0
                 and kv.invariant and qkv.dtype == torch.float32
                 and kv.k.dtype in (torch.float32, torch.float16)
                 and not torch.compiler.is_compiling()):
+            if self.qk_norm:
+                self._norm_heads(qkv)
             return self.o_proj(self.attn(self.attn.rope_write(qkv, cos, sin), None, None))
         t = qkv.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -110,6 +113,30 @@ class LlamaAttention(nn.Module):
             qk = self._rotate(qkv[:, :self.q_size + self.kv_size].view(t, hq + hk, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
         return self.o_proj(self.attn(q, k, v))
+
+    def kernel_qk_norm(self) -> bool:
+        """Whether the q/k norms run as the kernels run them (per head, Llama-form RMSNorm on
+        the kernel, fp32): `_norm_heads`, which moe_layer's qk_norm_rows repeats bit for bit."""
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        return (bool(norms) and not self.qk_norm_full
+                and all(n.elementwise_kernel and n.weight.dtype == torch.float32 for n in norms))
+
+    def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q_norm weight, k_norm weight, eps) as the layer kernels take them; None: none."""
+        if not self.qk_norm:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """Qwen3's per-head q/k RMSNorm on a fused qkv [T, (Hq + 2 Hk) * D], in place, each
+        head one row of kiln's rms_norm kernel (kernels.cpp qk_norm_rows makes the same calls)."""
+        t, hq, hk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        heads = qkv.view(t, hq + 2 * hk, d)
+        q, k = heads[:, :hq], heads[:, hq:hq + hk]
+        q.copy_(ops.rms_norm(q.reshape(t * hq, d), self.q_norm.weight, self.q_norm.eps)
+                .view(t, hq, d))
+        k.copy_(ops.rms_norm(k.reshape(t * hk, d), self.k_norm.weight, self.k_norm.eps)
+                .view(t, hk, d))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE over each head's first `rotary_dim` dims; the rest pass (partial rotary)."""
@@ -150,8 +177,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg)  # a MoE block in MoE families
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
-        # ops.decode_layer's arguments (see _layer_args; () when it cannot run)
+        # ops.decode_layer's / ops.moe_layer's arguments (see _layer_args / _moe_args; ()
+        # when it cannot run)
         self._layer_args_cache: tuple | None = None
+        self._moe_args_cache: tuple | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = self.residual_multiplier
@@ -163,21 +192,25 @@ class LlamaDecoderLayer(nn.Module):
 
     def decode_kernel_rows(self) -> int:
         """Up to how many rows a step may run this layer as one call of kiln's layer kernel
-        (`forward_decode_kernel`); 0 where it cannot: q/k norms, a linear not on kiln's q4 or
-        GGUF-block tiles, a pool attend_rows does not read (the kernel runs under
-        --batch-invariant, fp32). Any row count where `_layer_args` finds the eager step's
-        own kernels."""
+        (`forward_decode_kernel`); 0 where it cannot: a linear not on kiln's q4 or GGUF-block
+        tiles, a pool attend_rows does not read (the kernel runs under --batch-invariant,
+        fp32), q/k norms on a dense layer. Any row count where `_layer_args` (a dense Llama
+        MLP: decode_layer) or `_moe_args` (a sparse MoE block: moe_layer) finds the eager
+        step's own kernels."""
         attn, mlp = self.self_attn, self.mlp
         kv = attn.attn.kv
-        if attn.qk_norm or kv is None or not isinstance(mlp, LlamaMLP):
+        if kv is None or not kv.invariant:
             return 0
-        # The kernel's layer is Llama's: full RoPE, SiLU, plain residual adds.
-        if (attn.rotary_dim != attn.head_dim or mlp.act is not F.silu
-                or self.residual_multiplier != 1.0):
+        # The kernel's layer is Llama's: full RoPE, plain residual adds.
+        if attn.rotary_dim != attn.head_dim or self.residual_multiplier != 1.0:
             return 0
-        if kv.invariant and self._layer_args() is not None:
-            return DECODE_KERNEL_ANY_ROWS
-        return 0
+        if attn.qk_norm and not attn.kernel_qk_norm():
+            return 0
+        if isinstance(mlp, LlamaMLP):
+            ok = mlp.act is F.silu and self._layer_args() is not None
+        else:
+            ok = self._moe_args() is not None
+        return DECODE_KERNEL_ANY_ROWS if ok else 0
 
     def forward_decode_kernel(self, cos: torch.Tensor, sin: torch.Tensor,
                               x: torch.Tensor) -> torch.Tensor:
@@ -188,15 +221,85 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         kv = attn.attn.kv
         assert kv is not None and kv.invariant
+        if not isinstance(self.mlp, LlamaMLP):
+            return self._moe_decode_kernel(cos, sin, x)
         args = self._layer_args()
         assert args is not None and meta.step_rows is not None
         adapters = lora.kernel_args([attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj,
                                      self.mlp.down_proj])
+        lora_args = adapters if adapters is not None else (None, None)
         return ops.decode_layer(
             x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
             self.input_layernorm.eps, *args, kv.k, kv.v, meta.slot_mapping,
-            *meta.step_rows, attn.num_heads, attn.attn.scale,
-            *(adapters if adapters is not None else ()))
+            *meta.step_rows, attn.num_heads, attn.attn.scale, *lora_args,
+            qk_norms=attn.qk_norms())
+
+    def _moe_decode_kernel(self, cos: torch.Tensor, sin: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        """forward_decode_kernel for a sparse MoE layer: ops.moe_layer, one call (a step with
+        LoRA rows runs the eager layer: moe_layer adds no adapters)."""
+        if lora.step_active():
+            return self.forward(cos, sin, x)
+        meta = get_context()
+        attn, mlp = self.self_attn, self.mlp
+        args = self._moe_args()
+        assert args is not None and meta.step_rows is not None
+        norms = attn.qk_norms() or (None, None, 0.0)
+        out, ids = ops.moe_layer(
+            x, cos, sin, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, *args, *norms, attn.attn.kv.k, attn.attn.kv.v,
+            meta.slot_mapping, *meta.step_rows, attn.num_heads, attn.attn.scale,
+            mlp.gate.weight, mlp.top_k, mlp.renormalize, mlp.experts.w13_q4,
+            mlp.experts.w2_q4)
+        mlp.experts.count(ids)
+        return out
+
+    def _moe_args(self) -> tuple | None:
+        """ops.moe_layer's (weights, kinds, rows, counts, biases) of the attention's two
+        linears, or None where the layer's eager forward does not run exactly the kernels
+        moe_layer chains: a SparseMoeBlock without a shared expert, all experts stacked for
+        moe_q4, an fp32 router, Llama-form norms and linears on kiln's tiles."""
+        if self._moe_args_cache is not None:
+            return self._moe_args_cache or None
+        from kiln.layers.moe import Experts, Router
+        from kiln.models.qwen_moe import SparseMoeBlock
+
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        ok = (isinstance(mlp, SparseMoeBlock) and mlp.shared_expert is None
+              and type(mlp.experts) is Experts and mlp.experts.w13_q4 is not None
+              and mlp.experts.counts_routing and isinstance(mlp.gate, Router)
+              and mlp.gate.e_score_correction_bias is None
+              and mlp.gate.weight.dtype == torch.float32
+              and attn.elementwise_kernel
+              and all(n.elementwise_kernel and n.weight.dtype == torch.float32 for n in norms)
+              and attn.head_dim % 16 == 0 and attn.attn.sliding_window is None
+              and attn.attn.kv is not None
+              and attn.attn.kv.k.dtype in (torch.float32, torch.float16))
+        parts = self._kernel_parts((attn.qkv_proj, attn.o_proj)) if ok else None
+        if parts is None:
+            self._moe_args_cache = ()
+            return None
+        self._moe_args_cache = (*parts, [attn.qkv_proj.bias, attn.o_proj.bias])
+        return self._moe_args_cache
+
+    @staticmethod
+    def _kernel_parts(linears: tuple) -> tuple | None:
+        """The linears as the layer kernels take them: (weights, kinds, rows, counts), or None
+        where one is not on kiln's q4 or GGUF-block tiles."""
+        from kiln.layers.kquant import KQuantLinear
+        from kiln.layers.quant import Int4Linear
+
+        parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
+        for lin in linears:
+            if isinstance(lin, Int4Linear) and lin.kernel == "q4" and lin.dense is None:
+                parts.append(([lin.packed], [ops.Q4_KIND], [lin.out_features]))
+            elif isinstance(lin, KQuantLinear) and lin.kernel == "gguf":
+                parts.append((lin._parts(), list(lin.types), list(lin.rows)))
+            else:
+                return None
+        return ([w for p in parts for w in p[0]], [k for p in parts for k in p[1]],
+                [r for p in parts for r in p[2]], [len(p[0]) for p in parts])
 
     def _layer_args(self) -> tuple | None:
         """ops.decode_layer's (weights, kinds, rows, counts, biases) for this layer, or None
@@ -205,33 +308,24 @@ class LlamaDecoderLayer(nn.Module):
         must compute a decode row the same way, bit for bit (--batch-invariant)."""
         if self._layer_args_cache is not None:
             return self._layer_args_cache or None
-        from kiln.layers.kquant import KQuantLinear
-        from kiln.layers.quant import Int4Linear
-
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP):
+            self._layer_args_cache = ()
+            return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
         hidden = self.input_layernorm.weight.shape[0]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ok = (attn.elementwise_kernel and mlp.elementwise_kernel
               and all(n.elementwise_kernel and n.weight.dtype == torch.float32 for n in norms)
               and hidden % 16 == 0 and attn.head_dim % 16 == 0
               and mlp.intermediate_size % 16 == 0
               and attn.attn.sliding_window is None and attn.attn.kv is not None
               and attn.attn.kv.k.dtype in (torch.float32, torch.float16))
-        parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if isinstance(lin, Int4Linear) and lin.kernel == "q4" and lin.dense is None:
-                parts.append(([lin.packed], [ops.Q4_KIND], [lin.out_features]))
-            elif isinstance(lin, KQuantLinear) and lin.kernel == "gguf":
-                parts.append((lin._parts(), list(lin.types), list(lin.rows)))
-            else:
-                ok = False
-        if not ok:
+        parts = self._kernel_parts(linears) if ok else None
+        if parts is None:
             self._layer_args_cache = ()
             return None
-        self._layer_args_cache = ([w for p in parts for w in p[0]], [k for p in parts for k in p[1]],
-                           [r for p in parts for r in p[2]], [len(p[0]) for p in parts],
-                           [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                 mlp.down_proj)])
+        self._layer_args_cache = (*parts, [lin.bias for lin in linears])
         return self._layer_args_cache
 
 
@@ -306,6 +400,7 @@ class LlamaModel(nn.Module):
         if self._stack_attns is None:  # once: the layers and their kernels do not change
             ok = len(self._rotary) == 1 and all(
                 type(layer).forward_decode_kernel is LlamaDecoderLayer.forward_decode_kernel
+                and not layer.self_attn.qk_norm  # (the stack's layers take no q/k norms)
                 and layer.self_attn.attn.kv is not None and layer.self_attn.attn.kv.invariant
                 and layer._layer_args() is not None for layer in self.layers)
             # (kept: reaching them through nn.Module's __getattr__ every step cost ~0.1 ms of

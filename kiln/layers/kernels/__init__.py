@@ -1,12 +1,14 @@
 """kiln's CPU kernel layer: which ISA level runs (isa.py), the builder (build.py), the ops'
-Python faces (ops.py) and the choosers that give each layer its kernel with the reason
-(choose.py). The rest of kiln asks here, and only here, whether a kernel runs.
+Python faces (ops.py), the choosers that give each layer its kernel with the reason
+(choose.py) and the threads they run on (threads.py). The rest of kiln asks here, and only
+here, whether a kernel runs.
 
     isa.py      the probe: CPU flags + XCR0 (what the OS grants) + AMX permission; LEVELS
     build.py    one library per level from one source (kernels.cpp, kquant.cpp, simd.h)
     ops.py      q4_linear, moe_q4, attend_rows, q8_linear, lora_add, rms_norm, rope_write,
                 silu_mul, decode_layer, decode_stack (+ kiln/layers/kquant.py: kq_linear)
     choose.py   choose_linear_kernel / choose_attention_kernel -> (kernel, reasons)
+    threads.py  the thread governor: fewer compute threads while other processes hold CPUs
 
 The process runs one level at a time (`select`, from --cpu-isa at startup; `auto`: the best
 that runs). Every level a CPU can run loads side by side (torch.ops.kiln_avx2,

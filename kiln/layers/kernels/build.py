@@ -66,6 +66,23 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
+# torch's builder holds `lock` in the build folder while it compiles and waits, forever, for a
+# lock it finds: a start killed mid-build (Ctrl-C twice, SIGKILL, a test run stopped) left one,
+# and every later start hung. A build takes under a minute; a lock this old has no builder.
+STALE_LOCK_S = 300
+
+
+def _drop_stale_lock(folder: Path) -> None:
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock (%.0f s old, its builder is gone): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 def _build(level: Level) -> tuple[bool, bool]:
     """Builds (or loads the cached build of) `level`'s library. Returns (loaded, was cached); a
     failure is logged."""
@@ -75,6 +92,7 @@ def _build(level: Level) -> tuple[bool, bool]:
 
         _ninja_on_path()
         out.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(out)
         cached = any(out.glob("*.so"))
         load(name=f"kiln_{level.name}", sources=[str(s) for s in SOURCES],
              extra_cflags=cflags(level), extra_ldflags=["-fopenmp"], build_directory=str(out),

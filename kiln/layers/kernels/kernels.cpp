@@ -1229,6 +1229,43 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   return out;
 }
 
+// A router's fp32 logits x [T, H] @ w [E, H]^T, each one FMA chain over H (8 lanes, then one
+// fixed reduction): a row's logits do not depend on the other rows of the step (a GEMM's
+// blocking does, and a flipped top-k choice changes a token's whole MoE output).
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
+                  x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  x.size(1) % 8 == 0,
+              "router_logits: x fp32 [T, H], w fp32 [E, H], H a multiple of 8");
+  const auto xc = x.contiguous(), wc = w.contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1), E = wc.size(0);
+  auto y = at::empty({T, E}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for num_threads(threads()) if (T * E * H >= (1 << 16)) schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < H; i += 8)
+        acc = _mm256_fmadd_ps(load8(xp + t * H + i), load8(wp + e * H + i), acc);
+      yp[t * E + e] = hsum(acc);
+    }
+  return y;
+}
+
+// The q and k heads of a fused qkv [T, (Hq + 2 Hk) * D] normalized in place by rms_norm with
+// the weights qn / kn [D] (Qwen3's q/k norms): the same call, on the same rows, as the eager
+// attention makes (kiln/models/llama.py LlamaAttention), so both give the same bits.
+void qk_norm_rows(at::Tensor& qkv, const at::Tensor& qn, const at::Tensor& kn, double eps,
+                  int64_t Hq, int64_t Hk, int64_t D) {
+  const int64_t T = qkv.size(0);
+  auto heads = qkv.view({T, Hq + 2 * Hk, D});
+  auto q = heads.narrow(1, 0, Hq), k = heads.narrow(1, Hq, Hk);
+  q.copy_(rms_norm(q.reshape({T * Hq, D}), qn, eps).view({T, Hq, D}));
+  k.copy_(rms_norm(k.reshape({T * Hk, D}), kn, eps).view({T, Hk, D}));
+}
+
 // One Llama decoder layer of a step:
 //   x [T, H] fp32 -> x + attn + mlp, the step's K/V written at slots [T]
 //   weights, kinds, rows: the four linears' parts (qkv, o, gate_up, down) in order, `counts`
@@ -1245,7 +1282,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         at::Tensor k, at::Tensor v, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
                         int64_t num_heads, double scale, at::TensorList lora,
-                        const std::optional<at::Tensor>& lora_seg) {
+                        const std::optional<at::Tensor>& lora_seg,
+                        const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, double qk_eps) {
   TORCH_CHECK(counts.size() == 4 && biases.size() == 4,
               "decode_layer: four linears (qkv, o, gate_up, down)");
   TORCH_CHECK(lora.empty() || (lora.size() == 20 && lora_seg.has_value()),
@@ -1256,7 +1295,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   for (int i = 0; i < 4; ++i) off[i + 1] = off[i] + counts[i];
   TORCH_CHECK(off[4] == static_cast<int64_t>(weights.size()),
               "decode_layer: counts must add up to the weight parts");
-  bool fused = lora.empty() && weights.size() == 4 && x.scalar_type() == at::kFloat &&
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_layer: q and k norms together");
+  bool fused = lora.empty() && !q_norm.has_value() && weights.size() == 4 &&
+               x.scalar_type() == at::kFloat &&
                x.dim() == 2 && kernel_pool(k, v);
   for (int i = 0; i < 4 && fused; ++i) {
     const auto b = biases.get(i);
@@ -1281,10 +1322,52 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
     return y;
   };
   const int64_t B = x.size(0);
-  const auto q = rope_write(lin(0, rms_norm(x, ln1, eps)), cos, sin, k, v, slots, num_heads);
+  auto qkv = lin(0, rms_norm(x, ln1, eps));
+  if (q_norm.has_value())
+    qk_norm_rows(qkv, *q_norm, *k_norm, qk_eps, num_heads, k.size(1), k.size(2));
+  const auto q = rope_write(qkv, cos, sin, k, v, slots, num_heads);
   const auto ctx = attend_rows(q, k, v, table, row_of, lens, scale);
   const auto x1 = x + lin(1, ctx.view({B, -1}));
   return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
+}
+
+// A mixture-of-experts decoder layer of any step in one call (Qwen2/3-MoE without a shared
+// expert, Mixtral): what the layer's eager forward runs, op for op (rms_norm, the qkv linear,
+// the q/k norms, rope_write, attend_rows, the o linear, the residual, rms_norm, the router's
+// fp32 logits, softmax + top-k (+ renormalized), moe_q4, the residual), without ~40 Python
+// calls a layer. Returns (x out [T, H], ids [T, k]: the routing, for the experts' counters).
+std::tuple<at::Tensor, at::Tensor> moe_layer(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ln1,
+    const at::Tensor& ln2, double eps, at::TensorList weights, at::IntArrayRef kinds,
+    at::IntArrayRef rows, at::IntArrayRef counts,
+    const c10::List<std::optional<at::Tensor>>& biases, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k, at::Tensor v,
+    const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row_of,
+    const at::Tensor& lens, int64_t num_heads, double scale, const at::Tensor& router,
+    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2) {
+  TORCH_CHECK(counts.size() == 2 && biases.size() == 2,
+              "moe_layer: two linears (qkv, o)");
+  TORCH_CHECK(weights.size() == kinds.size() && kinds.size() == rows.size() &&
+                  counts[0] + counts[1] == static_cast<int64_t>(weights.size()),
+              "moe_layer: one kind and row count per weight part, counts adding up to them");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "moe_layer: q and k norms together");
+  auto lin = [&](int i, const at::Tensor& h) {
+    const int64_t a = i == 0 ? 0 : counts[0], n = counts[i];
+    return layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
+                        biases.get(i));
+  };
+  const int64_t B = x.size(0), Hk = k.size(1), D = k.size(2);
+  auto qkv = lin(0, rms_norm(x, ln1, eps));
+  if (q_norm.has_value()) qk_norm_rows(qkv, *q_norm, *k_norm, qk_eps, num_heads, Hk, D);
+  const auto q = rope_write(qkv, cos, sin, k, v, slots, num_heads);
+  const auto ctx = attend_rows(q, k, v, table, row_of, lens, scale);
+  const auto x1 = x + lin(1, ctx.view({B, -1}));
+  const auto h = rms_norm(x1, ln2, eps);
+  // kiln/layers/moe.py: Router (router_logits) then softmax_topk, the same ops
+  const auto probs = at::softmax(router_logits(h, router), -1);
+  auto [w, ids] = at::topk(probs, top_k, -1);
+  if (renormalize) w = w / w.sum(-1, /*keepdim=*/true);
+  return {x1 + moe_q4(h, ids, w, w13, w2, 0), ids};
 }
 
 // A model's decoder layers as decode_layer takes them, gathered once (LlamaModel's
@@ -1330,7 +1413,7 @@ at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& cos, const at::Te
   for (auto& l : stack->layers)
     h = decode_layer(h, cos, sin, l.ln1, l.ln2, l.eps, l.weights, l.kinds, l.rows, l.counts,
                      l.biases, l.k, l.v, slots, table, row_of, lens, l.num_heads, l.scale, {},
-                     std::nullopt);
+                     std::nullopt, std::nullopt, std::nullopt, 0.0);
   return h;
 }
 
@@ -1353,8 +1436,14 @@ KILN_LIBRARY(m) {
   m.def("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps, "
         "Tensor[] weights, int[] kinds, int[] rows, int[] counts, Tensor?[] biases, Tensor(a!) k, "
         "Tensor(b!) v, Tensor slots, Tensor table, Tensor row_of, Tensor lens, int num_heads, "
-        "float scale, Tensor[] lora, Tensor? lora_seg) "
-        "-> Tensor");
+        "float scale, Tensor[] lora, Tensor? lora_seg, Tensor? q_norm=None, "
+        "Tensor? k_norm=None, float qk_eps=0.0) -> Tensor");
+  m.def("router_logits(Tensor x, Tensor w) -> Tensor");
+  m.def("moe_layer(Tensor x, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps, "
+        "Tensor[] weights, int[] kinds, int[] rows, int[] counts, Tensor?[] biases, "
+        "Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor(a!) k, Tensor(b!) v, Tensor slots, "
+        "Tensor table, Tensor row_of, Tensor lens, int num_heads, float scale, Tensor router, "
+        "int top_k, bool renormalize, Tensor w13, Tensor w2) -> (Tensor, Tensor)");
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<>())
       .def("add", &LayerStack::add)
@@ -1368,6 +1457,8 @@ KILN_LIBRARY(m) {
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul_rows);
   m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+  m.impl("moe_layer", c10::DispatchKey::CPU, &moe_layer);
+  m.impl("router_logits", c10::DispatchKey::CPU, &router_logits);
   m.impl("lora_add", c10::DispatchKey::CPU, &lora_add);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);

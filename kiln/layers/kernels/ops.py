@@ -182,8 +182,19 @@ def register_fakes(ns: str) -> None:
 
     @torch.library.register_fake(f"{ns}::decode_layer")
     def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
-          table, row_of, lens, num_heads, scale, lora=(), lora_seg=None):
+          table, row_of, lens, num_heads, scale, lora=(), lora_seg=None, q_norm=None,
+          k_norm=None, qk_eps=0.0):
         return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{ns}::moe_layer")
+    def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, q_norm, k_norm,
+          qk_eps, k, v, slots, table, row_of, lens, num_heads, scale, router, top_k,
+          renormalize, w13, w2):
+        return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.long)
+
+    @torch.library.register_fake(f"{ns}::router_logits")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake(f"{ns}::q8_linear")
     def _(x, w, scale):
@@ -218,7 +229,9 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       v: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
                       row_of: torch.Tensor, lens: torch.Tensor, num_heads: int,
                       scale: float, lora: list[torch.Tensor] | None = None,
-                      lora_seg: torch.Tensor | None = None) -> torch.Tensor:
+                      lora_seg: torch.Tensor | None = None,
+                      qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                      ) -> torch.Tensor:
     """One Llama decoder layer of a whole step in one call (kernels.cpp
     decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
     `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
@@ -226,11 +239,38 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     `biases` per linear or None. table [R, L] / row_of [T] / lens [T]: what each row attends
     to (attend_rows' arguments). `lora` / `lora_seg`: a LoRA step's adapters, 5 tensors per
     linear (engine/lora.py's stacked a, bt, pieces, ranks, local; empty a: none on it) and the
-    step's row groups, added after each linear by lora_add as the modules' hooks add them. The
+    step's row groups, added after each linear by lora_add as the modules' hooks add them.
+    `qk_norms`: Qwen3's per-head (q_norm, k_norm, eps), applied to the qkv before RoPE. The
     same kernels in the same order as the layer's eager forward: the same bits."""
-    return lib().decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows,
-                                            counts, biases, k, v, slots, table, row_of, lens,
-                                            num_heads, scale, lora or [], lora_seg)
+    qn, kn, qk_eps = qk_norms if qk_norms is not None else (None, None, 0.0)
+    return lib().decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases,
+                              k, v, slots, table, row_of, lens, num_heads, scale, lora or [],
+                              lora_seg, qn, kn, qk_eps)
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A router's fp32 logits x [T, H] @ w [E, H]^T, each one FMA chain (kernels.cpp): a row's
+    logits do not depend on the step's other rows (batch-invariant routing)."""
+    return lib().router_logits(x, w)
+
+
+def moe_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Tensor,
+              ln2: torch.Tensor, eps: float, weights: list[torch.Tensor], kinds: list[int],
+              rows: list[int], counts: list[int], biases: list[torch.Tensor | None],
+              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float,
+              k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+              row_of: torch.Tensor, lens: torch.Tensor, num_heads: int, scale: float,
+              router: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
+              w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts decoder layer of a whole step in one call (kernels.cpp
+    moe_layer): decode_layer's attention (two linears: qkv, o; Qwen3's per-head q/k norms
+    where given), then the router's fp32 logits (router [E, H]), softmax + top-k
+    (renormalized), and moe_q4 over the stacked experts w13 / w2. Returns (x out [T, H], ids
+    [T, top_k]: the routing, for the experts' counters). The same kernels in the same order as
+    the layer's eager forward."""
+    return lib().moe_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases,
+                           q_norm, k_norm, qk_eps, k, v, slots, table, row_of, lens, num_heads,
+                           scale, router, top_k, renormalize, w13, w2)
 
 
 def layer_stack() -> torch.ScriptObject:
