@@ -1,4 +1,4 @@
-"""kiln's batch-invariant AVX2 kernels checked inside the whole model, not only on made-up
+"""kiln's batch-invariant CPU kernels checked inside the whole model, not only on made-up
 tensors (tests/test_kernels.py does that): SmolLM2 with the default settings except
 int8 weights (re-quantized from the GGUF's blocks: --no-gguf-kernels) runs 3 chat requests, a
 batched prefill then 4 batched decode steps, once with the kernels (ops.attend_rows

@@ -115,7 +115,7 @@ def test_q4_0_experts_are_repacked_not_requantized(tiny, family):
     q_layers = [m for m in quant.model.modules() if isinstance(m, Experts)]
     assert d_layers and len(d_layers) == len(q_layers)
     for d, q in zip(d_layers, q_layers, strict=True):
-        # per-expert modules, or (kiln's AVX2 kernels) all experts stacked for moe_q4
+        # per-expert modules, or (kiln's CPU kernels) all experts stacked for moe_q4
         assert q.is_quantized and not d.is_quantized
         for e in range(d.num_experts):
             gate_up, down = q.expert_weights(e)

@@ -238,7 +238,7 @@ class _TargetHook:
         self.kernel = kernel
         self.stacked: _Stacked | None = None
         self.handle = module.register_forward_hook(self)
-        module.lora_hook = self  # the AVX2 layer kernel reads the stacks from here (kernel_args)
+        module.lora_hook = self  # the layer kernel reads the stacks from here (kernel_args)
 
     def set(self, slot: int, item: tuple[torch.Tensor, torch.Tensor,
                                          list[tuple[int, int, int, int]]] | None) -> None:
@@ -319,7 +319,7 @@ class LoRAManager:
         self._hooks: dict[str, _TargetHook] = {}  # our module path -> its hook
         self._next_id = 1
         self._slot_of: dict[int, int] = {}  # adapter id -> slot
-        # whether the adapters are added by lora_add (so the AVX2 layer kernel can add them)
+        # whether the adapters are added by lora_add (so the layer kernel can add them)
         self.kernel = _kernel_ok(device, dtype)
 
     def id_of(self, name: str) -> int:

@@ -14,8 +14,8 @@ then up rows) and `down_proj` [E, H, I]. The loader fills them per expert (Huggi
 `experts.N.gate_proj.weight`, Mixtral's `w1/w3/w2`) or whole (GGUF's `ffn_*_exps`, a
 transformers-5 fused tensor). With --quantization, `quantize` turns each expert into kiln's
 Int4Linear/Int8Linear modules (kiln/layers/quant.py), so experts run the same kernels as dense
-layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`). On x86 CPUs
-with kiln's AVX2 kernels (and not its AVX512 ones) int4 experts stay stacked instead, packed for
+layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`). Where kiln's
+CPU kernels run (x86, AVX2 or better) int4 experts stay stacked instead, packed for
 `kernels.ops.moe_q4`, which runs all of a step's routed experts in one call
 (`expert_weights(e)` gives any form's dense weights back, for tests). `select` takes a pool of a
 layer's experts for kiln/layers/moe_pools.py, which splits layers between devices.
@@ -322,7 +322,7 @@ class Experts(nn.Module):
 
     def select(self, expert_ids: list[int], device: torch.device | str) -> Experts:
         """A pool of this layer's experts `expert_ids` (in that order: local id i is global
-        expert_ids[i]), in whatever form they run here, on `device`. The AVX2 kernels' packed
+        expert_ids[i]), in whatever form they run here, on `device`. The kernels' packed
         int4 runs only on the CPU: moved to another device, those experts become Int4Linear
         modules there. The pool does not count routing (its SplitExperts does)."""
         from kiln.layers.quant import GroupQuant, Int4Linear
@@ -430,7 +430,7 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def extra_repr(self) -> str:
-        form = ("int4 stacked (AVX2 kernels)" if self.w13_q4 is not None
+        form = ("int4 stacked (moe_q4)" if self.w13_q4 is not None
                 else "quantized" if self.quantized is not None else "dense")
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, {form}")
