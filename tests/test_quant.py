@@ -90,7 +90,7 @@ def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
     33 rows are padded to 64 inside the op (ROWS_QUANTUM) and cut back."""
     import torch.nn.functional as F
 
-    from kiln.layers.kernels import cpu_native_bf16
+    from kiln.layers.kernels.isa import cpu_native_bf16
     from kiln.layers.linear import pack_weight, packed_linear, packing_works
 
     if cpu_native_bf16():

@@ -113,21 +113,3 @@ def at_level(name: str) -> Iterator[None]:
         yield
     finally:
         _level, _reason = saved
-
-
-def cpu_native_bf16() -> bool:
-    from kiln.layers.kernels.isa import cpu_native_bf16 as native
-
-    return native()
-
-
-def cpu_has_avx2() -> bool:
-    from kiln.layers.kernels.isa import cpu_has_avx2 as has
-
-    return has()
-
-
-def amx_granted() -> bool:
-    from kiln.layers.kernels.isa import amx_granted as granted
-
-    return granted()

@@ -22,11 +22,6 @@ Q4_TILE = 8  # output rows per tile of pack_q4's layout
 Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 fp16 mins
 
 
-def q4_ok(device: torch.device, k: int) -> bool:
-    """Whether a 4-bit linear over k inputs can run on q4_linear here."""
-    return device.type == "cpu" and k % 32 == 0 and available()
-
-
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q +
     min) -> the kernels' layout, uint8 [ceil(N/8), K/32, 160] (see kernels.cpp):
@@ -110,11 +105,6 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Te
     row -> fp32 [M, N] (kernels.cpp): each output one FMA chain over K, the same bits
     whatever the row count (the int8 head under --batch-invariant)."""
     return lib().q8_linear(x, w, scale)
-
-
-def q8_ok(device: torch.device, k: int) -> bool:
-    """Whether an int8 linear over k inputs can run q8_linear here."""
-    return device.type == "cpu" and k % 8 == 0 and available()
 
 
 def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
