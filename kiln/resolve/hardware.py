@@ -105,9 +105,6 @@ class HardwareInfo:
     def has_usable_cuda(self) -> bool:
         return self.torch_cuda_available and bool(self.gpus)
 
-    def has_flag(self, flag: str) -> bool:
-        return flag in self.cpu_flags
-
     @property
     def cpu_native_bf16(self) -> bool:
         """bf16 matmuls run in hardware (AVX512-BF16, AMX, or ARMv8.6 BF16), not by conversion."""
