@@ -47,3 +47,9 @@ class MemoryFitError(KilnError):
 
 class EngineNotFoundError(KilnError):
     """An external engine (vLLM, SGLang) is not installed or is too old."""
+
+
+class DiagnosticFault(KilnError):
+    """Raised by a fault injected with --diagnostic-fault (kiln/obs/faults.py), never by a real
+    failure. Here with the other errors so that both places that raise it (the fault plan and
+    the startup stages in kiln/obs/trace.py) import it from below, not from each other."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,27 +25,7 @@ from kiln.layers.kernels import isa as kernel_isa
 from kiln.messages import english, msg, set_lang
 from kiln.paths import check_cache_dir_writable
 from kiln.resolve import parallel, speculative
-
-
-@dataclass
-class StartupPlan:
-    args: argparse.Namespace
-    hardware: Any = None  # kiln.resolve.hardware.HardwareInfo
-    source: Any = None  # kiln.resolve.sources.ModelSource
-    # The model's config (kiln.models.config.ModelConfig), read without opening weights; for
-    # an external engine, of any architecture.
-    model_config: Any = None
-    # kiln.models.loader.Checkpoint (weight files listed, none loaded): only where kiln's own
-    # engine runs the model, so only then does kiln's loader judge the architecture.
-    checkpoint: Any = None
-    settings: C.ResolvedSettings | None = None
-    engines_cfg: dict[str, Any] = field(default_factory=dict)
-    config_file: Path | None = None
-    preset: str | None = None
-    preset_reason: str = ""
-    phase: str = "start"
-    extra: dict[str, Any] = field(default_factory=dict)  # engine facts after loading
-    started: float = field(default_factory=time.monotonic)
+from kiln.startup_plan import StartupPlan
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,7 +46,8 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_spec(args: argparse.Namespace) -> str | None:
-    """MODEL from the positional or -m/--model (the same thing, so both given must agree)."""
+    """MODEL from the positional or -m/--model (the same thing, so both given must agree); the
+    `model` row's KILN_MODEL and config-file key come in below them in plan()."""
     positional, option = getattr(args, "model", None), getattr(args, "model_option", None)
     if positional and option and positional != option:
         raise C.ConfigError(f"two models given: {positional!r} (MODEL) and {option!r} (--model)",
@@ -104,7 +84,10 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     env = S.env_values()
     file_settings, sp.engines_cfg, sp.config_file = S.load_config_file(args.config)
 
-    args.model = model_spec(args)
+    given = model_spec(args)
+    if given:  # MODEL (or -m/--model) is the `model` row's CLI value; KILN_MODEL, the file's below
+        positional = getattr(args, "model", None) == given
+        cli["model"] = (given, "MODEL" if positional else "--model")
 
     sp.phase = "hardware"
     sp.hardware = hardware.probe_hardware()
@@ -112,7 +95,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     sp.phase = "model"
     # Where to look, whether to download and which engine runs are settings too; take them
     # before the rest, which depend on the model.
-    early_names = ("model_dirs", "offline", "engine", "device", "lang")
+    early_names = ("model", "model_path", "model_dirs", "offline", "engine", "device", "lang")
     early = C.resolve_settings(cli=_only(cli, *early_names), env=_only(env, *early_names),
                                file=_only(file_settings, *early_names))
     if early.source("lang") == "file":
@@ -129,14 +112,16 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         sp.phase = "model"
     external = early["engine"] in ("vllm", "sglang")
     dirs = sources.configured_model_dirs(early.get("model_dirs") or [])
-    spec = getattr(args, "model", None)
+    spec = args.model = early["model"]
+    model_path = early["model_path"]
     # A dry run never downloads; an external engine downloads by itself what is not local.
     download = not (args.dry_run or external)
     try:
         sp.source = sources.resolve_model(spec, model_dirs=dirs, offline=bool(early["offline"]),
-                                          download=download)
-    except ModelNotFoundError:
-        remote = _remote_source(spec) if external else None
+                                          download=download, model_path=model_path)
+    except ModelNotFoundError as e:
+        remote = (_remote_source(spec, getattr(e, "registry_entry", None))
+                  if external and not model_path else None)
         if remote is None:
             raise
         sp.source = remote
@@ -195,13 +180,28 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         cpu_amx=kernel_isa.amx_granted(),
         cpu_kernels=kernel_isa.cpu_has_avx2(),
         model_kind=model_kind,
+        model_names=served_names(sp.source),
+        model_code=_model_code(sp.source),
     )
     registry_vals = dict(entry.recommended) if entry else {}
-    # A preset value for a knob the preset's device does not have is noise; keep it anyway:
-    # provenance shows it, and the user may override it.
-    s = C.resolve_settings(cli=cli, env=env, file=file_settings, file_path=sp.config_file,
-                           preset=preset_vals, preset_name=sp.preset, registry=registry_vals,
-                           registry_name=entry.name if entry else None, ctx=ctx)
+
+    def resolve() -> C.ResolvedSettings:
+        # A preset value for a knob the preset's device does not have is noise; keep it
+        # anyway: provenance shows it, and the user may override it.
+        return C.resolve_settings(cli=cli, env=env, file=file_settings,
+                                  file_path=sp.config_file, preset=preset_vals,
+                                  preset_name=sp.preset, registry=registry_vals,
+                                  registry_name=entry.name if entry else None, ctx=ctx)
+
+    s = resolve()
+    if sp.preset is None and s["engine"] == "sglang" and s["cpu_offload_experts"] \
+            and ctx.is_moe:
+        # kt-kernel is on (its own rule decided, from the model and the flags): kt-cli's
+        # launch flags come as a preset, below everything a person set.
+        sp.preset, sp.preset_reason = "kt", ("SGLang with kt-kernel (an MoE model, experts "
+                                             "split GPU/CPU): kt-cli's `kt run` flags")
+        preset_vals = dict(presets.get_preset("kt").settings)
+        s = resolve()
     if s.source("lang") in ("cli", "env", "file"):
         # The CLI chose the language from --lang / KILN_LANG / the locale before this; only the
         # config file is news here (and LLM(lang=...), which has no CLI entry).
@@ -216,7 +216,12 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         _check_model_limits(s, mc.context_length)
     if s["engine"] != "kiln":  # kiln's own engine refuses TP > 1 below, whatever the model
         parallel.reduce_tp_to_model_max(s, parallel.model_max_tp(entry, mc))
-    parallel.auto_gpu_experts(s, entry, hw)
+    unknown = s["engine"] != "kiln" and entry is None and sp.source.kind in ("folder", "gguf")
+    if unknown:
+        # kt-cli's notice: a folder it cannot name runs with default parameters.
+        s.warnings.append(msg("startup.no_registry_rule", name=sp.source.name,
+                              path=sp.source.path))
+    parallel.auto_gpu_experts(s, entry, hw, noted=unknown)
     sp.settings = s
     if s["engine"] == "sglang" and s["cpu_offload_experts"] and ctx.is_moe:
         parallel.check_kt(s, sp, hw)
@@ -326,9 +331,10 @@ def commit_to_kiln(sp: StartupPlan) -> None:
     open_for_kiln(sp)
 
 
-def _remote_source(spec: str | None) -> Any:
-    """A model the external engine will fetch itself: a registry alias or owner/repo that is not
-    on disk. kiln passes the repo id through instead of downloading it."""
+def _remote_source(spec: str | None, entry: Any = None) -> Any:
+    """A model the external engine will fetch itself: a registry alias (or the registry model a
+    short name picked, `entry`) or owner/repo that is not on disk. kiln passes the repo id
+    through instead of downloading it."""
     from pathlib import Path
 
     from kiln.resolve.registry import infer_entry, lookup
@@ -336,6 +342,8 @@ def _remote_source(spec: str | None) -> Any:
 
     if not spec:
         return None
+    if lookup(spec) is None and entry is not None:
+        spec = entry.name  # a short name the registry search turned into this model
     entry = lookup(spec)
     repo = entry.hf_repo if entry else (spec if spec.count("/") == 1 and ":" not in spec
                                         and not Path(spec).exists() else None)
@@ -344,6 +352,41 @@ def _remote_source(spec: str | None) -> Any:
     return ModelSource(spec=spec, kind="alias" if entry else "hf", path=Path(repo),
                        format="remote", repo_id=repo, registry_entry=entry or infer_entry(repo),
                        origin="remote (the engine downloads it)")
+
+
+def served_names(src: Any) -> tuple[str, ...]:
+    """What a client may ask for the model by (the served_model_name auto rule's input): the
+    name MODEL was given as, then, for a registry alias or an HF id, the registry's id and HF
+    repo. A folder's guessed registry entry adds nothing: the guess may be wrong."""
+    if src is None:
+        return ()
+    names = [src.name]
+    entry = src.registry_entry
+    if entry is not None and src.kind in ("alias", "hf"):
+        names += [entry.name, entry.hf_repo]
+    out: list[str] = []
+    for n in names:
+        if n and n.lower() not in {o.lower() for o in out}:
+            out.append(n)
+    return tuple(out)
+
+
+def _model_code(src: Any) -> str:
+    """The model's own code its config.json's auto_map names ("" when none, or no config.json
+    on disk): where an external engine needs --trust-remote-code."""
+    import json
+
+    if src is None or src.format == "remote":
+        return ""
+    folder = src.path if src.path.is_dir() else src.path.parent
+    try:
+        auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(auto_map, dict) or not auto_map:
+        return ""
+    code = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()))
+    return str(code[0] if isinstance(code, list) else code)
 
 
 def _only(d: dict[str, Any], *names: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from kiln.errors import KilnError
 from kiln.messages import english, msg
 
 if TYPE_CHECKING:
-    from kiln.startup import StartupPlan
+    from kiln.startup_plan import StartupPlan
 
 
 def describe(sp: StartupPlan) -> str:

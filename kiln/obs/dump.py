@@ -13,10 +13,30 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kiln.server.serving import ChoiceEvent, ChoiceSpec
+    from kiln.sampling_params import SamplingParams
+
+
+# What a bundle reads of the server's choices (kiln.server.serving's ChoiceSpec and ChoiceEvent
+# have these fields), spelled out here so that this lower floor does not import the server that
+# writes through it (tests/test_layering.py keeps kiln/ free of import cycles).
+class ChoiceSpec(Protocol):
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class ChoiceEvent(Protocol):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool: ...
 
 # Body fields that may carry a credential. Matched by exact (lower-case) name at any depth: a
 # substring test would also remove max_tokens and logit_bias's token ids.

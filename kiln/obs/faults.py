@@ -17,13 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import DiagnosticFault
 
 KINDS = ("startup", "step_raise", "step_delay_ms", "kv_alloc", "drop_stream")
-
-
-class DiagnosticFault(KilnError):
-    """Raised by an injected fault (never by a real failure)."""
 
 
 @dataclass(frozen=True, repr=False)

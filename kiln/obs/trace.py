@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from kiln.errors import DiagnosticFault
+
 # The startup stages, in order (a fault `startup:STAGE` may name any but process_start).
 STAGES = ("process_start", "settings_resolved", "weights_loaded", "kernels_ready",
           "kv_allocated", "compiled", "ready")
@@ -184,8 +186,6 @@ class StartupStages:
         if self.writer is not None:
             self._write(name, memory_sample(), time.monotonic())
         if self.fail_at == name:
-            from kiln.obs.faults import DiagnosticFault
-
             raise DiagnosticFault(f"startup stage {name!r} failed by --diagnostic-fault "
                                   f"startup:{name}",
                                   hint="a drill: drop the --diagnostic-fault flag to start")
