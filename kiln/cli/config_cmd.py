@@ -1,4 +1,5 @@
-"""`kiln config show|get|set|path`: the config file, and what every setting resolves to."""
+"""`kiln config show|get|set|path|docs`: the config file, what every setting resolves to, and
+the generated flag reference (docs/flags.md)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def add_parser(subparsers: Any) -> None:
     st.add_argument("key")
     st.add_argument("value")
     sub.add_parser("path", help="print the config file's path")
+    docs = sub.add_parser("docs", help="write docs/flags.md from the settings table")
+    docs.add_argument("--check", action="store_true",
+                      help="write nothing; exit 1 when the page differs from the table")
+    docs.add_argument("--output", type=Path, metavar="PATH",
+                      help="where the page goes (default: docs/flags.md of this checkout)")
     p.set_defaults(func=main)
 
 
@@ -57,6 +63,10 @@ def _main(args: argparse.Namespace) -> int:
     if action == "path":
         print(_path(args))
         return 0
+    if action == "docs":
+        from kiln import setting_docs
+
+        return setting_docs.main(args)
     if action == "set":
         name = args.key.replace("-", "_")
         s = C.setting(name)
