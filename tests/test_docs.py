@@ -4,6 +4,7 @@ leads to a file that exists."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,33 @@ def test_kiln_config_docs_writes_the_page_and_check_finds_it_stale(tmp_path: Pat
     assert "stale" in printed and "`kiln config docs`" in printed, printed
     assert kiln_main(["config", "docs", "--output", str(out)]) == 0
     assert kiln_main(["config", "docs", "--check", "--output", str(out)]) == 0
+def _links(path: Path) -> list[tuple[str, str]]:
+    """(file, anchor) of each relative link in a Markdown file ([text](target), images too);
+    file "" is the page itself."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+    parts = [t.partition("#") for t in targets if not re.match(r"[a-z]+:", t)]
+    return [(file, anchor) for file, _, anchor in parts]
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's ids for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_readme_is_short_and_every_link_in_the_docs_leads_somewhere() -> None:
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 250, "README.md: at most 250 lines (issue 42)"
+    pages = [readme, *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in _links(page):
+            dest = (page.parent / target) if target else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, broken
+    linked = {(readme.parent / t).resolve() for t, _ in _links(readme) if t}
+    unlinked = [p.name for p in pages[1:] if p.resolve() not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
