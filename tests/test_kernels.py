@@ -456,7 +456,7 @@ def test_decode_stack_is_decode_layer_layer_after_layer():
     for ly in layers:
         stack.add(ly["ln1"], ly["ln2"], eps, ly["weights"], ly["kinds"], rows, [1, 1, 1, 1],
                   [bb if bb is not None else torch.empty(0) for bb in ly["biases"]], ly["k"],
-                  ly["v"], hq, scale)
+                  ly["v"], hq, scale, torch.empty(0), torch.empty(0), 0.0)
     assert stack.size() == 2
     got = ck.decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
     assert torch.equal(got, want)

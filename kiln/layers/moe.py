@@ -473,8 +473,8 @@ def experts_of(model: nn.Module) -> list[Any]:
 def reset_routing_counts(experts: list[Any]) -> None:
     """Zeroes the counters when the engine starts: the tokens of startup's memory-profiling
     prefill went through the routers too, and are no user's."""
-    for m in experts:
-        m.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.int64)
+    for m in experts:  # in place: LlamaModel's layer stack holds the counters
+        m.tokens_per_expert.zero_()
 
 
 def routing_counts(experts: list[Any]) -> torch.Tensor:

@@ -355,6 +355,7 @@ class LlamaModel(nn.Module):
         # _layer_stack's: the layers' Attention modules (None: not looked at yet; []: the layers
         # cannot run as one stack), and (their KV stores, the LayerStack built on them)
         self._stack_attns: list[Attention] | None = None
+        self._stack_experts: list = []  # per layer its Experts (a MoE layer) or None
         self._stack: tuple[list, object] | None = None
         self.layers = nn.ModuleList(
             make_layer(i, self._rotary[self._layer_rope[i]]) if make_layer is not None else
@@ -388,39 +389,51 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def _layer_stack(self) -> object | None:
-        """The layer kernel's arguments of every layer, gathered once into one
-        LayerStack (kernels.cpp), so that a kernel step runs all its layers in one call
-        (decode_stack: the very decode_layer calls forward_decode_kernel makes, without a
-        Python round trip and 21 converted arguments per layer). None: layer by layer, where
-        a step has LoRA rows (their adapters are per step), a layer is not a plain Llama layer
-        on the batch-invariant kernel, or the layers use two RoPE tables. Rebuilt when a
-        layer's KV store is replaced (the runner swaps in scratch pools to profile)."""
+        """The layer kernels' arguments of every layer, gathered once into one LayerStack
+        (kernels.cpp), so that a kernel step runs all its layers in one call (decode_stack:
+        the very decode_layer / moe_layer calls forward_decode_kernel makes, without a Python
+        round trip and 21-27 converted arguments per layer). None: layer by layer, where a step
+        has LoRA rows (their adapters are per step), a layer does not run on the layer kernels
+        (decode_kernel_rows), or the layers use two RoPE tables. Rebuilt when a layer's KV
+        store or routing counters are replaced (the runner swaps in scratch pools to profile)."""
         if lora.step_active():
             return None
         if self._stack_attns is None:  # once: the layers and their kernels do not change
             ok = len(self._rotary) == 1 and all(
                 type(layer).forward_decode_kernel is LlamaDecoderLayer.forward_decode_kernel
-                and not layer.self_attn.qk_norm  # (the stack's layers take no q/k norms)
-                and layer.self_attn.attn.kv is not None and layer.self_attn.attn.kv.invariant
-                and layer._layer_args() is not None for layer in self.layers)
+                and layer.decode_kernel_rows() > 0 for layer in self.layers)
             # (kept: reaching them through nn.Module's __getattr__ every step cost ~0.1 ms of
             # an 8 ms SmolLM2 step)
             self._stack_attns = [layer.self_attn.attn for layer in self.layers] if ok else []
+            self._stack_experts = [layer.mlp.experts if layer._moe_args() is not None else None
+                                   for layer in self.layers] if ok else []
         if not self._stack_attns:
             return None
-        kvs = [a.kv for a in self._stack_attns]
-        if self._stack is None or any(a is not b for a, b in zip(kvs, self._stack[0])):
-            stack = ops.layer_stack()
-            no_bias = torch.empty(0)
-            for layer, kv in zip(self.layers, kvs):
-                weights, kinds, rows, counts, biases = layer._layer_args()
-                attn = layer.self_attn
-                stack.add(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                          layer.input_layernorm.eps, weights, kinds, rows, counts,
-                          [b if b is not None else no_bias for b in biases], kv.k, kv.v,
-                          attn.num_heads, attn.attn.scale)
-            self._stack = (kvs, stack)
+        key = [a.kv for a in self._stack_attns] + [
+            e.tokens_per_expert for e in self._stack_experts if e is not None]
+        if self._stack is None or any(a is not b for a, b in zip(key, self._stack[0])):
+            self._stack = (key, self._build_stack())
         return self._stack[1]
+
+    def _build_stack(self) -> object:
+        stack = ops.layer_stack()
+        none = torch.empty(0)
+        for layer, experts in zip(self.layers, self._stack_experts):
+            attn, kv = layer.self_attn, layer.self_attn.attn.kv
+            q_norm, k_norm, qk_eps = attn.qk_norms() or (none, none, 0.0)
+            args = layer._moe_args() if experts is not None else layer._layer_args()
+            weights, kinds, rows, counts, biases = args
+            common = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                      layer.input_layernorm.eps, weights, kinds, rows, counts,
+                      [b if b is not None else none for b in biases], kv.k, kv.v,
+                      attn.num_heads, attn.attn.scale, q_norm, k_norm, qk_eps)
+            if experts is None:
+                stack.add(*common)
+            else:
+                mlp = layer.mlp
+                stack.add_moe(*common, mlp.gate.weight, mlp.top_k, mlp.renormalize,
+                              experts.w13_q4, experts.w2_q4, experts.tokens_per_expert)
+        return stack
 
 
 def kernel_layer_call(layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor,

@@ -37,6 +37,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -277,6 +278,32 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// moe_q4's work split: items (active expert a, tile j) expert-major, `per` tiles an expert, cut
+// into nt contiguous ranges of about equal cost, an item costing its expert's rows plus
+// kTileCost (reading the tile's weights: about what 2 rows of compute take at T = 1). Why not
+// `omp for schedule(dynamic)`: its chunks interleave the threads over each expert, so neither
+// thread streams its weights in order (T = 1, 24 layers of the MoE benchmark model: ...);
+// static over items ignores the experts' different row counts. -> bounds [nt + 1].
+std::vector<int64_t> split_items(const std::vector<int64_t>& active,
+                                 const std::vector<int64_t>& offsets, int64_t per, int nt) {
+  constexpr int64_t kTileCost = 2;
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<int64_t> cost(A + 1, 0);  // cumulative cost before active expert a
+  for (int64_t a = 0; a < A; ++a)
+    cost[a + 1] = cost[a] + per * (offsets[active[a] + 1] - offsets[active[a]] + kTileCost);
+  std::vector<int64_t> bounds(nt + 1, A * per);
+  bounds[0] = 0;
+  int64_t a = 0;
+  for (int t = 1; t < nt; ++t) {
+    const int64_t target = cost[A] * t / nt;  // the first item whose cost starts at or past it
+    while (a < A && cost[a + 1] <= target) ++a;
+    if (a == A) break;
+    const int64_t c = cost[a + 1] - cost[a];
+    bounds[t] = a * per + std::min(per, ((target - cost[a]) * per + c - 1) / c);
+  }
+  return bounds;
+}
+
 // One MoE layer's routed experts in one call.
 //   x        [T, H] fp32 or bf16       the layer's input rows
 //   ids      [T, k] int64              each token's experts (from the router); -1: a pair
@@ -360,6 +387,8 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   float* yp = y.data_ptr<float>();
   constexpr int64_t kRowChunk = 32;
   const int nt = num_threads > 0 ? static_cast<int>(num_threads) : threads();
+  const auto split1 = split_items(active, offsets, it1, nt);
+  const auto split2 = split_items(active, offsets, it2, nt);
 #pragma omp parallel num_threads(nt)
   {
     if (x.scalar_type() == at::kFloat)
@@ -368,10 +397,10 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
       quantize_rows_omp(xc.data_ptr<at::BFloat16>(), T, H, xs);
     __m256 g[kRowChunk], u[kRowChunk];
     std::vector<int64_t> rows(kRowChunk);
-    // Phase 1: gate/up. Items are expert-major, so a thread's consecutive items stream one
-    // expert's weight; dynamic scheduling because experts have different row counts.
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t item = 0; item < A * it1; ++item) {
+    const int tid = omp_get_thread_num();
+    // Phase 1: gate/up. Items are expert-major; each thread takes one contiguous range of
+    // them (split1), so it streams its experts' weights front to back.
+    for (int64_t item = split1[tid]; item < split1[tid + 1]; ++item) {
       const int64_t e = active[item / it1], j = item % it1;
       const uint8_t* we = w13p + e * w13_expert;
       for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowChunk) {
@@ -383,10 +412,10 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
           _mm256_storeu_ps(h.get() + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
       }
     }
+#pragma omp barrier
     quantize_rows_omp(h.get(), Pv, I, hs);
     // Phase 2: down, scaled by each pair's routing weight.
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t item = 0; item < A * it2; ++item) {
+    for (int64_t item = split2[tid]; item < split2[tid + 1]; ++item) {
       const int64_t e = active[item / it2], j = item % it2;
       const uint8_t* we = w2p + e * w2_expert + j * w2_tile;
       for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowChunk) {
@@ -397,6 +426,7 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
                            _mm256_mul_ps(g[m], _mm256_set1_ps(weight_of[r0 + m])));
       }
     }
+#pragma omp barrier
     // Each token sums its k pair rows (in its experts' order: deterministic).
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
@@ -1370,12 +1400,16 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
   return {x1 + moe_q4(h, ids, w, w13, w2, 0), ids};
 }
 
-// A model's decoder layers as decode_layer takes them, gathered once (LlamaModel's
+// A model's decoder layers as the layer kernels take them, gathered once (LlamaModel's
 // `_layer_stack`): decode_stack then runs a whole step's layers in one call. Why: passing
 // decode_layer's 21 arguments (lists of weights, kinds, biases...) from Python costs ~15 us a
-// call, 30 calls a SmolLM2 step, more than its norms, RoPE and attention together. `add`'s
-// biases: an empty tensor where a linear has none (a list of Tensors cannot hold None). The
-// pools k, v are the layers' own (KVStore's), written in place by every step.
+// call, 30 calls a SmolLM2 step, more than its norms, RoPE and attention together; a MoE layer
+// (moe_layer's 27 arguments, then the routing counters) cost ~75 us a layer in Python, 1.8 ms of
+// a 14 ms step of the MoE benchmark model. A layer is dense (`add`: decode_layer's arguments) or
+// a sparse MoE block (`add_moe`: moe_layer's, and the layer's routing counters `routed` [E]
+// int64, which each step's ids are added to, as Experts.count does). Empty tensors stand for
+// None (a list of Tensors cannot hold None): biases, q/k norms. The pools k, v are the layers'
+// own (KVStore's), written in place by every step.
 struct LayerStack : torch::CustomClassHolder {
   struct Layer {
     at::Tensor ln1, ln2, k, v;
@@ -1384,36 +1418,89 @@ struct LayerStack : torch::CustomClassHolder {
     std::vector<int64_t> kinds, rows, counts;
     c10::List<std::optional<at::Tensor>> biases;
     int64_t num_heads;
+    std::optional<at::Tensor> q_norm, k_norm;
+    double qk_eps;
+    // a sparse MoE block where `router` is defined
+    at::Tensor router, w13, w2, routed;
+    int64_t top_k = 0;
+    bool renormalize = false;
   };
   std::vector<Layer> layers;
 
+  static std::optional<at::Tensor> maybe(const at::Tensor& t) {
+    return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+  }
+  static Layer make(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> weights,
+                    std::vector<int64_t> kinds, std::vector<int64_t> rows,
+                    std::vector<int64_t> counts, const std::vector<at::Tensor>& biases,
+                    at::Tensor k, at::Tensor v, int64_t num_heads, double scale,
+                    const at::Tensor& q_norm, const at::Tensor& k_norm, double qk_eps) {
+    TORCH_CHECK((q_norm.numel() > 0) == (k_norm.numel() > 0),
+                "LayerStack: q and k norms together");
+    c10::List<std::optional<at::Tensor>> b;
+    for (const auto& t : biases) b.push_back(maybe(t));
+    return {std::move(ln1), std::move(ln2), std::move(k), std::move(v), eps, scale,
+            std::move(weights), std::move(kinds), std::move(rows), std::move(counts),
+            std::move(b), num_heads, maybe(q_norm), maybe(k_norm), qk_eps};
+  }
   void add(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> weights,
            std::vector<int64_t> kinds, std::vector<int64_t> rows, std::vector<int64_t> counts,
            std::vector<at::Tensor> biases, at::Tensor k, at::Tensor v, int64_t num_heads,
-           double scale) {
+           double scale, at::Tensor q_norm, at::Tensor k_norm, double qk_eps) {
     TORCH_CHECK(biases.size() == 4, "LayerStack.add: four biases (empty: none)");
-    c10::List<std::optional<at::Tensor>> b;
-    for (const auto& t : biases)
-      b.push_back(t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt);
-    layers.push_back({std::move(ln1), std::move(ln2), std::move(k), std::move(v), eps, scale,
-                      std::move(weights), std::move(kinds), std::move(rows), std::move(counts),
-                      std::move(b), num_heads});
+    layers.push_back(make(std::move(ln1), std::move(ln2), eps, std::move(weights),
+                          std::move(kinds), std::move(rows), std::move(counts), biases,
+                          std::move(k), std::move(v), num_heads, scale, q_norm, k_norm, qk_eps));
+  }
+  void add_moe(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> weights,
+               std::vector<int64_t> kinds, std::vector<int64_t> rows,
+               std::vector<int64_t> counts, std::vector<at::Tensor> biases, at::Tensor k,
+               at::Tensor v, int64_t num_heads, double scale, at::Tensor q_norm,
+               at::Tensor k_norm, double qk_eps, at::Tensor router, int64_t top_k,
+               bool renormalize, at::Tensor w13, at::Tensor w2, at::Tensor routed) {
+    TORCH_CHECK(biases.size() == 2, "LayerStack.add_moe: two biases (qkv, o; empty: none)");
+    TORCH_CHECK(routed.dim() == 1 && routed.scalar_type() == at::kLong &&
+                    routed.is_contiguous() && routed.size(0) == w13.size(0),
+                "LayerStack.add_moe: routed is the layer's int64 counters [E]");
+    Layer l = make(std::move(ln1), std::move(ln2), eps, std::move(weights), std::move(kinds),
+                   std::move(rows), std::move(counts), biases, std::move(k), std::move(v),
+                   num_heads, scale, q_norm, k_norm, qk_eps);
+    l.router = std::move(router);
+    l.top_k = top_k;
+    l.renormalize = renormalize;
+    l.w13 = std::move(w13);
+    l.w2 = std::move(w2);
+    l.routed = std::move(routed);
+    layers.push_back(std::move(l));
   }
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-// Every layer of `stack` on x [T, H] in order: decode_layer's arguments per layer, one step's
-// (cos, sin, slots, table, row_of, lens) shared; no LoRA (a step with adapter rows runs layer
-// by layer). Eager only: the schema does not declare the pools' writes.
+// Every layer of `stack` on x [T, H] in order: decode_layer's / moe_layer's arguments per
+// layer, one step's (cos, sin, slots, table, row_of, lens) shared; no LoRA (a step with adapter
+// rows runs layer by layer). Eager only: the schema does not declare the pools' and counters'
+// writes.
 at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const c10::intrusive_ptr<LayerStack>& stack, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& row_of,
                         const at::Tensor& lens) {
   at::Tensor h = x;
-  for (auto& l : stack->layers)
-    h = decode_layer(h, cos, sin, l.ln1, l.ln2, l.eps, l.weights, l.kinds, l.rows, l.counts,
-                     l.biases, l.k, l.v, slots, table, row_of, lens, l.num_heads, l.scale, {},
-                     std::nullopt, std::nullopt, std::nullopt, 0.0);
+  for (auto& l : stack->layers) {
+    if (!l.router.defined()) {
+      h = decode_layer(h, cos, sin, l.ln1, l.ln2, l.eps, l.weights, l.kinds, l.rows, l.counts,
+                       l.biases, l.k, l.v, slots, table, row_of, lens, l.num_heads, l.scale, {},
+                       std::nullopt, l.q_norm, l.k_norm, l.qk_eps);
+      continue;
+    }
+    auto [y, ids] = moe_layer(h, cos, sin, l.ln1, l.ln2, l.eps, l.weights, l.kinds, l.rows,
+                              l.counts, l.biases, l.q_norm, l.k_norm, l.qk_eps, l.k, l.v, slots,
+                              table, row_of, lens, l.num_heads, l.scale, l.router, l.top_k,
+                              l.renormalize, l.w13, l.w2);
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    int64_t* cp = l.routed.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i) ++cp[ip[i]];
+    h = y;
+  }
   return h;
 }
 
@@ -1447,6 +1534,7 @@ KILN_LIBRARY(m) {
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<>())
       .def("add", &LayerStack::add)
+      .def("add_moe", &LayerStack::add_moe)
       .def("size", &LayerStack::size);
   m.def("decode_stack(Tensor x, Tensor cos, Tensor sin, "
         "__torch__.torch.classes." KILN_STR(KILN_NS) ".LayerStack stack, Tensor slots, Tensor table, "

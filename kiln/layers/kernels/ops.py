@@ -265,8 +265,10 @@ def moe_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.
 
 def layer_stack() -> torch.ScriptObject:
     """An empty LayerStack (kernels.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
-    counts, biases, k, v, num_heads, scale)` appends a layer as decode_layer takes it (biases:
-    an empty tensor where none)."""
+    counts, biases, k, v, num_heads, scale, q_norm, k_norm, qk_eps)` appends a layer as
+    decode_layer takes it, `add_moe(<the same>, router, top_k, renormalize, w13, w2, routed)`
+    one as moe_layer does, whose routing decode_stack adds to `routed` [E] int64 (biases, q/k
+    norms: an empty tensor where none)."""
     from kiln.layers.kernels import level
 
     return getattr(torch.classes, f"kiln_{level()}").LayerStack()
@@ -275,8 +277,9 @@ def layer_stack() -> torch.ScriptObject:
 def decode_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  stack: torch.ScriptObject, slots: torch.Tensor, table: torch.Tensor,
                  row_of: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Every layer of `stack` on x [T, H], in one call: decode_layer's result layer after
-    layer, bit for bit, without LoRA (eager only: the pools are written in place)."""
+    """Every layer of `stack` on x [T, H], in one call: decode_layer's / moe_layer's result
+    layer after layer, bit for bit, without LoRA (eager only: the pools and the routing
+    counters are written in place)."""
     return lib().decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
 
 
