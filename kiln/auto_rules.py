@@ -35,6 +35,11 @@ class AutoContext:
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
     # What the model's files say it is for (kiln.kinds.detect_kind): (kind, reason).
     model_kind: tuple[str, str] | None = None
+    # The names a client may ask for the model by: MODEL as given, then its registry id and HF
+    # repo (kiln/startup.py); empty when no model is known yet (kiln config show).
+    model_names: tuple[str, ...] = ()
+    # The model's own Python code its config.json's auto_map names ("" when none).
+    model_code: str = ""
     # Settings a person set (cli, env, file; any row of the table): filled by resolve_settings
     # before any rule runs, so a rule can tell "asked for" from "defaulted".
     explicit: set[str] = field(default_factory=set)
@@ -305,3 +310,24 @@ def auto_lang(_: AutoContext, __: dict[str, Any]) -> tuple[Any, str]:
     if found is None:
         return "en", "no locale set (LC_ALL, LC_MESSAGES, LANG)"
     return found[0], f"locale {found[1]}"
+
+
+def auto_served_model_name(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
+    if not ctx.model_names:
+        return None, "the model's name, once MODEL is resolved"
+    if len(ctx.model_names) == 1:
+        return list(ctx.model_names), "the name MODEL was given as"
+    return list(ctx.model_names), ("the name MODEL was given as, then its registry id and HF "
+                                   "repo: a client may ask by any (ferrum serves the requested "
+                                   "name and the canonical id)")
+
+
+def auto_trust_remote_code(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str]:
+    if v.get("engine") == "kiln":
+        return False, "kiln's engine runs only the model code kiln itself ships"
+    if ctx.model_code:
+        return True, (f"config.json's auto_map names the model's own code ({ctx.model_code}): "
+                      "the engine must run it")
+    return False, ("the engine's own code runs this architecture (kt-cli passes "
+                   "--trust-remote-code for every model; kiln only where the model ships code "
+                   "of its own)")

@@ -41,9 +41,11 @@ from kiln.auto_rules import (
     auto_max_num_seqs,
     auto_num_speculative_tokens,
     auto_quantization,
+    auto_served_model_name,
     auto_spec_disable_by_batch_size,
     auto_threads,
     auto_tp,
+    auto_trust_remote_code,
 )
 from kiln.errors import ConfigError
 from kiln.messages import msg
@@ -167,9 +169,14 @@ SETTINGS: list[Setting] = [
             affects="server", group="server"),
     Setting("port", positive_int, 8000, "port to listen on", ("--port", "-p"), affects="server",
             group="server"),
+    # ferrum's and vLLM's spelling both: `--served-model-name a --served-model-name b`, `a b`
+    # or `a,b`. Unset: the name MODEL was given as, then its registry id and HF repo, so a
+    # client may ask by either (as ferrum serves the requested name and the canonical id).
     Setting("served_model_name", parse_name_list, None,
-            "comma-separated names the API serves the model as (first is primary)",
-            ("--served-model-name",), affects="server", group="server", metavar="A,B"),
+            "names the API serves the model as (first is primary; repeatable, several per flag "
+            "or comma-separated; auto: MODEL as given, then its registry id and HF repo)",
+            ("--served-model-name",), affects="server", group="server", metavar="NAME",
+            auto=auto_served_model_name, nargs="+", repeatable=True),
     Setting("api_key", str, None, "require 'Authorization: Bearer KEY' on /v1", ("--api-key",),
             affects="server", group="server"),
     Setting("drain_timeout", float, 30.0,
@@ -281,6 +288,16 @@ SETTINGS: list[Setting] = [
             ("--ui",), neg_flags=("--no-ui",), affects="server", group="server",
             engines=("kiln",)),
     # -- model
+    # MODEL itself: the positional and -m/--model are its CLI (kiln/startup.py records them as
+    # this row's cli value); KILN_MODEL and the config file's `model` give a default model.
+    Setting("model", str, None,
+            "what to serve when MODEL is not given: alias, owner/repo[:QUANT], folder or .gguf",
+            (), affects="correctness", group="model", engines=("kiln",)),
+    Setting("model_path", str, None,
+            "the model's files when MODEL names a registry model (kt-cli's --model-path: the "
+            "registry's rules apply to this folder, nothing is downloaded); without MODEL, the "
+            "model to serve", ("--model-path",), affects="correctness", group="model",
+            metavar="PATH", engines=("kiln",)),
     Setting("offline", parse_bool, False, "never download; use local files only",
             ("--offline",), affects="correctness", group="model"),
     Setting("model_dirs", parse_str_list, None, "extra folders searched for models",
@@ -327,11 +344,13 @@ SETTINGS: list[Setting] = [
     Setting("seed", int, 0, "random seed for requests without their own", ("--seed",),
             affects="correctness"),
     Setting("max_model_len", positive_int, None, "context length (prompt + output)",
-            ("--max-model-len",), affects="memory", auto=auto_max_model_len),
+            ("--max-model-len", "--context-length"), affects="memory", auto=auto_max_model_len),
     Setting("max_num_seqs", positive_int, None, "most sequences in one step",
-            ("--max-num-seqs",), affects="performance", auto=auto_max_num_seqs),
+            ("--max-num-seqs", "--max-running-requests"), affects="performance",
+            auto=auto_max_num_seqs),
     Setting("max_num_batched_tokens", positive_int, None, "token budget of one step",
-            ("--max-num-batched-tokens",), affects="performance", auto=auto_batched_tokens),
+            ("--max-num-batched-tokens", "--chunked-prefill-size"), affects="performance",
+            auto=auto_batched_tokens),
     Setting("block_size", positive_int, 16, "tokens per KV cache block",
             ("--block-size", "--kv-block-size"), affects="memory"),
     Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype",
@@ -340,7 +359,7 @@ SETTINGS: list[Setting] = [
             auto=auto_kv_cache_dtype),
     Setting("gpu_memory_utilization", fraction, 0.9,
             "fraction of GPU memory kiln may use (weights + activations + KV)",
-            ("--gpu-memory-utilization",), affects="memory"),
+            ("--gpu-memory-utilization", "--mem-fraction-static"), affects="memory"),
     Setting("cpu_memory_utilization", fraction, 0.7,
             "fraction of available RAM the KV pool may take after the weights",
             ("--cpu-memory-utilization",), affects="memory", engines=("kiln",)),
@@ -477,7 +496,8 @@ SETTINGS: list[Setting] = [
             "MoE with CPU offload: experts per layer kept on the GPU (auto: kiln's engine "
             "fills the GPU memory left after the dense weights and a KV reserve, hottest "
             "experts first; SGLang: the registry's rule for the GPU memory and TP)",
-            ("--num-gpu-experts",), affects="memory", engines=("kiln", "sglang")),
+            ("--num-gpu-experts", "--kt-num-gpu-experts", "--gpu-experts"), affects="memory",
+            engines=("kiln", "sglang")),
     Setting("expert_calibration", str, "on",
             "MoE with CPU offload in kiln's engine: rank experts by the tokens routed to them "
             "over built-in prompts (once per model file, cached) to keep the hottest on the GPU; "
@@ -489,22 +509,57 @@ SETTINGS: list[Setting] = [
             ("--kt-method",), affects="correctness", auto=auto_kt_method, engines=("sglang",)),
     Setting("kt_weight_path", str, None,
             "folder of the CPU expert weights converted by kt-kernel (default: the model folder, "
-            "as kt-cli)", ("--kt-weight-path",), affects="correctness", metavar="DIR",
-            engines=("sglang",)),
+            "as kt-cli)", ("--kt-weight-path", "--weights-path"), affects="correctness",
+            metavar="DIR", engines=("sglang",)),
     Setting("kt_threadpool_count", positive_int, None,
             "CPU expert thread pools, kt-kernel's or kiln's (auto: one per NUMA node)",
-            ("--kt-threadpool-count",),
+            ("--kt-threadpool-count", "--numa-nodes"),
             affects="performance", auto=auto_kt_threadpool_count, engines=("kiln", "sglang")),
     Setting("kt_cpuinfer", positive_int, None,
             "CPU expert threads, kt-kernel's or kiln's (auto: 80 percent of the physical cores "
             "of the NUMA nodes used; kiln on a CPU: all)",
-            ("--kt-cpuinfer",), affects="performance", auto=auto_kt_cpuinfer,
+            ("--kt-cpuinfer", "--cpu-threads"), affects="performance", auto=auto_kt_cpuinfer,
             engines=("kiln", "sglang")),
     Setting("kt_gpu_prefill_token_threshold", positive_int, None,
             "prefill chunks of at least this many tokens run every expert on the GPU, the CPU "
             "experts' weights streamed there (auto: 4096, kt-cli's)",
-            ("--kt-gpu-prefill-token-threshold",), affects="performance",
+            ("--kt-gpu-prefill-token-threshold", "--kt-gpu-prefill-threshold"),
+            affects="performance",
             auto=auto_kt_gpu_prefill_token_threshold, engines=("kiln", "sglang")),
+    # -- SGLang's own knobs that kt-cli's `kt run` sets on every launch: the preset "kt" gives
+    # them its values for SGLang with kt-kernel (kiln/resolve/presets.py), each overridable.
+    Setting("attention_backend", str, None,
+            "SGLang's attention kernels: triton, flashinfer, fa3, ... (unset: SGLang's choice; "
+            "preset kt: triton, as kt-cli)", ("--attention-backend",), affects="performance",
+            metavar="NAME", engines=("sglang",)),
+    Setting("max_total_tokens", positive_int, None,
+            "SGLang: tokens the KV pool holds (beats --kv-max-blocks x --block-size from a lower "
+            "source; preset kt: 40000)", ("--max-total-tokens",), affects="memory",
+            metavar="N", engines=("sglang",)),
+    Setting("watchdog_timeout", float, None,
+            "SGLang: seconds one batch may run before the server is stopped as hung (preset "
+            "kt: 3000, for CPU experts' long prefills)", ("--watchdog-timeout",),
+            affects="server", metavar="SECONDS", engines=("sglang",)),
+    Setting("enable_mixed_chunk", parse_bool, None,
+            "SGLang: run prefill chunks and decodes in one batch (kiln's engine always does; "
+            "preset kt: on)", ("--enable-mixed-chunk",), neg_flags=("--no-enable-mixed-chunk",),
+            affects="performance", engines=("sglang",)),
+    Setting("enable_p2p_check", parse_bool, None,
+            "SGLang: test GPU peer-to-peer access before relying on it (preset kt: on)",
+            ("--enable-p2p-check",), neg_flags=("--no-enable-p2p-check",),
+            affects="correctness", engines=("sglang",)),
+    Setting("disable_shared_experts_fusion", parse_bool, None,
+            "SGLang: run an MoE's shared experts apart from the routed ones (the registry turns "
+            "it on for DeepSeek-V3 and MiniMax-M2, as kt-cli's does)",
+            ("--disable-shared-experts-fusion",),
+            neg_flags=("--enable-shared-experts-fusion",), affects="performance",
+            engines=("sglang",)),
+    Setting("trust_remote_code", parse_bool, None,
+            "let the external engine run the Python code a checkpoint ships (auto: when its "
+            "config.json's auto_map names some, or the registry says the model needs it: Kimi, "
+            "DeepSeek, MiniMax); kiln's engine runs none", ("--trust-remote-code",),
+            neg_flags=("--no-trust-remote-code",), affects="correctness",
+            auto=auto_trust_remote_code, engines=("vllm", "sglang")),
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),
             choices=("debug", "info", "warning", "error"), affects="observability"),
@@ -582,7 +637,7 @@ BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 # The router's own settings: not handed to the `kiln serve` it starts per model.
 ROUTER_SETTINGS = frozenset({"models", "preload", "keep_alive", "max_loaded_models",
                              "models_memory", "model_load_timeout", "host", "port",
-                             "served_model_name"})
+                             "served_model_name", "model", "model_path"})
 
 
 def setting(name: str) -> Setting:

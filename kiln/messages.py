@@ -192,8 +192,48 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "serve.exporting": {"en": "kiln: exporting {file} as a Hugging Face folder for {engine} ...",
                         "zh": "kiln: 正在把 {file} 导出为 Hugging Face 模型目录，供 {engine} 使用 ..."},
     "serve.engine_command": {"en": "\n{engine} command:", "zh": "\n{engine} 启动命令："},
+    "serve.launching": {"en": "kiln: launching server with command:\n  {command}",
+                        "zh": "kiln: 正在用以下命令启动服务：\n  {command}"},
+    "serve.unknown_args": {
+        "en": "unrecognized arguments: {args}{nearest} (kiln's engine takes no other engine's "
+              "flags; with --engine vllm or sglang they go to that engine)",
+        "zh": "无法识别的参数：{args}{nearest}（kiln 自己的引擎不接受其他引擎的参数；"
+              "使用 --engine vllm 或 sglang 时它们会传给该引擎）"},
+    "serve.did_you_mean": {"en": " (did you mean {flag}?)", "zh": "（是否想用 {flag}？）"},
+    "startup.no_registry_rule": {
+        "en": "{name} is not a model kiln's registry knows: using default parameters (no "
+              "registry rule for the GPU experts, context or remote code). Tip: name the "
+              "registry model with the folder, e.g. `kiln serve qwen3-30b-a3b --model-path "
+              "{path}` (`kiln list --registry` lists them), to apply its configuration",
+        "zh": "{name} 不在 kiln 的模型注册表中：使用默认参数（没有 GPU 专家数、上下文长度或远程代码的"
+              "注册表规则）。提示：用注册表中的模型名加上该目录，例如 `kiln serve qwen3-30b-a3b "
+              "--model-path {path}`（`kiln list --registry` 可列出），即可应用其优化配置"},
+    "model.search_picked": {"en": "kiln: MODEL {spec} is {name} in kiln's registry ({repo})",
+                            "zh": "kiln: MODEL {spec} 即注册表中的 {name}（{repo}）"},
+    "model.search_several": {"en": "{spec} names several models in kiln's registry: {names}",
+                             "zh": "{spec} 对应注册表中的多个模型：{names}"},
+    "model.search_several.hint": {"en": "give one of them as MODEL",
+                                  "zh": "请把其中一个作为 MODEL 给出"},
+    "model.search_title": {"en": "{spec} names several models in kiln's registry:",
+                           "zh": "{spec} 对应注册表中的多个模型："},
+    "model.path_not_registry": {
+        "en": "--model-path {path}: MODEL {spec} is not a model in kiln's registry",
+        "zh": "--model-path {path}：MODEL {spec} 不是 kiln 注册表中的模型"},
+    "model.path_not_registry.hint": {
+        "en": "give a registry name (`kiln list --registry`) to apply its rules to the folder, "
+              "or serve the folder alone: kiln serve {path}",
+        "zh": "请给出注册表中的模型名（`kiln list --registry`）以对该目录应用其规则，"
+              "或直接服务该目录：kiln serve {path}"},
+    "startup.artifact_failed": {"en": "cannot write {flag} {path}: {error}",
+                                "zh": "无法写入 {flag} {path}：{error}"},
+    "startup.artifact_failed.hint": {"en": "give a path in a folder kiln may create and write",
+                                     "zh": "请给出一个 kiln 能创建并写入的目录中的路径"},
     # -- kiln run
     "run.loading": {"en": "loading {name} ...", "zh": "正在加载 {name} ..."},
+    "run.no_template": {
+        "en": "kiln: {name} has no chat template (a base model): each prompt runs as a plain "
+              "completion, without the conversation so far",
+        "zh": "kiln: {name} 没有对话模板（基础模型）：每个提示都作为普通续写运行，不带之前的对话"},
     "run.too_long": {"en": "(the conversation is longer than the context; start a new one)",
                      "zh": "（对话已超出上下文长度，请开始新的对话）"},
     "run.chat_intro": {"en": "Send a message (/bye or Ctrl-D to exit, /clear to forget the chat).",

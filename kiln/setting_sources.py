@@ -50,10 +50,11 @@ def add_setting_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ..
                                  const_value=False, default=argparse.SUPPRESS,
                                  help=f"turn off: {s.help}")
         else:
+            # A fixed default is the default even where "auto" runs a rule (--engine: kiln).
+            default = s.default if s.auto is None or s.default not in (None, "auto") else "auto"
             grp.add_argument(*s.flags, dest=s.name, action=_Record, default=argparse.SUPPRESS,
                              choices=s.choices, metavar=s.metavar, nargs=s.nargs,
-                             help=f"{s.help} (default: {s.default if s.auto is None else 'auto'}) "
-                             f"{env}")
+                             help=f"{s.help} (default: {default}) {env}")
 
 
 def cli_values(namespace: argparse.Namespace) -> dict[str, tuple[Any, str]]:
@@ -88,11 +89,8 @@ def load_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, Any],
     Keys are setting names (dashes or underscores); `[engines.<name>]` holds external-engine
     args/env/command.
     """
-    explicit = path is not None
-    if path is None:
-        env = os.environ.get("KILN_CONFIG")
-        path = Path(env) if env else default_config_path()
-        explicit = bool(env)
+    explicit = path is not None or bool(os.environ.get("KILN_CONFIG"))
+    path = path or config_path()
     if not path.exists():
         if explicit:
             raise ConfigError(f"config file {path} does not exist",
@@ -111,6 +109,13 @@ def load_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, Any],
                               hint=f"known keys: {', '.join(sorted(BY_NAME))}")
         settings[name] = value
     return settings, engines, path
+
+
+def config_path() -> Path:
+    """The config file when none is named: $KILN_CONFIG, else the default path (one rule for
+    `kiln serve` and `kiln config`)."""
+    env = os.environ.get("KILN_CONFIG")
+    return Path(env) if env else default_config_path()
 
 
 def default_config_path() -> Path:

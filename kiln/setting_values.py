@@ -31,8 +31,15 @@ def parse_bytes(value: Any) -> int:
 
 
 def parse_name_list(value: Any) -> list[str]:
-    """'a,b' or ['a', 'b'] -> ['a', 'b']; rejects empty names, padding and duplicates."""
-    items = value if isinstance(value, list) else str(value).split(",")
+    """'a,b' or ['a', 'b'] -> ['a', 'b']; rejects empty names, padding and duplicates. A flag
+    given several times, each with one or more values (vLLM's `--served-model-name a b`), is a
+    list of lists, taken in order."""
+    def flat(v: Any) -> list[str]:
+        if isinstance(v, (list, tuple)):
+            return [x for e in v for x in flat(e)]
+        return str(v).split(",")
+
+    items = flat(value)
     names: list[str] = []
     for raw in items:
         if raw != raw.strip():

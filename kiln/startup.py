@@ -231,6 +231,9 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if device != s["device"]:
         s.override("device", device, s.values["device"].reason or "resolved",
                    source=s.source("device"))
+    if s["engine"] in ("vllm", "sglang"):
+        sp.phase = "model"
+        speculative.resolve_draft_for_engine(s, dirs, offline=bool(early["offline"]))
     if s["engine"] == "kiln":
         sp.phase = "model"
         speculative.resolve_draft_model(s, dirs, offline=bool(early["offline"]),

@@ -54,7 +54,9 @@ def describe(sp: StartupPlan) -> str:
         lines.append(msg("dry.settings"))
         for r in s.non_default():
             value = "***" if r.name == "api_key" else r.value
-            lines.append(f"  {r.name:<24} = {value!s:<14} [{r.source}] {r.reason}")
+            # "preset kt", not "preset": which bundle a value came from is its provenance.
+            source = f"preset {sp.preset}" if r.source == "preset" and sp.preset else r.source
+            lines.append(f"  {r.name:<24} = {value!s:<14} [{source}] {r.reason}")
         for w in s.warnings:
             lines.append(msg("dry.warning", warning=w))
     placement = sp.extra.get("moe_placement")
@@ -112,14 +114,19 @@ def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = 
         path: Path | None = getattr(args, attr, None)
         if not path:
             continue
+        flag = "--" + attr.replace("_", "-")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write(path, sp, status, error)
         except OSError as e:
             if not lenient:
-                raise
-            problems.append(msg("startup.artifact_unwritable", flag="--" + attr.replace(
-                "_", "-"), path=path, error=e.strerror or e))
+                # The user's path, not kiln's state: a one-line error that names the flag.
+                sp.phase = "artifacts"
+                raise C.ConfigError(msg("startup.artifact_failed", flag=flag, path=path,
+                                        error=e.strerror or e),
+                                    hint=msg("startup.artifact_failed.hint")) from None
+            problems.append(msg("startup.artifact_unwritable", flag=flag, path=path,
+                                error=e.strerror or e))
     return problems
 
 

@@ -25,3 +25,42 @@ def test_config_set_rejects_bad_values_and_unknown_keys(tmp_path, capsys):
     assert main(["config", "--config", str(cfg), "set", "warp_factor", "9"]) != 0
     assert "unknown setting" in capsys.readouterr().err
     assert not cfg.exists()
+
+
+def test_config_commands_use_KILN_CONFIG_as_serve_does(tmp_path, capsys, monkeypatch, gguf_path):
+    import json
+
+    monkeypatch.delenv("KILN_MAX_NUM_SEQS", raising=False)
+    cfg = tmp_path / "other.toml"
+    monkeypatch.setenv("KILN_CONFIG", str(cfg))
+    assert main(["config", "set", "max-num-seqs", "12"]) == 0
+    assert "max_num_seqs = 12" in cfg.read_text()
+    capsys.readouterr()
+    assert main(["config", "path"]) == 0
+    assert capsys.readouterr().out.strip() == str(cfg)
+    assert main(["config", "get", "max_num_seqs"]) == 0
+    assert "[file]" in capsys.readouterr().out
+    eff = tmp_path / "eff.json"
+    assert main(["serve", str(gguf_path), "--dry-run", "--effective-config-json", str(eff)]) == 0
+    assert json.loads(eff.read_text())["settings"]["max_num_seqs"]["source"] == "file"
+
+
+def test_model_key_in_the_config_file_is_the_model_to_serve(tmp_path, capsys, monkeypatch,
+                                                            gguf_path):
+    import json
+
+    monkeypatch.delenv("KILN_MODEL", raising=False)
+    cfg = tmp_path / "config.toml"
+    assert main(["config", "--config", str(cfg), "set", "model", str(gguf_path)]) == 0
+    eff = tmp_path / "eff.json"
+    assert main(["serve", "--config", str(cfg), "--dry-run", "--effective-config-json",
+                 str(eff)]) == 0
+    got = json.loads(eff.read_text())
+    assert got["settings"]["model"]["source"] == "file"
+    assert got["model"]["gguf_file"] == str(gguf_path)
+    # MODEL on the command line beats the file's.
+    assert main(["serve", "smollm2", "--config", str(cfg), "--dry-run",
+                 "--effective-config-json", str(eff)]) == 0
+    got = json.loads(eff.read_text())
+    assert got["settings"]["model"] == {"value": "smollm2", "source": "cli",
+                                        "affects": "correctness", "reason": "set by MODEL"}

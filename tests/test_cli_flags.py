@@ -105,3 +105,45 @@ def test_an_unwritable_artifact_is_a_warning_line_after_the_real_error(tmp_path,
     assert "Traceback" not in "\n".join(lines)
     assert "model not found" in lines[0]
     assert lines[-1].startswith("kiln: warning: --effective-config-json") and str(eff) in lines[-1]
+
+
+def test_served_model_name_is_repeatable_and_defaults_to_the_name_and_canonical_ids(tmp_path):
+    s = _settings(tmp_path, "smollm2", "--served-model-name", "a", "--served-model-name", "b",
+                  "c")
+    assert s["served_model_name"]["value"] == ["a", "b", "c"]
+    assert s["served_model_name"]["source"] == "cli"
+    s = _settings(tmp_path, "smollm2")
+    assert s["served_model_name"]["value"] == ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert "registry id and HF repo" in s["served_model_name"]["reason"]
+
+
+def test_help_names_kilns_engine_as_the_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "which engine runs the model (default: kiln)" in out
+
+
+def test_an_unwritable_artifact_in_a_dry_run_is_one_error_line_that_names_the_flag(
+        tmp_path, capsys, gguf_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    eff = blocker / "eff.json"
+    rc = main(["serve", str(gguf_path), "--dry-run", "--effective-config-json", str(eff)])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "unexpected" not in err and "Traceback" not in err
+    assert err.startswith(f"kiln: error (artifacts): cannot write --effective-config-json {eff}")
+
+
+def test_kiln_run_on_a_base_model_runs_the_prompt_as_a_completion(tmp_path, capsys):
+    from conftest import add_word_tokenizer, make_tiny_model
+
+    folder = make_tiny_model("llama", tmp_path / "base")
+    add_word_tokenizer(folder)
+    rc = main(["run", str(folder), "--temperature", "0", "--max-tokens", "4",
+               "--kv-cache-memory", "8MiB", "the cat sat"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "no chat template (a base model)" in err and "Traceback" not in err
+    assert out.strip()  # the completion's tokens

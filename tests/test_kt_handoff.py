@@ -349,3 +349,296 @@ def test_model_max_tp_from_the_config_when_the_registry_does_not_know_the_model(
     assert model_max_tp(None, glm) == 8
     assert model_max_tp(None, ModelConfig.from_hf(QWEN3_30B_A3B)) == 4
     assert model_max_tp(None, None) is None
+
+
+# --------------------------------------------------------------------------- issue 43: kt-cli's habits
+# deepseek-ai/DeepSeek-V3's config.json (the values kiln reads, and its auto_map: the model's own
+# code, so SGLang needs --trust-remote-code).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "norm_topk_prob": True, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "rope_theta": 10000, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+# What kt-cli's `kt run` puts on every SGLang line for an MoE model (kt-kernel on), by flag;
+# SGLang's aliases count as the same flag.
+KT_CLI_FLAGS = ("--host", "--port", "--model-path", "--kt-weight-path", "--kt-cpuinfer",
+                "--kt-threadpool-count", "--kt-num-gpu-experts", "--kt-method",
+                "--kt-gpu-prefill-token-threshold", "--attention-backend",
+                "--mem-fraction-static", "--chunked-prefill-size", "--max-running-requests",
+                "--max-total-tokens", "--watchdog-timeout", "--enable-mixed-chunk",
+                "--tensor-parallel-size", "--enable-p2p-check")
+SGLANG_ALIASES = {"--tp-size": "--tensor-parallel-size", "--model": "--model-path"}
+
+
+def kt_flags(argv: list[str]) -> set[str]:
+    return {SGLANG_ALIASES.get(a, a) for a in argv if a.startswith("--")}
+
+
+def test_unknown_options_after_model_go_to_sglang_and_kt_clis_own_are_settings(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    rc, argv, eff, _, err = dry_run(
+        tmp_path, capsys, str(folder), "--engine", "sglang", "--attention-backend", "flashinfer",
+        "--max-total-tokens", "60000", "--watchdog-timeout", "600",
+        "--disable-shared-experts-fusion", "--enable-dp-attention", "--dp-size", "2")
+    assert rc == 0, err
+    # kt-cli's first-class SGLang options are kiln settings (provenance, overriding preset kt)...
+    assert flag(argv, "--attention-backend") == "flashinfer"
+    assert flag(argv, "--max-total-tokens") == "60000"
+    assert flag(argv, "--watchdog-timeout") == "600"
+    assert "--disable-shared-experts-fusion" in argv
+    s = eff["settings"]
+    assert s["attention_backend"]["source"] == "cli" and s["max_total_tokens"]["value"] == 60000
+    # ... and options kiln does not know reach SGLang as given, at the end of the line.
+    assert argv[-3:] == ["--enable-dp-attention", "--dp-size", "2"]
+    # kiln's own flags are still checked before anything is handed over.
+    rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                  "--max-num-seqs", "lots", "--enable-dp-attention")
+    assert rc != 0 and "'lots'" in err and "--max-num-seqs" in err and not argv
+
+
+def test_an_unknown_option_on_kilns_engine_names_the_nearest_flag_with_serves_usage(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, nearest in ((["--attention-backnd", "triton"], "--attention-backend"),
+                          (["--max-running-request", "8"], "--max-running-requests")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "smollm2", *argv, "--dry-run"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: kiln serve") and "kiln serve: error" in err
+        assert "unrecognized arguments" in err and f"did you mean {nearest}?" in err
+        assert "--engine vllm or sglang" in err
+
+
+def test_preset_kt_gives_kt_clis_fixed_sglang_flags_each_overridable(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    eff_path = tmp_path / "eff.json"
+    rc = main(["serve", str(folder), "--engine", "sglang", "--dry-run", "--mem-fraction-static",
+               "0.9", "--effective-config-json", str(eff_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    argv = shlex.split(out.strip().splitlines()[-1])
+    assert flag(argv, "--attention-backend") == "triton"
+    assert flag(argv, "--max-total-tokens") == "40000"
+    assert flag(argv, "--max-running-requests") == "32"
+    assert flag(argv, "--chunked-prefill-size") == "4096"
+    assert flag(argv, "--watchdog-timeout") == "3000"
+    assert flag(argv, "--tp-size") == "1"  # spelled out, as kt-cli does, with kt-kernel on
+    assert "--enable-mixed-chunk" in argv and "--enable-p2p-check" in argv
+    assert flag(argv, "--mem-fraction-static") == "0.9"  # the person's value beats the preset's
+    assert "preset: kt (SGLang with kt-kernel" in out
+    assert any(line.split()[0] == "attention_backend" and "[preset kt]" in line
+               for line in out.splitlines() if line.startswith("  "))
+    s = json.loads(eff_path.read_text())["settings"]
+    assert s["gpu_memory_utilization"]["source"] == "cli"
+    assert s["watchdog_timeout"] == {"value": 3000.0, "source": "preset", "affects": "server",
+                                     "reason": "set by preset kt"}
+    # kt-cli passes --trust-remote-code for every model; kiln says why it does not here.
+    assert "--trust-remote-code" not in argv
+    assert "kt-cli passes --trust-remote-code" in s["trust_remote_code"]["reason"]
+    # A model that ships its own code gets it (config.json's auto_map), as does a remote Kimi.
+    ds = model_folder(tmp_path / "my-finetune", DEEPSEEK_V3)  # no registry entry: its config
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(ds), "--engine", "sglang")
+    assert rc == 0, err
+    assert "--trust-remote-code" in argv
+    assert "modeling_deepseek" in eff["settings"]["trust_remote_code"]["reason"]
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, "kimi-k2", "--engine", "sglang")
+    assert rc == 0, err
+    assert "--trust-remote-code" in argv and eff["settings"]["trust_remote_code"]["source"] == \
+        "registry"
+    # kt-kernel off: no preset kt, SGLang's own defaults.
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                    "--no-cpu-offload-experts")
+    assert rc == 0, err
+    assert eff["preset"]["name"] is None and "--attention-backend" not in argv
+
+
+def test_kt_clis_folder_names_are_found_and_get_the_registry_rule(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    models = tmp_path / "kt-models"
+    folder = model_folder(models / "Qwen--Qwen3-30B-A3B", QWEN3_30B_A3B)
+    # By registry name, with kt's model folder: found there, not downloaded again.
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, "qwen3-30b-a3b", "--engine", "sglang",
+                                    "--model-dir", str(models))
+    assert rc == 0, err
+    assert flag(argv, "--model-path") == str(folder) and eff["model"]["origin"] == "model-dir"
+    # By path: the registry rule applies (GPU experts sized for the GPU).
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang")
+    assert rc == 0, err
+    assert eff["model"]["registry_entry"] == "qwen3-30b-a3b"
+    assert flag(argv, "--kt-num-gpu-experts") == str(expected_gpu_experts())
+    assert "not a model kiln's registry knows" not in err + json.dumps(eff["warnings"])
+    # A folder kiln cannot name: default parameters, said once, with the tip.
+    other = model_folder(tmp_path / "my-moe", QWEN3_30B_A3B)
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(other), "--engine", "sglang")
+    assert rc == 0, err
+    notes = [w for w in eff["warnings"] if "not a model kiln's registry knows" in w]
+    assert len(notes) == 1 and "using default parameters" in notes[0]
+    assert f"--model-path {other}" in notes[0]
+    assert not any("num_gpu_experts left to the engine" in w for w in eff["warnings"])
+
+
+def test_model_path_short_names_and_a_choice_among_registry_matches(
+        machine: dict[str, HardwareInfo], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    ds = model_folder(tmp_path / "D", DEEPSEEK_V3)
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, "deepseek-v3", "--model-path", str(ds),
+                                    "--engine", "sglang")
+    assert rc == 0, err
+    assert flag(argv, "--model-path") == str(ds) and flag(argv, "--served-model-name") == \
+        "deepseek-v3"
+    assert eff["model"]["registry_entry"] == "deepseek-v3"
+    assert eff["settings"]["model_path"]["source"] == "cli"
+    entry = lookup("deepseek-v3")
+    assert entry is not None
+    assert flag(argv, "--kt-num-gpu-experts") == str(gpu_experts_per_layer(entry, 24 * GIB, 1))
+    assert "--disable-shared-experts-fusion" in argv  # the registry's, as kt-cli's
+    # kt-cli's short names: m2 is MiniMax-M2 (fetched by SGLang: not on this machine).
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, "m2", "--engine", "sglang")
+    assert rc == 0, err
+    assert flag(argv, "--model-path") == "MiniMaxAI/MiniMax-M2"
+    # A short name that points at one model takes it, and says so.
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, "qwen3-30", "--engine", "sglang")
+    assert rc == 0, err
+    assert eff["model"]["registry_entry"] == "qwen3-30b-a3b"
+    assert "MODEL 'qwen3-30' is qwen3-30b-a3b" in err
+    # Several: listed when nobody can answer ...
+    rc, _, _, _, err = dry_run(tmp_path, capsys, "deepseek-v", "--engine", "sglang")
+    assert rc != 0 and "deepseek-v2-lite, deepseek-v3" in err
+
+    # ... and a choice at a terminal.
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal("2\n"))
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, "deepseek-v", "--engine", "sglang")
+    assert rc == 0, err
+    assert "1. deepseek-v2-lite" in err and "2. deepseek-v3" in err
+    assert eff["model"]["registry_entry"] == "deepseek-v3"
+    assert flag(argv, "--model-path") == "deepseek-ai/DeepSeek-V3"
+
+
+def test_the_ten_commands_of_a_kt_cli_user_carry_every_flag_kt_clis_line_would(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each as a kt-cli user types it (kt-cli's own spellings included); the SGLang line carries
+    every flag of kt-cli's. Where kiln's value differs (trust-remote-code only where the model
+    ships code), the effective config says why."""
+    models = tmp_path / "models"
+    qwen = model_folder(models / "Qwen--Qwen3-30B-A3B", QWEN3_30B_A3B)
+    ds = model_folder(models / "deepseek-v3", DEEPSEEK_V3)
+    glm = model_folder(models / "zai-org--GLM-4.5-Air", GLM_45_AIR)
+    commands = [
+        ["qwen3-30b-a3b", "--model-dir", str(models)],
+        [str(qwen)],
+        ["deepseek-v3", "--model-path", str(ds)],
+        [str(ds), "--gpu-experts", "4", "--cpu-threads", "32", "--numa-nodes", "1"],
+        ["kimi-k2"],
+        ["m2"],
+        [str(glm), "--max-running-requests", "16", "--chunked-prefill-size", "8192"],
+        ["qwen3-30b-a3b", "--model-dir", str(models), "--tp", "1", "--kt-method", "AMXINT8",
+         "--kt-gpu-prefill-threshold", "2048"],
+        ["mixtral-moe", "--attention-backend", "flashinfer", "--watchdog-timeout", "600"],
+        [str(qwen), "--served-model-name", "Qwen3", "--mem-fraction-static", "0.9",
+         "--max-total-tokens", "60000", "--enable-dp-attention"],
+    ]
+    for command in commands:
+        rc, argv, eff, _, err = dry_run(tmp_path, capsys, *command, "--engine", "sglang")
+        assert rc == 0, (command, err)
+        missing = set(KT_CLI_FLAGS) - kt_flags(argv)
+        assert not missing, (command, missing)
+        assert eff["preset"]["name"] == "kt", command
+        if "--trust-remote-code" not in argv:
+            assert "kt-cli passes --trust-remote-code" in \
+                eff["settings"]["trust_remote_code"]["reason"], command
+    # kt-cli's spellings landed on kiln's settings (the last command's and the 4th's).
+    assert flag(argv, "--served-model-name") == "Qwen3"
+    assert flag(argv, "--mem-fraction-static") == "0.9"
+    assert flag(argv, "--max-total-tokens") == "60000" and argv[-1] == "--enable-dp-attention"
+
+
+def test_a_real_hand_off_prints_the_summary_and_the_command_it_launches(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a dry run: kiln starts the engine (the fake SGLang, which fails as it loads), after
+    printing what the dry run shows and the command line."""
+    import sys
+
+    fake = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"
+    folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    monkeypatch.setenv("FAKE_EXIT_BEFORE_READY", "3")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    rc = main(["serve", str(folder), "--engine", "sglang", "--engine-command",
+               f"{sys.executable} {fake}", "--port", "39999"])
+    out, err = capsys.readouterr()
+    assert rc == 3, err
+    assert "preset: kt" in err and "kt_cpuinfer" in err and "[preset kt]" in err
+    line = err.split("launching server with command:\n", 1)[1].splitlines()[0]
+    argv = shlex.split(line)
+    assert argv[:2] == [sys.executable, str(fake)]
+    assert not set(KT_CLI_FLAGS) - kt_flags(argv)
+    assert "exited with code 3 before it was ready" in out  # the engine really ran
+
+
+def test_a_draft_alias_reaches_the_engines_as_what_they_load(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                    "--speculative-model", "qwen3-0.6b",
+                                    "--num-speculative-tokens", "3")
+    assert rc == 0, err
+    assert flag(argv, "--speculative-draft-model-path") == "Qwen/Qwen3-0.6B"
+    assert "qwen3-0.6b resolved" in eff["settings"]["speculative_model"]["reason"]
+    # On this machine (a kt-style folder in --model-dir): its files.
+    models = tmp_path / "models"
+    draft = model_folder(models / "Qwen--Qwen3-0.6B", {**QWEN3_30B_A3B, "num_experts": 0,
+                                                       "architectures": ["Qwen3ForCausalLM"]})
+    rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "vllm",
+                                  "--speculative-model", "qwen3-0.6b", "--model-dir",
+                                  str(models), "--num-speculative-tokens", "3")
+    assert rc == 0, err
+    assert json.loads(flag(argv, "--speculative-config") or "{}")["model"] == str(draft)
+
+
+def test_a_registry_model_that_is_not_here_is_not_answered_with_other_models(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for spec in ("qwen3-0.6b", "Qwen/Qwen3-0.6B"):
+        rc, _, _, _, err = dry_run(tmp_path, capsys, spec)
+        assert rc != 0
+        assert f"'{spec}' is not in the HF cache" in err and "did you mean" not in err
+        assert f"kiln pull {spec}" in err
+    # A name kiln does not know still gets suggestions.
+    rc, _, _, _, err = dry_run(tmp_path, capsys, "Qwen/Qwen3-0.7B")
+    assert rc != 0 and "did you mean" in err
+
+
+def test_the_embedded_models_repo_offline_is_the_embedded_copy(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, eff, _, err = dry_run(tmp_path, capsys, "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                 "--offline")
+    assert rc == 0, err
+    assert eff["model"]["origin"] == "embedded" and eff["model"]["format"] == "gguf"
+    assert eff["model"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

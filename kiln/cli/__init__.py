@@ -28,3 +28,20 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     return "\n".join(lines)
+
+
+def unknown_args_error(parser: argparse.ArgumentParser, extra: list[str],
+                       why: str | None = None) -> None:
+    """argparse's exit 2 with the command's own usage (`kiln serve`'s, not `kiln`'s), naming
+    the nearest flag the command has for the first unknown option."""
+    import difflib
+
+    from kiln.messages import msg
+
+    flags = [o for a in parser._actions for o in a.option_strings]
+    first = next((x.split("=", 1)[0] for x in extra if x.startswith("-")), None)
+    near = difflib.get_close_matches(first, flags, n=1, cutoff=0.6) if first else []
+    nearest = str(msg("serve.did_you_mean", flag=near[0])) if near else ""
+    if why is None:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{nearest}")
+    parser.error(str(msg(why, args=" ".join(extra), nearest=nearest)))

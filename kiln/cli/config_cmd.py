@@ -21,7 +21,9 @@ from kiln.messages import msg
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="show or edit kiln's config file",
                               description="Keys are setting names (see `kiln config show`).")
-    p.add_argument("--config", type=Path, metavar="PATH", help="config file to use")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="config file to use (default: $KILN_CONFIG, else "
+                   "~/.config/kiln/config.toml)")
     add_lang_flag(p)
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     show = sub.add_parser("show", help="every setting: value and source (without a model)")
@@ -41,12 +43,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _path(args: argparse.Namespace) -> Path:
-    return args.config or S.default_config_path()
+    """The file `kiln serve` reads: --config, else $KILN_CONFIG, else the default path."""
+    return args.config or S.config_path()
 
 
 def _resolve(args: argparse.Namespace) -> C.ResolvedSettings:
     path = _path(args)
-    file_settings, _, used = S.load_config_file(path if path.exists() else None)
+    file_settings, used = ((S.load_config_file(path)[0], path) if path.exists()
+                           else ({}, None))
     return C.resolve_settings(env=S.env_values(), file=file_settings, file_path=used)
 
 

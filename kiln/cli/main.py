@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for mod in (serve, run, pull, list_models, ps, stop, doctor, config_cmd, bench, replay):
         mod.add_parser(sub)
+    for command in sub.choices.values():  # errors print the command's usage, not kiln's
+        command.set_defaults(command_parser=command)
     return p
 
 
@@ -44,12 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     set_lang(detect_lang(argv))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.unknown_args = []
     # `kiln run MODEL --temperature 0 "a prompt"`: words after the options are still the prompt.
     if getattr(args, "command", None) == "run" and extra and not any(
             x.startswith("-") for x in extra):
         args.prompt = list(args.prompt) + extra
+    elif extra and getattr(args, "command", None) == "serve":
+        # kt-cli's habit: options kiln does not know go to the external engine. Which engine
+        # runs is known only once the settings resolve, so `kiln serve` decides.
+        args.unknown_args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from kiln.cli import unknown_args_error
+
+        unknown_args_error(getattr(args, "command_parser", None) or parser, extra)
     args.passthrough = passthrough
     if not getattr(args, "func", None):
         parser.print_help()

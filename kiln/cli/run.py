@@ -74,6 +74,11 @@ class _Chat:
         self.tokenizer = startup.load_tokenizer(sp)
         self.engine = startup.build_engine(sp, self.tokenizer)
         self.args = args
+        # A base model has no chat template: each prompt runs as a plain completion (what
+        # /v1/completions would do), no history, and the user is told once.
+        self.raw = not self.tokenizer.chat_template
+        if self.raw:
+            print(msg("run.no_template", name=src.name), file=sys.stderr, flush=True)
         self.history: list[dict[str, str]] = []
         if args.system:
             self.history.append({"role": "system", "content": args.system})
@@ -82,13 +87,17 @@ class _Chat:
     def ask(self, text: str) -> str:
         from kiln.sampling_params import SamplingParams
 
-        self.history.append({"role": "user", "content": text})
-        ids = self.tokenizer.apply_chat_template(self.history, add_generation_prompt=True)
+        if self.raw:
+            self.history = []  # a completion continues the prompt alone
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = self.tokenizer.apply_chat_template(
+                [*self.history, {"role": "user", "content": text}], add_generation_prompt=True)
         budget = self.engine.max_model_len - len(ids) - 1
         if budget < 1:
-            self.history.pop()
             print(msg("run.too_long"))
             return ""
+        self.history.append({"role": "user", "content": text})
         params = SamplingParams(temperature=self.args.temperature,
                                 max_tokens=min(self.args.max_tokens, budget),
                                 stop=self.args.stop or [])
@@ -110,7 +119,8 @@ class _Chat:
         sys.stdout.write("\n")
         sys.stdout.flush()
         reply = "".join(answer)
-        self.history.append({"role": "assistant", "content": reply})
+        if not self.raw:
+            self.history.append({"role": "assistant", "content": reply})
         return reply
 
     def interactive(self) -> int:

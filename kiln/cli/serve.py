@@ -25,8 +25,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", help="serve MODEL over an OpenAI-compatible HTTP API",
         description="Serve MODEL (alias, owner/repo[:QUANT], folder or .gguf; default: the "
-        "embedded SmolLM2-135M-Instruct) on http://127.0.0.1:8000/v1. Arguments after `--` go "
-        "to the external engine untouched (--engine vllm|sglang).")
+        "embedded SmolLM2-135M-Instruct) on http://127.0.0.1:8000/v1. With --engine vllm|sglang, "
+        "options kiln does not know, and every argument after `--`, go to the external engine "
+        "untouched.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="what to serve")
     startup.add_common_arguments(p)
     p.set_defaults(func=main)
@@ -37,6 +38,9 @@ def main(args: argparse.Namespace) -> int:
 
     note_process_start()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    unknown = list(getattr(args, "unknown_args", None) or [])
+    if unknown and _engine_asked(args) == "kiln":
+        _refuse_unknown(args, unknown)  # at once, before anything is resolved (exit 2)
     if _wants_router(args):
         return _serve_router(args)
     sp = startup.StartupPlan(args)
@@ -49,8 +53,12 @@ def main(args: argparse.Namespace) -> int:
         if engine == "auto":
             engine = _choose_engine(sp)
             if engine == "kiln":
+                if unknown:
+                    _refuse_unknown(args, unknown)
                 startup.commit_to_kiln(sp)  # planned from config.json: now kiln judges it
         if engine != "kiln":
+            # Options kiln does not know are the engine's, ahead of those after `--`.
+            args.passthrough = unknown + list(getattr(args, "passthrough", []) or [])
             return _serve_external(sp, engine)
         if args.dry_run:
             print(startup_report.describe(sp))
@@ -63,6 +71,31 @@ def main(args: argparse.Namespace) -> int:
         if isinstance(e, SystemExit):
             raise
         return startup_report.fail(sp, e)
+
+
+def _engine_asked(args: argparse.Namespace) -> str:
+    """The engine a person asked for (flag, KILN_ENGINE, config file), before any resolution:
+    whether options kiln does not know may go to an external engine. A config file that does
+    not load is reported by the normal path."""
+    from kiln import setting_sources as S
+    from kiln.errors import KilnError
+
+    try:
+        layers: list[dict[str, Any]] = [S.cli_values(args), S.env_values(),
+                                        S.load_config_file(args.config)[0]]
+    except KilnError:
+        return "auto"
+    for layer in layers:
+        if "engine" in layer:
+            value = layer["engine"]
+            return str(value[0] if isinstance(value, tuple) else value)
+    return "kiln"
+
+
+def _refuse_unknown(args: argparse.Namespace, unknown: list[str]) -> None:
+    from kiln.cli import unknown_args_error
+
+    unknown_args_error(args.command_parser, unknown, why="serve.unknown_args")
 
 
 def _wants_router(args: argparse.Namespace) -> bool:
@@ -450,8 +483,12 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
         startup_report.write_artifacts(sp, "dry-run")
         return 0
     plan = prepare_launch(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)
+    # What the dry run shows, before the engine takes minutes to start (kt-cli's summary and
+    # its "Launching server with command" line): what runs, and why.
+    print(startup_report.describe(sp), file=sys.stderr)
     for w in plan.warnings:
         print(msg("cli.warning", warning=w), file=sys.stderr)
+    print(msg("serve.launching", command=plan_to_dry_run(plan)), file=sys.stderr, flush=True)
     sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env}}
     startup_report.write_artifacts(sp, "ok")
     # kiln supervises the engine (a SIGTERM to kiln drains it), so the pid file names kiln.

@@ -31,6 +31,7 @@ from kiln.resolve.registry import (
     embedded_entry,
     infer_entry,
     load_registry,
+    lookup,
     normalize_model_name,
 )
 
@@ -373,13 +374,18 @@ def _walk(root: Path, max_depth: int = SEARCH_DEPTH) -> Iterator[tuple[Path, lis
 def search_model_dirs(
     repo_id: str, quant: str | None, model_dirs: Sequence[Path], spec: str
 ) -> ModelSource | None:
-    """A folder named like the repo (with config.json or GGUFs), or a .gguf file named like it."""
+    """A folder named like the repo (with config.json or GGUFs), or a .gguf file named like it.
+    kt-cli's names count too: owner--repo (Qwen--Qwen3-30B-A3B) and the registry model's own
+    name (deepseek-v3, kimi-k2; not a bare alias such as "qwen3")."""
     repo_name = repo_id.rsplit("/", 1)[-1]
     want = normalize_model_name(repo_name)
+    entry = infer_entry(repo_id)
+    exact = {repo_name.lower(), repo_id.replace("/", "--").lower(),
+             *([entry.name.lower()] if entry is not None else [])}
     for root in model_dirs:
         for folder, files, depth in _walk(root):
             name_hit = depth > 0 and (
-                folder.name.lower() == repo_name.lower()
+                folder.name.lower() in exact
                 or normalize_model_name(folder.name) == want
             )
             has_gguf = any(f.endswith(".gguf") for f in files)
@@ -510,7 +516,12 @@ def not_found(
     extra: str | None = None,
     model_dirs: Sequence[Path] = (),
 ) -> ModelNotFoundError:
-    matches = close_matches(spec, model_dirs)
+    # A registry model (by name or repo) that is simply not here: other models are no answer.
+    base = spec.rsplit(":", 1)[0] if ":" in spec and "/" not in spec.rsplit(":", 1)[1] else spec
+    known = lookup(base) is not None or any(base.lower() in (e.hf_repo.lower(),
+                                                             (e.gguf_repo or "").lower())
+                                            for e in load_registry())
+    matches = [] if known else close_matches(spec, model_dirs)
     steps = extra or msg("model.pull_hint")
     hint = msg("model.list_hint", steps=steps)
     if matches:

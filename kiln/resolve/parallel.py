@@ -121,14 +121,16 @@ def preset_info(sp: Any, mc: Any) -> dict[str, Any]:
     return info
 
 
-def auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any) -> None:
+def auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any, noted: bool = False) -> None:
     """Hybrid MoE: how many experts of each layer stay on the GPUs, from VRAM per GPU and TP
-    (the registry's rule per model family, as ktransformers sizes it)."""
+    (the registry's rule per model family, as ktransformers sizes it). `noted`: the user was
+    already told the model has no registry entry (and how to give it one)."""
     if not s.get("cpu_offload_experts") or s.get("num_gpu_experts") is not None \
             or s.get("engine") == "kiln":  # kiln's engine: its placement plan decides
         return
     if entry is None or entry.gpu_experts_rule is None or not hw.gpus:
-        s.warnings.append(msg("startup.gpu_experts_unsized"))
+        if not (noted and entry is None):
+            s.warnings.append(msg("startup.gpu_experts_unsized"))
         return
     from kiln.resolve.registry import gpu_experts_per_layer
 

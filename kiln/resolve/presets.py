@@ -118,6 +118,24 @@ PRESETS: dict[str, Preset] = {
                 "max_num_batched_tokens": 16384,
             },
         ),
+        # What kt-cli's `kt run` passes SGLang on every launch (its settings' defaults), for
+        # SGLang with kt-kernel; startup picks it there. The kt-kernel flags themselves come
+        # from the auto rules (thread pools, cpuinfer, method, GPU experts) and the registry.
+        Preset(
+            "kt",
+            "SGLang with kt-kernel (MoE experts split GPU/CPU): the flags kt-cli's `kt run` "
+            "passes on every launch",
+            {
+                "attention_backend": "triton",
+                "max_total_tokens": 40000,
+                "max_num_seqs": 32,
+                "max_num_batched_tokens": 4096,
+                "gpu_memory_utilization": 0.98,
+                "watchdog_timeout": 3000.0,
+                "enable_mixed_chunk": True,
+                "enable_p2p_check": True,
+            },
+        ),
         Preset(
             "latency",
             "one user at a time: single sequence, compiled decode, prefix cache for chat turns",

@@ -195,6 +195,24 @@ def lookup(name: str) -> RegistryEntry | None:
     return None
 
 
+def search(query: str) -> list[RegistryEntry]:
+    """Registry models a short name points at, as kt-cli matches them: the best tier only, each
+    entry once, in file order. Tiers: a name or alias starting with the query, then one
+    containing it (or the HF repo containing it). Empty when nothing contains it. An exact name
+    is `lookup`'s, not this."""
+    q = query.strip().lower()
+    if not q:
+        return []
+    tiers: dict[int, list[RegistryEntry]] = {}
+    for e in _shipped_registry():
+        names = [n.lower() for n in e.names]
+        if any(n.startswith(q) for n in names):
+            tiers.setdefault(0, []).append(e)
+        elif any(q in n for n in names) or q in e.hf_repo.lower():
+            tiers.setdefault(1, []).append(e)
+    return tiers[min(tiers)] if tiers else []
+
+
 def embedded_entry() -> RegistryEntry:
     for e in _shipped_registry():
         if e.embedded:
@@ -262,9 +280,21 @@ def infer_entry(name_or_path: str | Path) -> RegistryEntry | None:
         repo = _cache_folder_repo(part)
         if repo is not None:
             return by_repo.get(repo.lower()) or by_stem.get(normalize_model_name(repo))
+        if "--" in part:  # kt-cli stores a repo as owner--repo (Qwen--Qwen3-30B-A3B)
+            repo = part.replace("--", "/", 1)
+            hit = by_repo.get(repo.lower()) or by_stem.get(normalize_model_name(repo))
+            if hit is not None:
+                return hit
         hit = by_stem.get(normalize_model_name(part))
         if hit is not None:
             return hit
+    # kt-cli's folders may also carry the registry name itself (deepseek-v3, kimi-k2): the last
+    # component only, and a name, not a bare alias such as "qwen3".
+    if parts:
+        last = parts[-1].lower()
+        for e in _shipped_registry():
+            if e.name.lower() == last:
+                return e
     return None
 
 

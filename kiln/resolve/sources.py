@@ -50,6 +50,7 @@ from kiln.resolve.registry import (
     load_registry,
     lookup,
     normalize_model_name,
+    search,
 )
 
 # What callers import from here: the front door of model resolution.
@@ -155,6 +156,11 @@ def resolve_repo(
     if offline or not download:
         if cache_problem is not None:
             raise cache_problem
+        if offline and entry is not None and entry.embedded and \
+                repo_id.lower() == entry.hf_repo.lower() and \
+                (quant is None or quant.upper() == (entry.gguf_quant or "").upper()):
+            # The repo kiln embeds a copy of (SmolLM2's, as GGUF): offline, that copy serves.
+            return default_source(spec, "alias")
         why = msg("model.offline_on") if offline else msg("model.downloads_off")
         raise not_found(
             spec,
@@ -173,10 +179,15 @@ def resolve_model(
     offline: bool = False,
     interactive: bool | None = None,
     download: bool = True,
+    model_path: str | Path | None = None,
 ) -> ModelSource:
-    """Turn MODEL into files on disk (see the module docstring for the order)."""
+    """Turn MODEL into files on disk (see the module docstring for the order). `model_path`
+    (kt-cli's --model-path): the files are there; MODEL, if given, names the registry model
+    whose rules apply to them."""
     dirs = [Path(d).expanduser() for d in model_dirs]
     offline = offline_mode(offline)
+    if model_path:
+        return _with_model_path(spec, Path(str(model_path)), dirs, interactive)
     if spec is None or not spec.strip():
         if interactive is None:
             interactive = sys.stdin.isatty() and sys.stdout.isatty()
@@ -221,6 +232,11 @@ def resolve_model(
         ):
             return _from_path(m.path, spec, None)
 
+    # A short name for a registry model (kt-cli's matching); several: the user picks one.
+    entry = search_registry(spec, interactive)
+    if entry is not None:
+        return _from_entry(entry, None, entry.name, dirs, offline, download)
+
     raise not_found(
         spec,
         msg("model.unknown", spec=repr(spec)),
@@ -228,7 +244,83 @@ def resolve_model(
     )
 
 
+def search_registry(spec: str, interactive: bool | None = None) -> RegistryEntry | None:
+    """The registry model a short name points at (registry.search's best tier): the one match,
+    or the one the user picks from a numbered menu (stderr; the answer on stdin) when stdin is
+    a terminal; several without a terminal is an error that lists them. None: no match."""
+    hits = search(spec)
+    if not hits:
+        return None
+    if len(hits) == 1:
+        entry = hits[0]
+    else:
+        names = ", ".join(e.name for e in hits)
+        if interactive is None:
+            interactive = sys.stdin.isatty()
+        if not interactive:
+            raise ModelNotFoundError(msg("model.search_several", spec=repr(spec), names=names),
+                                     hint=msg("model.search_several.hint"))
+        err = sys.stderr
+        err.write(msg("model.search_title", spec=repr(spec)) + "\n")
+        for i, e in enumerate(hits, 1):
+            err.write(f"  {i:>2}. {e.name}  ({e.hf_repo}, {e.params}) - {e.description}\n")
+        err.write(f"  {0:>2}. {msg('picker.cancel')}\n")
+        entry = None
+        for _ in range(3):
+            err.write(msg("picker.prompt", count=len(hits)))
+            err.flush()
+            answer = sys.stdin.readline().strip()
+            if answer == "0":
+                raise ModelNotFoundError(msg("picker.cancelled"), hint=msg("picker.pass_model"))
+            if answer.isdigit() and 1 <= int(answer) <= len(hits):
+                entry = hits[int(answer) - 1]
+                break
+            err.write(msg("picker.not_a_number", answer=repr(answer)) + "\n")
+        if entry is None:
+            raise ModelNotFoundError(msg("picker.no_pick"), hint=msg("picker.pass_model"))
+    print(msg("model.search_picked", spec=repr(spec), name=entry.name, repo=entry.hf_repo),
+          file=sys.stderr)
+    return entry
+
+
+def _with_model_path(spec: str | None, path: Path, dirs: Sequence[Path],
+                     interactive: bool | None) -> ModelSource:
+    """--model-path PATH: the files there, under the registry model MODEL names (exactly or by
+    a short name), so its rules (GPU experts, context, remote code) apply; nothing is fetched."""
+    path = path.expanduser()
+    if not path.exists():
+        raise not_found(str(path), msg("model.no_such_path", path=os.path.abspath(path)),
+                        extra=msg("model.check_path"), model_dirs=dirs)
+    src = _from_path(path, spec or str(path), None)
+    if not spec:
+        return src
+    entry = lookup(spec) or search_registry(spec, interactive)
+    if entry is None:
+        raise ModelNotFoundError(msg("model.path_not_registry", path=path, spec=repr(spec)),
+                                 hint=msg("model.path_not_registry.hint", path=path))
+    src.spec = spec if lookup(spec) is not None else entry.name
+    src.kind, src.registry_entry = "alias", entry
+    return src
+
+
 def _from_entry(
+    entry: RegistryEntry,
+    quant: str | None,
+    spec: str,
+    dirs: Sequence[Path],
+    offline: bool,
+    download: bool,
+) -> ModelSource:
+    """A registry model's files. Not found, the error carries the entry (`registry_entry`):
+    an external engine is then handed its repo id to fetch."""
+    try:
+        return _entry_source(entry, quant, spec, dirs, offline, download)
+    except ModelNotFoundError as e:
+        e.registry_entry = entry  # type: ignore[attr-defined]
+        raise
+
+
+def _entry_source(
     entry: RegistryEntry,
     quant: str | None,
     spec: str,

@@ -58,3 +58,38 @@ def resolve_draft_model(s: C.ResolvedSettings, dirs: Any, *, offline: bool,
         s.override("speculative_model", path,
                    f"{r.value} resolved ({src.origin}); {r.reason}".rstrip("; "),
                    source=r.source)
+
+
+def resolve_draft_for_engine(s: C.ResolvedSettings, dirs: Any, *, offline: bool) -> None:
+    """--speculative-model for vLLM / SGLang: a registry alias or local name means nothing to
+    them, so it becomes what they load: the files when they are on this machine, else the
+    registry's HF repo id (the engine downloads it). An HF id or a path passes as it is."""
+    from pathlib import Path
+
+    from kiln.errors import ModelNotFoundError
+    from kiln.resolve import sources
+    from kiln.resolve.registry import lookup
+
+    r = s.values.get("speculative_model")
+    if r is None or r.value is None:
+        return
+    spec = str(r.value)
+    entry = lookup(spec.split(":")[0])
+    if entry is None and (Path(spec).expanduser().exists() or spec.count("/") == 1):
+        return
+    try:
+        src = sources.resolve_model(spec, model_dirs=dirs, offline=offline, download=False,
+                                    interactive=False)
+        if src.format == "safetensors":
+            value, how = str(src.path), src.origin
+        elif entry is not None:  # a GGUF copy (SmolLM2's embedded one): the engines want HF
+            value, how = entry.hf_repo, f"the {src.format} copy here is not for the engine"
+        else:
+            value, how = str(src.gguf_file or src.path), src.origin
+    except ModelNotFoundError:
+        if entry is None:
+            raise
+        value, how = entry.hf_repo, "not on this machine: the engine downloads it"
+    if value != spec:
+        s.override("speculative_model", value, f"{spec} resolved ({how}); {r.reason}",
+                   source=r.source)
