@@ -169,14 +169,15 @@ SETTINGS: list[Setting] = [
             affects="server", group="server"),
     Setting("port", positive_int, 8000, "port to listen on", ("--port", "-p"), affects="server",
             group="server"),
-    # ferrum's and vLLM's spelling both: `--served-model-name a --served-model-name b`, `a b`
-    # or `a,b`. Unset: the name MODEL was given as, then its registry id and HF repo, so a
-    # client may ask by either (as ferrum serves the requested name and the canonical id).
+    # ferrum's spelling (`--served-model-name a --served-model-name b`) or `a,b`; not vLLM's
+    # `a b`, which would swallow a MODEL given after it. Unset: the name MODEL was given as,
+    # then its registry id and HF repo, so a client may ask by either (as ferrum serves the
+    # requested name and the canonical id).
     Setting("served_model_name", parse_name_list, None,
-            "names the API serves the model as (first is primary; repeatable, several per flag "
-            "or comma-separated; auto: MODEL as given, then its registry id and HF repo)",
+            "names the API serves the model as (first is primary; repeatable or "
+            "comma-separated; auto: MODEL as given, then its registry id and HF repo)",
             ("--served-model-name",), affects="server", group="server", metavar="NAME",
-            auto=auto_served_model_name, nargs="+", repeatable=True),
+            auto=auto_served_model_name, repeatable=True),
     Setting("api_key", str, None, "require 'Authorization: Bearer KEY' on /v1", ("--api-key",),
             affects="server", group="server"),
     Setting("drain_timeout", float, 30.0,

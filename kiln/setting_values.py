@@ -32,8 +32,7 @@ def parse_bytes(value: Any) -> int:
 
 def parse_name_list(value: Any) -> list[str]:
     """'a,b' or ['a', 'b'] -> ['a', 'b']; rejects empty names, padding and duplicates. A flag
-    given several times, each with one or more values (vLLM's `--served-model-name a b`), is a
-    list of lists, taken in order."""
+    given several times is a list of its values (each may be 'a,b'), taken in order."""
     def flat(v: Any) -> list[str]:
         if isinstance(v, (list, tuple)):
             return [x for e in v for x in flat(e)]

@@ -108,8 +108,7 @@ def test_an_unwritable_artifact_is_a_warning_line_after_the_real_error(tmp_path,
 
 
 def test_served_model_name_is_repeatable_and_defaults_to_the_name_and_canonical_ids(tmp_path):
-    s = _settings(tmp_path, "smollm2", "--served-model-name", "a", "--served-model-name", "b",
-                  "c")
+    s = _settings(tmp_path, "smollm2", "--served-model-name", "a", "--served-model-name", "b,c")
     assert s["served_model_name"]["value"] == ["a", "b", "c"]
     assert s["served_model_name"]["source"] == "cli"
     s = _settings(tmp_path, "smollm2")
