@@ -270,3 +270,67 @@ def test_system_coalescing_on_renders_what_a_strict_template_refuses(
     on = Serving(None, tok, ["m"], max_model_len=64, version="t",  # type: ignore[arg-type]
                  coalesce_system=True)
     assert tok.decode(on.chat_prompt(msgs)).startswith("<|im_start|>system\nA.\n\nB.<|im_end|>")
+
+
+# Tools as Qwen's template writes them (each with tojson, so the key order is in the prompt),
+# and the calls of earlier turns.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] or '' }}{% for c in m['tool_calls'] or [] %}<tool_call>"
+    "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_and_responses_make_the_same_engine_request(smollm2_tokenizer: Tokenizer) -> None:
+    """Issue 44: one conversion. The same conversation (instructions, an earlier call and its
+    output, a tool whose keys a client sent in another order) through the chat and the
+    Responses request gives the same prompt token ids and SamplingParams (special tokens kept
+    for the hermes parser, the same constraint for a named tool_choice)."""
+    import asyncio
+
+    from kiln.server.chat_output import ChatFormat
+    from kiln.server.protocol import ChatCompletionRequest
+    from kiln.server.responses_protocol import ResponsesRequest
+    from kiln.server.routes.chat import prepare_chat
+    from kiln.server.routes.responses import chat_request, input_messages
+
+    tok = Tokenizer(copy.deepcopy(smollm2_tokenizer.hf), chat_template=TOOLS_TEMPLATE,
+                    eos_token_ids=smollm2_tokenizer.eos_token_ids)
+    # The engine is not reached: preparing a request renders, tokenizes and plans; the named
+    # tool_choice's grammar is compiled by the engine's grammar engine, which this test skips.
+    sv = Serving(None, tok, ["m"], max_model_len=512, version="t",  # type: ignore[arg-type]
+                 chat=ChatFormat("hermes"))
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fn = {"name": "get_weather", "description": "weather of a city", "parameters": params}
+    scrambled = {"type": "function", "function": {"parameters": params, "name": "get_weather",
+                                                  "description": "weather of a city"}}
+    chat = ChatCompletionRequest(
+        temperature=0, max_tokens=8, tools=[scrambled], messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    resp = ResponsesRequest(
+        temperature=0, max_output_tokens=8, instructions="Be brief.",
+        tools=[{"type": "function", **fn}], input=[
+            {"role": "user", "content": "Oslo?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    a = asyncio.run(prepare_chat(sv, chat))
+    b = asyncio.run(prepare_chat(sv, chat_request(resp, input_messages(resp))))
+    assert a.prompt_ids == b.prompt_ids and a.params == b.params
+    assert a.params.skip_special_tokens is False  # hermes' markers stay in the output text
+    assert json.dumps({"type": "function", "function": fn}) in a.prompt_text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}' in a.prompt_text
+
+    from kiln.server.chat_output import plan_tools
+
+    named = plan_tools(chat.tools, {"type": "function", "function": {"name": "get_weather"}},
+                       None, sv.chat)
+    via_responses = chat_request(resp.model_copy(update={
+        "tool_choice": {"type": "function", "name": "get_weather"}}), [])
+    assert plan_tools(via_responses.tools, via_responses.tool_choice, None, sv.chat
+                      ).structured == named.structured

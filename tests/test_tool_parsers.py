@@ -33,6 +33,13 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string"}}}}}
 
 
+@pytest.fixture(scope="module")
+def grammars(smollm2_tokenizer: Any) -> Any:
+    from kiln.engine.structured import StructuredOutputs
+
+    return StructuredOutputs(smollm2_tokenizer, 49152)
+
+
 def whole(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str]]]:
     p = parser.parse(text, final=True)
     return p.content, [(c.name, c.arguments) for c in p.calls]
@@ -182,14 +189,89 @@ def test_plan_tools_per_tool_choice() -> None:
     assert plan_tools([WEATHER], "auto", None, ChatFormat()).parser is None  # no parser set
     assert plan_tools([WEATHER], "auto", None, ChatFormat("hermes", auto_tool_choice=False)
                       ).parser is None
+    # With a server parser: its own call format, as a grammar, read by that parser.
     req = plan_tools([WEATHER, TIME], "required", False, fmt)
+    assert isinstance(req.parser, HermesParser) and req.max_calls == 1
+    assert req.structured == StructuredOutputsParams(
+        grammar=HermesParser().call_grammar([("get_weather", WEATHER["function"]["parameters"]),
+                                             ("get_time", TIME["function"]["parameters"])], 1))
+    named = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
+                       None, fmt)
+    assert isinstance(named.parser, HermesParser) and named.max_calls == 1
+    assert named.parser.tool_names == {"get_time"}
+    assert '"const": "get_time"' in named.structured.grammar
+    assert "get_weather" not in named.structured.grammar
+    # Without one: vLLM's JSON shapes.
+    req = plan_tools([WEATHER, TIME], "required", False, ChatFormat())
     assert isinstance(req.parser, RequiredParser) and req.max_calls == 1
     assert req.structured == StructuredOutputsParams(json=required_schema([WEATHER, TIME],
                                                                           parallel=False))
     named = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
-                       None, fmt)
+                       None, ChatFormat())
     assert isinstance(named.parser, NamedParser) and named.parser.function == "get_time"
     assert named.structured == StructuredOutputsParams(json=TIME["function"]["parameters"])
+
+
+def _accepts(grammars: Any, grammar: str, text: str) -> bool:
+    """Whether the compiled `grammar` takes `text`, tokenized, to an accepting end."""
+    m = grammars.compile(StructuredOutputsParams(grammar=grammar)).deep_copy()
+    ids = grammars.tokenizer.encode(text, add_special_tokens=False)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+PERSON = ("Person", {"type": "object", "properties": {"name": {"type": "string"},
+                                                      "age": {"type": "integer"}},
+                     "required": ["name", "age"]})
+GEO = ("geo", {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+               "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}},
+                               "required": ["x"]}}})
+
+
+@pytest.mark.parametrize(("parser", "one", "two", "bare"), [
+    (HermesParser(),
+     '<tool_call>\n{"name": "Person", "arguments": {"name": "John", "age": 30}}\n</tool_call>',
+     ('<tool_call>\n{"name": "Person", "arguments": {"name": "Al", "age": 3}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "geo", "arguments": {"p": {"x": 1}}}\n</tool_call>'),
+     '{"name": "John", "age": 30}'),
+    (Llama3JsonParser(),
+     '{"name": "Person", "parameters": {"name": "John", "age": 30}}',
+     ('{"name": "Person", "parameters": {"name": "Al", "age": 3}}; '
+     '{"name": "geo", "parameters": {"p": {"x": 1}}}'),
+     '{"name": "John", "age": 30}'),
+    (MistralParser(),
+     '[TOOL_CALLS][{"name": "Person", "arguments": {"name": "John", "age": 30}}]',
+     ('[TOOL_CALLS][{"name": "Person", "arguments": {"name": "Al", "age": 3}}, '
+     '{"name": "geo", "arguments": {"p": {"x": 1}}}]'),
+     '[TOOL_CALLS]{"name": "John", "age": 30}'),
+])
+def test_call_grammar_is_the_parsers_own_format(grammars: Any, parser: ToolParser, one: str,
+                                                two: str, bare: str) -> None:
+    """The constrained tool_choice (issue 44): the grammar takes the calls written in the
+    format the parser reads (wrapper + each function's arguments schema, its $defs where its
+    references point), one or several as max_calls says; not bare arguments (where a field
+    called "name" would get the function's name), not a wrong argument type. What it takes, the
+    parser reads back."""
+    both = parser.call_grammar([PERSON, GEO], None)
+    only = parser.call_grammar([PERSON], 1)
+    assert both is not None and only is not None
+    assert _accepts(grammars, only, one) and _accepts(grammars, both, one)
+    assert _accepts(grammars, both, two) and not _accepts(grammars, only, two)
+    assert not _accepts(grammars, only, bare)
+    assert not _accepts(grammars, only, one.replace("30", '"30"'))
+    assert whole(type(parser)(), two)[1] == [("Person", '{"name": "Al", "age": 3}'),
+                                            ("geo", '{"p": {"x": 1}}')]
+
+
+def test_call_grammar_names_a_special_marker_by_its_id(grammars: Any) -> None:
+    """A marker that is one special token (Mistral's [TOOL_CALLS]) is the token in the grammar:
+    special tokens are never matched as text. Here SmolLM2's <|im_start|> stands in for it."""
+    tok = grammars.tokenizer
+    (tid,) = tok.encode("<|im_start|>", add_special_tokens=False)
+    assert tid in tok.all_special_ids
+    grammar = MistralParser().call_grammar([PERSON], 1, lambda text: tid)
+    assert grammar.startswith(f"start: <[{tid}]>")
+    assert _accepts(grammars, grammar,
+                    '<|im_start|>[{"name": "Person", "arguments": {"name": "J", "age": 1}}]')
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
@@ -307,3 +389,66 @@ def test_reasoning_then_a_tool_call() -> None:
     assert [c["function"] for c in p.result.tool_calls] == [
         {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert p.called
+
+
+# --------------------------------------------------------------------------- Responses items
+
+
+def _items(parser: ChoiceParser, pieces: list[str], emit: bool) -> tuple[list[dict], list[dict]]:
+    """The Responses output items of `pieces` fed in turn, without their ids, and the events."""
+    from kiln.server.routes.responses import OutputItems
+
+    events: list[dict] = []
+    out = OutputItems(parser, (lambda type_, **f: json.dumps({"type": type_, **f}))
+                      if emit else None)
+    for i, piece in enumerate(pieces):
+        events += [json.loads(e) for e in out.feed(piece, i == len(pieces) - 1)]
+    strip = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in out.items]
+    return strip, events
+
+
+@pytest.mark.parametrize("text", [
+    ("Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}"
+    "\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"CET\"}}\n"
+    "</tool_call>\nI asked both."),
+    "<think>Weather, so the tool.</think>{\"name\": \"get_weather\", \"arguments\": {}}",
+    "Just words, no call.",
+    "",
+])
+def test_responses_items_streamed_at_every_split_equal_the_whole(text: str) -> None:
+    """Streamed and non-streamed Responses give the same output items (reasoning, the text
+    before the calls, one function_call per call, the text after them), whatever the engine
+    steps were; the stream's events add them up: arguments only in function_call_arguments
+    deltas, never in output_text, and each item done before the next is added."""
+    def parser() -> ChoiceParser:
+        return ChoiceParser(reasoning_parsers.PARSERS["qwen3"](""),
+                            ToolCallStream(HermesParser(["get_weather", "get_time"])))
+
+    want, _ = _items(parser(), [text], emit=False)
+    kinds = [i["type"] for i in want]
+    if "I asked both" in text:
+        assert kinds == ["message", "function_call", "function_call", "message"]
+        assert want[0]["content"][0]["text"] == "Let me look."
+        assert want[3]["content"][0]["text"] == "I asked both."
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:]], list(text) if cut == 0 and text else None):
+            if pieces is None:
+                continue
+            got, events = _items(parser(), pieces, emit=True)
+            assert got == want, (cut, pieces)
+            text_deltas = "".join(e["delta"] for e in events
+                                  if e["type"] == "response.output_text.delta")
+            assert "get_weather" not in text_deltas
+            added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+            done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+            assert added == done == list(range(len(want)))
+            order = [(e["type"], e["output_index"]) for e in events
+                     if e["type"].startswith("response.output_item")]
+            assert order == [(t, i) for i in range(len(want))
+                             for t in ("response.output_item.added",
+                                       "response.output_item.done")]
+            for i, item in enumerate(want):
+                if item["type"] == "function_call":
+                    args = "".join(e["delta"] for e in events if e.get("output_index") == i and
+                                   e["type"] == "response.function_call_arguments.delta")
+                    assert args == item["arguments"]

@@ -18,7 +18,13 @@ from kiln.sampling_params import StructuredOutputsParams
 from kiln.server import reasoning_parsers, tool_parsers
 from kiln.server.reasoning_parsers import Reasoned, ReasoningParser
 from kiln.server.request_params import strict_schema
-from kiln.server.tool_parsers import NamedParser, RequiredParser, ToolCallStream, ToolParser
+from kiln.server.tool_parsers import (
+    NamedParser,
+    RequiredParser,
+    SpecialId,
+    ToolCallStream,
+    ToolParser,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class ChatDelta:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # The whole answer's (ChoiceParser.result): content[:lead] came before the first tool call.
+    lead: int = 0
 
 
 class ChoiceParser:
@@ -56,6 +64,9 @@ class ChoiceParser:
         self.reasoning_sent = 0
         self.content_sent = 0
         self.result = ChatDelta()  # everything, once fed with final=True
+        # Characters of the content (as parsed so far) written before the first tool call; None
+        # while no call has been seen (all of it, so far).
+        self.lead: int | None = None
 
     def feed(self, delta: str, final: bool) -> ChatDelta:
         self.text += delta
@@ -64,6 +75,7 @@ class ChoiceParser:
         self.reasoning_sent = max(self.reasoning_sent, len(r.reasoning))
         if self.tools is not None:
             out.content, out.tool_calls = self.tools.update(r.content, final)
+            self.lead = self.tools.lead
         else:
             out.content = r.content[self.content_sent:]
             self.content_sent = max(self.content_sent, len(r.content))
@@ -73,6 +85,7 @@ class ChoiceParser:
                 assert self.tools.final is not None
                 self.result.content = self.tools.final.content
                 self.result.tool_calls = self.tools.tool_calls()
+            self.result.lead = len(self.result.content) if self.lead is None else self.lead
         return out
 
     @property
@@ -130,15 +143,32 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-               parallel_tool_calls: bool | None, fmt: ChatFormat) -> ToolPlan:
+               parallel_tool_calls: bool | None, fmt: ChatFormat,
+               special: SpecialId | None = None) -> ToolPlan:
     """`tool_choice` (validated by the protocol) -> ToolPlan. auto (the default with tools):
     the server's parser reads whatever the model writes; required / a named function: the
-    output is constrained to the calls' JSON by the grammar engine and read as such."""
+    output is constrained by the grammar engine to calls in the server parser's own format
+    (its wrapper around each function's arguments schema: what the model writes unconstrained,
+    so it is not pushed off its training), at most one where parallel_tool_calls is false or a
+    function is named, and read by that parser. Without a server parser, vLLM's shapes (see
+    kiln/server/tool_parsers.py). `special`: a marker's special-token id (the grammar names
+    special tokens by id)."""
     if not tools or tool_choice == "none":
         return ToolPlan()
     names = [_function(t).get("name", "") for t in tools]
     max_calls = 1 if parallel_tool_calls is False else None
     server = tool_parsers.PARSERS[fmt.tool_parser](names) if fmt.tool_parser else None
+    if server is not None and (isinstance(tool_choice, dict) or tool_choice == "required"):
+        chosen, calls = tools, max_calls
+        if isinstance(tool_choice, dict):
+            chosen = [t for t in tools
+                      if _function(t).get("name") == tool_choice["function"]["name"]][:1]
+            calls = 1
+        grammar = server.call_grammar(
+            [(_function(t).get("name", ""), _params_schema(t)) for t in chosen], calls, special)
+        if grammar is not None:
+            parser = type(server)([_function(t).get("name", "") for t in chosen])
+            return ToolPlan(parser, StructuredOutputsParams(grammar=grammar), calls)
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         tool = next(t for t in tools if _function(t).get("name") == name)

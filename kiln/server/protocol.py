@@ -111,6 +111,29 @@ def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+# OpenAI's documented order of a function's keys, which clients send: a template writes each tool
+# with `tojson`, so the order is part of the prompt.
+_FUNCTION_KEYS = ("name", "description", "parameters")
+
+
+def template_tools(tools: list[dict[str, Any]] | None, tool_choice: Any = None
+                   ) -> list[dict[str, Any]] | None:
+    """A request's function tools as chat templates get them, whichever endpoint took them
+    (chat completions, /v1/responses, /tokenize): each function's keys in OpenAI's order (name,
+    description, parameters, then any others as sent), so the same tools render the same prompt
+    in whatever key order a client wrote them. With tool_choice "none" there are none: the
+    model must not call, so they are not advertised."""
+    if not tools or tool_choice == "none":
+        return None
+    out = []
+    for tool in tools:
+        fn = tool.get("function") or {}
+        ordered = {k: fn[k] for k in _FUNCTION_KEYS if k in fn}
+        ordered.update({k: v for k, v in fn.items() if k not in ordered})
+        out.append({**tool, "type": tool.get("type", "function"), "function": ordered})
+    return out
+
+
 class JsonSchemaFormat(BaseModel):
     """response_format.json_schema: OpenAI's name, description, schema and strict."""
 
@@ -273,10 +296,7 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.to_template_dict() for m in self.messages]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        # tool_choice "none" means the model must not call tools: don't advertise them.
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return self.tools
+        return template_tools(self.tools, self.tool_choice)
 
 
 PromptType = str | list[str] | list[int] | list[list[int]]

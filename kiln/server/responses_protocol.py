@@ -1,7 +1,7 @@
 """Pydantic models of OpenAI's Responses API (POST /v1/responses, its stream events, GET by id).
 
-The request is turned into chat messages (routes/responses.py), so everything a chat completion
-validates, renders and samples is shared. What is accepted:
+The request is turned into a chat completion request (routes/responses.py), so everything a chat
+completion validates, renders and samples is shared. What is accepted:
 
   * `input`: a string (one user message) or a list of items: messages (roles user, system,
     developer, assistant; content a string or input_text / output_text parts), `function_call`
@@ -16,7 +16,7 @@ Unknown fields are ignored, as for the other endpoints.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -92,14 +92,15 @@ class FunctionToolParam(BaseModel):
         return v
 
     def chat_tool(self) -> dict[str, Any]:
-        """The chat completions' nested shape, which chat templates expect."""
-        fn: dict[str, Any] = {"name": self.name,
-                              "parameters": self.parameters or {"type": "object",
-                                                                "properties": {}}}
+        """The chat completions' nested shape, which chat templates expect: the same function a
+        chat request would send (`strict` kept as sent; protocol.template_tools orders the keys
+        for the template)."""
+        fn: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             fn["description"] = self.description
-        if self.strict:
-            fn["strict"] = True
+        fn["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        if self.strict is not None:
+            fn["strict"] = self.strict
         return {"type": "function", "function": fn}
 
 
@@ -174,7 +175,24 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """What the model wrote between its reasoning tags (--reasoning-parser), as OpenAI's
+    reasoning item carries it: the text in `content`, no summary."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Annotated[OutputReasoning | OutputMessage | OutputFunctionCall,
+                       Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -227,6 +245,9 @@ class ResponseStreamEvent(BaseModel):
     type: Literal["response.created", "response.in_progress", "response.output_item.added",
                   "response.content_part.added", "response.output_text.delta",
                   "response.output_text.done", "response.content_part.done",
+                  "response.reasoning_text.delta", "response.reasoning_text.done",
+                  "response.function_call_arguments.delta",
+                  "response.function_call_arguments.done",
                   "response.output_item.done", "response.completed", "response.incomplete"]
     sequence_number: int
     response: ResponseObject | None = None
@@ -234,7 +255,8 @@ class ResponseStreamEvent(BaseModel):
     content_index: int | None = None
     item_id: str | None = None
     item: OutputItem | None = None
-    part: OutputText | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
+    arguments: str | None = None
     logprobs: list[dict[str, Any]] | None = None

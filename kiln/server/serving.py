@@ -209,6 +209,12 @@ class Serving:
                            code="model_not_found")
         return model
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (a tool-call marker such as Mistral's
+        [TOOL_CALLS]), or None when no single special token is."""
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and ids[0] in self.tok.all_special_ids else None
+
     def chat_prompt(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
         """Token ids of a conversation through the chat template (see `chat_prompt_text`)."""
         # The template already writes BOS/role tokens; adding special tokens again would double BOS.

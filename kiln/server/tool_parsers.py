@@ -24,9 +24,14 @@ name is known, its arguments as the model writes them (the raw JSON text, not re
 streamed and whole answers carry the same string). Whitespace around calls is not content (the
 content is stripped). A call whose JSON breaks after its name keeps what came before the break.
 
-`tool_choice="required"` and a named function do not go through these parsers: the output is
-constrained to JSON (vLLM's shapes: an array of {"name", "parameters"}, or the named function's
-arguments) and read by `RequiredParser` / `NamedParser`.
+`tool_choice="required"` and a named function constrain the output to the calls in the model's
+own format: each parser writes the grammar of its format (`ToolParser.call_grammar`: the wrapper,
+tags or marker, and each offered function's {"name", arguments} object with the arguments' JSON
+schema), so the model writes what it was trained to write and the same parser reads it (a model
+that opens with its wrapper is not forced into bare arguments, where a schema field called `name`
+would receive the function's name). Without a server parser (a template with no known tool format)
+the output is vLLM's JSON shapes instead, an array of {"name", "parameters"} or the named function's
+bare arguments, read by `RequiredParser` / `NamedParser`.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class ParsedCall:
 class Parsed:
     content: str
     calls: list[ParsedCall] = field(default_factory=list)
+    # content[:lead] was written before the first call (all of it while there is no call): the
+    # Responses API puts the rest, text after the calls, in a message item after them.
+    lead: int | None = None
 
 
 def new_call_id() -> str:
@@ -217,16 +225,21 @@ class _Builder:
     def __init__(self) -> None:
         self.pieces: list[str] = []
         self.calls: list[ParsedCall] = []
+        self.lead = 0
 
     def text(self, s: str) -> None:
         self.pieces.append(s)
 
     def call(self, text: str, sc: CallScan) -> None:
         assert sc.name is not None
+        if not self.calls:
+            # The stripped content starts with the stripped text before the call (when any).
+            self.lead = len("".join(self.pieces).strip())
         self.calls.append(ParsedCall(sc.name, sc.arguments(text)))
 
     def result(self) -> Parsed:
-        return Parsed("".join(self.pieces).strip(), self.calls)
+        content = "".join(self.pieces).strip()
+        return Parsed(content, self.calls, self.lead if self.calls else None)
 
 
 # Where a bare call object may start: fenced as ```json, or not.
@@ -285,6 +298,44 @@ def _bare_call(text: str, i: int, final: bool, accept: Callable[[str], bool],
 # --------------------------------------------------------------------------- the parsers
 
 
+# A function a constrained call may name: (name, its arguments' JSON schema).
+Function = tuple[str, dict[str, Any]]
+# A special token's id by its text (None: not one token of the vocabulary, or not special).
+SpecialId = Callable[[str], "int | None"]
+
+
+def _call_rules(functions: list[Function], args_key: str) -> list[str]:
+    """Lark rules `call_<i>` (one call object per function, {"name": const, args_key: schema},
+    the keys in that order) and `call` (any of them). Each function is its own %json grammar, so
+    its `$defs` stay at the root its "#/$defs/..." references point to, and two functions' defs
+    of one name do not collide."""
+    from kiln.engine.structured import JSON_DEFAULTS
+
+    rules = []
+    for i, (name, params) in enumerate(functions):
+        params = dict(params)
+        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+        schema = {"type": "object", "properties": {"name": {"const": name}, args_key: params},
+                  "required": ["name", args_key], "additionalProperties": False,
+                  # the same JSON layout as response_format's (one line, ", " and ": ")
+                  "x-guidance": JSON_DEFAULTS, **defs}
+        rules.append(f"call_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
+    return rules
+
+
+def _calls(item: str, sep: str, max_calls: int | None) -> str:
+    """One `item`, or (max_calls None) one or more joined by `sep`."""
+    return item if max_calls == 1 else f"{item} ({json.dumps(sep)} {item})*"
+
+
+def _marker(text: str, special: SpecialId | None) -> str:
+    """A format's marker in Lark: the special token by id (special tokens are never matched as
+    text), else the literal."""
+    tid = special(text) if special is not None else None
+    return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+
 class ToolParser:
     """Base: `tool_names` are the request's tools (a bare call must name one of them)."""
 
@@ -302,10 +353,25 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
+    def call_grammar(self, functions: list[Function], max_calls: int | None,
+                     special: SpecialId | None = None) -> str | None:
+        """The Lark grammar (llguidance's dialect) of output that is only calls to `functions`
+        in this format: exactly one when `max_calls` is 1, else one or more. None: the format
+        has no grammar here."""
+        return None
+
 
 class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def call_grammar(self, functions: list[Function], max_calls: int | None,
+                     special: SpecialId | None = None) -> str | None:
+        # As Qwen's and Hermes' templates teach it: <tool_call>\n{"name": ..., "arguments":
+        # {...}}\n</tool_call>, one block per call, a newline between blocks.
+        block = f'{_marker(self.OPEN, special)} "\\n" call "\\n" {_marker(self.CLOSE, special)}'
+        return "\n".join(["start: " + _calls("block", "\n", max_calls), f"block: {block}",
+                          *_call_rules(functions, "arguments")])
 
     def parse(self, text: str, final: bool) -> Parsed:
         out = _Builder()
@@ -360,6 +426,12 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     keep_special_tokens = False  # <|python_tag|> may go; the JSON is what counts
     TAG = "<|python_tag|>"
+
+    def call_grammar(self, functions: list[Function], max_calls: int | None,
+                     special: SpecialId | None = None) -> str | None:
+        # Llama 3.x's JSON calls: {"name": ..., "parameters": {...}}, several joined by "; ".
+        return "\n".join([f"start: {_calls('call', '; ', max_calls)}",
+                          *_call_rules(functions, "parameters")])
 
     def parse(self, text: str, final: bool) -> Parsed:
         out = _Builder()
@@ -423,6 +495,13 @@ def _array_calls(text: str, i: int, final: bool, out: _Builder) -> int:
 class MistralParser(ToolParser):
     name = "mistral"
     MARK = "[TOOL_CALLS]"
+
+    def call_grammar(self, functions: list[Function], max_calls: int | None,
+                     special: SpecialId | None = None) -> str | None:
+        # [TOOL_CALLS] then one JSON array of {"name": ..., "arguments": {...}} objects.
+        calls = _calls("call", ", ", max_calls)
+        return "\n".join([f'start: {_marker(self.MARK, special)} "[" {calls} "]"',
+                          *_call_rules(functions, "arguments")])
 
     def parse(self, text: str, final: bool) -> Parsed:
         out = _Builder()
@@ -532,6 +611,7 @@ class ToolCallStream:
         self.content_sent = 0
         self.sent: list[_Sent] = []
         self.final: Parsed | None = None
+        self.lead: int | None = None  # the latest parse's (None: no call yet)
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         parsed = self.parser.parse(text, final)
@@ -539,6 +619,7 @@ class ToolCallStream:
             parsed.calls = parsed.calls[:self.max_calls]
         if final:
             self.final = parsed
+        self.lead = (parsed.lead or 0) if parsed.calls else None
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))
         deltas: list[dict[str, Any]] = []

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kiln.engine.request import TokenLogprob
-from kiln.server.chat_output import ChoiceParser, plan_tools, reasoning_parser
+from kiln.sampling_params import SamplingParams
+from kiln.server.chat_output import (
+    ChatFormat,
+    ChoiceParser,
+    ToolPlan,
+    plan_tools,
+    reasoning_parser,
+)
 from kiln.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -50,9 +58,29 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob], k: int) -> ChatChoice
     return ChatChoiceLogprobs(content=content)
 
 
-async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
-                                 ) -> Any:
-    model = sv.check_model(req.model)
+@dataclass
+class ChatRun:
+    """A chat request made ready for the engine: its prompt, sampling parameters and tool plan.
+    /v1/chat/completions and /v1/responses (which converts its request to a chat request) both
+    run what `prepare_chat` makes, so one request renders the same prompt, with the same
+    special-token handling and tool constraint, through either endpoint."""
+
+    prompt_text: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolPlan
+    fmt: ChatFormat
+
+    def choice_parser(self) -> ChoiceParser:
+        stream = ToolCallStream(self.tools.parser, self.tools.max_calls) \
+            if self.tools.parser else None
+        # Whether the template opened (or closed) the reasoning is at the prompt's end.
+        return ChoiceParser(reasoning_parser(self.fmt, self.prompt_text[-64:]), stream)
+
+
+async def prepare_chat(sv: Serving, req: ChatCompletionRequest) -> ChatRun:
+    """Limits, the chat template, SamplingParams and the tools' plan (a constraint for
+    tool_choice required / a named function, compiled here so a bad schema is a 400)."""
     sv.check_limits(req)
     prompt_text = sv.chat_prompt_text(
         req.template_messages(), add_generation_prompt=req.add_generation_prompt,
@@ -61,17 +89,21 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
     # The template already writes BOS/role tokens; adding special tokens again would double BOS.
     prompt_ids = sv.tok.encode(prompt_text, add_special_tokens=False)
     params = sv.params_for(req, len(prompt_ids))
-    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, sv.chat)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, sv.chat,
+                       sv.special_token_id)
     if tools.structured is not None:  # required / a named function: the grammar engine enforces
         params.structured_outputs = tools.structured
     if tools.parser is not None and tools.parser.keep_special_tokens:
         params.skip_special_tokens = False
-    await sv.check_structured(req, params)
+    await sv.check_structured(req, params, "tool_choice" if tools.structured else None)
+    return ChatRun(prompt_text, prompt_ids, params, tools, sv.chat)
 
-    def choice_parser() -> ChoiceParser:
-        stream = ToolCallStream(tools.parser, tools.max_calls) if tools.parser else None
-        # Whether the template opened (or closed) the reasoning is at the prompt's end.
-        return ChoiceParser(reasoning_parser(sv.chat, prompt_text[-64:]), stream)
+
+async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, request: Request
+                                 ) -> Any:
+    model = sv.check_model(req.model)
+    run = await prepare_chat(sv, req)
+    prompt_ids, params, choice_parser = run.prompt_ids, run.params, run.choice_parser
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.

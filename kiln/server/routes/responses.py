@@ -1,8 +1,12 @@
 """POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API over the chat path.
 
-    input items --> chat messages (+ the stored conversation of previous_response_id, and
-      `instructions` as the first system message) --> Serving.chat_prompt (the chat template)
-      --> one engine request --> a `response` object, or its stream of typed SSE events
+    request --chat_request--> a chat completion request (input items -> messages after the
+      stored conversation of previous_response_id and `instructions` as the first system
+      message; function tools, tool_choice, text.format -> response_format)
+      --routes/chat.prepare_chat--> the prompt, SamplingParams and tool plan chat completions
+      makes of it (the same token ids, special-token handling and tool-choice grammar)
+      --> one engine request --> the chat parser (reasoning, content, tool calls)
+      --> OutputItems: a `response` object, or its stream of typed SSE events
 
 Finished responses are kept in memory (`ResponseStore`, least recently used go first, at most
 --responses-store-size) with the conversation that led to them, so a later request can continue
@@ -11,6 +15,7 @@ it by `previous_response_id` (its `instructions` are not carried over, as at Ope
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -23,8 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from kiln.sampling_params import SamplingParams
-from kiln.server.chat_output import plan_tools
+from kiln.server.chat_output import ChoiceParser
 from kiln.server.errors import APIError
 from kiln.server.protocol import (
     ChatCompletionRequest,
@@ -36,22 +40,14 @@ from kiln.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputTokensDetails,
-    OutputFunctionCall,
-    OutputItem,
-    OutputMessage,
     OutputText,
     OutputTokensDetails,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
 )
+from kiln.server.routes.chat import prepare_chat
 from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving
-from kiln.server.tool_parsers import ToolCallStream
-
-# Tool calls: (the generated text, the request's tools in chat's shape) -> the text left for the
-# message and the calls found, each (name, arguments JSON). By default the chat endpoint's parser
-# (`_tool_extractor`); without one, every output is a message.
-ToolCallExtractor = Callable[[str, list[dict[str, Any]]], tuple[str, list[tuple[str, str]]]]
 
 # Errors name the Responses' own fields, not the chat request they are checked as.
 _PARAM_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -115,10 +111,21 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _sampling_params(sv: Serving, req: ResponsesRequest, messages: list[dict[str, Any]],
-                     prompt_len: int) -> SamplingParams:
-    """The chat endpoint's translation (ranges, context length, caps), text.format going in as
-    its response_format (so `strict` means what it means there)."""
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Responses' flat {"type": "function", "name": ...} as chat's nested shape; strings and
+    anything else as sent (the chat request's validation says what is wrong with them)."""
+    if isinstance(choice, dict) and "function" not in choice and "name" in choice:
+        return {"type": choice.get("type"), "function": {"name": choice["name"]}}
+    return choice
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
+                 ) -> ChatCompletionRequest:
+    """The chat completion request this Responses request is: `instructions` as the first
+    system message before `conversation`, the flat function tools in chat's shape, tool_choice,
+    parallel_tool_calls, text.format as response_format (so `strict` means what it means
+    there) and the sampling fields. The one conversion: what it gives is prepared and parsed
+    by the chat endpoint's code, so both endpoints render the same prompt for it."""
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
         raise APIError(400, "text.format of type json_schema needs a `schema`",
@@ -127,21 +134,22 @@ def _sampling_params(sv: Serving, req: ResponsesRequest, messages: list[dict[str
         type=fmt.type, json_schema=JsonSchemaFormat(
             name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict)
         if fmt.type == "json_schema" else None)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []
+                ) + conversation
     try:
-        chat = ChatCompletionRequest(
+        return ChatCompletionRequest(
             messages=messages, model=req.model, temperature=req.temperature, top_p=req.top_p,
             max_completion_tokens=req.max_output_tokens, seed=req.seed, top_k=req.top_k,
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, user=req.user,
-            response_format=response_format)
-    except ValidationError as e:  # the fields were validated already; a 400 all the same
-        raise APIError(400, f"invalid request: {e.errors()[0].get('msg')}",
-                       code="invalid_value") from e
-    try:
-        sv.check_limits(chat)
-        return sv.params_for(chat, prompt_len)
-    except APIError as e:
-        e.param = _PARAM_NAMES.get(e.param or "", e.param)
-        raise
+            response_format=response_format, stream=req.stream,
+            tools=[t.chat_tool() for t in req.tools] if req.tools else None,
+            tool_choice=_chat_tool_choice(req.tool_choice),
+            parallel_tool_calls=req.parallel_tool_calls)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        raise APIError(400, f"invalid request: {err.get('msg')}",
+                       param=_PARAM_NAMES.get(field or "", field), code="invalid_value") from e
 
 
 def _usage(prompt_len: int, ev: ChoiceEvent) -> ResponseUsage:
@@ -152,27 +160,152 @@ def _usage(prompt_len: int, ev: ChoiceEvent) -> ResponseUsage:
                          total_tokens=prompt_len + ev.num_output_tokens)
 
 
+# event(type, **fields) -> the event's JSON text (numbered in order)
+Emit = Callable[..., str]
+
+
+class OutputItems:
+    """A response's output items, from the chat endpoint's reading of the generated text
+    (ChoiceParser: reasoning, content, tool calls), in this order:
+
+        [reasoning]  [message: the text before any call]  function_call ...  [message: text
+        written after the calls]      (an empty message when there is nothing else)
+
+    Fed once with the whole text (a JSON answer) or once per engine step (a stream: `feed`
+    returns the step's events, ordered as OpenAI sends them: an item is added, its deltas
+    follow, it is done before the next one is added; a call's arguments arrive as
+    function_call_arguments deltas, never as output_text). The parser's reads of a prefix are
+    prefixes of its read of the whole, so both give the same items; text after the calls is
+    held to the end, where the whole answer has it too."""
+
+    def __init__(self, parser: ChoiceParser, emit: Emit | None = None) -> None:
+        self.parser = parser
+        self.emit = emit
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being written (the last one)
+        self.content_seen = 0  # characters of content the parser has given so far
+        self.trail = ""  # content after the first call, held to the end
+        self.calls: dict[int, dict[str, Any]] = {}  # the parser's call index -> its item
+        self.events: list[str] = []
+
+    def _event(self, type_: str, **fields: Any) -> None:
+        if self.emit is not None:
+            self.events.append(self.emit(type_, **fields))
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        index = next(i for i, x in enumerate(self.items) if x is item)
+        return {"item_id": item["id"], "output_index": index}
+
+    def _add(self, item: dict[str, Any]) -> dict[str, Any]:
+        self._close("completed")
+        self.items.append(item)
+        self.open = item
+        self._event("response.output_item.added", output_index=len(self.items) - 1,
+                    item=copy.deepcopy(item))
+        if item["type"] in ("message", "reasoning"):
+            self._event("response.content_part.added", **self._where(item), content_index=0,
+                        part=_part(item["type"], ""))
+        return item
+
+    def _close(self, status: str) -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        where = self._where(item)
+        if item["type"] == "function_call":
+            self._event("response.function_call_arguments.done", **where,
+                        arguments=item["arguments"])
+        else:
+            text = item["content"][0]["text"]
+            done = ("response.output_text.done" if item["type"] == "message"
+                    else "response.reasoning_text.done")
+            self._event(done, **where, content_index=0, text=text,
+                        **({"logprobs": []} if item["type"] == "message" else {}))
+            self._event("response.content_part.done", **where, content_index=0,
+                        part=_part(item["type"], text))
+        item["status"] = status
+        self._event("response.output_item.done", output_index=where["output_index"],
+                    item=copy.deepcopy(item))
+
+    def _text(self, kind: str, piece: str) -> None:
+        if not piece:
+            return
+        item = self.open
+        if item is None or item["type"] != kind:
+            item = self._add(_text_item(kind))
+        item["content"][0]["text"] += piece
+        delta = ("response.output_text.delta" if kind == "message"
+                 else "response.reasoning_text.delta")
+        self._event(delta, **self._where(item), content_index=0, delta=piece,
+                    **({"logprobs": []} if kind == "message" else {}))
+
+    def feed(self, text: str, final: bool, status: str = "completed") -> list[str]:
+        """Reads `text` (the output's next piece); on the last piece (`final`) closes the
+        items, the last with `status`. Returns the events this piece made (none without
+        `emit`)."""
+        d = self.parser.feed(text, final)
+        self._text("reasoning", d.reasoning)
+        lead = self.parser.lead
+        k = len(d.content) if lead is None else max(0, lead - self.content_seen)
+        self.content_seen += len(d.content)
+        self._text("message", d.content[:k])
+        self.trail += d.content[k:]
+        for c in d.tool_calls:
+            item = self.calls.get(c["index"])
+            if item is None:
+                item = self.calls[c["index"]] = self._add({
+                    "id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
+                    "call_id": c["id"], "name": c["function"]["name"], "arguments": "",
+                    "status": "in_progress"})
+            piece = c["function"].get("arguments") or ""
+            if piece:
+                item["arguments"] += piece
+                self._event("response.function_call_arguments.delta", **self._where(item),
+                            delta=piece)
+        if final:
+            self._text("message", self.trail.strip())
+            if not any(i["type"] != "reasoning" for i in self.items):
+                self._add(_text_item("message"))  # OpenAI always answers with an item
+            self._close(status)
+        events, self.events = self.events, []
+        return events
+
+
+def _text_item(kind: str) -> dict[str, Any]:
+    prefix = "msg" if kind == "message" else "rs"
+    item: dict[str, Any] = {"id": f"{prefix}_{uuid.uuid4().hex}", "type": kind,
+                            "status": "in_progress", "content": [_part(kind, "")]}
+    if kind == "message":
+        item["role"] = "assistant"
+    else:
+        item["summary"] = []
+    return item
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "message":
+        return OutputText(text=text).model_dump(mode="json")
+    return {"type": "reasoning_text", "text": text}
+
+
 class _Turn:
     """One /v1/responses request: its ids, conversation and the response object it becomes."""
 
-    def __init__(self, sv: Serving, store: ResponseStore, req: ResponsesRequest, model: str,
-                 conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 prompt_len: int, extract: ToolCallExtractor | None) -> None:
-        self.sv, self.store, self.req, self.model = sv, store, req, model
+    def __init__(self, store: ResponseStore, req: ResponsesRequest, model: str,
+                 conversation: list[dict[str, Any]], prompt_len: int) -> None:
+        self.store, self.req, self.model = store, req, model
         self.conversation = conversation
-        self.tools = tools
         self.prompt_len = prompt_len
-        self.extract = extract
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def response(self, status: str, output: list[OutputItem], usage: ResponseUsage | None = None,
-                 incomplete: bool = False) -> ResponseObject:
+    def response(self, status: str, output: list[dict[str, Any]],
+                 usage: ResponseUsage | None = None, incomplete: bool = False) -> ResponseObject:
         req = self.req
         text = req.text.model_dump(mode="json", by_alias=True) if req.text else None
         return ResponseObject(
-            id=self.id, created_at=self.created, status=status, model=self.model, output=output,
+            id=self.id, created_at=self.created, status=status, model=self.model,
+            output=output,  # type: ignore[arg-type]  # validated into the item models
             usage=usage, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             previous_response_id=req.previous_response_id, temperature=req.temperature,
             top_p=req.top_p, tools=[t.model_dump(mode="json") for t in req.tools or []],
@@ -182,38 +315,27 @@ class _Turn:
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
             metadata=req.metadata or {}, store=req.store, user=req.user)
 
-    def message(self, text: str, status: str) -> OutputMessage:
-        return OutputMessage(id=self.msg_id, status=status, content=[OutputText(text=text)])
-
-    def finish(self, ev: ChoiceEvent) -> ResponseObject:
-        """The finished response (stored when `store`); `ev` is the choice's joined output."""
+    def finish(self, ev: ChoiceEvent, items: OutputItems) -> ResponseObject:
+        """The finished response (stored when `store`); `ev` is the choice's final event,
+        `items` its output, fed to the end."""
         incomplete = ev.finish_reason in ("length", "abort")
-        status = "incomplete" if incomplete else "completed"
-        text, calls = ev.text, []
-        if self.tools and self.extract is not None:
-            text, calls = self.extract(ev.text, self.tools)
-        output: list[OutputItem] = []
-        if text or not calls:
-            output.append(self.message(text, status))
-        for name, arguments in calls:
-            output.append(OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}",
-                                             call_id=f"call_{uuid.uuid4().hex[:24]}", name=name,
-                                             arguments=arguments))
-        resp = self.response(status, output, _usage(self.prompt_len, ev), incomplete)
+        resp = self.response("incomplete" if incomplete else "completed", items.items,
+                             _usage(self.prompt_len, ev), incomplete)
         if self.req.store:
-            said: dict[str, Any] = {"role": "assistant", "content": text}
+            calls = [template_tool_call({"id": i["call_id"], "type": "function", "function": {
+                "name": i["name"], "arguments": i["arguments"]}})
+                for i in items.items if i["type"] == "function_call"]
+            said: dict[str, Any] = {"role": "assistant",
+                                    "content": items.parser.result.content}
             if calls:
-                said["tool_calls"] = [template_tool_call({"id": c.call_id, "type": "function",
-                                                          "function": {"name": c.name,
-                                                                       "arguments": c.arguments}})
-                                      for c in output if isinstance(c, OutputFunctionCall)]
+                said["tool_calls"] = calls
             self.store.put(self.id, StoredResponse(resp.model_dump(mode="json"),
                                                    [*self.conversation, said]))
         return resp
 
 
 async def create_response(sv: Serving, store: ResponseStore, req: ResponsesRequest,
-                          request: Request, extract: ToolCallExtractor | None = None) -> Any:
+                          request: Request) -> Any:
     model = sv.check_model(req.model)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -222,27 +344,26 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
             raise not_found(req.previous_response_id, "previous_response_id")
         history = prev.messages
     conversation = [*history, *input_messages(req)]
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []
-                ) + conversation
-    tools = ([t.chat_tool() for t in req.tools]
-             if req.tools and req.tool_choice != "none" else None)
-    prompt_ids = sv.chat_prompt(messages, tools=tools, param="input")
-    params = _sampling_params(sv, req, messages, len(prompt_ids))
-    if tools and extract is None:
-        extract = _tool_extractor(sv, req, tools, params)
-    await sv.check_structured(None, params, "tool_choice" if tools and req.tool_choice not in (
-        None, "auto", "none") else "text")
-    turn = _Turn(sv, store, req, model, conversation, tools, len(prompt_ids), extract)
+    try:
+        run = await prepare_chat(sv, chat_request(req, conversation))
+    except APIError as e:  # errors name the Responses' own fields
+        e.param = _PARAM_NAMES.get(e.param or "", e.param)
+        raise
+    turn = _Turn(store, req, model, conversation, len(run.prompt_ids))
     session = request.headers.get("x-session-id") or req.user
-    spec = ChoiceSpec(turn.id, 0, prompt_ids, params, session_id=session)
+    spec = ChoiceSpec(turn.id, 0, run.prompt_ids, run.params, session_id=session)
     fan = await sv.start(request, [spec], body=req)
 
+    def status(ev: ChoiceEvent) -> str:
+        return "incomplete" if ev.finish_reason in ("length", "abort") else "completed"
+
     if not req.stream:
-        outs = await sv.collect(request, fan)
-        return JSONResponse(turn.finish(outs[0]).model_dump(mode="json"))
+        ev = (await sv.collect(request, fan))[0]
+        items = OutputItems(run.choice_parser())
+        items.feed(ev.text, True, status(ev))
+        return JSONResponse(turn.finish(ev, items).model_dump(mode="json"))
 
     seq = 0
-    parts: list[str] = []
 
     def event(type_: str, **fields: Any) -> str:
         # "type" first: _frame reads the SSE event name off the front of the JSON text.
@@ -251,82 +372,21 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
         seq += 1
         return _json(body)
 
-    def where(**extra: Any) -> dict[str, Any]:
-        return {"item_id": turn.msg_id, "output_index": 0, "content_index": 0, **extra}
-
+    items = OutputItems(run.choice_parser(), event)
     started = turn.response("in_progress", []).model_dump(mode="json")
     first = [event("response.created", response=started),
-             event("response.in_progress", response=started),
-             event("response.output_item.added", output_index=0,
-                   item=OutputMessage(id=turn.msg_id, status="in_progress", content=[]
-                                      ).model_dump(mode="json")),
-             event("response.content_part.added", **where(part=OutputText(text="").model_dump()))]
+             event("response.in_progress", response=started)]
 
     def render(ev: ChoiceEvent) -> list[str]:
-        out: list[str] = []
-        if ev.text:
-            parts.append(ev.text)
-            out.append(event("response.output_text.delta", **where(delta=ev.text, logprobs=[])))
-        if not ev.finished:
-            return out
-        joined = ChoiceEvent(index=0, text="".join(parts), finish_reason=ev.finish_reason,
-                             num_prompt_tokens=ev.num_prompt_tokens,
-                             num_output_tokens=ev.num_output_tokens,
-                             num_cached_tokens=ev.num_cached_tokens)
-        resp = turn.finish(joined)
-        text = joined.text
-        message = next((o for o in resp.output if isinstance(o, OutputMessage)),
-                       turn.message(text, resp.status))
-        out += [event("response.output_text.done", **where(text=text, logprobs=[])),
-                event("response.content_part.done",
-                      **where(part=OutputText(text=text).model_dump())),
-                event("response.output_item.done", output_index=0,
-                      item=message.model_dump(mode="json"))]
-        # Tool calls found in the finished text follow the message as their own items.
-        for i, item in enumerate(o for o in resp.output if isinstance(o, OutputFunctionCall)):
-            dumped = item.model_dump(mode="json")
-            out += [event("response.output_item.added", output_index=i + 1, item=dumped),
-                    event("response.output_item.done", output_index=i + 1, item=dumped)]
-        done = "response.incomplete" if resp.status == "incomplete" else "response.completed"
-        out.append(event(done, response=resp.model_dump(mode="json")))
+        out = items.feed(ev.text, ev.finished, status(ev))
+        if ev.finished:
+            resp = turn.finish(ev, items)
+            done = "response.incomplete" if resp.status == "incomplete" else "response.completed"
+            out.append(event(done, response=resp.model_dump(mode="json")))
         return out
 
     return sv.stream_response(request, fan, render, first, lambda _: None, frame=_frame,
                               done=False)
-
-
-def _tool_extractor(sv: Serving, req: ResponsesRequest, tools: list[dict[str, Any]],
-                    params: SamplingParams) -> ToolCallExtractor | None:
-    """The chat endpoint's tool handling (kiln/server/chat_output.py) for a Responses request:
-    tool_choice required / a function constrains the output (the request's structured
-    outputs), and the same parser reads the calls out of the finished text."""
-    choice = req.tool_choice
-    if isinstance(choice, dict):  # Responses' flat {"type": "function", "name": ...}
-        name = choice.get("name") or (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or not any(
-                t["function"]["name"] == name for t in tools):
-            raise APIError(400, f"tool_choice {choice!r} names no function among the request's "
-                           "tools", param="tool_choice", code="invalid_value")
-        choice = {"type": "function", "function": {"name": name}}
-    elif choice not in (None, "auto", "none", "required"):
-        raise APIError(400, f"tool_choice must be auto, none, required or a function, got "
-                       f"{choice!r}", param="tool_choice", code="invalid_value")
-    plan = plan_tools(tools, choice, req.parallel_tool_calls, sv.chat)
-    if plan.structured is not None:
-        params.structured_outputs = plan.structured
-    parser = plan.parser
-    if parser is None:
-        return None
-
-    def extract(text: str, _: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]]]:
-        stream = ToolCallStream(parser, plan.max_calls)
-        stream.update(text, True)
-        assert stream.final is not None
-        calls = [(c["function"]["name"], c["function"]["arguments"])
-                 for c in stream.tool_calls()]
-        return stream.final.content, calls
-
-    return extract
 
 
 def _json(body: dict[str, Any]) -> str:
@@ -341,14 +401,13 @@ def _frame(chunk: str) -> str:
     return f"event: {name}\ndata: {chunk}\n\n"
 
 
-def router(sv: Serving, store: ResponseStore, extract: ToolCallExtractor | None = None
-           ) -> APIRouter:
+def router(sv: Serving, store: ResponseStore) -> APIRouter:
     """Under /v1, behind the API key."""
     r = APIRouter()
 
     @r.post("/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Any:
-        return await create_response(sv, store, req, request, extract)
+        return await create_response(sv, store, req, request)
 
     @r.get("/responses/{response_id}")
     async def get_response(response_id: str) -> Any:

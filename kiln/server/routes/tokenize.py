@@ -15,6 +15,7 @@ from kiln.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    template_tools,
 )
 from kiln.server.serving import Serving
 
@@ -28,7 +29,8 @@ def router(sv: Serving) -> APIRouter:
         sv.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             ids = sv.chat_prompt([m.to_template_dict() for m in req.messages],
-                                 tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                                 tools=template_tools(req.tools),
+                                 add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message,
                                  template_kwargs=req.chat_template_kwargs)
         else:
