@@ -352,6 +352,28 @@ SETTINGS: list[Setting] = [
     Setting("max_num_batched_tokens", positive_int, None, "token budget of one step",
             ("--max-num-batched-tokens", "--chunked-prefill-size"), affects="performance",
             auto=auto_batched_tokens),
+    # ferrum's scheduler knobs (kiln/engine/scheduler.py), off unless set: kiln's one rule
+    # (decodes first, then prompts in budget-sized chunks) is what runs without them.
+    Setting("sequence_fit_policy", str, "immediate-only",
+            "when a waiting request is admitted: immediate-only (its first chunk's KV blocks "
+            "are free) or full-input-must-fit (its whole prompt's are: no admission that "
+            "preemption undoes halfway)", ("--sequence-fit-policy",),
+            choices=("immediate-only", "full-input-must-fit"), affects="performance",
+            engines=("kiln",)),
+    Setting("scheduler_prefill_first_until_active", positive_int, None,
+            "while fewer than N requests decode and prompts wait, steps prefill only: the "
+            "waiting cohort catches up and decodes with the rest (TTFT down, a pause in the "
+            "decodes)", ("--scheduler-prefill-first-until-active",), affects="performance",
+            metavar="N", engines=("kiln",)),
+    Setting("scheduler_prefill_step_chunk", positive_int, None,
+            "most prompt tokens one request prefills in a step (unset: the step's budget)",
+            ("--scheduler-prefill-step-chunk",), affects="performance", metavar="TOKENS",
+            engines=("kiln",)),
+    Setting("scheduler_active_decode_prefill_chunk", positive_int, None,
+            "most prompt tokens all requests together prefill in a step that also decodes "
+            "(keeps the decodes' inter-token latency down; unset: the step's budget)",
+            ("--scheduler-active-decode-prefill-chunk",), affects="performance",
+            metavar="TOKENS", engines=("kiln",)),
     Setting("block_size", positive_int, 16, "tokens per KV cache block",
             ("--block-size", "--kv-block-size"), affects="memory"),
     Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype",
@@ -822,6 +844,10 @@ class EngineConfig:
     gguf_kernels: bool = _table_default("gguf_kernels")
     batch_invariant: bool = _table_default("batch_invariant")
     prefix_rendezvous_max_wait_ms: int | None = _table_default("prefix_rendezvous_max_wait_ms")
+    sequence_fit_policy: str = _table_default("sequence_fit_policy")
+    scheduler_prefill_first_until_active: int | None = None
+    scheduler_prefill_step_chunk: int | None = None
+    scheduler_active_decode_prefill_chunk: int | None = None
     session_cache: str = _table_default("session_cache")
     session_cache_max_entries: int = _table_default("session_cache_max_entries")
     session_cache_max_tokens: int | None = _table_default("session_cache_max_tokens")

@@ -113,7 +113,11 @@ class Engine:
                                  session_max_tokens=config.session_cache_max_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.max_model_len, config.prefix_rendezvous_max_wait_ms), self.kv)
+                            self.max_model_len, config.prefix_rendezvous_max_wait_ms,
+                            prefill_step_chunk=config.scheduler_prefill_step_chunk,
+                            active_decode_prefill_chunk=config.scheduler_active_decode_prefill_chunk,
+                            prefill_first_until_active=config.scheduler_prefill_first_until_active,
+                            sequence_fit_policy=config.sequence_fit_policy), self.kv)
         # Every id that ends generation: the model's (config / generation_config / GGUF) and
         # the tokenizer's (e.g. ChatML's <|im_end|>), merged here once for every front-end.
         self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids) | frozenset(

@@ -16,6 +16,14 @@ running the most too. So `n=128` with `max_tokens` up to the context cannot make
 comes after it wait for all of it: the newcomer runs from the next step. With one sequence per
 request (the usual case) this is plain first come, first served.
 
+ferrum's scheduler knobs (each off unless set; SchedulerConfig): `prefill_step_chunk` caps the
+tokens one prefilling request gets per step; `active_decode_prefill_chunk` caps the prefill tokens
+of all requests together in a step that also decodes (decode latency); `prefill_first_until_active`
+holds decodes back while fewer than N requests decode and prompts wait (the cohort prefills
+together, then decodes as one batch); `sequence_fit_policy` "full-input-must-fit" admits a request
+only when its whole prompt's blocks are free (no admission that preemption would undo halfway),
+"immediate-only" (the default) when its first chunk's are.
+
 Prefix rendezvous (off unless `prefix_rendezvous_max_wait_ms` is set): a waiting request whose
 next uncached prefix block is being prefilled right now by a running request stays in the waiting
 queue, for at most that many milliseconds in all, until those blocks are published; requests
@@ -64,6 +72,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     prefix_rendezvous_max_wait_ms: int | None = None  # None: off
+    # ferrum's knobs (see the module docstring); None / "immediate-only": kiln's plain rule.
+    prefill_step_chunk: int | None = None
+    active_decode_prefill_chunk: int | None = None
+    prefill_first_until_active: int | None = None
+    sequence_fit_policy: str = "immediate-only"
 
 
 @dataclass
@@ -120,15 +133,44 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._make_room(out)
-        budget = self.config.max_num_batched_tokens
+        cfg = self.config
+        decoding = [r for r in self.running if _decodes(r)]
+        # Prefill first: while fewer than N requests decode and prompts wait for a slot, the
+        # decodes sit this step out so the waiting cohort prefills and joins them.
+        hold = (cfg.prefill_first_until_active is not None and self.waiting
+                and len(decoding) < cfg.prefill_first_until_active
+                and len(self.running) < cfg.max_num_seqs)
+        out_held = self._schedule(out, skip_decodes=bool(hold))
+        if hold and out_held.empty:  # nothing could prefill (no blocks): decode after all
+            out_held = self._schedule(out, skip_decodes=False)
+        return out_held
+
+    def _schedule(self, out: SchedulerOutput, skip_decodes: bool) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         kv_preempted = False
+        # The prefill tokens a step that decodes may add (all requests together).
+        mixed = cfg.active_decode_prefill_chunk is not None and not skip_decodes and any(
+            _decodes(r) for r in self.running)
+        prefill_left = cfg.active_decode_prefill_chunk if mixed else None
+
+        def prefill_cap(n: int) -> int:
+            if cfg.prefill_step_chunk is not None:
+                n = min(n, cfg.prefill_step_chunk)
+            return n if prefill_left is None else min(n, prefill_left)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            prefill = not _decodes(req)
+            if skip_decodes and not prefill:
+                i += 1
+                continue
             # Drafted tokens are just more tokens the request lacks (cut first by the budget).
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            if prefill:
+                n = prefill_cap(n)
             if n <= 0:
                 i += 1
                 continue
@@ -146,6 +188,8 @@ class Scheduler:
                                                   req.spec_token_ids[:max(num_spec, 0)]))
             scheduled_ids.add(req.request_id)
             budget -= n
+            if prefill and prefill_left is not None:
+                prefill_left -= n
             i += 1
 
         # Requests preempted this step wait until the next one: re-admitting them now would
@@ -155,7 +199,8 @@ class Scheduler:
         in_flight = self._blocks_in_flight() if rendezvous and self.waiting else set()
         admitted: list[int] = []
         for idx in self._admission_order() if not kv_preempted else []:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or \
+                    (prefill_left is not None and prefill_left <= 0):
                 break
             req = self.waiting[idx]
             # Prompt logprobs need every prompt row's logits: no cached prefix (as in vLLM),
@@ -169,7 +214,15 @@ class Scheduler:
                 if verdict == "wait":
                     continue  # stays in line; the requests behind it may go
             num_computed = len(hits) * self.kv.block_size
-            n = min(req.num_tokens - num_computed, budget)
+            if cfg.sequence_fit_policy == "full-input-must-fit":
+                # Its whole prompt's blocks, beyond the hits, must be free now: first come,
+                # first served, so the requests behind it wait too.
+                free = self.kv.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+                if self.kv.blocks_needed(req.num_tokens) - len(hits) > free:
+                    break
+            n = prefill_cap(min(req.num_tokens - num_computed, budget))
+            if n <= 0:
+                break
             req_computed_before = req.num_computed_tokens
             req.num_computed_tokens = num_computed
             if not self.kv.allocate(req, n, hits):
@@ -189,6 +242,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, num_computed + n == req.num_tokens))
             budget -= n
+            if prefill_left is not None:
+                prefill_left -= n
         for idx in sorted(admitted, reverse=True):
             del self.waiting[idx]
         return out
@@ -374,3 +429,9 @@ def _add_prompt_logprobs(req: Request, first: int, lps: list[TokenLogprob]) -> N
     for p, lp in enumerate(lps, start=first):
         if p == len(req.prompt_logprobs):
             req.prompt_logprobs.append(lp)
+
+
+def _decodes(req: Request) -> bool:
+    """Its prompt (and any recomputed output) is in the KV cache: it needs one token a step
+    (plus drafts); otherwise it is prefilling."""
+    return req.num_tokens - req.num_computed_tokens <= 1
