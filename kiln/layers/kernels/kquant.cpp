@@ -100,8 +100,8 @@ int64_t block_bytes(int64_t type) {
 // vector k byte 4r + i = row r's value 8k + i (low nibble) | value 8k + 4 + i << 4, i < 4;
 // with "H" = 32 bytes of fifth bits: byte 4r + i bit 2k = row r's value 8k + i, bit 2k + 1
 // = value 8k + 4 + i:
-//   Q8_0 272 B / 32:  codes 256 B: vector k byte 4r + i = row r's value 4k + i; fp16 d of
-//                     rows 0..7 at 256
+//   Q8_0 272 B / 32:  codes 256 B: vector k byte 4r + i = row r's value 4k + i, as q + 128
+//                     (uint8); fp16 d of rows 0..7 at 256
 //   Q5_0 176 B / 32:  nib (low 4 bits), H at 128, fp16 d of rows 0..7 at 160
 //   Q5_1 192 B / 32:  Q5_0's, then fp16 m of rows 0..7 at 176
 //   Q4_K 1184 B / 256: nib of sub-block j at 128j (j = 0..7); 6-bit scales sc[j] of rows 0..7
@@ -170,7 +170,13 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
   switch (type) {
     case kQ8_0:
       for (int k = 0; k < 2; ++k) mv(8 * k, 8 * (256 + 2 * t + k), 8);
-      for (int i = 0; i < 32; ++i) mv(8 * (2 + i), 8 * (32 * (i >> 2) + 4 * t + (i & 3)), 8);
+      // codes stored offset, q + 128 as uint8 (the sign bit flipped): see tile_q8_0
+      for (int i = 0; i < 32; ++i) {
+        uint8_t& tb = tile[32 * (i >> 2) + 4 * t + (i & 3)];
+        uint8_t& rb = raw[2 + i];
+        if (to_tile) tb = rb ^ 0x80;
+        else rb = tb ^ 0x80;
+      }
       break;
     case kQ5_0:
     case kQ5_1: {
@@ -539,33 +545,49 @@ inline __m256i scaled32(__m256i S, __m256i sc32, __m256i scv16) {
 // kept in a register until the float step (per group of 32; per super-block for the
 // K-quants). Every output is computed alone in a fixed order (batch-invariant).
 
+// Q8_0's codes sit in the tile as u = q + 128 (uint8), so that with VNNI one vpdpbusd per
+// row and vector takes the unsigned codes as they are: sum(q x) = sum(u x) - 128 sum(x), the
+// group's activation code sum `is` being at hand. Without VNNI vpmaddubsw's int16 pairs of
+// u x would saturate (2 x 255 x 127), so there the sign bit is flipped back once per vector
+// and the signed codes go through the sign trick (|q| x sign(x, q)). Both give sum(q x)
+// exactly: the same int32s, the same bits. Why: the sign trick costs a vpsignb per row and
+// vector, half of the VNNI inner loop, and a Q8_0 head (Qwen2.5-0.5B's 152k x 896) is a
+// quarter of a 16-row decode step.
 template <int MB>
 void tile_q8_0(const uint8_t* w, int64_t nb, const XTiles& x, __m256* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 272) {
     prefetch_ahead(w, 272);
     __m256i S[MB];
     for (int k = 0; k < 8; ++k) {  // vector k: values 4k..4k+3 of the 8 rows
-      const __m256i v = load32(w + 32 * k), a = _mm256_sign_epi8(v, v);
+#if KILN_VNNI
+      const __m256i u = load32(w + 32 * k);
+      for (int m = 0; m < MB; ++m) {
+        S[m] = _mm256_dpbusd_epi32(k ? S[m] : _mm256_setzero_si256(), u,
+                                   x4(x.q + m * x.K + 32 * b + 4 * k));
+        pin(S[m]);
+      }
+#else
+      const __m256i v = _mm256_xor_si256(load32(w + 32 * k), _mm256_set1_epi8(-128));
+      const __m256i a = _mm256_sign_epi8(v, v);
       for (int m = 0; m < MB; ++m) {
         // int16 pairs reach 2 x 128 x 127: widened to int32 before anything is added
         const __m256i xs = _mm256_sign_epi8(x4(x.q + m * x.K + 32 * b + 4 * k), v);
-#if KILN_VNNI
-        S[m] = _mm256_dpbusd_epi32(k ? S[m] : _mm256_setzero_si256(), a, xs);
-        (void)ones;
-#else
-        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones);
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), _mm256_set1_epi16(1));
         S[m] = k ? _mm256_add_epi32(S[m], t) : t;
-#endif
         pin(S[m]);
       }
+#endif
     }
     const __m256 d = f16x8(w + 256);
-    for (int m = 0; m < MB; ++m)
+    for (int m = 0; m < MB; ++m) {
+#if KILN_VNNI
+      S[m] = _mm256_sub_epi32(S[m], _mm256_set1_epi32(128 * x.is[m * x.G + b]));
+#endif
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]),
                                _mm256_mul_ps(d, _mm256_set1_ps(x.d[m * x.G + b])), acc[m]);
+    }
   }
   for (int m = 0; m < MB; ++m) out[m] = acc[m];
 }
