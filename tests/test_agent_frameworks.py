@@ -329,8 +329,11 @@ def test_pydantic_ai_tool_then_structured_output(pai_models: dict[str, Any], api
     from pydantic_ai import Agent
     from pydantic_ai.settings import ModelSettings
 
+    # One call a turn: the summary is written after the tool's result is in (the 1.5B, allowed
+    # parallel calls, writes final_result beside get_weather, before the result exists).
     agent = Agent(pai_models[api], output_type=Weather,
-                  model_settings=ModelSettings(temperature=0, max_tokens=128))
+                  model_settings=ModelSettings(temperature=0, max_tokens=128,
+                                               parallel_tool_calls=False))
     seen: list[str] = []
 
     @agent.tool_plain

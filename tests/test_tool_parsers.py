@@ -105,6 +105,12 @@ def test_hermes_bare_and_fenced_calls_naming_an_offered_tool() -> None:
     two = f'{bare}\n{{"name": "get_time", "parameters": {{}}}}'
     assert check_every_split(hermes, two)[1] == [("get_weather", '{"city": "Paris"}'),
                                                  ("get_time", "{}")]
+    # Qwen2.5-Coder-1.5B under "Use the tools to answer." (measured: greedy, kiln serve).
+    doubled = "{" + bare + "}"
+    assert check_every_split(hermes, doubled) == ("", [("get_weather", '{"city": "Paris"}')])
+    assert check_every_split(hermes, doubled[:-1] + " Done.") == (
+        "Done.", [("get_weather", '{"city": "Paris"}')])
+    assert check_every_split(hermes, '{{"answer": 42}}') == ('{{"answer": 42}}', [])
 
 
 def test_hermes_text_that_only_looks_like_a_call_stays_content() -> None:

@@ -3,7 +3,8 @@
 
     hermes       Hermes / Qwen2.5 / Qwen3: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
                  (also a bare or ```json-fenced call object opening the message, naming an offered
-                 tool: small Qwen2.5 models often drop the tags, as llama.cpp's parser accepts)
+                 tool: small Qwen2.5 models often drop the tags, as llama.cpp's parser accepts;
+                 and such an object in doubled braces, {{...}}, as Qwen2.5-Coder-1.5B writes it)
     llama3_json  Llama 3.x: the message is {"name": ..., "parameters": {...}}, several joined by ";"
                  (an optional <|python_tag|> first)
     mistral      Mistral: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
@@ -285,7 +286,17 @@ def _bare_call(text: str, i: int, final: bool, accept: Callable[[str], bool],
         close_fence = True
     if text[k] != "{":
         return _Step("none")
-    step = _call_object(text, k, final, accept)
+    # Qwen2.5-Coder-1.5B, told "Use the tools to answer.", doubles the braces: {{"name": ...}}
+    # (template syntax from its code data). The inner object is the call, the outer pair goes.
+    inner = _skip_ws(text, k + 1)
+    doubled = inner < len(text) and text[inner] == "{"
+    step = _call_object(text, inner if doubled else k, final, accept)
+    if step.kind == "call" and step.next >= 0 and doubled:
+        j = _skip_ws(text, step.next)
+        if text.startswith("}", j):
+            step.next = j + 1
+        elif j >= len(text) and not final:
+            step.next = len(text)  # the outer brace may still come
     if step.kind == "call" and step.next >= 0 and close_fence:
         j = _skip_ws(text, step.next)
         if text.startswith("```", j):
