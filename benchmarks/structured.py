@@ -3,13 +3,16 @@ throughput with every request constrained vs none, in alternating runs over one 
 
     .venv/bin/python benchmarks/structured.py                 # SmolLM2 (embedded GGUF), defaults
     .venv/bin/python benchmarks/structured.py --rounds 3 --tokens 96
+    .venv/bin/python benchmarks/structured.py --constraint tool  # a forced tool call instead
 
 Each run adds 16 requests at once (different prompts, sampled at temperature 0.8 with a seed
 each) and steps the engine until all are done; every request makes exactly --tokens tokens:
 the free ones with ignore_eos, the constrained ones under a JSON schema (an array of at least
 100 person objects: keys, strings, integers, enums, nested arrays) that cannot be complete
-before then. Runs alternate free, constrained, constrained, free, ... so a drift of the
-machine's speed lands on both. Reported:
+before then (--constraint tool: the same schema as the arguments of a call that tool_choice
+forces, in the hermes <tool_call> format: the grammar kiln builds for a named tool_choice,
+kiln/server/tool_parsers.py). Runs alternate free, constrained, constrained, free, ... so a
+drift of the machine's speed lands on both. Reported:
 
   * ms per constrained row: the engine's own counters of grammar work (filling the rows'
     bitmasks with llguidance, adding them to the logits, advancing the matchers by the sampled
@@ -44,12 +47,23 @@ TOPICS = ["a football club", "a chess club", "a school class", "a choir", "a hik
           "a book club", "a village council", "a ship's crew", "a theatre troupe"]
 
 
-def run(llm, constrained: bool, concurrency: int, tokens: int, tag: str) -> dict[str, float]:
-    from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+def constraint(kind: str) -> object:
+    from kiln.sampling_params import StructuredOutputsParams
+    from kiln.server.tool_parsers import HermesParser
+
+    if kind == "json":
+        return StructuredOutputsParams(json=SCHEMA)
+    args = {"type": "object", "properties": {"members": SCHEMA}, "required": ["members"]}
+    return StructuredOutputsParams(grammar=HermesParser().call_grammar([("list_members", args)],
+                                                                       1))
+
+
+def run(llm, so: object | None, concurrency: int, tokens: int, tag: str) -> dict[str, float]:
+    from kiln.sampling_params import SamplingParams
 
     eng = llm.engine
     before = eng.metrics()
-    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
+    constrained = so is not None
     t0 = time.perf_counter()
     for i in range(concurrency):
         msgs = [{"role": "user", "content": f"List the members of {TOPICS[i % len(TOPICS)]} "
@@ -78,6 +92,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48, help="output tokens per request")
     ap.add_argument("--rounds", type=int, default=4, help="pairs of runs (after a warm-up pair)")
+    ap.add_argument("--constraint", choices=["json", "tool"], default="json",
+                    help="json: a JSON schema; tool: that schema as a forced call's arguments")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a kiln setting, as LLM(**settings) takes it (repeatable)")
     args = ap.parse_args()
@@ -90,13 +106,15 @@ def main() -> None:
     print(f"loaded; {llm.config.dtype}, quantization {llm.config.quantization}, "
           f"{llm.config.num_threads or 'default'} threads, "
           f"max_num_seqs {llm.config.max_num_seqs}", flush=True)
-    run(llm, False, args.concurrency, 8, "warm-free")  # kernels, caches
-    run(llm, True, args.concurrency, 8, "warm-json")  # and the grammar's vocabulary, compile
+    so = constraint(args.constraint)
+    run(llm, None, args.concurrency, 8, "warm-free")  # kernels, caches
+    run(llm, so, args.concurrency, 8, "warm-json")  # and the grammar's vocabulary, compile
     results: dict[str, list[dict[str, float]]] = {"free": [], "json": []}
     order = [("free", "json"), ("json", "free")]
     for r in range(args.rounds):
         for mode in order[r % 2]:
-            res = run(llm, mode == "json", args.concurrency, args.tokens, f"{mode}{r}")
+            res = run(llm, so if mode == "json" else None, args.concurrency, args.tokens,
+                      f"{mode}{r}")
             results[mode].append(res)
             print(f"round {r} {mode:4s}: {res['tok_s']:7.1f} tok/s, step {res['step_ms']:6.1f} "
                   f"ms, wall {res['wall_s']:5.1f} s", flush=True)
