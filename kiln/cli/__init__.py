@@ -40,7 +40,7 @@ def unknown_args_error(parser: argparse.ArgumentParser, extra: list[str],
 
     flags = [o for a in parser._actions for o in a.option_strings]
     first = next((x.split("=", 1)[0] for x in extra if x.startswith("-")), None)
-    near = difflib.get_close_matches(first, flags, n=1, cutoff=0.6) if first else []
+    near = difflib.get_close_matches(first, flags, n=1, cutoff=0.75) if first else []
     nearest = str(msg("serve.did_you_mean", flag=near[0])) if near else ""
     if why is None:
         parser.error(f"unrecognized arguments: {' '.join(extra)}{nearest}")
