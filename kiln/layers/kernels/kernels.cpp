@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -304,6 +305,130 @@ std::vector<int64_t> split_items(const std::vector<int64_t>& active,
   return bounds;
 }
 
+// moe_q4's plan of one call: the (token, expert) pairs sorted by expert (a counting sort,
+// stable), the active experts and each thread's range of work items (split_items).
+struct MoePlan {
+  std::vector<int64_t> offsets;    // [E + 1]: expert e's sorted rows are offsets[e]..[e + 1]
+  std::vector<int64_t> token_of;   // sorted row -> its token
+  std::vector<int64_t> slot_of;    // pair p = (token p / k, its (p % k)-th expert) -> sorted row
+  std::vector<float> weight_of;    // sorted row -> its routing weight
+  std::vector<int64_t> active, pair_rows, split1, split2;
+  int64_t T = 0, k = 0, Pv = 0;    // Pv: the pairs run here
+};
+
+MoePlan moe_plan(const int64_t* idp, const float* wp, int64_t T, int64_t k, int64_t E,
+                 int64_t it1, int64_t it2, int nt) {
+  MoePlan pl;
+  const int64_t P = T * k;
+  pl.T = T;
+  pl.k = k;
+  // id -1: the pair's expert lives in another pool (kiln/layers/moe.py SplitExperts), skipped
+  pl.offsets.assign(E + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(idp[p] >= -1 && idp[p] < E, "moe_q4: expert id ", idp[p], " out of range");
+    if (idp[p] >= 0) ++pl.offsets[idp[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) pl.offsets[e + 1] += pl.offsets[e];
+  pl.Pv = pl.offsets[E];
+  pl.token_of.resize(pl.Pv);
+  pl.weight_of.resize(pl.Pv);
+  pl.slot_of.resize(P);
+  std::vector<int64_t> fill(pl.offsets.begin(), pl.offsets.end() - 1);
+  for (int64_t p = 0; p < P; ++p) {
+    if (idp[p] < 0) {
+      pl.slot_of[p] = -1;
+      continue;
+    }
+    const int64_t s = fill[idp[p]]++;
+    pl.token_of[s] = p / k;
+    pl.weight_of[s] = wp[p];
+    pl.slot_of[p] = s;
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (pl.offsets[e + 1] > pl.offsets[e]) pl.active.push_back(e);
+  pl.pair_rows.resize(pl.Pv);
+  for (int64_t s = 0; s < pl.Pv; ++s) pl.pair_rows[s] = s;
+  pl.split1 = split_items(pl.active, pl.offsets, it1, nt);
+  pl.split2 = split_items(pl.active, pl.offsets, it2, nt);
+  return pl;
+}
+
+// The experts' weights and the call's buffers, as moe_q4_omp reads them.
+struct MoeWeights {
+  const uint8_t *w13, *w2;
+  int64_t H, I, w13_expert, w13_tile, w2_expert, w2_tile;
+  MoeWeights(const at::Tensor& a, const at::Tensor& b)
+      : w13(a.data_ptr<uint8_t>()), w2(b.data_ptr<uint8_t>()), H(a.size(2) * kGroup),
+        I(a.size(1) * kTile / 2), w13_expert(a.size(1) * a.size(2) * kBlockBytes),
+        w13_tile(a.size(2) * kBlockBytes), w2_expert(b.size(1) * b.size(2) * kBlockBytes),
+        w2_tile(b.size(2) * kBlockBytes) {}
+};
+
+// moe_q4's work, run by every thread `tid` of an enclosing parallel region (its barriers are
+// the region's): xs holds the tokens' quantized rows; h [Pv, I], o [Pv, H] and hs are scratch;
+// y [T, H] = resid (null: 0) + each token's sum of its pairs' rows. Phase 1: items (active
+// expert, 8 intermediate columns) compute the gate and up tiles for all of the expert's rows
+// and write silu(gate) * up to h; h is quantized per pair row. Phase 2: items (active expert,
+// 8 output columns) write weight * down to o. Finally each token sums its k rows of o. Every
+// buffer row and column range has one writer: no atomics, no races; each active expert's
+// weights are read once per phase for all its rows.
+void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float* h, QRows& hs,
+                float* o, float* y, const float* resid, int tid) {
+  constexpr int64_t kRowChunk = 32;
+  const int64_t H = mw.H, I = mw.I, it1 = I / kTile, it2 = H / kTile, k = pl.k;
+  __m256 g[kRowChunk], u[kRowChunk];
+  int64_t rows[kRowChunk];
+  // The split's ranges are the plan's thread count's; a team given fewer threads takes
+  // several each (every range runs once, whatever the team).
+  const int team = omp_get_num_threads();
+  const int nr_ranges = static_cast<int>(pl.split1.size()) - 1;
+  // Phase 1: gate/up. Items are expert-major; each thread takes one contiguous range of
+  // them (split1), so it streams its experts' weights front to back.
+  for (int r = tid; r < nr_ranges; r += team)
+  for (int64_t item = pl.split1[r]; item < pl.split1[r + 1]; ++item) {
+    const int64_t e = pl.active[item / it1], j = item % it1;
+    const uint8_t* we = mw.w13 + e * mw.w13_expert;
+    for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
+      const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
+      for (int64_t m = 0; m < nr; ++m) rows[m] = pl.token_of[r0 + m];
+      tile_rows(we + j * mw.w13_tile, xs, rows, nr, g);
+      tile_rows(we + (it1 + j) * mw.w13_tile, xs, rows, nr, u);
+      for (int64_t m = 0; m < nr; ++m)
+        _mm256_storeu_ps(h + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
+    }
+  }
+#pragma omp barrier
+  quantize_rows_omp(h, pl.Pv, I, hs);
+  // Phase 2: down, scaled by each pair's routing weight.
+  for (int r = tid; r < nr_ranges; r += team)
+  for (int64_t item = pl.split2[r]; item < pl.split2[r + 1]; ++item) {
+    const int64_t e = pl.active[item / it2], j = item % it2;
+    const uint8_t* we = mw.w2 + e * mw.w2_expert + j * mw.w2_tile;
+    for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
+      const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
+      tile_rows(we, hs, pl.pair_rows.data() + r0, nr, g);
+      for (int64_t m = 0; m < nr; ++m)
+        _mm256_storeu_ps(o + (r0 + m) * H + j * kTile,
+                         _mm256_mul_ps(g[m], _mm256_set1_ps(pl.weight_of[r0 + m])));
+    }
+  }
+#pragma omp barrier
+  // Each token sums its k pair rows (in its experts' order: deterministic), then the
+  // residual is added as the eager layer adds it (x1 + moe(h)).
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < pl.T; ++t) {
+    float* yt = y + t * H;
+    for (int64_t c = 0; c < H; c += kTile) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; ++j)
+        if (pl.slot_of[t * k + j] >= 0)
+          s = _mm256_add_ps(s, _mm256_loadu_ps(o + pl.slot_of[t * k + j] * H + c));
+      if (resid) s = _mm256_add_ps(_mm256_loadu_ps(resid + t * H + c), s);
+      _mm256_storeu_ps(yt + c, s);
+    }
+  }
+}
+
 // One MoE layer's routed experts in one call.
 //   x        [T, H] fp32 or bf16       the layer's input rows
 //   ids      [T, k] int64              each token's experts (from the router); -1: a pair
@@ -314,13 +439,7 @@ std::vector<int64_t> split_items(const std::vector<int64_t>& active,
 //   num_threads  the OpenMP team's size; 0: torch's thread count (a pool of SplitExperts gets
 //                its share of the cores, beside the other pool's team)
 //   -> y [T, H] in x's dtype: sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)
-// The (token, expert) pairs are sorted by expert (a counting sort, stable); each token's row is
-// quantized to int8 once. Phase 1: work items (active expert, 8 intermediate columns) compute
-// the gate and up tiles for all of the expert's rows and write silu(gate) * up to h [P, I]
-// (P = the T * k pairs, less the skipped ones). h is quantized per pair row. Phase 2: items (active expert, 8 output
-// columns) write weight * down to o [P, H]. Finally each token sums its k rows of o. Every
-// buffer row and column range has one writer: no atomics, no races; each active expert's
-// weights are read once per phase for all its rows.
+// Each token's row is quantized to int8 once; then moe_plan and moe_q4_omp.
 at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                   const at::Tensor& w13, const at::Tensor& w2, int64_t num_threads) {
   check_x("moe_q4", x);
@@ -336,109 +455,29 @@ at::Tensor moe_q4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
                   w2.size(2) * kGroup == I && I % kTile == 0 && H % kTile == 0,
               "moe_q4: w13 [E, 2I/8, H/32, 160] and w2 [E, H/8, I/32, 160] do not match x [T, ",
               H, "] (I = ", I, ")");
-  const int64_t k = ids.size(1), P = T * k;
   auto y = at::empty({T, H}, x.options().dtype(at::kFloat));
   if (T == 0) return y.to(x.scalar_type());
   const auto xc = x.contiguous();
   const auto idc = ids.contiguous();
   const auto wc = weights.contiguous();
-  const int64_t* idp = idc.data_ptr<int64_t>();
-  const float* wp = wc.data_ptr<float>();
-  // counting sort of the pairs by expert; id -1: the pair's expert lives in another pool
-  // (kiln/layers/moe.py SplitExperts), skipped here
-  std::vector<int64_t> offsets(E + 1, 0);
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(idp[p] >= -1 && idp[p] < E, "moe_q4: expert id ", idp[p], " out of range");
-    if (idp[p] >= 0) ++offsets[idp[p] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-  const int64_t Pv = offsets[E];  // the pairs run here
-  if (Pv == 0) return at::zeros({T, H}, x.options());
-  std::vector<int64_t> token_of(Pv), slot_of(P), fill(offsets.begin(), offsets.end() - 1);
-  std::vector<float> weight_of(Pv);
-  for (int64_t p = 0; p < P; ++p) {
-    if (idp[p] < 0) {
-      slot_of[p] = -1;
-      continue;
-    }
-    const int64_t s = fill[idp[p]]++;
-    token_of[s] = p / k;
-    weight_of[s] = wp[p];
-    slot_of[p] = s;  // pair p = (token p / k, its (p % k)-th expert) sits at sorted row s
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (offsets[e + 1] > offsets[e]) active.push_back(e);
-  std::vector<int64_t> pair_rows(Pv);
-  for (int64_t s = 0; s < Pv; ++s) pair_rows[s] = s;
-  const int64_t A = active.size();
-  const int64_t it1 = I / kTile, it2 = H / kTile;
-  const int64_t w13_expert = w13.size(1) * w13.size(2) * kBlockBytes;
-  const int64_t w13_tile = w13.size(2) * kBlockBytes;
-  const int64_t w2_expert = w2.size(1) * w2.size(2) * kBlockBytes;
-  const int64_t w2_tile = w2.size(2) * kBlockBytes;
-  const uint8_t* w13p = w13.data_ptr<uint8_t>();
-  const uint8_t* w2p = w2.data_ptr<uint8_t>();
+  const int nt = num_threads > 0 ? static_cast<int>(num_threads) : threads();
+  const MoePlan pl = moe_plan(idc.data_ptr<int64_t>(), wc.data_ptr<float>(), T, ids.size(1), E,
+                              I / kTile, H / kTile, nt);
+  if (pl.Pv == 0) return at::zeros({T, H}, x.options());
+  const MoeWeights mw(w13, w2);
   QRows xs, hs;
   xs.resize(T, H);
-  hs.resize(Pv, I);
+  hs.resize(pl.Pv, I);
   // (not zero-filled: every element is written before it is read; at prefill they are ~20 MB)
-  std::unique_ptr<float[]> h(new float[Pv * I]), o(new float[Pv * H]);
+  std::unique_ptr<float[]> h(new float[pl.Pv * I]), o(new float[pl.Pv * H]);
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRowChunk = 32;
-  const int nt = num_threads > 0 ? static_cast<int>(num_threads) : threads();
-  const auto split1 = split_items(active, offsets, it1, nt);
-  const auto split2 = split_items(active, offsets, it2, nt);
 #pragma omp parallel num_threads(nt)
   {
     if (x.scalar_type() == at::kFloat)
       quantize_rows_omp(xc.data_ptr<float>(), T, H, xs);
     else
       quantize_rows_omp(xc.data_ptr<at::BFloat16>(), T, H, xs);
-    __m256 g[kRowChunk], u[kRowChunk];
-    std::vector<int64_t> rows(kRowChunk);
-    const int tid = omp_get_thread_num();
-    // Phase 1: gate/up. Items are expert-major; each thread takes one contiguous range of
-    // them (split1), so it streams its experts' weights front to back.
-    for (int64_t item = split1[tid]; item < split1[tid + 1]; ++item) {
-      const int64_t e = active[item / it1], j = item % it1;
-      const uint8_t* we = w13p + e * w13_expert;
-      for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowChunk) {
-        const int64_t nr = std::min(kRowChunk, offsets[e + 1] - r0);
-        for (int64_t m = 0; m < nr; ++m) rows[m] = token_of[r0 + m];
-        tile_rows(we + j * w13_tile, xs, rows.data(), nr, g);
-        tile_rows(we + (it1 + j) * w13_tile, xs, rows.data(), nr, u);
-        for (int64_t m = 0; m < nr; ++m)
-          _mm256_storeu_ps(h.get() + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
-      }
-    }
-#pragma omp barrier
-    quantize_rows_omp(h.get(), Pv, I, hs);
-    // Phase 2: down, scaled by each pair's routing weight.
-    for (int64_t item = split2[tid]; item < split2[tid + 1]; ++item) {
-      const int64_t e = active[item / it2], j = item % it2;
-      const uint8_t* we = w2p + e * w2_expert + j * w2_tile;
-      for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowChunk) {
-        const int64_t nr = std::min(kRowChunk, offsets[e + 1] - r0);
-        tile_rows(we, hs, pair_rows.data() + r0, nr, g);
-        for (int64_t m = 0; m < nr; ++m)
-          _mm256_storeu_ps(o.get() + (r0 + m) * H + j * kTile,
-                           _mm256_mul_ps(g[m], _mm256_set1_ps(weight_of[r0 + m])));
-      }
-    }
-#pragma omp barrier
-    // Each token sums its k pair rows (in its experts' order: deterministic).
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* yt = yp + t * H;
-      for (int64_t c = 0; c < H; c += kTile) {
-        __m256 s = _mm256_setzero_ps();
-        for (int64_t j = 0; j < k; ++j)
-          if (slot_of[t * k + j] >= 0)
-            s = _mm256_add_ps(s, _mm256_loadu_ps(o.get() + slot_of[t * k + j] * H + c));
-        _mm256_storeu_ps(yt + c, s);
-      }
-    }
+    moe_q4_omp(pl, mw, xs, h.get(), hs, o.get(), yp, nullptr, omp_get_thread_num());
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -1262,6 +1301,12 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
 // A router's fp32 logits x [T, H] @ w [E, H]^T, each one FMA chain over H (8 lanes, then one
 // fixed reduction): a row's logits do not depend on the other rows of the step (a GEMM's
 // blocking does, and a flipped top-k choice changes a token's whole MoE output).
+inline float router_logit(const float* x, const float* w, int64_t H) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < H; i += 8) acc = _mm256_fmadd_ps(load8(x + i), load8(w + i), acc);
+  return hsum(acc);
+}
+
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
                   x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
@@ -1275,12 +1320,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
   float* yp = y.data_ptr<float>();
 #pragma omp parallel for num_threads(threads()) if (T * E * H >= (1 << 16)) schedule(static)
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < H; i += 8)
-        acc = _mm256_fmadd_ps(load8(xp + t * H + i), load8(wp + e * H + i), acc);
-      yp[t * E + e] = hsum(acc);
-    }
+    for (int64_t e = 0; e < E; ++e) yp[t * E + e] = router_logit(xp + t * H, wp + e * H, H);
   return y;
 }
 
@@ -1361,6 +1401,163 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
 }
 
+// moe_layer where both attention linears are kiln's q4 tiles (a Q4_0 / int4 model) and the
+// pools fp32 or fp16: the whole layer in one parallel region, as decode_layer_q4 does for a
+// dense layer. The same row functions in the same order as moe_layer's op by op chain (rms_row,
+// q4 tiles, rms_row per q/k head, rope_row, attend_rows, router_logit, at::softmax / topk /
+// the renormalizing division, moe_q4_omp), so the same bits; what goes is a parallel region,
+// a fork and a join and a tensor per op: ~12 of them a layer, ~5 us each at one row.
+template <typename KT>
+std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ln1,
+    const at::Tensor& ln2, double eps, at::TensorList w, at::IntArrayRef n,
+    const c10::List<std::optional<at::Tensor>>& biases, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k, at::Tensor v,
+    const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row_of,
+    const at::Tensor& lens, int64_t num_heads, double scale, const at::Tensor& router,
+    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2) {
+  const int64_t T = x.size(0), H = x.size(1), Hq = num_heads;
+  const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), W = (Hq + 2 * Hk) * D;
+  const int64_t E = w13.size(0), I = w13.size(1) * kTile / 2;
+  for (int i = 0; i < 2; ++i) check_packed("moe_layer", w[i], 3);
+  check_packed("moe_layer (w13)", w13, 4);
+  check_packed("moe_layer (w2)", w2, 4);
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hk == 0 && Hq / Hk <= 16 && H % 32 == 0 &&
+                  n[0] == W && w[0].size(1) * kGroup == H && n[1] == H &&
+                  w[1].size(1) * kGroup == Hq * D && w13.size(2) * kGroup == H &&
+                  w2.size(0) == E && w2.size(1) * kTile == H && w2.size(2) * kGroup == I &&
+                  I % kTile == 0 && router.dim() == 2 && router.size(0) == E &&
+                  router.size(1) == H && router.scalar_type() == at::kFloat,
+              "moe_layer: the weights' shapes do not make a MoE layer of this x and pool");
+  for (int i = 0; i < 2; ++i)
+    TORCH_CHECK((w[i].size(0) - 1) * kTile < n[i] && w[i].size(0) * kTile >= n[i],
+                "moe_layer: packed weight ", i, " does not hold ", n[i], " rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
+                  slots.scalar_type() == at::kLong && ln1.numel() == H && ln2.numel() == H,
+              "moe_layer: cos/sin fp32 [T, 1, D], slots int64 [T], norms [H]");
+  TORCH_CHECK(!q_norm.has_value() ||
+                  (q_norm->numel() == D && k_norm->numel() == D &&
+                   q_norm->scalar_type() == at::kFloat && k_norm->scalar_type() == at::kFloat),
+              "moe_layer: q/k norms fp32 [D]");
+  const float* bias[2];
+  for (int i = 0; i < 2; ++i) {
+    const auto b = biases.get(i);
+    TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() &&
+                                   b->numel() == n[i]),
+                "moe_layer: bias ", i, " must be contiguous fp32 [", n[i], "]");
+    bias[i] = b.has_value() ? b->data_ptr<float>() : nullptr;
+  }
+  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const auto l1 = ln1.contiguous(), l2 = ln2.contiguous(), sl = slots.contiguous();
+  const auto rc = router.contiguous();
+  const auto qn = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
+  const auto kn = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
+  const int64_t* sp = checked_slots(sl, S);
+  const RowTable rt(table, row_of, lens);
+  TORCH_CHECK(rt.lens.numel() == T, "attend_rows: table [R, L] int64, row_of and lens [T] int64");
+  auto out = at::empty({T, H}, xc.options());
+  auto logits = at::empty({T, E}, xc.options());
+  at::Tensor ids = at::empty({T, top_k}, xc.options().dtype(at::kLong));
+  if (T == 0) return {out, ids};  // (else: topk's, below)
+  // (one workspace per calling thread, kept between calls: see decode_layer_q4)
+  static thread_local std::vector<float> ws;
+  static thread_local QRows tl_xh, tl_xc, tl_xs, tl_hs;
+  QRows& xh = tl_xh;
+  QRows& xc2 = tl_xc;
+  QRows& xs = tl_xs;
+  QRows& hs = tl_hs;
+  const int64_t need = T * (2 * H + W + 2 * Hq * D + H) + T * top_k * (I + H);
+  if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
+  float* h = ws.data();
+  float* qkv = h + T * H;
+  float* qb = qkv + T * W;
+  float* ctx = qb + T * Hq * D;
+  float* x1 = ctx + T * Hq * D;
+  float* h2 = x1 + T * H;
+  float* eh = h2 + T * H;          // the experts' [pairs, I]
+  float* eo = eh + T * top_k * I;  // and [pairs, H]
+  xh.resize(T, H);
+  xc2.resize(T, Hq * D);
+  xs.resize(T, H);
+  std::vector<int64_t> rows(T);
+  for (int64_t i = 0; i < T; ++i) rows[i] = i;
+  const float* xp = xc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* snp = sc.data_ptr<float>();
+  const float* rp = rc.data_ptr<float>();
+  KT* kp = k.data_ptr<KT>();
+  KT* vp = v.data_ptr<KT>();
+  float* op = out.data_ptr<float>();
+  float* lp = logits.data_ptr<float>();
+  const float e = static_cast<float>(eps), qe = static_cast<float>(qk_eps);
+  const uint8_t* wp0 = w[0].data_ptr<uint8_t>();
+  const uint8_t* wp1 = w[1].data_ptr<uint8_t>();
+  const int64_t tiles0 = w[0].size(1) * kBlockBytes, tiles1 = w[1].size(1) * kBlockBytes;
+  const MoeWeights mw(w13, w2);
+  const int nt = threads();
+  MoePlan pl;
+  std::exception_ptr error;
+#pragma omp parallel num_threads(nt)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      rms_row(xp + t * H, l1.data_ptr<float>(), e, H, h + t * H);
+      xh.quantize(t, h + t * H);
+    }
+    q4_tiles_omp(wp0, tiles0, w[0].size(0), xh, rows.data(), T, W, qkv, bias[0], nullptr);
+    if (qn.defined()) {
+      // Qwen3's q/k norms: each q and k head of each row one rms_row, in place
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < T * (Hq + Hk); ++r) {
+        const int64_t t = r / (Hq + Hk), hh = r % (Hq + Hk);
+        float* head = qkv + t * W + hh * D;
+        rms_row(head, (hh < Hq ? qn : kn).data_ptr<float>(), qe, D, head);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      rope_row(qkv + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qb + t * Hq * D,
+               kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
+    attend_rows_omp(qb, static_cast<const KT*>(kp), static_cast<const KT*>(vp),
+                    rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
+                    rt.lens.data_ptr<int64_t>(), ctx, T, Hq, Hk, D, D, rt.L,
+                    static_cast<float>(scale), nt);
+    quantize_rows_omp(static_cast<const float*>(ctx), T, Hq * D, xc2);
+    q4_tiles_omp(wp1, tiles1, w[1].size(0), xc2, rows.data(), T, H, x1, bias[1], xp);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h2 + t * H);
+      xs.quantize(t, h2 + t * H);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < T * E; ++r)
+      lp[r] = router_logit(h2 + (r / E) * H, rp + (r % E) * H, H);
+    // kiln/layers/moe.py's softmax_topk, the same ATen ops (serial here: inside a region), on
+    // the calling thread: ATen's thread-local state (inference mode) is that thread's. An
+    // exception must not leave the region (std::terminate): it is rethrown after.
+#pragma omp master
+    {
+      try {
+        const auto probs = at::softmax(logits, -1);
+        auto [wt, id] = at::topk(probs, top_k, -1);
+        if (renormalize) wt = wt / wt.sum(-1, /*keepdim=*/true);
+        ids = id.contiguous();
+        const auto wc = wt.contiguous();
+        pl = moe_plan(ids.data_ptr<int64_t>(), wc.data_ptr<float>(), T, top_k, E, I / kTile,
+                      H / kTile, omp_get_num_threads());
+        hs.resize(pl.Pv, I);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+#pragma omp barrier
+    if (!error) moe_q4_omp(pl, mw, xs, eh, hs, eo, op, x1, omp_get_thread_num());
+  }
+  if (error) std::rethrow_exception(error);
+  return {out, ids};
+}
+
 // A mixture-of-experts decoder layer of any step in one call (Qwen2/3-MoE without a shared
 // expert, Mixtral): what the layer's eager forward runs, op for op (rms_norm, the qkv linear,
 // the q/k norms, rope_write, attend_rows, the o linear, the residual, rms_norm, the router's
@@ -1381,6 +1578,20 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
                   counts[0] + counts[1] == static_cast<int64_t>(weights.size()),
               "moe_layer: one kind and row count per weight part, counts adding up to them");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "moe_layer: q and k norms together");
+  bool fused = weights.size() == 2 && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+               kernel_pool(k, v) && w13.scalar_type() == at::kByte;
+  for (int i = 0; i < 2 && fused; ++i) {
+    const auto b = biases.get(i);
+    fused = kinds[i] == kKindQ4 && counts[i] == 1 &&
+            (!b.has_value() || b->scalar_type() == at::kFloat);
+  }
+  if (fused) {
+    const auto layer = k.scalar_type() == at::kFloat ? &moe_layer_q4<float>
+                                                     : &moe_layer_q4<at::Half>;
+    return layer(x, cos, sin, ln1, ln2, eps, weights, rows, biases, q_norm, k_norm, qk_eps, k,
+                 v, slots, table, row_of, lens, num_heads, scale, router, top_k, renormalize,
+                 w13, w2);
+  }
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = i == 0 ? 0 : counts[0], n = counts[i];
     return layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),
