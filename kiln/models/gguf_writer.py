@@ -154,14 +154,23 @@ def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str,
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    # MLA is written in llama.cpp's MQA form: one KV head, the latent row [c | k_pe] as its key
+    w.add_head_count_kv(1 if cfg.is_mla else cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
     if not cfg.is_mla:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-        w.add_rope_dimension_count(cfg.rotary_dim)
+    else:  # what convert_hf_to_gguf.py writes for deepseek2 (the attn_k_b / attn_v_b form)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.rotary_dim)
     _write_dense_metadata(w, cfg, arch)
     if cfg.is_moe:
         w.add_expert_count(cfg.num_experts)
@@ -173,6 +182,16 @@ def _write_metadata(w: object, cfg: ModelConfig, arch: str, name: str,
         if arch == "deepseek2":
             w.add_expert_weights_norm(cfg.norm_topk_prob)
             w.add_expert_weights_scale(cfg.routed_scaling_factor)
+            w.add_leading_dense_block_count(next(
+                i for i in range(cfg.num_hidden_layers + 1) if i not in cfg.dense_layers))
+            w.add_expert_shared_count(cfg.shared_expert_intermediate_size
+                                      // cfg.moe_intermediate_size)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID
+                                     if cfg.scoring_func == "sigmoid"
+                                     else gguf.ExpertGatingFuncType.SOFTMAX)
+            if cfg.n_group > 1:
+                w.add_expert_group_count(cfg.n_group)
+                w.add_expert_group_used_count(cfg.topk_group)
     if special_ids and cfg.bos_token_id is not None:
         w.add_bos_token_id(cfg.bos_token_id)
     if special_ids and cfg.eos_token_ids:
