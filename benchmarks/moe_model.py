@@ -4,6 +4,7 @@
                         width 384, 8 active per token
     deepseek2           a scaled-down DeepSeek-V2-Lite: MLA (q/kv LoRA ranks), 2 shared experts,
                         64 routed of width 352, 6 active, grouped top-k (see deepseek_config)
+    qwen2moe            --full-size: Qwen1.5-MoE-A2.7B's shape, ~14 B parameters, ~8 GB
 
 No MoE model ships in a package, and the values of the weights do not change speed, so the
 benchmarks (benchmarks/compare, `kiln bench`) run these files, which llama-server loads too:
@@ -14,6 +15,7 @@ that checks that kiln's GGUF names and keys are llama.cpp's, and gives the peer.
     python benchmarks/moe_model.py --routing-report      # per-layer routing spread, measured
     python benchmarks/moe_model.py --arch deepseek2      # the DeepSeek-shaped model
     python benchmarks/moe_model.py --router random       # the first model (README history)
+    python benchmarks/moe_model.py --full-size           # Qwen1.5-MoE-A2.7B-shaped, ~8 GB
 
 What the values do change is *which experts run*, and so how many expert bytes a step reads.
 The first model (`--router random`, on which the README's first MoE figures were measured)
@@ -230,11 +232,63 @@ def deepseek_tensors(cfg: ModelConfig, a: argparse.Namespace) -> Tensors:
         yield b + "ffn_down_shexp.weight", q4(h, s)
 
 
+def qwen2_config(a: argparse.Namespace, vocab: int) -> ModelConfig:
+    """Qwen1.5-MoE-A2.7B's shape (24 layers, hidden 2048, 60 experts of width 1408, 4 active,
+    a gated shared expert of width 5632, q/k/v biases): ~14 B parameters, ~8 GB in Q4_0."""
+    return ModelConfig(
+        architecture="Qwen2MoeForCausalLM", vocab_size=vocab, hidden_size=a.hidden,
+        intermediate_size=a.shared_width, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6, attention_bias=True,
+        num_experts=a.experts, num_experts_per_tok=a.active, moe_intermediate_size=a.expert_width,
+        shared_expert_intermediate_size=a.shared_width, shared_expert_gate=True,
+        norm_topk_prob=False, bos_token_id=None, eos_token_ids=[2])
+
+
+def qwen2_tensors(cfg: ModelConfig, a: argparse.Namespace) -> Tensors:
+    """The qwen2moe tensors, one at a time (the full-size file is written as they come).
+    Without q/k norms, q's scale sets how sharp attention is; routers are `unfitted_router`'s
+    unless a fit replaces them."""
+    rng = np.random.default_rng(a.seed)
+    h, v, e, w = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    s = cfg.shared_expert_intermediate_size
+
+    def q4(*shape: int, std: float = 0.02) -> np.ndarray:
+        return random_q4_0(rng, *shape, std=std, signed=True)
+
+    ones = np.ones(h, dtype=np.float32)
+    yield "token_embd.weight", q4(v, h, std=a.embed_std)
+    yield "output_norm.weight", ones
+    yield "output.weight", q4(v, h)
+    for i in range(cfg.num_hidden_layers):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", ones
+        yield b + "attn_q.weight", q4(q, h, std=0.02 * a.qk_gain)
+        yield b + "attn_q.bias", np.zeros(q, dtype=np.float32)
+        yield b + "attn_k.weight", q4(kv, h)
+        yield b + "attn_k.bias", np.zeros(kv, dtype=np.float32)
+        yield b + "attn_v.weight", q4(kv, h)
+        yield b + "attn_v.bias", np.zeros(kv, dtype=np.float32)
+        yield b + "attn_output.weight", q4(h, q)
+        yield b + "ffn_norm.weight", ones
+        yield b + "ffn_gate_inp.weight", unfitted_router(rng, e, h, a.logit_std, a.skew)
+        yield b + "ffn_gate_exps.weight", q4(e, w, h)
+        yield b + "ffn_up_exps.weight", q4(e, w, h)
+        yield b + "ffn_down_exps.weight", q4(e, h, w)
+        yield b + "ffn_gate_inp_shexp.weight", rng.normal(0, h ** -0.5, h).astype(np.float32)
+        yield b + "ffn_gate_shexp.weight", q4(s, h)
+        yield b + "ffn_up_shexp.weight", q4(s, h)
+        yield b + "ffn_down_shexp.weight", q4(h, s)
+
+
 @dataclass
 class Family:
     config: Any
     tensors: Any
     defaults: dict[str, Any]
+    fit: bool = True  # routers fitted by a prefill through kiln (else `unfitted_router`'s)
+    stream: bool = False  # tensors written as they come (larger than memory)
 
 
 FAMILIES = {
@@ -246,6 +300,12 @@ FAMILIES = {
         "heads": 16, "shared_experts": 2, "dense_layers": 1, "dense_width": 2816,
         "q_lora_rank": 384, "kv_lora_rank": 256, "nope_dim": 64, "rope_dim": 32, "v_dim": 64,
         "groups": 8, "groups_used": 3, "qk_gain": 8.0}),
+    # --full-size: not fitted (the fit pass would hold the whole model in memory and prefill
+    # 1.5k tokens through 14 B parameters), not benchmarked by this script
+    "qwen2moe": Family(qwen2_config, qwen2_tensors, {
+        "layers": 24, "hidden": 2048, "experts": 60, "active": 4, "expert_width": 1408,
+        "shared_width": 5632, "heads": 16, "kv_heads": 16, "head_dim": 128, "qk_gain": 8.0},
+        fit=False, stream=True),
 }
 
 
@@ -282,12 +342,27 @@ def router_weights(x: np.ndarray, num_experts: int, rng: np.random.Generator,
     rows = rng.standard_normal((num_experts, h)) @ ((vec / np.sqrt(lam)) @ vec.T)
     u = mean / np.linalg.norm(mean)
     rows -= np.outer(rows @ u, u)
-    # The normal's quantiles, shuffled: every layer has the same profile of busy and idle
-    # experts, and no draw leaves an expert that never wins
-    z = np.array([NormalDist().inv_cdf((i + 0.5) / num_experts) for i in range(num_experts)])
-    spread = logit_std * np.exp(skew * rng.permutation(z))
+    spread = logit_std * _popularity(rng, num_experts, skew)
     rows *= (spread / (xc @ rows.T).std(0))[:, None]
     return rows.astype(np.float32)
+
+
+def _popularity(rng: np.random.Generator, num_experts: int, skew: float) -> np.ndarray:
+    """exp(skew x z) over the normal's quantiles z, shuffled: every layer has the same profile
+    of busy and idle experts, and no draw leaves an expert that never wins."""
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / num_experts) for i in range(num_experts)])
+    return np.exp(skew * rng.permutation(z))
+
+
+def unfitted_router(rng: np.random.Generator, num_experts: int, hidden: int, logit_std: float,
+                    skew: float) -> np.ndarray:
+    """Router rows without a fit: Gaussian, scaled for a router input of RMS 1 (what the MoE
+    block's norm gives) to logits of spread `logit_std` x the `_popularity` profile. On the
+    24-layer qwen3moe with these weights such rows spread as well as fitted ones (the 8
+    busiest of 64 experts <= 27% of a layer's tokens), a little more evenly."""
+    rows = rng.standard_normal((num_experts, hidden)) * hidden ** -0.5
+    return (rows * (logit_std * _popularity(rng, num_experts, skew))[:, None]).astype(
+        np.float32)
 
 
 def _moe_blocks(model: Any) -> list[Any]:
@@ -455,7 +530,8 @@ def format_report(rows: list[LayerRouting], k: int) -> str:
 
 
 def default_path(a: argparse.Namespace) -> Path:
-    suffix = "" if a.router == "random" else f"-{a.router}"
+    suffix = ("" if a.router == "random" else
+              f"-{a.router}" + ("" if FAMILIES[a.arch].fit else "-unfitted"))
     return cache_dir("bench-models") / (
         f"{a.arch}-{a.layers}L-{a.hidden}h-{a.experts}x{a.expert_width}"
         f"-top{a.active}-q4_0{suffix}.gguf")
@@ -471,9 +547,9 @@ def build(a: argparse.Namespace, out: Path, tok_gguf: Path, tokenizer: Any) -> N
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.stem + ".partial.gguf")  # a .gguf: the loader opens it to fit
     write_gguf(tmp, cfg, family.tensors(cfg, a), qtype="Q4_0", tokenizer_from=tok_gguf,
-               name=f"kiln-bench-{a.arch}")
+               name=f"kiln-bench-{a.arch}", stream=family.stream)
     print(f"wrote the weights in {time.monotonic() - t0:.0f} s")
-    if a.router == "spread":
+    if a.router == "spread" and family.fit:
         t1 = time.monotonic()
         fitted = fit_routers(tmp, _text_ids(tokenizer, FIT_TOKENS), a.seed, a.logit_std,
                              a.skew)
@@ -484,12 +560,17 @@ def build(a: argparse.Namespace, out: Path, tok_gguf: Path, tokenizer: Any) -> N
 
 SHAPE_OPTIONS = ("layers", "hidden", "experts", "active", "expert_width", "heads", "kv_heads",
                  "head_dim", "shared_experts", "dense_layers", "dense_width", "q_lora_rank",
-                 "kv_lora_rank", "nope_dim", "rope_dim", "v_dim", "groups", "groups_used")
+                 "kv_lora_rank", "nope_dim", "rope_dim", "v_dim", "groups", "groups_used",
+                 "shared_width")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=sorted(FAMILIES), default="qwen3moe")
+    ap.add_argument("--full-size", action="store_true",
+                    help="the Qwen1.5-MoE-A2.7B-shaped model (--arch qwen2moe: ~14 B "
+                    "parameters, ~8 GB), written as it is generated; its routers are not "
+                    "fitted")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--router", choices=ROUTERS, default="spread",
                     help="spread: fitted to route like a trained model (default); random: the "
@@ -516,6 +597,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="measure and print the routing spread per layer (writes the file "
                     "first if needed)")
     a = ap.parse_args(argv)
+    if a.full_size:
+        a.arch = "qwen2moe"
     defaults = FAMILIES[a.arch].defaults
     foreign = [k for k in SHAPE_OPTIONS if getattr(a, k) is not None and k not in defaults]
     if foreign:

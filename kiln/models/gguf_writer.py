@@ -74,16 +74,19 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def write_gguf(path: str | Path, cfg: ModelConfig,
                tensors: Iterable[tuple[str, torch.Tensor | np.ndarray]], *, qtype: str = "F32",
-               tokenizer_from: str | Path | None = None, name: str = "kiln-test") -> Path:
+               tokenizer_from: str | Path | None = None, name: str = "kiln-test",
+               stream: bool = False) -> Path:
     """Writes `tensors` (HF names, or llama.cpp's own `blk.N...` names; torch layout) as a GGUF
     of `cfg`'s architecture. A uint8 numpy array is taken as blocks already in `qtype`.
     `tokenizer_from`: a GGUF whose `tokenizer.*` keys (vocabulary, merges, chat template) are
-    copied, so the file can be served; without it the file has no tokenizer."""
+    copied, so the file can be served; without it the file has no tokenizer. `stream`: each
+    tensor goes to a temporary file as it comes (the header, written first, needs every
+    tensor's size), so a model larger than memory can be written from a generator."""
     import gguf
 
     path = Path(path)
     arch = GGUF_ARCH_OF[cfg.architecture]
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, use_temp_file=stream)
     # The copied tokenizer brings its own special token ids.
     _write_metadata(writer, cfg, arch, name, special_ids=tokenizer_from is None)
     writer.add_file_type(_file_types()[qtype])
