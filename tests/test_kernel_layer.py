@@ -14,6 +14,7 @@ from conftest import KERNEL_LEVELS
 
 from kiln.layers import kernels
 from kiln.layers.kernels import isa
+from kiln.layers.kernels.flags import flags_amx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def test_the_probe_reconciles_flags_and_the_os():
         runs = lv.flags <= isa.cpu_flags() and x & lv.xcr0 == lv.xcr0
         assert (isa.cpu_runs(lv) is None) == runs, (lv.name, isa.cpu_runs(lv))
     # AMX: granted only where the flag, XCR0's tile bits and the kernel's permission agree
-    if not isa.flags_amx(isa.cpu_flags()):
+    if not flags_amx(isa.cpu_flags()):
         assert not isa.amx_granted()
 
 

@@ -36,11 +36,6 @@ KNOWN_KERNEL_CIRCLES: tuple[frozenset[str], ...] = (
     frozenset({"kiln.layers.kernels", "kiln.layers.kernels.build", "kiln.layers.kernels.choose",
                "kiln.layers.kernels.ops", "kiln.layers.kquant", "kiln.layers.quant",
                "kiln.models.gguf"}),
-    # the ISA probe reads /proc/cpuinfo through the hardware probe, which asks the ISA probe's
-    # flag helpers whether bf16 is fast
-    frozenset({"kiln.layers.kernels.isa", "kiln.resolve.hardware"}),
-    # LlamaDecoderLayer._moe_args asks isinstance(mlp, SparseMoeBlock) for moe_layer
-    frozenset({"kiln.models.llama", "kiln.models.qwen_moe"}),
 )
 
 

@@ -257,16 +257,16 @@ class LlamaDecoderLayer(nn.Module):
     def _moe_args(self) -> tuple | None:
         """ops.moe_layer's (weights, kinds, rows, counts, biases) of the attention's two
         linears, or None where the layer's eager forward does not run exactly the kernels
-        moe_layer chains: a SparseMoeBlock without a shared expert, all experts stacked for
-        moe_q4, an fp32 router, Llama-form norms and linears on kiln's tiles."""
+        moe_layer chains: a SparseMoeBlock (its `moe_layer_kernel` mark) without a shared
+        expert, all experts stacked for moe_q4, an fp32 router, Llama-form norms and linears on
+        kiln's tiles."""
         if self._moe_args_cache is not None:
             return self._moe_args_cache or None
         from kiln.layers.moe import Experts, Router
-        from kiln.models.qwen_moe import SparseMoeBlock
 
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        ok = (isinstance(mlp, SparseMoeBlock) and mlp.shared_expert is None
+        ok = (getattr(type(mlp), "moe_layer_kernel", False) and mlp.shared_expert is None
               and type(mlp.experts) is Experts and mlp.experts.w13_q4 is not None
               and mlp.experts.counts_routing and isinstance(mlp.gate, Router)
               and mlp.gate.e_score_correction_bias is None

@@ -21,6 +21,12 @@ from kiln.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
+    # Its forward is what kernels.cpp's moe_layer chains after the attention (Router's fp32
+    # logits, softmax_topk, the stacked experts; a shared expert it does not run): the layer
+    # kernels ask for this mark (LlamaDecoderLayer._moe_args), not for the class, which sits
+    # above models/llama.py. A subclass whose forward differs sets it False.
+    moe_layer_kernel = True
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok

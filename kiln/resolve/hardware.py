@@ -108,7 +108,7 @@ class HardwareInfo:
     @property
     def cpu_native_bf16(self) -> bool:
         """bf16 matmuls run in hardware (AVX512-BF16, AMX, or ARMv8.6 BF16), not by conversion."""
-        from kiln.layers.kernels.isa import flags_native_bf16
+        from kiln.layers.kernels.flags import flags_native_bf16
 
         return flags_native_bf16(self.cpu_flags)
 
@@ -495,7 +495,7 @@ def _cpu_bf16_reasonable(hw: HardwareInfo | None) -> bool:
     # slower than plain fp32; with AVX512F oneDNN has fast bf16 paths, with AVX512-BF16/AMX native.
     if hw is None:
         return True
-    from kiln.layers.kernels.isa import flags_fast_bf16
+    from kiln.layers.kernels.flags import flags_fast_bf16
 
     return flags_fast_bf16(hw.cpu_flags)
 

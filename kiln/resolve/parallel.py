@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import config as C
-from kiln.layers.kernels.isa import AMX_FLAGS, flags_amx
+from kiln.layers.kernels.flags import AMX_FLAGS, flags_amx
 from kiln.messages import msg
 
 

@@ -31,10 +31,10 @@ import logging
 import platform
 import shutil
 import subprocess
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.layers.kernels.flags import AMX_FLAGS, AVX2_FLAGS
 from kiln.paths import cache_dir
 
 log = logging.getLogger("kiln.kernels")
@@ -45,7 +45,6 @@ XCR0_AVX = 0b110
 XCR0_AVX512 = XCR0_AVX | 0b1110_0000
 XCR0_AMX = (1 << 17) | (1 << 18)
 
-AMX_FLAGS = frozenset({"amx_tile", "amx_int8", "amx_bf16"})
 
 
 @dataclass(frozen=True)
@@ -60,15 +59,14 @@ class Level:
     about: str
 
 
-_AVX2 = ("avx2", "fma", "f16c")
 # Best first: `auto` takes the first that runs.
 LEVELS: tuple[Level, ...] = (
-    Level("avx512", frozenset({*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq",
+    Level("avx512", frozenset({*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq",
                                "avx512_vnni"}), XCR0_AVX512,
           ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
            "-mavx512dq", "-mavx512vnni"),
           "int8 dot products with AVX512-VNNI (vpdpbusd)"),
-    Level("avx2", frozenset(_AVX2), XCR0_AVX, ("-mavx2", "-mfma", "-mf16c"),
+    Level("avx2", AVX2_FLAGS, XCR0_AVX, ("-mavx2", "-mfma", "-mf16c"),
           "int8 dot products with vpmaddubsw + vpmaddwd"),
 )
 LEVEL_NAMES = tuple(lv.name for lv in LEVELS)
@@ -143,30 +141,6 @@ def amx_granted() -> bool:
         return libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
     except (OSError, AttributeError):
         return False
-
-
-# What a set of /proc/cpuinfo flags means (HardwareInfo, doctor, the kt-kernel hand-off read
-# these: a probe of another machine, or of this one before anything is built).
-
-def flags_native_bf16(flags: Iterable[str]) -> bool:
-    """bf16 matmuls in hardware: AVX512-BF16, AMX-BF16 or ARMv8.6 BF16."""
-    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
-
-
-def flags_fast_bf16(flags: Iterable[str]) -> bool:
-    """bf16 worth computing in: native, or AVX512F (oneDNN's fast conversions); without either
-    every op converts through fp32 and is slower than fp32."""
-    return flags_native_bf16(flags) or "avx512f" in set(flags)
-
-
-def flags_amx(flags: Iterable[str]) -> bool:
-    """The CPU says it has AMX tiles (whether the OS grants them: `amx_granted`)."""
-    return bool(AMX_FLAGS & set(flags))
-
-
-def flags_avx2(flags: Iterable[str]) -> bool:
-    """The CPU has the lowest level's instructions (AVX2 + FMA + F16C)."""
-    return BY_NAME["avx2"].flags <= set(flags)
 
 
 def cpu_native_bf16() -> bool:
