@@ -276,7 +276,12 @@ def _gguf_tokenizer(gguf_path: Path) -> Any:
         except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt
             log.warning("tokenizer cache %s unreadable (%s); rebuilding it", cached, e)
             shutil.rmtree(cached, ignore_errors=True)
-    hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise
+        hf = _gguf_tokenizer_any_architecture(gguf_path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
@@ -288,6 +293,23 @@ def _gguf_tokenizer(gguf_path: Path) -> Any:
     except OSError as e:
         log.info("could not cache the tokenizer under %s: %s", cached.parent, e)
     return hf
+
+
+def _gguf_tokenizer_any_architecture(gguf_path: Path) -> Any:
+    """The tokenizer of a GGUF whose architecture transformers' GGUF loader refuses (its
+    checkpoint loader checks the architecture before the tokenizer: deepseek2, DeepSeek-V2/V3's
+    files), built from the file's tokenizer metadata alone, as that loader builds it for the
+    architectures it knows: the vocabulary does not depend on the layers."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    architecture, tokens, config = get_gguf_tokenizer(str(gguf_path))
+    backend, _ = convert_gguf_tokenizer(architecture, tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend,
+                                   **{k: v for k, v in config.items() if v is not None})
 
 
 def load_tokenizer(source: Path, gguf_file: Path | None = None) -> Tokenizer:

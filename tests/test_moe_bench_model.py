@@ -63,3 +63,17 @@ def test_the_first_models_random_routers_send_most_tokens_to_a_few_experts(
 
     rows = _report(tmp_path, gguf_path, smollm2_tokenizer, [*TINY, "--router", "random"])
     assert max(LayerRouting.top_share(r.counts["prose"], 8) for r in rows) > 0.5
+
+
+def test_a_deepseek2_gguf_brings_its_tokenizer(tmp_path, gguf_path, smollm2_tokenizer):
+    """transformers' GGUF loader refuses the deepseek2 architecture before it reads the
+    tokenizer; kiln builds it from the file's tokenizer metadata (DeepSeek-V2/V3 GGUFs served
+    as they are): the same ids as the GGUF it was copied from."""
+    from benchmarks.moe_model import main
+    from kiln.tokenizer import load_tokenizer
+
+    path = tmp_path / "deepseek2.gguf"
+    assert main([*TINY_DEEPSEEK, "--out", str(path),
+                 "--tokenizer-from", str(gguf_path)]) == 0
+    text = "The capital of France is Paris. 123 + 4 = 127!"
+    assert load_tokenizer(path).encode(text) == smollm2_tokenizer.encode(text)
