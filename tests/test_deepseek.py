@@ -70,14 +70,16 @@ def test_greedy_batched_chunked_and_prefix_cached_match_transformers(tiny):
     """Several prompts batched with a 32-token budget (chunked prefill, mixed steps, batched
     decode), then four prompts that share a 64-token prefix left in the cache by a finished
     request: they prefill from the cached latent rows and decode together over the shared
-    blocks (cascade attention). Every request's greedy tokens equal transformers'."""
+    blocks (cascade attention: PyTorch's path, so --no-batch-invariant; the batch-invariant
+    default runs MLA through attend_rows, row by row). Every request's greedy tokens equal
+    transformers'."""
     from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
     from kiln.engine.model_runner import ModelRunner
 
     family, folder, ref = tiny
     eng = Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
-                              max_num_batched_tokens=32, compile=False))
+                              max_num_batched_tokens=32, compile=False, batch_invariant=False))
     params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
     prompts = {f"a{i}": _ids(n, 10 + i) for i, n in enumerate((5, 17, 40, 70))}
     shared = _ids(64, 20)
@@ -362,3 +364,4 @@ def test_mtp_layer_tensors_are_skipped(tiny, tmp_path):
     ids = _ids(30, 7)
     diff = (_runner(copy).prompt_logits(ids) - _reference_logits(ref, ids)).abs().max().item()
     assert diff < 1e-3
+

@@ -238,8 +238,7 @@ class Attention(nn.Module):
         kv.kernel_choice = choose.choose_attention_kernel(
             invariant=invariant, use_kernels=use_kernels, device=kv.k.device,
             k_dtype=kv.k.dtype, compute_dtype=kv.compute_dtype, quantized=kv.quantized,
-            v_in_k=kv.v_in_k, softcap=self.softcap, head_dim=self.head_dim,
-            v_head_dim=self.v_head_dim, group=self.num_heads // self.num_kv_heads)
+            softcap=self.softcap, head_dim=self.head_dim, v_head_dim=self.v_head_dim)
         kv.invariant = kv.kernel_choice.kernel == "attend_rows"
         self.kv = kv
 

@@ -80,12 +80,11 @@ def q8_ok(device: torch.device, k: int, use_kernels: bool = True) -> bool:
 
 def choose_attention_kernel(*, invariant: bool, use_kernels: bool, device: torch.device,
                             k_dtype: torch.dtype, compute_dtype: torch.dtype, quantized: bool,
-                            v_in_k: bool, softcap: float | None, head_dim: int,
-                            v_head_dim: int, group: int) -> Choice:
+                            softcap: float | None, head_dim: int, v_head_dim: int) -> Choice:
     """attend_rows (kiln's batch-invariant attention, every row of a step) or PyTorch's
     paths. attend_rows runs under --batch-invariant for pools it reads in place: fp32/bf16 in
-    the compute dtype or fp16 under fp32, K and V apart, head dims multiples of 8 up to 256, up
-    to 16 query heads per KV head, no soft-capped scores."""
+    the compute dtype or fp16 under fp32, K and V apart or V inside K (MLA's latent row), head
+    dims multiples of 8 up to 576 (DeepSeek-V3's 512 + 64), no soft-capped scores."""
     if not invariant:
         return Choice("torch", ("not --batch-invariant: PyTorch's SDPA / matmuls",))
     kiln_no = _kiln_why_not(device, use_kernels)
@@ -94,12 +93,10 @@ def choose_attention_kernel(*, invariant: bool, use_kernels: bool, device: torch
     checks = [
         (kiln_no is None, kiln_no or ""),
         (not quantized, "an int8 pool"),
-        (not v_in_k, "values inside the keys (MLA)"),
         (softcap is None, "soft-capped scores"),
         (pool_ok, f"a {k_dtype} pool computed in {compute_dtype}"),
-        (head_dim % 8 == 0 and v_head_dim % 8 == 0 and max(head_dim, v_head_dim) <= 256,
+        (head_dim % 8 == 0 and v_head_dim % 8 == 0 and max(head_dim, v_head_dim) <= 576,
          f"head dims {head_dim}/{v_head_dim}"),
-        (group <= 16, f"{group} query heads per KV head"),
     ]
     for ok, why in checks:
         if not ok:

@@ -514,7 +514,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxGroup = 16;      // query heads of one KV head per work item, at most
+constexpr int64_t kMaxHeadDim = 576;   // DeepSeek-V3's MLA latent row: 512 + 64
 constexpr int kScoreKeys = 4;     // keys per score kernel call
 constexpr int kHeadChunk = 3;     // query heads per score / PV kernel call (12 accumulators)
 constexpr int64_t kVBlock = 64;   // keys per PV block: 64 value rows of one head stay in L1
@@ -630,7 +631,10 @@ template <typename T>
 void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* table,
                      const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
                      int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale,
-                     int nt) {
+                     int nt, int64_t vrow = 0) {
+  // vrow: elements from one slot's values to the next (0: Hk * Dv, a pool of its own; MLA's
+  // values are the first Dv columns of the latent keys: vrow = D)
+  if (vrow == 0) vrow = Hk * Dv;
   const int64_t group = Hq / Hk;
   // Work items: a tile of up to `rows_per_tile` consecutive rows of one table row (a prefill
   // chunk's rows share their keys), one KV head, and a part of its query heads. Fewer items
@@ -646,7 +650,8 @@ void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* tabl
       tiles.push_back(t);
   const int64_t ntiles = static_cast<int64_t>(tiles.size());
   tiles.push_back(Tn);
-  int64_t parts = 1;
+  // at most kMaxGroup query heads an item (MLA: all of a layer's heads share one KV head)
+  int64_t parts = (group + kMaxGroup - 1) / kMaxGroup;
   while (parts < group && ntiles * Hk * parts < nt) ++parts;
   const __m128 scale4 = _mm_set1_ps(scale);
   // scores, then weights, of the tile's (row, head) pairs: [rows_per_tile * group][L + 8]
@@ -691,7 +696,7 @@ void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* tabl
     // PV: blocks of kVBlock keys; each row's chains run to its own n.
     for (int64_t jb = 0; jb < nmax; jb += kVBlock) {
       const int64_t je = std::min(jb + kVBlock, nmax);
-      for (int64_t j = jb; j < je; ++j) vp[j - jb] = v + (slots[j] * Hk + kh) * Dv;
+      for (int64_t j = jb; j < je; ++j) vp[j - jb] = v + slots[j] * vrow + kh * Dv;
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t n = lens[t0 + r];
         if (jb >= n) continue;
@@ -721,10 +726,11 @@ void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* tabl
 template <typename T>
 void attend_rows_impl(const float* q, const T* k, const T* v, const int64_t* table,
                       const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
-                      int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale) {
+                      int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, int64_t L, float scale,
+                      int64_t vrow) {
   const int nt = threads();
 #pragma omp parallel num_threads(nt)
-  attend_rows_omp(q, k, v, table, row_of, lens, out, Tn, Hq, Hk, D, Dv, L, scale, nt);
+  attend_rows_omp(q, k, v, table, row_of, lens, out, Tn, Hq, Hk, D, Dv, L, scale, nt, vrow);
 }
 // q8_linear: y = x @ (q * scale)^T for an int8 weight q [N, K] (row-major, as Int8Linear keeps
 // it) with one scale per output row, x fp32: the int8 head (--batch-invariant). Each output
@@ -802,16 +808,19 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
                        double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_rows: q must be fp32 [T, Hq, D]");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
-                  k.scalar_type() == v.scalar_type() &&
+  // v: a pool of its own, or (MLA) a view of k's first Dv columns: each slot's heads
+  // contiguous, slots at v.stride(0)
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.stride(2) == 1 &&
+                  (v.size(1) == 1 || v.stride(1) == v.size(2)) && v.size(0) == k.size(0) &&
+                  v.size(1) == k.size(1) && k.scalar_type() == v.scalar_type() &&
                   (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16 ||
                    k.scalar_type() == at::kHalf),
-              "attend_rows: k, v must be contiguous fp32/bf16/fp16 [S, Hk, D]");
+              "attend_rows: k must be contiguous fp32/bf16/fp16 [S, Hk, D], v [S, Hk, Dv] with "
+              "each slot's heads contiguous");
   const int64_t Tn = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1), Dv = v.size(2);
-  TORCH_CHECK(k.size(2) == D && D % 8 == 0 && Dv % 8 == 0 && Hq % Hk == 0 && D <= 256 &&
-                  Dv <= 256 && Hq / Hk <= 16,
-              "attend_rows: head dims must match, be multiples of 8 and at most 256; at most 16 "
-              "query heads per KV head");
+  TORCH_CHECK(k.size(2) == D && D % 8 == 0 && Dv % 8 == 0 && Hq % Hk == 0 &&
+                  D <= kMaxHeadDim && Dv <= kMaxHeadDim,
+              "attend_rows: head dims must match, be multiples of 8 and at most ", kMaxHeadDim);
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && row_of.numel() == Tn &&
                   lens.numel() == Tn,
               "attend_rows: table [R, L] int64, row_of and lens [T] int64");
@@ -825,7 +834,8 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t* rp = rt.row_of.data_ptr<int64_t>();
   auto run = [&](const auto* kp, const auto* vp) {
     attend_rows_impl(qc.data_ptr<float>(), kp, vp, tc.data_ptr<int64_t>(), rp, lp,
-                     out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L, static_cast<float>(scale));
+                     out.data_ptr<float>(), Tn, Hq, Hk, D, Dv, L, static_cast<float>(scale),
+                     v.stride(0));
   };
   if (k.scalar_type() == at::kFloat)
     run(k.data_ptr<float>(), v.data_ptr<float>());
