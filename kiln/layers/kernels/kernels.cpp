@@ -1191,6 +1191,54 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
   return bias.has_value() ? y + *bias : y;
 }
 
+// The attention half of the one-region layers (decode_layer_q4, moe_layer_q4), whose qkv and o
+// linears are q4 tiles: x1 = x + o(attend(rope(qk_norms(qkv(rms_norm(x)))))), the step's K/V
+// written to the pools; `run` is called by every thread of the caller's parallel region (the
+// stages separated by the implicit barriers of their `omp for` loops). The functions and their
+// order are the eager layer's (rms_row, q4 tiles with the bias, rms_row per q/k head, rope_row,
+// attend_rows, the o tiles with the bias and the residual): the same bits.
+template <typename KT>
+struct AttnQ4 {
+  const float *x, *ln1, *cos, *sin;
+  const float *qn = nullptr, *kn = nullptr;  // Qwen3's q/k norm weights [D], or none
+  float eps, qk_eps, scale;
+  const uint8_t *wqkv, *wo;
+  int64_t qkv_tiles, qkv_tile_bytes, o_tiles, o_tile_bytes;
+  const float *bqkv, *bo;
+  KT *k, *v;
+  const int64_t *slots, *table, *row_of, *lens, *rows;
+  int64_t T, H, Hq, Hk, D, L;
+  float *h, *qkv, *qb, *ctx, *x1;  // workspace rows: [T, H], [T, W], [T, Hq D] x 2, [T, H]
+  QRows *xh, *xc;
+
+  void run(int nt) const {
+    const int64_t W = (Hq + 2 * Hk) * D;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      rms_row(x + t * H, ln1, eps, H, h + t * H);
+      xh->quantize(t, h + t * H);
+    }
+    q4_tiles_omp(wqkv, qkv_tile_bytes, qkv_tiles, *xh, rows, T, W, qkv, bqkv, nullptr);
+    if (qn != nullptr) {
+      // each q and k head of each row one rms_row, in place (qk_norm_rows' calls)
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < T * (Hq + Hk); ++r) {
+        const int64_t t = r / (Hq + Hk), hh = r % (Hq + Hk);
+        float* head = qkv + t * W + hh * D;
+        rms_row(head, hh < Hq ? qn : kn, qk_eps, D, head);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      rope_row(qkv + t * W, cos + t * D, sin + t * D, Hq, Hk, D, qb + t * Hq * D,
+               k + slots[t] * Hk * D, v + slots[t] * Hk * D);
+    attend_rows_omp(qb, static_cast<const KT*>(k), static_cast<const KT*>(v), table, row_of,
+                    lens, ctx, T, Hq, Hk, D, D, L, scale, nt);
+    quantize_rows_omp(static_cast<const float*>(ctx), T, Hq * D, *xc);
+    q4_tiles_omp(wo, o_tile_bytes, o_tiles, *xc, rows, T, H, x1, bo, x);
+  }
+};
+
 // decode_layer when its four linears are kiln's q4 tiles and no LoRA adapter runs: the same
 // kernels in the same order (so the same bits), in ONE parallel region, the stages separated by
 // the implicit barriers of their `omp for` loops instead of a region, an allocation and a
@@ -1274,24 +1322,15 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   const uint8_t* wp[4];
   for (int i = 0; i < 4; ++i) wp[i] = w[i].data_ptr<uint8_t>();
   const int nt = threads();
+  const AttnQ4<KT> attn{xp, l1.data_ptr<float>(), cp, snp, nullptr, nullptr, e, 0.0f,
+                        static_cast<float>(scale), wp[0], wp[1], w[0].size(0), tiles(0),
+                        w[1].size(0), tiles(1), bias[0], bias[1], kp, vp, sp,
+                        rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
+                        rt.lens.data_ptr<int64_t>(), rows.data(), T, H, Hq, Hk, D, rt.L, h, qkv,
+                        qb, ctx, x1, &xh, &xc2};
 #pragma omp parallel num_threads(nt)
   {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      rms_row(xp + t * H, l1.data_ptr<float>(), e, H, h + t * H);
-      xh.quantize(t, h + t * H);
-    }
-    q4_tiles_omp(wp[0], tiles(0), w[0].size(0), xh, rows.data(), T, W, qkv, bias[0], nullptr);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-      rope_row(qkv + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qb + t * Hq * D,
-               kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
-    attend_rows_omp(qb, static_cast<const KT*>(kp), static_cast<const KT*>(vp),
-                    rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
-                    rt.lens.data_ptr<int64_t>(), ctx, T, Hq, Hk, D, D, rt.L,
-                    static_cast<float>(scale), nt);
-    quantize_rows_omp(static_cast<const float*>(ctx), T, Hq * D, xc2);
-    q4_tiles_omp(wp[1], tiles(1), w[1].size(0), xc2, rows.data(), T, H, x1, bias[1], xp);
+    attn.run(nt);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h + t * H);
@@ -1508,33 +1547,16 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
   const int nt = threads();
   MoePlan pl;
   std::exception_ptr error;
+  const AttnQ4<KT> attn{xp, l1.data_ptr<float>(), cp, snp,
+                        qn.defined() ? qn.data_ptr<float>() : nullptr,
+                        kn.defined() ? kn.data_ptr<float>() : nullptr, e, qe,
+                        static_cast<float>(scale), wp0, wp1, w[0].size(0), tiles0, w[1].size(0),
+                        tiles1, bias[0], bias[1], kp, vp, sp, rt.table.data_ptr<int64_t>(),
+                        rt.row_of.data_ptr<int64_t>(), rt.lens.data_ptr<int64_t>(), rows.data(),
+                        T, H, Hq, Hk, D, rt.L, h, qkv, qb, ctx, x1, &xh, &xc2};
 #pragma omp parallel num_threads(nt)
   {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      rms_row(xp + t * H, l1.data_ptr<float>(), e, H, h + t * H);
-      xh.quantize(t, h + t * H);
-    }
-    q4_tiles_omp(wp0, tiles0, w[0].size(0), xh, rows.data(), T, W, qkv, bias[0], nullptr);
-    if (qn.defined()) {
-      // Qwen3's q/k norms: each q and k head of each row one rms_row, in place
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < T * (Hq + Hk); ++r) {
-        const int64_t t = r / (Hq + Hk), hh = r % (Hq + Hk);
-        float* head = qkv + t * W + hh * D;
-        rms_row(head, (hh < Hq ? qn : kn).data_ptr<float>(), qe, D, head);
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-      rope_row(qkv + t * W, cp + t * D, snp + t * D, Hq, Hk, D, qb + t * Hq * D,
-               kp + sp[t] * Hk * D, vp + sp[t] * Hk * D);
-    attend_rows_omp(qb, static_cast<const KT*>(kp), static_cast<const KT*>(vp),
-                    rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
-                    rt.lens.data_ptr<int64_t>(), ctx, T, Hq, Hk, D, D, rt.L,
-                    static_cast<float>(scale), nt);
-    quantize_rows_omp(static_cast<const float*>(ctx), T, Hq * D, xc2);
-    q4_tiles_omp(wp1, tiles1, w[1].size(0), xc2, rows.data(), T, H, x1, bias[1], xp);
+    attn.run(nt);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h2 + t * H);
