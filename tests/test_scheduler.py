@@ -86,15 +86,13 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-def test_budget_and_max_num_seqs_hold_under_random_load_and_every_request_completes():
-    rng = random.Random(0)
-    s = make_sched(num_blocks=48, budget=24, max_seqs=4)
+def run_random_arrivals(s: Scheduler, rng: random.Random, n: int) -> Driver:
+    """n requests of random prompts and lengths, 0-2 arriving before each step, driven until
+    all finish; every one must end at its length with its own tokens, and every block come
+    back. Returns the driver (its per-step records)."""
     d = Driver(s)
-    reqs = []
-    for i in range(30):
-        r = make_req(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))],
-                     max_tokens=rng.randrange(1, 12))
-        reqs.append(r)
+    reqs = [make_req(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))],
+                     max_tokens=rng.randrange(1, 12)) for i in range(n)]
     pending = list(reqs)
     while pending or s.has_work:
         for _ in range(rng.randrange(0, 3)):
@@ -106,6 +104,11 @@ def test_budget_and_max_num_seqs_hold_under_random_load_and_every_request_comple
         assert r.status is RequestStatus.FINISHED_LENGTH
         assert d.outputs[r.request_id] == expected_output(r.prompt_token_ids, r.max_tokens)
     assert s.kv.num_free_blocks == s.kv.num_blocks
+    return d
+
+
+def test_budget_and_max_num_seqs_hold_under_random_load_and_every_request_completes():
+    run_random_arrivals(make_sched(num_blocks=48, budget=24, max_seqs=4), random.Random(0), 30)
 
 
 def test_running_requests_are_scheduled_before_waiting_ones():

@@ -9,10 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_scheduler import BS, Driver, expected_output, make_req
+from test_scheduler import BS, Driver, expected_output, make_req, run_random_arrivals
 
 from kiln.engine.kv_cache import KVCacheManager
-from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig
 
 
@@ -33,22 +32,8 @@ KNOBS = [
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: ",".join(k))
 def test_every_request_completes_with_its_own_tokens_under_each_knob(knobs):
-    rng = random.Random(1)
-    s = sched(num_blocks=40, budget=24, max_seqs=4, **knobs)
-    d = Driver(s)
-    reqs = [make_req(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))],
-                     max_tokens=rng.randrange(1, 12)) for i in range(24)]
-    pending = list(reqs)
-    while pending or s.has_work:
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                s.add_request(pending.pop(0))
-        if s.has_work:
-            d.step()
-    for r in reqs:
-        assert r.status is RequestStatus.FINISHED_LENGTH
-        assert d.outputs[r.request_id] == expected_output(r.prompt_token_ids, r.max_tokens)
-    assert s.kv.num_free_blocks == s.kv.num_blocks
+    run_random_arrivals(sched(num_blocks=40, budget=24, max_seqs=4, **knobs), random.Random(1),
+                        24)
 
 
 def test_prefill_step_chunk_caps_each_requests_prompt_tokens_per_step():
