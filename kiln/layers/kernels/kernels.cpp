@@ -1241,6 +1241,93 @@ struct AttnQ4 {
   }
 };
 
+// The attention half's arguments, checked once for both one-region layers (`name`: the op's,
+// for the messages), the contiguous copies held here while the region runs; `bind` points an
+// AttnQ4 at the caller's workspace, whose first `floats()` are the half's rows.
+template <typename KT>
+struct AttnQ4Args {
+  at::Tensor xc, cc, sc, l1, sl, qn, kn;
+  RowTable rt;
+  const int64_t* sp;
+  const float* bias[2];
+  int64_t T, H, Hq, Hk, D, W;
+  std::vector<int64_t> rows;
+
+  AttnQ4Args(const char* name, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+             const at::Tensor& ln1, at::TensorList w, at::IntArrayRef n,
+             const c10::List<std::optional<at::Tensor>>& biases,
+             const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+             const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+             const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens,
+             int64_t num_heads)
+      : rt(table, row_of, lens), T(x.size(0)), H(x.size(1)), Hq(num_heads) {
+    TORCH_CHECK(kernel_pool(k, v) && k.scalar_type() == c10::CppTypeToScalarType<KT>::value,
+                name, ": pools must be contiguous fp32 or fp16 [S, Hk, D], K and V alike");
+    Hk = k.size(1);
+    D = k.size(2);
+    W = (Hq + 2 * Hk) * D;
+    for (int i = 0; i < 2; ++i) check_packed(name, w[i], 3);
+    TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hk == 0 && Hq / Hk <= 16 && H % 32 == 0 &&
+                    n[0] == W && w[0].size(1) * kGroup == H && n[1] == H &&
+                    w[1].size(1) * kGroup == Hq * D,
+                name, ": the attention's shapes do not make a layer of this x and pool");
+    for (int i = 0; i < 2; ++i)
+      TORCH_CHECK((w[i].size(0) - 1) * kTile < n[i] && w[i].size(0) * kTile >= n[i], name,
+                  ": packed weight ", i, " does not hold ", n[i], " rows");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                    cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
+                    slots.scalar_type() == at::kLong && ln1.numel() == H,
+                name, ": cos/sin fp32 [T, 1, D], slots int64 [T], norms [H]");
+    TORCH_CHECK(!q_norm.has_value() ||
+                    (q_norm->numel() == D && k_norm->numel() == D &&
+                     q_norm->scalar_type() == at::kFloat && k_norm->scalar_type() == at::kFloat),
+                name, ": q/k norms fp32 [D]");
+    for (int i = 0; i < 2; ++i) {
+      const auto b = biases.get(i);
+      TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() &&
+                                     b->numel() == n[i]),
+                  name, ": bias ", i, " must be contiguous fp32 [", n[i], "]");
+      bias[i] = b.has_value() ? b->data_ptr<float>() : nullptr;
+    }
+    xc = x.contiguous();
+    cc = cos.contiguous();
+    sc = sin.contiguous();
+    l1 = ln1.contiguous();
+    sl = slots.contiguous();
+    if (q_norm.has_value()) {
+      qn = q_norm->contiguous();
+      kn = k_norm->contiguous();
+    }
+    sp = checked_slots(sl, k.size(0));
+    TORCH_CHECK(rt.lens.numel() == T,
+                "attend_rows: table [R, L] int64, row_of and lens [T] int64");
+    rows.resize(T);
+    for (int64_t i = 0; i < T; ++i) rows[i] = i;
+  }
+
+  // h (the normed input), qkv, q, ctx, x1: [T, H], [T, W], [T, Hq D] x 2, [T, H]
+  int64_t floats() const { return T * (2 * H + W + 2 * Hq * D); }
+
+  AttnQ4<KT> bind(float* ws, QRows& xh, QRows& xc2, double eps, double qk_eps, double scale,
+                  at::TensorList w, at::Tensor& k, at::Tensor& v) const {
+    xh.resize(T, H);
+    xc2.resize(T, Hq * D);
+    float* qkv = ws + T * H;
+    float* qb = qkv + T * W;
+    float* ctx = qb + T * Hq * D;
+    float* x1 = ctx + T * Hq * D;
+    return {xc.data_ptr<float>(), l1.data_ptr<float>(), cc.data_ptr<float>(),
+            sc.data_ptr<float>(), qn.defined() ? qn.data_ptr<float>() : nullptr,
+            kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(eps),
+            static_cast<float>(qk_eps), static_cast<float>(scale), w[0].data_ptr<uint8_t>(),
+            w[1].data_ptr<uint8_t>(), w[0].size(0), w[0].size(1) * kBlockBytes, w[1].size(0),
+            w[1].size(1) * kBlockBytes, bias[0], bias[1], k.data_ptr<KT>(), v.data_ptr<KT>(), sp,
+            rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
+            rt.lens.data_ptr<int64_t>(), rows.data(), T, H, Hq, Hk, D, rt.L, ws, qkv, qb, ctx, x1,
+            &xh, &xc2};
+  }
+};
+
 // decode_layer when its four linears are kiln's q4 tiles and no LoRA adapter runs: the same
 // kernels in the same order (so the same bits), in ONE parallel region, the stages separated by
 // the implicit barriers of their `omp for` loops instead of a region, an allocation and a
@@ -1255,40 +1342,28 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
                            at::Tensor v, const at::Tensor& slots, const at::Tensor& table,
                            const at::Tensor& row_of, const at::Tensor& lens, int64_t num_heads,
                            double scale) {
-  const int64_t T = x.size(0), H = x.size(1), Hq = num_heads;
-  TORCH_CHECK(kernel_pool(k, v) && k.scalar_type() == c10::CppTypeToScalarType<KT>::value,
-              "decode_layer: pools must be contiguous fp32 or fp16 [S, Hk, D], K and V alike");
-  const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), W = (Hq + 2 * Hk) * D;
-  for (int i = 0; i < 4; ++i) check_packed("decode_layer", w[i], 3);
-  const int64_t I = n[2] / 2;
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hk == 0 && Hq / Hk <= 16 && H % 32 == 0 &&
-                  n[0] == W && w[0].size(1) * kGroup == H && n[1] == H &&
-                  w[1].size(1) * kGroup == Hq * D && n[2] % 64 == 0 &&
-                  w[2].size(1) * kGroup == H && n[3] == H && w[3].size(1) * kGroup == I,
-              "decode_layer: the linears' shapes do not make a Llama layer of this x and pool");
-  for (int i = 0; i < 4; ++i)
+  const AttnQ4Args<KT> args("decode_layer", x, cos, sin, ln1, w, n, biases, std::nullopt,
+                            std::nullopt, k, v, slots, table, row_of, lens, num_heads);
+  const int64_t T = args.T, H = args.H, I = n[2] / 2;
+  for (int i = 2; i < 4; ++i) check_packed("decode_layer", w[i], 3);
+  TORCH_CHECK(n[2] % 64 == 0 && w[2].size(1) * kGroup == H && n[3] == H &&
+                  w[3].size(1) * kGroup == I && ln2.numel() == H,
+              "decode_layer: the MLP's shapes do not make a Llama layer of this x");
+  for (int i = 2; i < 4; ++i)
     TORCH_CHECK((w[i].size(0) - 1) * kTile < n[i] && w[i].size(0) * kTile >= n[i],
                 "decode_layer: packed weight ", i, " does not hold ", n[i], " rows");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
-                  slots.scalar_type() == at::kLong && ln1.numel() == H && ln2.numel() == H,
-              "decode_layer: cos/sin fp32 [T, 1, D], slots int64 [T], norms [H]");
-  const float* bias[4];
-  for (int i = 0; i < 4; ++i) {
+  const float* bias[2];
+  for (int i = 2; i < 4; ++i) {
     const auto b = biases.get(i);
     TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() &&
                                    b->numel() == n[i]),
                 "decode_layer: bias ", i, " must be contiguous fp32 [", n[i], "]");
-    bias[i] = b.has_value() ? b->data_ptr<float>() : nullptr;
+    bias[i - 2] = b.has_value() ? b->data_ptr<float>() : nullptr;
   }
-  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  const auto l1 = ln1.contiguous(), l2 = ln2.contiguous(), sl = slots.contiguous();
-  const int64_t* sp = checked_slots(sl, S);
-  const RowTable rt(table, row_of, lens);
-  TORCH_CHECK(rt.lens.numel() == T, "attend_rows: table [R, L] int64, row_of and lens [T] int64");
-  auto out = at::empty({T, H}, xc.options());
+  const auto l2 = ln2.contiguous();
+  at::Tensor out = at::empty({T, H}, args.xc.options());
   if (T == 0) return out;
-  // The stages' rows: h (normed input, then the MLP's), qkv, q, ctx, x1, gu, a. One workspace
+  // The stages' rows: the attention half's (h, qkv, q, ctx, x1), then gu, a. One workspace
   // per calling thread, kept between calls: a 512-token prefill chunk's is ~16 MB, whose
   // zeroing or fresh pages per layer cost more than the layer's norms and adds (prefill 512 on
   // SmolLM2 ~8% slower with a new zeroed vector per call).
@@ -1297,39 +1372,21 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   static thread_local std::vector<float> ws;
   static thread_local QRows tl_xh, tl_xc, tl_xa;
   QRows& xh = tl_xh;
-  QRows& xc2 = tl_xc;
   QRows& xa = tl_xa;
-  const int64_t need = T * (2 * H + W + 2 * Hq * D + 3 * I);
+  const int64_t need = args.floats() + T * 3 * I;
   if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
-  float* h = ws.data();
-  float* qkv = h + T * H;
-  float* qb = qkv + T * W;
-  float* ctx = qb + T * Hq * D;
-  float* x1 = ctx + T * Hq * D;
-  float* gu = x1 + T * H;
+  const AttnQ4<KT> attn = args.bind(ws.data(), xh, tl_xc, eps, 0.0, scale, w, k, v);
+  float* h = attn.h;
+  float* x1 = attn.x1;
+  float* gu = ws.data() + args.floats();
   float* act = gu + T * 2 * I;
-  xh.resize(T, H);
-  xc2.resize(T, Hq * D);
   xa.resize(T, I);
-  std::vector<int64_t> rows(T);
-  for (int64_t i = 0; i < T; ++i) rows[i] = i;
-  const float* xp = xc.data_ptr<float>();
-  const float* cp = cc.data_ptr<float>();
-  const float* snp = sc.data_ptr<float>();
-  KT* kp = k.data_ptr<KT>();
-  KT* vp = v.data_ptr<KT>();
+  const int64_t* rows = args.rows.data();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  auto tiles = [&](int i) { return w[i].size(1) * kBlockBytes; };
-  const uint8_t* wp[4];
-  for (int i = 0; i < 4; ++i) wp[i] = w[i].data_ptr<uint8_t>();
+  const uint8_t* wp2 = w[2].data_ptr<uint8_t>();
+  const uint8_t* wp3 = w[3].data_ptr<uint8_t>();
   const int nt = threads();
-  const AttnQ4<KT> attn{xp, l1.data_ptr<float>(), cp, snp, nullptr, nullptr, e, 0.0f,
-                        static_cast<float>(scale), wp[0], wp[1], w[0].size(0), tiles(0),
-                        w[1].size(0), tiles(1), bias[0], bias[1], kp, vp, sp,
-                        rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
-                        rt.lens.data_ptr<int64_t>(), rows.data(), T, H, Hq, Hk, D, rt.L, h, qkv,
-                        qb, ctx, x1, &xh, &xc2};
 #pragma omp parallel num_threads(nt)
   {
     attn.run(nt);
@@ -1338,13 +1395,14 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
       rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h + t * H);
       xh.quantize(t, h + t * H);
     }
-    q4_tiles_omp(wp[2], tiles(2), w[2].size(0), xh, rows.data(), T, 2 * I, gu, bias[2], nullptr);
+    q4_tiles_omp(wp2, w[2].size(1) * kBlockBytes, w[2].size(0), xh, rows, T, 2 * I, gu, bias[0],
+                 nullptr);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       silu_row(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
       xa.quantize(t, act + t * I);
     }
-    q4_tiles_omp(wp[3], tiles(3), w[3].size(0), xa, rows.data(), T, H, op, bias[3], x1);
+    q4_tiles_omp(wp3, w[3].size(1) * kBlockBytes, w[3].size(0), xa, rows, T, H, op, bias[1], x1);
   }
   return out;
 }
@@ -1467,95 +1525,44 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
     const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row_of,
     const at::Tensor& lens, int64_t num_heads, double scale, const at::Tensor& router,
     int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2) {
-  const int64_t T = x.size(0), H = x.size(1), Hq = num_heads;
-  const int64_t S = k.size(0), Hk = k.size(1), D = k.size(2), W = (Hq + 2 * Hk) * D;
+  const AttnQ4Args<KT> args("moe_layer", x, cos, sin, ln1, w, n, biases, q_norm, k_norm, k, v,
+                            slots, table, row_of, lens, num_heads);
+  const int64_t T = args.T, H = args.H;
   const int64_t E = w13.size(0), I = w13.size(1) * kTile / 2;
-  for (int i = 0; i < 2; ++i) check_packed("moe_layer", w[i], 3);
   check_packed("moe_layer (w13)", w13, 4);
   check_packed("moe_layer (w2)", w2, 4);
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hk == 0 && Hq / Hk <= 16 && H % 32 == 0 &&
-                  n[0] == W && w[0].size(1) * kGroup == H && n[1] == H &&
-                  w[1].size(1) * kGroup == Hq * D && w13.size(2) * kGroup == H &&
-                  w2.size(0) == E && w2.size(1) * kTile == H && w2.size(2) * kGroup == I &&
-                  I % kTile == 0 && router.dim() == 2 && router.size(0) == E &&
-                  router.size(1) == H && router.scalar_type() == at::kFloat,
-              "moe_layer: the weights' shapes do not make a MoE layer of this x and pool");
-  for (int i = 0; i < 2; ++i)
-    TORCH_CHECK((w[i].size(0) - 1) * kTile < n[i] && w[i].size(0) * kTile >= n[i],
-                "moe_layer: packed weight ", i, " does not hold ", n[i], " rows");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.numel() == T * D && sin.numel() == T * D && slots.numel() == T &&
-                  slots.scalar_type() == at::kLong && ln1.numel() == H && ln2.numel() == H,
-              "moe_layer: cos/sin fp32 [T, 1, D], slots int64 [T], norms [H]");
-  TORCH_CHECK(!q_norm.has_value() ||
-                  (q_norm->numel() == D && k_norm->numel() == D &&
-                   q_norm->scalar_type() == at::kFloat && k_norm->scalar_type() == at::kFloat),
-              "moe_layer: q/k norms fp32 [D]");
-  const float* bias[2];
-  for (int i = 0; i < 2; ++i) {
-    const auto b = biases.get(i);
-    TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() &&
-                                   b->numel() == n[i]),
-                "moe_layer: bias ", i, " must be contiguous fp32 [", n[i], "]");
-    bias[i] = b.has_value() ? b->data_ptr<float>() : nullptr;
-  }
-  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  const auto l1 = ln1.contiguous(), l2 = ln2.contiguous(), sl = slots.contiguous();
+  TORCH_CHECK(w13.size(2) * kGroup == H && w2.size(0) == E && w2.size(1) * kTile == H &&
+                  w2.size(2) * kGroup == I && I % kTile == 0 && router.dim() == 2 &&
+                  router.size(0) == E && router.size(1) == H &&
+                  router.scalar_type() == at::kFloat && ln2.numel() == H,
+              "moe_layer: the experts' and router's shapes do not make a MoE layer of this x");
+  const auto l2 = ln2.contiguous();
   const auto rc = router.contiguous();
-  const auto qn = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
-  const auto kn = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
-  const int64_t* sp = checked_slots(sl, S);
-  const RowTable rt(table, row_of, lens);
-  TORCH_CHECK(rt.lens.numel() == T, "attend_rows: table [R, L] int64, row_of and lens [T] int64");
-  auto out = at::empty({T, H}, xc.options());
-  auto logits = at::empty({T, E}, xc.options());
-  at::Tensor ids = at::empty({T, top_k}, xc.options().dtype(at::kLong));
+  at::Tensor out = at::empty({T, H}, args.xc.options());
+  at::Tensor logits = at::empty({T, E}, args.xc.options());
+  at::Tensor ids = at::empty({T, top_k}, args.xc.options().dtype(at::kLong));
   if (T == 0) return {out, ids};  // (else: topk's, below)
   // (one workspace per calling thread, kept between calls: see decode_layer_q4)
   static thread_local std::vector<float> ws;
   static thread_local QRows tl_xh, tl_xc, tl_xs, tl_hs;
-  QRows& xh = tl_xh;
-  QRows& xc2 = tl_xc;
   QRows& xs = tl_xs;
   QRows& hs = tl_hs;
-  const int64_t need = T * (2 * H + W + 2 * Hq * D + H) + T * top_k * (I + H);
+  const int64_t need = args.floats() + T * H + T * top_k * (I + H);
   if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
-  float* h = ws.data();
-  float* qkv = h + T * H;
-  float* qb = qkv + T * W;
-  float* ctx = qb + T * Hq * D;
-  float* x1 = ctx + T * Hq * D;
-  float* h2 = x1 + T * H;
+  const AttnQ4<KT> attn = args.bind(ws.data(), tl_xh, tl_xc, eps, qk_eps, scale, w, k, v);
+  float* x1 = attn.x1;
+  float* h2 = ws.data() + args.floats();
   float* eh = h2 + T * H;          // the experts' [pairs, I]
   float* eo = eh + T * top_k * I;  // and [pairs, H]
-  xh.resize(T, H);
-  xc2.resize(T, Hq * D);
   xs.resize(T, H);
-  std::vector<int64_t> rows(T);
-  for (int64_t i = 0; i < T; ++i) rows[i] = i;
-  const float* xp = xc.data_ptr<float>();
-  const float* cp = cc.data_ptr<float>();
-  const float* snp = sc.data_ptr<float>();
   const float* rp = rc.data_ptr<float>();
-  KT* kp = k.data_ptr<KT>();
-  KT* vp = v.data_ptr<KT>();
   float* op = out.data_ptr<float>();
   float* lp = logits.data_ptr<float>();
-  const float e = static_cast<float>(eps), qe = static_cast<float>(qk_eps);
-  const uint8_t* wp0 = w[0].data_ptr<uint8_t>();
-  const uint8_t* wp1 = w[1].data_ptr<uint8_t>();
-  const int64_t tiles0 = w[0].size(1) * kBlockBytes, tiles1 = w[1].size(1) * kBlockBytes;
+  const float e = static_cast<float>(eps);
   const MoeWeights mw(w13, w2);
   const int nt = threads();
   MoePlan pl;
   std::exception_ptr error;
-  const AttnQ4<KT> attn{xp, l1.data_ptr<float>(), cp, snp,
-                        qn.defined() ? qn.data_ptr<float>() : nullptr,
-                        kn.defined() ? kn.data_ptr<float>() : nullptr, e, qe,
-                        static_cast<float>(scale), wp0, wp1, w[0].size(0), tiles0, w[1].size(0),
-                        tiles1, bias[0], bias[1], kp, vp, sp, rt.table.data_ptr<int64_t>(),
-                        rt.row_of.data_ptr<int64_t>(), rt.lens.data_ptr<int64_t>(), rows.data(),
-                        T, H, Hq, Hk, D, rt.L, h, qkv, qb, ctx, x1, &xh, &xc2};
 #pragma omp parallel num_threads(nt)
   {
     attn.run(nt);
@@ -1573,11 +1580,11 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
 #pragma omp master
     {
       try {
-        const auto probs = at::softmax(logits, -1);
+        const at::Tensor probs = at::softmax(logits, -1);
         auto [wt, id] = at::topk(probs, top_k, -1);
         if (renormalize) wt = wt / wt.sum(-1, /*keepdim=*/true);
         ids = id.contiguous();
-        const auto wc = wt.contiguous();
+        const at::Tensor wc = wt.contiguous();
         pl = moe_plan(ids.data_ptr<int64_t>(), wc.data_ptr<float>(), T, top_k, E, I / kTile,
                       H / kTile, omp_get_num_threads());
         hs.resize(pl.Pv, I);
