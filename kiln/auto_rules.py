@@ -304,7 +304,7 @@ def auto_kind(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str]:
 
 
 def auto_lang(_: AutoContext, __: dict[str, Any]) -> tuple[Any, str]:
-    from kiln.messages import lang_from_locale
+    from kiln.i18n import lang_from_locale
 
     found = lang_from_locale()
     if found is None:

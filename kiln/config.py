@@ -48,7 +48,7 @@ from kiln.auto_rules import (
     auto_trust_remote_code,
 )
 from kiln.errors import ConfigError
-from kiln.messages import msg
+from kiln.i18n import msg
 from kiln.setting_values import (  # noqa: F401 - re-exported: modules import them from here
     fraction,
     lora_module,
@@ -586,7 +586,7 @@ SETTINGS: list[Setting] = [
     # -- observability
     Setting("log_level", str, "info", "log verbosity", ("--log-level",),
             choices=("debug", "info", "warning", "error"), affects="observability"),
-    # The CLI reads --lang / KILN_LANG / the locale before this table resolves (kiln/messages.py
+    # The CLI reads --lang / KILN_LANG / the locale before this table resolves (kiln/i18n/
     # says why); the row gives the choice provenance and lets the config file set it.
     Setting("lang", str, "auto",
             "language of kiln's messages: en or zh (auto: zh when the locale LC_ALL / "

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kiln.messages import english, msg
+from kiln.i18n import english, msg
 
 
 class KilnError(Exception):
     """Base class: `str(err)` is a message a user can act on, in the CLI's language when the
-    message and hint come from the catalogue (kiln/messages.py); `english()` is the same text for
+    message and hint come from the catalogue (kiln/i18n/); `english()` is the same text for
     what machines read (effective config, API error bodies)."""
 
     exit_code = 1

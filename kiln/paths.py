@@ -32,7 +32,7 @@ def check_cache_dir_writable() -> None:
     """Startup's check that kiln's cache folder can be created and written, so an unwritable one
     is one line naming it and the fix, not an error from whichever cache writes first."""
     from kiln.errors import ConfigError
-    from kiln.messages import msg
+    from kiln.i18n import msg
 
     root = cache_dir()
     probe = root / f".write-test-{os.getpid()}"

@@ -20,9 +20,9 @@ from kiln import config as C
 from kiln import setting_sources as S
 from kiln import startup_report
 from kiln.errors import KilnError, ModelNotFoundError
+from kiln.i18n import english, msg, set_lang
 from kiln.kinds import AUDIO_FORMATS
 from kiln.layers.kernels import isa as kernel_isa
-from kiln.messages import english, msg, set_lang
 from kiln.paths import check_cache_dir_writable
 from kiln.resolve import parallel, speculative
 from kiln.startup_plan import StartupPlan

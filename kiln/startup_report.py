@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln import config as C
 from kiln.errors import KilnError
-from kiln.messages import english, msg
+from kiln.i18n import english, msg
 
 if TYPE_CHECKING:
     from kiln.startup_plan import StartupPlan

@@ -21,7 +21,7 @@ from typing import Any
 
 from kiln.backends.table import EngineCommand, EngineHelp, LaunchPlan, get_backend
 from kiln.errors import EngineNotFoundError
-from kiln.messages import join, msg
+from kiln.i18n import join, msg
 from kiln.paths import cache_dir
 
 

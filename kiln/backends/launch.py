@@ -17,7 +17,7 @@ from typing import Any
 
 from kiln.backends.table import LaunchPlan, get_backend
 from kiln.errors import EngineNotFoundError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 
 def choose_engine(requested: str, tp: int, pp: int, nnodes: int,

@@ -18,7 +18,7 @@ from kiln.backends.discovery import check_plan, find_engine, probe_engine
 from kiln.backends.table import BackendModel, EngineCommand, EngineHelp, LaunchPlan
 from kiln.config import BY_NAME, SETTINGS, ResolvedSettings
 from kiln.errors import ConfigError, EngineNotFoundError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 
 def _fires(row: T.Map, ctx: T.PlanContext, name: str) -> bool:

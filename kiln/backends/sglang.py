@@ -16,7 +16,7 @@ from typing import Any
 from kiln.backends import table as T
 from kiln.backends.discovery import is_python, python_with_module
 from kiln.backends.table import Arg, Backend, EngineCommand, Map, Out, PlanContext, Untranslatable
-from kiln.messages import msg
+from kiln.i18n import msg
 
 MODULE = "sglang.launch_server"
 

@@ -25,7 +25,7 @@ from kiln.backends.table import (
     PlanContext,
     Untranslatable,
 )
-from kiln.messages import msg
+from kiln.i18n import msg
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 

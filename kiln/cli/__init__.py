@@ -36,7 +36,7 @@ def unknown_args_error(parser: argparse.ArgumentParser, extra: list[str],
     the nearest flag the command has for the first unknown option."""
     import difflib
 
-    from kiln.messages import msg
+    from kiln.i18n import msg
 
     flags = [o for a in parser._actions for o in a.option_strings]
     first = next((x.split("=", 1)[0] for x in extra if x.startswith("-")), None)

@@ -15,7 +15,7 @@ from kiln import config as C
 from kiln import setting_sources as S
 from kiln.cli import add_lang_flag
 from kiln.errors import KilnError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 
 def add_parser(subparsers: Any) -> None:

@@ -1,6 +1,6 @@
 """`kiln doctor`: what this machine can run, and what to fix. One OK/WARN line per check.
 
-Details and fixes are in the CLI's language (kiln/messages.py); --json carries them in English.
+Details and fixes are in the CLI's language (kiln/i18n/); --json carries them in English.
 Check names and OK/WARN stay as they are: scripts grep for them."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
 from kiln.errors import KilnError
-from kiln.messages import english, join, msg
+from kiln.i18n import english, join, msg
 
 OPTIONAL_ENGINES: tuple[str, ...] = ("vllm", "sglang")
 _GIB = 1024**3

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from kiln import __version__
-from kiln.messages import detect_lang, set_lang
+from kiln.i18n import detect_lang, set_lang
 
 
 class KilnParser(argparse.ArgumentParser):

@@ -70,7 +70,7 @@ def status(rec: ServerRecord) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     from kiln import pidfile
-    from kiln.messages import msg
+    from kiln.i18n import msg
 
     rows = [status(r) for r in pidfile.running()]
     if args.json:

@@ -9,7 +9,8 @@ from typing import Any
 
 from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
 from kiln.errors import KilnError
-from kiln.messages import CATALOGUE, msg
+from kiln.i18n import msg
+from kiln.i18n.catalogue import CATALOGUE
 
 
 def add_parser(subparsers: Any) -> None:

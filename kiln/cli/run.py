@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from kiln import startup, startup_report
-from kiln.messages import msg
+from kiln.i18n import msg
 
 
 def add_parser(subparsers: Any) -> None:

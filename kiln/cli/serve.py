@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import pidfile, startup, startup_report
-from kiln.messages import english, msg
+from kiln.i18n import english, msg
 from kiln.resolve import parallel
 
 log = logging.getLogger("kiln.serve")

@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from kiln import pidfile
-    from kiln.messages import msg
+    from kiln.i18n import msg
 
     servers = pidfile.running()
     target = args.target

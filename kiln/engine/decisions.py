@@ -18,7 +18,7 @@ from kiln.config import EngineConfig
 from kiln.engine.compile import decode_buckets
 from kiln.engine.memory import KV_DTYPES, gib
 from kiln.errors import ConfigError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 log = logging.getLogger("kiln.runner")
 

@@ -27,8 +27,8 @@ import torch
 
 from kiln.config import EngineConfig, GiB
 from kiln.errors import MemoryFitError
+from kiln.i18n import msg
 from kiln.layers.attention import INT8_SCALE_BYTES
-from kiln.messages import msg
 from kiln.models.config import ModelConfig
 from kiln.paths import cache_dir
 from kiln.resolve import hardware

@@ -31,6 +31,7 @@ from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.engine.spec import sample_with_drafts
 from kiln.errors import ConfigError, DeviceError
+from kiln.i18n import msg
 from kiln.layers.attention import (
     INT8_SCALE_DTYPE,
     AttentionMetadata,
@@ -38,7 +39,6 @@ from kiln.layers.attention import (
     PrefillChunk,
     set_context,
 )
-from kiln.messages import msg
 from kiln.models.llama import DECODE_KERNEL_ANY_ROWS, kernel_layer_call
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 from kiln.obs.trace import stage

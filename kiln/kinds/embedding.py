@@ -237,7 +237,7 @@ def build_embedder(ckpt: Any, *, pooling_mode: str | None, dtype: str, device: s
               "float16": torch.float16}[dtype]
     dev = torch.device(device)
     if cfg.is_encoder:
-        from kiln.models.registry import model_class
+        from kiln.models.architectures import model_class
 
         model = model_class(cfg.architecture)(cfg)
         model.load_checkpoint_tensors(iter_tensors(ckpt))

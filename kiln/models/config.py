@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import ModelLoadError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 # HF architectures kiln's engine runs, and the knobs that distinguish them.
 ARCHITECTURES = {

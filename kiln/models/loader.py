@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.i18n import msg
 from kiln.layers.kquant import EMBED_TYPES, KQUANT_TYPES, BlockEmbedding, GGUFBlocks
 from kiln.layers.linear import TiedLMHead
 from kiln.layers.moe import Experts
 from kiln.layers.quant import GroupQuant
-from kiln.messages import msg
 from kiln.models.config import ModelConfig
 from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
 
@@ -352,7 +352,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     packed for oneDNN (`kiln.layers.linear.pack_linears`). With `gguf_kernels` (and kiln's
     GGUF-block kernels built here), Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices are not
     re-quantized: they stay the file's blocks (`kiln.layers.kquant.KQuantLinear`)."""
-    from kiln.models.registry import model_class
+    from kiln.models.architectures import model_class
 
     cls = model_class(ckpt.config.architecture)
     with torch.device("meta"):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.errors import KilnError, ModelNotFoundError
-from kiln.messages import msg
+from kiln.i18n import msg
 from kiln.resolve.hf_cache import cached_snapshot, hf_cache_dir
 from kiln.resolve.local import ModelSource, not_found, source_from_dir
 from kiln.resolve.picker import glob_escape, group_gguf, pick_gguf_group, safetensors_names

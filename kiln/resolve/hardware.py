@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import DeviceError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 # Flags that change which kernels or dtypes are worth using. x86 names come from /proc/cpuinfo
 # "flags"; the ARM ones ("asimd", "sve", "bf16") from its "Features" line.

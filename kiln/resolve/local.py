@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError, ModelLoadError, ModelNotFoundError
+from kiln.i18n import msg
 from kiln.kinds import audio_format, piper_voice
-from kiln.messages import msg
 from kiln.paths import cache_dir
 from kiln.resolve.hf_cache import cached_repos
 from kiln.resolve.picker import (

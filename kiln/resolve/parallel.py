@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln import config as C
+from kiln.i18n import msg
 from kiln.layers.kernels.flags import AMX_FLAGS, flags_amx
-from kiln.messages import msg
 
 
 def plan_expert_placement(sp: Any) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ModelNotFoundError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 # GGUF quant tags preferred when a repo holds several and the user named none.
 _PREFERRED_QUANTS: tuple[str, ...] = ("Q4_K_M", "Q4_0", "Q8_0")

@@ -13,7 +13,7 @@ from typing import Any
 
 from kiln.config import BY_NAME
 from kiln.errors import ConfigError
-from kiln.messages import msg
+from kiln.i18n import msg
 from kiln.resolve.hardware import HardwareInfo
 from kiln.resolve.registry import RegistryEntry, gpu_experts_per_layer
 

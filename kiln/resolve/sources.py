@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ModelNotFoundError
+from kiln.i18n import msg
 from kiln.kinds import audio_format
-from kiln.messages import msg
 from kiln.resolve.download import download_model
 from kiln.resolve.hf_cache import cached_snapshot, hf_cache_dir
 from kiln.resolve.local import (

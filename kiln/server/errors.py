@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kiln.errors import KilnError
-from kiln.messages import english
+from kiln.i18n import english
 from kiln.sampling_params import SamplingParamsError
 from kiln.server.protocol import ErrorInfo, ErrorResponse
 from kiln.tokenizer import TokenizerError

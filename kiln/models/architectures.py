@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from kiln.errors import ModelLoadError
-from kiln.messages import msg
+from kiln.i18n import msg
 
 _MODELS = {
     "LlamaForCausalLM": ("kiln.models.llama", "LlamaForCausalLM"),
