@@ -15,13 +15,13 @@ from kiln.server import reasoning_parsers, tool_parsers
 from kiln.server.chat_output import ChatFormat, ChoiceParser, plan_tools, required_schema
 from kiln.server.protocol import ChatCompletionRequest, DeltaMessage, DeltaToolCall
 from kiln.server.reasoning_parsers import DeepSeekR1Parser, Qwen3Parser
+from kiln.server.tool_call_stream import ToolCallStream
 from kiln.server.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     NamedParser,
     RequiredParser,
-    ToolCallStream,
     ToolParser,
 )
 

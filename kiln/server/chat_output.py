@@ -18,13 +18,8 @@ from kiln.sampling_params import StructuredOutputsParams
 from kiln.server import reasoning_parsers, tool_parsers
 from kiln.server.reasoning_parsers import Reasoned, ReasoningParser
 from kiln.server.request_params import strict_schema
-from kiln.server.tool_parsers import (
-    NamedParser,
-    RequiredParser,
-    SpecialId,
-    ToolCallStream,
-    ToolParser,
-)
+from kiln.server.tool_call_stream import ToolCallStream
+from kiln.server.tool_parsers import NamedParser, RequiredParser, SpecialId, ToolParser
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from kiln.server.serving import (
     clamp_logprob,
     prompt_logprobs_json,
 )
-from kiln.server.tool_parsers import ToolCallStream
+from kiln.server.tool_call_stream import ToolCallStream
 from kiln.tokenizer import Tokenizer
 
 
