@@ -32,9 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln.config import EngineConfig
 from kiln.engine.engine import Engine
 from kiln.engine.model_runner import ModelRunner
+from kiln.engine_config import EngineConfig
 from kiln.models.loader import open_checkpoint
 from kiln.sampling_params import SamplingParams
 

@@ -382,8 +382,8 @@ def fit_routers(path: Path, ids: list[int], seed: int, logit_std: float,
     each layer is fitted to the inputs that the already fitted layers below it produce."""
     import torch
 
-    from kiln.config import EngineConfig
     from kiln.engine.model_runner import ModelRunner
+    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
 
     cfg = EngineConfig(model=str(path), dtype="float32", compile=False,
@@ -465,8 +465,8 @@ def routing_report(path: Path, tokenizer: Any) -> list[LayerRouting]:
     import torch
 
     from kiln.bench.workloads import make_text
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
 
     prose = _text_ids(tokenizer, REPORT_TOKENS)

@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
     from kiln.engine.model_runner import ModelRunner
+    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
     from kiln.resolve.sources import default_model_path
     from kiln.sampling_params import SamplingParams

@@ -1,28 +1,24 @@
-"""One table of settings, and their resolution with provenance.
+"""One table of settings: every setting kiln knows, declared once.
 
-Every setting kiln knows is declared once in `SETTINGS`: its name, parser, default or auto rule,
-CLI flag(s) (vLLM's spelling first where vLLM has the same knob), env var `KILN_<NAME>`, config-file
-key (the name), and what it affects. The CLI flags, `--dry-run`, the effective-config JSON and the
-decision trace are all generated from this table, so they cannot disagree.
-
-Resolution order, highest first:
-
-    cli > env > file > preset > registry (model defaults) > auto > default
-
-Each resolved value keeps its source, the reason an auto rule gave, and every candidate seen.
+Each row of `SETTINGS` gives a setting's name, parser, default or auto rule (kiln/auto_rules.py),
+CLI flag(s) (vLLM's spelling first where vLLM has the same knob), env var `KILN_<NAME>`,
+config-file key (the name), what it affects and which engines honour it. The CLI flags,
+`--dry-run`, the effective-config JSON, the decision trace and docs/flags.md are all generated
+from this table, so they cannot disagree. This module is the table (and the one parser that reads
+it, `--models`); resolving it with provenance is kiln/setting_resolve.py, the engine's frozen view
+kiln/engine_config.py. It stays one declarative table past 600 lines: tests/test_settings_table.py
+keeps its rows consistent (names, flags and env vars unique, defaults parse and are among the
+choices), and tests/test_docs.py keeps docs/flags.md what the table generates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kiln.auto_rules import (
-    AutoContext,
     AutoRule,
-    GiB,  # noqa: F401 - re-exported: the unit kiln's modules size memory in
     auto_batched_tokens,
     auto_cpu_isa,
     auto_cpu_offload_experts,
@@ -48,10 +44,8 @@ from kiln.auto_rules import (
     auto_trust_remote_code,
 )
 from kiln.errors import ConfigError
-from kiln.i18n import msg
-from kiln.setting_values import (  # noqa: F401 - re-exported: modules import them from here
+from kiln.setting_values import (
     fraction,
-    lora_module,
     non_negative_int,
     parse_bool,
     parse_bytes,
@@ -68,10 +62,6 @@ from kiln.setting_values import (  # noqa: F401 - re-exported: modules import th
     positive_int_or_auto,
     positive_wait_ms,
 )
-
-# "engine": decided while loading (the KV pool lowered the context, the layer kernel left nothing
-# to compile), written back over the resolved value so the record tells what actually runs.
-SOURCES = ("cli", "env", "file", "preset", "registry", "auto", "default", "engine")
 
 # --------------------------------------------------------------------------- parsers that read the table
 
@@ -668,223 +658,3 @@ def setting(name: str) -> Setting:
         return BY_NAME[name]
     except KeyError:
         raise ConfigError(f"unknown setting {name!r}") from None
-
-
-# --------------------------------------------------------------------------- resolution
-
-
-@dataclass
-class Candidate:
-    source: str
-    value: Any
-    detail: str = ""  # which flag, env var, file, preset or registry entry
-
-
-@dataclass
-class Resolved:
-    name: str
-    value: Any
-    source: str
-    affects: str
-    reason: str = ""
-    candidates: list[Candidate] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "source": self.source, "affects": self.affects,
-                "reason": self.reason}
-
-
-@dataclass
-class ResolvedSettings:
-    values: dict[str, Resolved]
-    warnings: list[str] = field(default_factory=list)
-
-    def __getitem__(self, name: str) -> Any:
-        return self.values[name].value
-
-    def get(self, name: str, default: Any = None) -> Any:
-        r = self.values.get(name)
-        return default if r is None else r.value
-
-    def source(self, name: str) -> str:
-        return self.values[name].source
-
-    def override(self, name: str, value: Any, reason: str, source: str = "auto") -> None:
-        """A later phase (memory fit, say) changes a value; the reason tells why."""
-        r = self.values[name]
-        r.candidates.append(Candidate(source, value, reason))
-        r.value, r.source, r.reason = value, source, reason
-
-    def as_dict(self) -> dict[str, Any]:
-        return {name: r.value for name, r in self.values.items()}
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: r.to_dict() for name, r in self.values.items()}
-
-    def trace(self) -> list[dict[str, Any]]:
-        return [
-            {"setting": r.name, "chosen": r.value, "source": r.source, "reason": r.reason,
-             "candidates": [asdict(c) for c in r.candidates]}
-            for r in self.values.values()
-        ]
-
-    def non_default(self) -> list[Resolved]:
-        return [r for r in self.values.values() if r.source != "default"]
-
-
-def _parse(s: Setting, raw: Any, where: str) -> Any:
-    try:
-        value = s.parse(raw) if raw is not None else None
-    except (ValueError, TypeError) as e:
-        flag = s.flags[0] if s.flags else s.name
-        raise ConfigError(msg("config.invalid_value", raw=repr(raw), flag=flag, where=where,
-                              error=e)) from None
-    if s.choices is not None and value not in s.choices:
-        raise ConfigError(
-            msg("config.invalid_choice", raw=repr(raw), flag=s.flags[0] if s.flags else s.name,
-                where=where),
-            hint=msg("config.choose_one", choices=", ".join(map(str, s.choices))),
-        )
-    return value
-
-
-def resolve_settings(
-    *,
-    cli: Mapping[str, tuple[Any, str]] | None = None,
-    env: Mapping[str, tuple[Any, str]] | None = None,
-    file: Mapping[str, Any] | None = None,
-    file_path: Path | None = None,
-    preset: Mapping[str, Any] | None = None,
-    preset_name: str | None = None,
-    registry: Mapping[str, Any] | None = None,
-    registry_name: str | None = None,
-    ctx: AutoContext | None = None,
-) -> ResolvedSettings:
-    """Walks the sources for every setting, highest first; auto rules run in table order, so a
-    rule may read the values of settings declared above it (dtype reads device), and which
-    settings a person set anywhere in the table (`ctx.explicit`, known before any rule runs)."""
-    explicit_names = {name for m in (cli or {}, env or {}, file or {}) for name, v in m.items()
-                      if not _is_auto(v[0] if isinstance(v, tuple) else v)}
-    ctx = replace(ctx or AutoContext(), explicit=explicit_names)
-    layers: list[tuple[str, Mapping[str, Any], Callable[[str], str]]] = [
-        ("cli", {k: v[0] for k, v in (cli or {}).items()}, lambda n: (cli or {})[n][1]),
-        ("env", {k: v[0] for k, v in (env or {}).items()}, lambda n: (env or {})[n][1]),
-        ("file", file or {}, lambda n: str(file_path or "config file")),
-        ("preset", preset or {}, lambda n: f"preset {preset_name}"),
-        ("registry", registry or {}, lambda n: f"registry entry {registry_name}"),
-    ]
-    values: dict[str, Resolved] = {}
-    chosen: dict[str, Any] = {}
-    for s in SETTINGS:
-        cands = [Candidate(src, _parse(s, m[s.name], f"{src} {det(s.name)}"), det(s.name))
-                 for src, m, det in layers if s.name in m]
-        explicit = next((c for c in cands if not _is_auto(c.value)), None)
-        if explicit is not None:
-            r = Resolved(s.name, explicit.value, explicit.source, s.affects,
-                         f"set by {explicit.detail}", cands)
-        elif s.auto is not None and (_is_auto(s.default) or any(c.value == "auto"
-                                                                 for c in cands)):
-            # An explicit "auto" runs the rule even where the default is a fixed value
-            # (--engine auto: the default is kiln).
-            value, reason = s.auto(ctx, chosen)
-            cands.append(Candidate("auto", value, reason))
-            r = Resolved(s.name, value, "auto", s.affects, reason, cands)
-        else:
-            cands.append(Candidate("default", s.default))
-            r = Resolved(s.name, s.default, "default", s.affects, "kiln's default", cands)
-        values[s.name] = r
-        chosen[s.name] = r.value
-    return ResolvedSettings(values)
-
-
-def _is_auto(value: Any) -> bool:
-    return value is None or value == "auto"
-
-
-# --------------------------------------------------------------------------- the engine's view
-
-
-def _table_default(name: str) -> Any:
-    return BY_NAME[name].default
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the engine needs, frozen. Built from resolved settings by `from_settings` (every
-    front-end does: kiln serve, kiln run, LLM, kiln bench --offline); tests build it directly.
-
-    Settings with a fixed default take it from the table. Those the table decides by an auto
-    rule (dtype, quantization, threads, batch limits, ...) have no single default; the values
-    here are the engine's plain fallback for direct construction: float32, unquantized, CPU
-    limits."""
-
-    model: str  # folder or .gguf path
-    gguf_file: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    quantization: str = "none"
-    dense_weights: bool = False  # keep bf16 copies of quantized weights for large steps
-    max_model_len: int | None = None  # None: the model's own limit (capped by memory)
-    max_model_len_explicit: bool = False  # the user asked for it: refuse rather than lower it
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    num_threads: int | None = None
-    block_size: int = _table_default("block_size")
-    kv_cache_dtype: str = _table_default("kv_cache_dtype")
-    gpu_memory_utilization: float = _table_default("gpu_memory_utilization")
-    cpu_memory_utilization: float = _table_default("cpu_memory_utilization")
-    kv_cache_memory: int | None = _table_default("kv_cache_memory")
-    kv_max_blocks: int | None = _table_default("kv_max_blocks")
-    enable_prefix_caching: bool = _table_default("enable_prefix_caching")
-    seed: int = _table_default("seed")
-    compile: bool = _table_default("compile")
-    cpu_kernels: bool = _table_default("cpu_kernels")
-    cpu_isa: str = _table_default("cpu_isa")
-    adaptive_threads: bool = _table_default("adaptive_threads")
-    gguf_kernels: bool = _table_default("gguf_kernels")
-    batch_invariant: bool = _table_default("batch_invariant")
-    prefix_rendezvous_max_wait_ms: int | None = _table_default("prefix_rendezvous_max_wait_ms")
-    sequence_fit_policy: str = _table_default("sequence_fit_policy")
-    scheduler_prefill_first_until_active: int | None = None
-    scheduler_prefill_step_chunk: int | None = None
-    scheduler_active_decode_prefill_chunk: int | None = None
-    session_cache: str = _table_default("session_cache")
-    session_cache_max_entries: int = _table_default("session_cache_max_entries")
-    session_cache_max_tokens: int | None = _table_default("session_cache_max_tokens")
-    # MoE experts split into a device pool and CPU pools (kiln/engine/expert_placement.py)
-    cpu_offload_experts: bool = False
-    num_gpu_experts: int | None = None
-    kt_threadpool_count: int | None = None
-    kt_cpuinfer: int | None = None
-    kt_gpu_prefill_token_threshold: int | None = None
-    expert_calibration: str = _table_default("expert_calibration")
-    # while serving (kiln/obs/): traces and faults the engine itself writes / injects
-    profile_jsonl: str | None = None
-    profile_detail: str = _table_default("profile_detail")
-    profile_sample_rate: float = _table_default("profile_sample_rate")
-    scheduler_trace_jsonl: str | None = None
-    diagnostic_faults: tuple[Any, ...] = ()
-    # LoRA adapters (kiln/engine/lora.py): NAME=PATH each, loaded at startup
-    lora_modules: tuple[str, ...] = ()
-    max_loras: int = _table_default("max_loras")
-    max_lora_rank: int = _table_default("max_lora_rank")
-    enable_lora_runtime_updates: bool = _table_default("enable_lora_runtime_updates")
-    # speculative decoding (kiln/engine/spec.py); num_speculative_tokens "auto": from acceptance
-    speculative_method: str | None = None
-    speculative_model: str | None = None  # the draft model's resolved path (engine/draft.py)
-    num_speculative_tokens: int | str | None = None
-    ngram_prompt_lookup_min: int = _table_default("ngram_prompt_lookup_min")
-    ngram_prompt_lookup_max: int = _table_default("ngram_prompt_lookup_max")
-    speculative_disable_by_batch_size: int | None = None  # None: draft at every batch size
-    speculative_draft_vocab: int = _table_default("speculative_draft_vocab")
-    speculative_prompt_lookup: int = _table_default("speculative_prompt_lookup")
-
-    @classmethod
-    def from_settings(cls, s: ResolvedSettings, model: str, gguf_file: str | None = None
-                      ) -> EngineConfig:
-        names = {f for f in cls.__dataclass_fields__} - {"model", "gguf_file",
-                                                          "max_model_len_explicit"}
-        kw = {n: s.get(n) for n in names if n in s.values and s.get(n) is not None}
-        mml = s.values.get("max_model_len")
-        explicit = mml is not None and mml.source in ("cli", "env", "file")
-        return cls(model=model, gguf_file=gguf_file, max_model_len_explicit=explicit, **kw)

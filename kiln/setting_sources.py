@@ -1,7 +1,7 @@
 """Where setting values come from, besides the table's own defaults and auto rules: the CLI
 flags (generated from the table, vLLM's spellings first), `KILN_<NAME>` environment variables and
-the TOML config file. Each returns raw values with where they were found; `config.resolve_settings`
-parses them and walks the precedence.
+the TOML config file. Each returns raw values with where they were found;
+`setting_resolve.resolve_settings` parses them and walks the precedence.
 """
 
 from __future__ import annotations

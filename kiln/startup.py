@@ -19,12 +19,15 @@ from typing import Any
 from kiln import config as C
 from kiln import setting_sources as S
 from kiln import startup_report
-from kiln.errors import KilnError, ModelNotFoundError
+from kiln.auto_rules import AutoContext
+from kiln.engine_config import EngineConfig
+from kiln.errors import ConfigError, KilnError, ModelNotFoundError
 from kiln.i18n import english, msg, set_lang
 from kiln.kinds import AUDIO_FORMATS
 from kiln.layers.kernels import isa as kernel_isa
 from kiln.paths import check_cache_dir_writable
 from kiln.resolve import parallel, speculative
+from kiln.setting_resolve import ResolvedSettings, resolve_settings
 from kiln.startup_plan import StartupPlan
 
 
@@ -50,8 +53,8 @@ def model_spec(args: argparse.Namespace) -> str | None:
     `model` row's KILN_MODEL and config-file key come in below them in plan()."""
     positional, option = getattr(args, "model", None), getattr(args, "model_option", None)
     if positional and option and positional != option:
-        raise C.ConfigError(f"two models given: {positional!r} (MODEL) and {option!r} (--model)",
-                            hint="give the model once, as MODEL or as --model")
+        raise ConfigError(f"two models given: {positional!r} (MODEL) and {option!r} (--model)",
+                          hint="give the model once, as MODEL or as --model")
     return positional or option
 
 
@@ -62,8 +65,8 @@ def namespace_for(model: str | None, settings: dict[str, Any], config: Path | No
     precedence (recorded as `LLM(name=...)`)."""
     unknown = sorted(set(settings) - set(C.BY_NAME))
     if unknown:
-        raise C.ConfigError(f"unknown setting(s): {', '.join(unknown)}",
-                            hint=f"known settings: {', '.join(sorted(C.BY_NAME))}")
+        raise ConfigError(f"unknown setting(s): {', '.join(unknown)}",
+                          hint=f"known settings: {', '.join(sorted(C.BY_NAME))}")
     seen = {name: [(value, f"LLM({name}={value!r})")] for name, value in settings.items()}
     return argparse.Namespace(model=model, config=config, dry_run=False,
                               effective_config_json=None, decision_trace_jsonl=None,
@@ -96,8 +99,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     # Where to look, whether to download and which engine runs are settings too; take them
     # before the rest, which depend on the model.
     early_names = ("model", "model_path", "model_dirs", "offline", "engine", "device", "lang")
-    early = C.resolve_settings(cli=_only(cli, *early_names), env=_only(env, *early_names),
-                               file=_only(file_settings, *early_names))
+    early = resolve_settings(cli=_only(cli, *early_names), env=_only(env, *early_names),
+                             file=_only(file_settings, *early_names))
     if early.source("lang") == "file":
         set_lang(early["lang"])
     if early.source("device") != "default":
@@ -131,8 +134,8 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     # model has neither: its own runtime reads it (kiln/kinds/).
     audio = sp.source.format in AUDIO_FORMATS
     if audio and external:
-        raise C.ConfigError(f"{sp.source.name} is an audio model ({sp.source.format}): kiln "
-                            "serves it itself", hint="drop --engine, or pass --engine kiln")
+        raise ConfigError(f"{sp.source.name} is an audio model ({sp.source.format}): kiln "
+                          "serves it itself", hint="drop --engine, or pass --engine kiln")
     if not audio and (sp.source.format == "gguf" or (sp.source.format != "remote"
                                                       and early["engine"] == "kiln")):
         open_for_kiln(sp)
@@ -162,7 +165,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     if sp.preset:
         preset_vals = dict(presets.get_preset(sp.preset).settings)
     hw = sp.hardware
-    ctx = C.AutoContext(
+    ctx = AutoContext(
         device="cuda" if hw.has_usable_cuda else "cpu",
         physical_cores=hw.physical_cores or 1,
         ram_available_bytes=hw.ram_available_bytes,
@@ -185,13 +188,13 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     )
     registry_vals = dict(entry.recommended) if entry else {}
 
-    def resolve() -> C.ResolvedSettings:
+    def resolve() -> ResolvedSettings:
         # A preset value for a knob the preset's device does not have is noise; keep it
         # anyway: provenance shows it, and the user may override it.
-        return C.resolve_settings(cli=cli, env=env, file=file_settings,
-                                  file_path=sp.config_file, preset=preset_vals,
-                                  preset_name=sp.preset, registry=registry_vals,
-                                  registry_name=entry.name if entry else None, ctx=ctx)
+        return resolve_settings(cli=cli, env=env, file=file_settings,
+                                file_path=sp.config_file, preset=preset_vals,
+                                preset_name=sp.preset, registry=registry_vals,
+                                registry_name=entry.name if entry else None, ctx=ctx)
 
     s = resolve()
     if sp.preset is None and s["engine"] == "sglang" and s["cpu_offload_experts"] \
@@ -250,7 +253,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     return sp
 
 
-def _check_lora_adapters(s: C.ResolvedSettings) -> None:
+def _check_lora_adapters(s: ResolvedSettings) -> None:
     """kiln's engine: every --lora adapter's folder read and checked (files, rank, targets)
     before any model work, so a typo fails in a second, not after the weights load."""
     adapters = s["lora_modules"] or []
@@ -259,8 +262,8 @@ def _check_lora_adapters(s: C.ResolvedSettings) -> None:
     from kiln.engine.lora import inspect_adapter
 
     if len(adapters) > s["max_loras"]:
-        raise C.ConfigError(f"{len(adapters)} LoRA adapters given, --max-loras is "
-                            f"{s['max_loras']}", hint=f"pass --max-loras {len(adapters)}")
+        raise ConfigError(f"{len(adapters)} LoRA adapters given, --max-loras is "
+                          f"{s['max_loras']}", hint=f"pass --max-loras {len(adapters)}")
     for item in adapters:
         name, path = item.split("=", 1)
         inspect_adapter(name, path, s["max_lora_rank"])
@@ -277,7 +280,7 @@ def _model_kind(sp: StartupPlan, mc: Any) -> tuple[str, str]:
                    sp.source.registry_entry)
 
 
-def _check_kind(s: C.ResolvedSettings, mc: Any, fmt: str) -> None:
+def _check_kind(s: ResolvedSettings, mc: Any, fmt: str) -> None:
     """An audio kind for an audio model only (and nothing else for one), an encoder only as an
     embedder."""
     r = s.values["kind"]
@@ -286,18 +289,18 @@ def _check_kind(s: C.ResolvedSettings, mc: Any, fmt: str) -> None:
         what = ("a Whisper model in CTranslate2's format (a folder with model.bin and its "
                 "config.json), e.g. whisper-tiny.en" if needs == "ctranslate2" else
                 "a Piper voice (.onnx with its .onnx.json), e.g. piper-joe")
-        raise C.ConfigError(f"--kind {r.value} ({r.source}) serves {what}; this model is "
-                            f"{fmt}", hint="pass such a model, or --kind auto")
+        raise ConfigError(f"--kind {r.value} ({r.source}) serves {what}; this model is "
+                          f"{fmt}", hint="pass such a model, or --kind auto")
     if needs is None and fmt in AUDIO_FORMATS:
-        raise C.ConfigError(f"this is an audio model ({fmt}): it cannot be served as --kind "
-                            f"{r.value} ({r.source})", hint="drop --kind, or pass --kind auto")
+        raise ConfigError(f"this is an audio model ({fmt}): it cannot be served as --kind "
+                          f"{r.value} ({r.source})", hint="drop --kind, or pass --kind auto")
     if r.value == "generate" and mc is not None and mc.is_encoder:
-        raise C.ConfigError(f"{mc.architecture} is an encoder: it has no LM head to generate "
-                            f"with ({r.source} asked --kind generate)",
-                            hint="serve it with --kind embed (or --kind auto)")
+        raise ConfigError(f"{mc.architecture} is an encoder: it has no LM head to generate "
+                          f"with ({r.source} asked --kind generate)",
+                          hint="serve it with --kind embed (or --kind auto)")
 
 
-def _install_stages(s: C.ResolvedSettings) -> None:
+def _install_stages(s: ResolvedSettings) -> None:
     """Startup stages from here on write --memory-profile-jsonl and fail a startup:STAGE
     fault (kiln/obs/trace.py); the runner marks the stages inside loading."""
     from kiln.obs import trace
@@ -404,7 +407,7 @@ def _first(*layers: dict[str, Any], key: str) -> Any:
     return None
 
 
-def _check_model_limits(s: C.ResolvedSettings, model_len: int) -> None:
+def _check_model_limits(s: ResolvedSettings, model_len: int) -> None:
     r = s.values["max_model_len"]
     if r.source in ("preset", "registry", "auto") and r.value > model_len:
         s.override("max_model_len", model_len,
@@ -413,7 +416,7 @@ def _check_model_limits(s: C.ResolvedSettings, model_len: int) -> None:
                               model_len=model_len))
 
 
-def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
+def _check_kiln_engine_supports(s: ResolvedSettings) -> None:
     # Settings the table says kiln's engine does not honour: an error when a person set them,
     # not a silent no-op.
     for spec in C.SETTINGS:
@@ -423,19 +426,19 @@ def _check_kiln_engine_supports(s: C.ResolvedSettings) -> None:
         if r is not None and r.source in ("cli", "env", "file") and r.value not in (None, False):
             which = msg("startup.engines_or").join(f"--engine {e}" for e in spec.engines)
             hint = "hint_one" if len(spec.engines) == 1 else "hint_many"
-            raise C.ConfigError(msg("startup.not_on_kiln", flag=spec.flags[0]),
-                                hint=msg(f"startup.not_on_kiln.{hint}", engines=which))
+            raise ConfigError(msg("startup.not_on_kiln", flag=spec.flags[0]),
+                              hint=msg(f"startup.not_on_kiln.{hint}", engines=which))
     # Speculative decoding kiln's engine cannot do (a method, K without one): refused here,
     # before any weights load, by the check the engine itself makes.
     from kiln.engine.spec import spec_config
 
-    spec_config(C.EngineConfig.from_settings(s, ""))
+    spec_config(EngineConfig.from_settings(s, ""))
     # kiln's engine honours these at 1 (one device, one machine); the limit is on the value.
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
         r = s.values[name]
         if r.value and r.value > 1:
             flag = C.setting(name).flags[0]
-            raise C.ConfigError(
+            raise ConfigError(
                 msg("startup.one_device", flag=flag, value=r.value, source=r.source),
                 hint=msg("startup.one_device.hint"))
 
@@ -472,18 +475,18 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     """Loads the planned model into kiln's Engine (the one way `kiln serve`, `kiln run`, the
     offline LLM and `kiln bench --offline` build it), then writes what the load decided back
     into the settings, so the effective config tells what actually runs."""
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     open_for_kiln(sp)
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
     if s["kind"] != "generate":  # kiln run, LLM, bench: they generate
         r = s.values["kind"]
-        raise C.ConfigError(f"{src.name} is served as --kind {r.value} ({r.source}: "
-                            f"{r.reason}): it does not generate text",
-                            hint="serve it with `kiln serve` (/v1/embeddings, /v1/rerank), or "
-                            "pass --kind generate for a causal LM")
+        raise ConfigError(f"{src.name} is served as --kind {r.value} ({r.source}: "
+                          f"{r.reason}): it does not generate text",
+                          hint="serve it with `kiln serve` (/v1/embeddings, /v1/rerank), or "
+                          "pass --kind generate for a causal LM")
     sp.phase = "load"
     t0 = time.monotonic()
     cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
@@ -508,7 +511,7 @@ def build_embedder(sp: StartupPlan) -> Any:
     assert s is not None and src is not None and sp.checkpoint is not None
     sp.phase = "load"
     t0 = time.monotonic()
-    cfg = C.EngineConfig.from_settings(s, str(src.gguf_file or src.path))
+    cfg = EngineConfig.from_settings(s, str(src.gguf_file or src.path))
     asked = s["pooling"]
     emb = build(sp.checkpoint, pooling_mode=None if asked == "auto" else asked, dtype=cfg.dtype,
                 device=cfg.device, num_threads=cfg.num_threads, max_model_len=s["max_model_len"])

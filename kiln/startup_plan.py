@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln import config as C
+from kiln.setting_resolve import ResolvedSettings
 
 
 @dataclass
@@ -25,7 +25,7 @@ class StartupPlan:
     # kiln.models.loader.Checkpoint (weight files listed, none loaded): only where kiln's own
     # engine runs the model, so only then does kiln's loader judge the architecture.
     checkpoint: Any = None
-    settings: C.ResolvedSettings | None = None
+    settings: ResolvedSettings | None = None
     engines_cfg: dict[str, Any] = field(default_factory=dict)
     config_file: Path | None = None
     preset: str | None = None

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln import config as C
-from kiln.errors import KilnError
+from kiln.auto_rules import GiB
+from kiln.errors import ConfigError, KilnError
 from kiln.i18n import english, msg
 
 if TYPE_CHECKING:
@@ -26,9 +26,9 @@ def describe(sp: StartupPlan) -> str:
     if hw is not None:
         lines.append(msg("dry.cpu", model=hw.cpu_model, cores=hw.physical_cores,
                          numa=hw.numa_nodes))
-        lines.append(msg("dry.ram", available=hw.ram_available_bytes / C.GiB,
-                         total=hw.ram_total_bytes / C.GiB))
-        gpus = ", ".join(f"{g.name} {g.total_memory_bytes / C.GiB:.0f} GiB" for g in hw.gpus)
+        lines.append(msg("dry.ram", available=hw.ram_available_bytes / GiB,
+                         total=hw.ram_total_bytes / GiB))
+        gpus = ", ".join(f"{g.name} {g.total_memory_bytes / GiB:.0f} GiB" for g in hw.gpus)
         lines.append(msg("dry.gpus", gpus=gpus or msg("dry.none")))
     if src is not None:
         lines.append(msg("dry.model"))
@@ -36,7 +36,7 @@ def describe(sp: StartupPlan) -> str:
         lines.append(msg("dry.path", path=src.gguf_file or src.path))
         lines.append(msg("dry.format", format=src.format,
                          quant=f" {src.quant}" if src.quant else "",
-                         size=src.total_bytes / C.GiB))
+                         size=src.total_bytes / GiB))
         if sp.model_config is not None:
             mc = sp.model_config
             lines.append(msg("dry.arch", arch=mc.architecture, layers=mc.num_hidden_layers,
@@ -122,7 +122,7 @@ def write_artifacts(sp: StartupPlan, status: str, error: BaseException | None = 
             if not lenient:
                 # The user's path, not kiln's state: a one-line error that names the flag.
                 sp.phase = "artifacts"
-                raise C.ConfigError(msg("startup.artifact_failed", flag=flag, path=path,
+                raise ConfigError(msg("startup.artifact_failed", flag=flag, path=path,
                                         error=e.strerror or e),
                                     hint=msg("startup.artifact_failed.hint")) from None
             problems.append(msg("startup.artifact_unwritable", flag=flag, path=path,

@@ -73,8 +73,8 @@ def gguf_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_runner(gguf_path):
     """SmolLM2 in fp32 on CPU, loaded once: exact arithmetic for parity with transformers."""
-    from kiln.config import EngineConfig
     from kiln.engine.model_runner import ModelRunner
+    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
 
     cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_model_len=2048,
@@ -92,8 +92,8 @@ def smollm2_tokenizer(gguf_path):
 @pytest.fixture
 def make_engine(smollm2_runner, gguf_path):
     """Engine over the shared SmolLM2 runner with the given scheduler/KV limits."""
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     def make(**kw):
         kw.setdefault("max_num_seqs", 32)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kiln.auto_rules import AutoContext
 from kiln.backends import (
     BackendModel,
     EngineCommand,
@@ -34,8 +35,9 @@ from kiln.backends import (
     prepare_launch,
     probe_engine,
 )
-from kiln.config import SETTINGS, AutoContext, resolve_settings
+from kiln.config import SETTINGS
 from kiln.errors import ConfigError, EngineNotFoundError
+from kiln.setting_resolve import resolve_settings
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"

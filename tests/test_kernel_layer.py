@@ -124,8 +124,8 @@ def test_cpu_isa_setting_reaches_the_runner_and_the_decision_trace(tmp_path, ker
     and the effective config's decision says so."""
     from conftest import make_tiny_model
 
-    from kiln.config import EngineConfig
     from kiln.engine.model_runner import ModelRunner
+    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
@@ -144,8 +144,8 @@ def test_decode_layer_equals_the_layer_modules(tmp_path, kernel_level):
     is an error, not a write."""
     from conftest import make_tiny_model
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.layers.attention import AttentionMetadata, set_context
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
@@ -201,8 +201,8 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
     tiny model up to near-ties; the kernel's steps call the level's ops, none of PyTorch's int4."""
     from conftest import make_tiny_model, run_to_completion
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
@@ -261,11 +261,13 @@ def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_lev
     runs batch-invariant, and a row's greedy tokens are the same alone and among four."""
     from conftest import make_tiny_model, run_to_completion
 
-    from kiln.config import AutoContext, EngineConfig, resolve_settings
+    from kiln.auto_rules import AutoContext
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.models.gguf_writer import write_gguf
     from kiln.models.loader import iter_tensors, open_checkpoint
     from kiln.sampling_params import SamplingParams
+    from kiln.setting_resolve import resolve_settings
 
     ck = open_checkpoint(make_tiny_model("gemma3", tmp_path / "g3"))
     path = write_gguf(tmp_path / "g3.gguf", ck.config, iter_tensors(ck), qtype="Q8_0")
@@ -295,8 +297,8 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
     see the same tokens either way."""
     from conftest import make_tiny_model
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.layers.moe import experts_of
     from kiln.sampling_params import SamplingParams
 

@@ -283,7 +283,7 @@ def test_a_cpu_thread_count_turns_kt_kernel_on_for_a_model_kiln_cannot_tell_is_m
         machine: dict[str, HardwareInfo], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     from kiln.auto_rules import AutoContext
-    from kiln.config import resolve_settings
+    from kiln.setting_resolve import resolve_settings
 
     cli = {"engine": ("sglang", "--engine"), "kt_cpuinfer": (16, "--kt-cpuinfer")}
     s = resolve_settings(cli=cli, ctx=AutoContext(is_moe=False))

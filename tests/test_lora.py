@@ -67,8 +67,8 @@ def tiny(tmp_path_factory):
 
 
 def tiny_engine(base_dir, paths, **kw):
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     cfg = EngineConfig(model=str(base_dir), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_batched_tokens=256,
@@ -302,7 +302,8 @@ def test_lora_flags_take_vllm_forms_and_repeat():
     import argparse
 
     from kiln import setting_sources as S
-    from kiln.config import ConfigError, resolve_settings
+    from kiln.errors import ConfigError
+    from kiln.setting_resolve import resolve_settings
 
     p = argparse.ArgumentParser()
     S.add_setting_arguments(p)
@@ -334,8 +335,8 @@ def smol(tmp_path_factory, gguf_path, smollm2_runner):
     import peft
     import transformers
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     root = tmp_path_factory.mktemp("smol-lora")
     base = transformers.AutoModelForCausalLM.from_pretrained(
@@ -406,8 +407,8 @@ def smol_adapters(tmp_path_factory, gguf_path, smollm2_runner):
     kiln's offline engine, not with transformers), and kiln's fp32 engine over the shared
     runner serving them; the adapters are taken off the shared runner afterwards."""
     from benchmarks.lora import write_adapter
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     root = tmp_path_factory.mktemp("smol-adapters")
     paths = {n: write_adapter(root / n, smollm2_runner.model_config, rank, seed=i, std=0.08)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from kiln.config import EngineConfig
 from kiln.engine.model_runner import ModelRunner
+from kiln.engine_config import EngineConfig
 from kiln.layers.moe import Experts, grouped_topk, softmax_topk
 from kiln.models.gguf_writer import write_gguf
 from kiln.models.loader import iter_tensors, open_checkpoint

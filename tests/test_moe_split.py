@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import TINY_MOE, add_word_tokenizer, make_tiny_model, run_to_completion
 
-from kiln.config import EngineConfig
 from kiln.engine import expert_placement
 from kiln.engine.engine import Engine
 from kiln.engine.expert_placement import CALIBRATION_PROMPTS, place_layer, rank
 from kiln.engine.model_runner import ModelRunner
+from kiln.engine_config import EngineConfig
 from kiln.layers.moe import experts_of, reset_routing_counts
 from kiln.layers.moe_pools import SplitExperts
 from kiln.models.gguf_writer import write_gguf

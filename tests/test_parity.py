@@ -8,8 +8,8 @@ from conftest import make_tiny_model
 
 
 def _kiln_runner(folder, **kw):
-    from kiln.config import EngineConfig
     from kiln.engine.model_runner import ModelRunner
+    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
 
     cfg = EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
@@ -81,8 +81,8 @@ def test_tiny_model_greedy_decode_matches_transformers(tmp_path, family):
     paths' windowed masks."""
     import transformers
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
 
     family, _, variant = family.partition("-")
@@ -203,8 +203,8 @@ def test_sliding_window_prefix_cache_hit_matches_transformers(tmp_path, variant)
     tokens equal transformers'."""
     import transformers
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
 
     family, _, flag = variant.partition("-")

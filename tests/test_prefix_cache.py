@@ -40,8 +40,8 @@ def drive(engine, check=integrity) -> dict[str, list[int]]:
 
 
 def build_engine(runner, gguf_path, kv_hash_fn=None, **kw):
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     kw.setdefault("max_num_seqs", 32)
     kw.setdefault("max_num_batched_tokens", 512)
@@ -153,7 +153,7 @@ def test_multi_turn_chats_match_with_prefix_caching_on_and_off(make_engine, smol
 
 
 def parse(*argv):
-    from kiln.config import resolve_settings
+    from kiln.setting_resolve import resolve_settings
     from kiln.setting_sources import add_setting_arguments, cli_values
 
     parser = argparse.ArgumentParser()
@@ -178,7 +178,7 @@ def test_conflicting_prefix_caching_spellings_are_rejected():
 
 
 def test_prefix_rendezvous_and_session_cache_settings():
-    from kiln.config import EngineConfig
+    from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
 
     s = parse()
@@ -191,7 +191,7 @@ def test_prefix_rendezvous_and_session_cache_settings():
             cfg.session_cache_max_tokens) == (250, "memory", 8, 4096)
     with pytest.raises(ConfigError, match="--prefix-rendezvous-max-wait-ms.*must be > 0 ms"):
         parse("--prefix-rendezvous-max-wait-ms", "0")
-    from kiln.config import resolve_settings
+    from kiln.setting_resolve import resolve_settings
 
     with pytest.raises(ConfigError, match="choose one of: off, memory"):
         resolve_settings(env={"session_cache": ("disk", "KILN_SESSION_CACHE")})

@@ -312,8 +312,8 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
     are the eager ones in both cases."""
     from conftest import make_tiny_model, run_to_completion
 
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))

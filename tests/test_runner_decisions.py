@@ -15,8 +15,8 @@ def tiny(tmp_path_factory):
 
 
 def runner(model: str, **kw):
-    from kiln.config import EngineConfig
     from kiln.engine.model_runner import ModelRunner
+    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
 
     cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32,
@@ -38,7 +38,8 @@ def test_an_fp32_runner_records_eager_decode_and_the_kv_dtype_of_its_model_dtype
 
 
 def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
-    from kiln.config import AutoContext, resolve_settings
+    from kiln.auto_rules import AutoContext
+    from kiln.setting_resolve import resolve_settings
 
     for cpu_bf16, kv in ((True, "bf16"), (False, "fp32")):
         s = resolve_settings(ctx=AutoContext(cpu_bf16=cpu_bf16))
@@ -71,8 +72,8 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
         tiny, monkeypatch, max_num_seqs, compile_, path, buckets):
     """decide() over layers that say they run kiln's decode-layer kernel up to 64 rows (as int4
     bf16 layers on a kernel-read pool do): those batches need no graph."""
-    from kiln.config import EngineConfig
     from kiln.engine.decisions import choose_kv_cache_dtype, decide
+    from kiln.engine_config import EngineConfig
     from kiln.models import llama
 
     r = runner(tiny)
@@ -93,8 +94,8 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
 def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     import torch
 
-    from kiln.config import EngineConfig
     from kiln.engine.decisions import choose_kv_cache_dtype
+    from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:

@@ -248,8 +248,8 @@ def chat_ids(smollm2_tokenizer) -> list[list[int]]:
 
 
 def _run(runner, tokenizer, ids, params_list, **kw):
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
 
     eng = Engine(EngineConfig(model=str(runner.config.model), dtype="float32", max_num_seqs=32,
                               max_num_batched_tokens=512, **kw), runner=runner,
@@ -383,8 +383,8 @@ def test_offline_llm_with_ngram_gives_the_plain_greedy_text(gguf_path, plain_ans
 
 
 def test_kiln_engine_refuses_a_method_it_does_not_have(gguf_path, smollm2_runner):
-    from kiln.config import EngineConfig
     from kiln.engine.engine import Engine
+    from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eagle"):

@@ -8,9 +8,11 @@ import json
 
 import pytest
 
-from kiln import config as C
 from kiln import setting_sources as S
+from kiln.auto_rules import AutoContext
 from kiln.cli.main import main
+from kiln.errors import ConfigError
+from kiln.setting_resolve import resolve_settings
 
 
 def _cli(*argv: str) -> dict:
@@ -30,7 +32,7 @@ def test_each_source_wins_over_the_ones_below_it(top):
     }
     order = ["cli", "env", "file", "preset", "registry", "auto"]
     given = {k: v for k, v in layers.items() if order.index(k) >= order.index(top)}
-    s = C.resolve_settings(**given, ctx=C.AutoContext(device="cpu"))
+    s = resolve_settings(**given, ctx=AutoContext(device="cpu"))
     expected = {"cli": 1, "env": 2, "file": 3, "preset": 4, "registry": 5, "auto": 32}[top]
     assert s["max_num_seqs"] == expected
     assert s.source("max_num_seqs") == top
@@ -40,13 +42,13 @@ def test_each_source_wins_over_the_ones_below_it(top):
 
 
 def test_auto_reason_is_recorded():
-    s = C.resolve_settings(ctx=C.AutoContext(device="cpu", physical_cores=6))
+    s = resolve_settings(ctx=AutoContext(device="cpu", physical_cores=6))
     assert s["num_threads"] == 6 and s.source("num_threads") == "auto"
     assert "6 physical core" in s.values["num_threads"].reason
 
 
 def test_conflicting_spellings_of_one_flag_are_rejected_by_name():
-    with pytest.raises(C.ConfigError, match="--enable-prefix-caching and "
+    with pytest.raises(ConfigError, match="--enable-prefix-caching and "
                                             "--no-enable-prefix-caching"):
         _cli("--enable-prefix-caching", "--no-enable-prefix-caching")
     # Two spellings that agree are fine.
@@ -55,16 +57,16 @@ def test_conflicting_spellings_of_one_flag_are_rejected_by_name():
 
 
 def test_bad_values_name_the_flag():
-    with pytest.raises(C.ConfigError, match="--max-num-seqs"):
-        C.resolve_settings(env=S.env_values({"KILN_MAX_NUM_SEQS": "-3"}))
-    with pytest.raises(C.ConfigError, match="choose one of"):
-        C.resolve_settings(file={"kv_cache_dtype": "int3"})
+    with pytest.raises(ConfigError, match="--max-num-seqs"):
+        resolve_settings(env=S.env_values({"KILN_MAX_NUM_SEQS": "-3"}))
+    with pytest.raises(ConfigError, match="choose one of"):
+        resolve_settings(file={"kv_cache_dtype": "int3"})
 
 
 def test_served_model_names_reject_bad_lists():
     for bad in ("a,,b", "a, b", "a,a", ""):
-        with pytest.raises(C.ConfigError):
-            C.resolve_settings(cli={"served_model_name": (bad, "--served-model-name")})
+        with pytest.raises(ConfigError):
+            resolve_settings(cli={"served_model_name": (bad, "--served-model-name")})
 
 
 def test_dry_run_default_model_prints_sources_without_loading(capsys, tmp_path):

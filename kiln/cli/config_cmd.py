@@ -14,8 +14,9 @@ import tomllib
 from kiln import config as C
 from kiln import setting_sources as S
 from kiln.cli import add_lang_flag
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 from kiln.i18n import msg
+from kiln.setting_resolve import ResolvedSettings, resolve_settings
 
 
 def add_parser(subparsers: Any) -> None:
@@ -47,11 +48,11 @@ def _path(args: argparse.Namespace) -> Path:
     return args.config or S.config_path()
 
 
-def _resolve(args: argparse.Namespace) -> C.ResolvedSettings:
+def _resolve(args: argparse.Namespace) -> ResolvedSettings:
     path = _path(args)
     file_settings, used = ((S.load_config_file(path)[0], path) if path.exists()
                            else ({}, None))
-    return C.resolve_settings(env=S.env_values(), file=file_settings, file_path=used)
+    return resolve_settings(env=S.env_values(), file=file_settings, file_path=used)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,9 +77,9 @@ def _main(args: argparse.Namespace) -> int:
         s = C.setting(name)
         value = s.parse(args.value)
         if s.choices is not None and value not in s.choices:
-            raise C.ConfigError(msg("config.invalid_key_value", raw=repr(args.value), key=name),
-                                hint=msg("config.choose_one",
-                                         choices=", ".join(map(str, s.choices))))
+            raise ConfigError(msg("config.invalid_key_value", raw=repr(args.value), key=name),
+                              hint=msg("config.choose_one",
+                                       choices=", ".join(map(str, s.choices))))
         path = _path(args)
         data: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
         data[name] = value

@@ -120,17 +120,17 @@ def _serve_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kiln import __version__
-    from kiln import config as C
     from kiln import setting_sources as S
     from kiln.errors import KilnError
     from kiln.server.http import h11_protocol
     from kiln.server.model_pool import ModelPool, child_settings
     from kiln.server.model_router import build_router_app
+    from kiln.setting_resolve import resolve_settings
 
     try:
         file_settings, _, path = S.load_config_file(args.config)
-        s = C.resolve_settings(cli=S.cli_values(args), env=S.env_values(), file=file_settings,
-                               file_path=path)
+        s = resolve_settings(cli=S.cli_values(args), env=S.env_values(), file=file_settings,
+                             file_path=path)
         if startup.model_spec(args):
             raise KilnError("give MODEL or --models, not both",
                             hint="add MODEL to --models (NAME=MODEL names it)")

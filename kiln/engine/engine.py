@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from kiln.config import EngineConfig
 from kiln.engine.draft import DraftModel, check_same_vocab
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
@@ -24,6 +23,7 @@ from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.engine.spec import Speculator, spec_config
 from kiln.engine.structured import StructuredOutputs
+from kiln.engine_config import EngineConfig
 from kiln.errors import KilnError
 from kiln.layers.kernels.threads import ThreadGovernor
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts

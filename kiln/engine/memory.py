@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from kiln.config import EngineConfig, GiB
+from kiln.auto_rules import GiB
+from kiln.engine_config import EngineConfig
 from kiln.errors import MemoryFitError
 from kiln.i18n import msg
 from kiln.layers.attention import INT8_SCALE_BYTES

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.config import EngineConfig
 from kiln.engine import lora, memory
 from kiln.engine.compile import CASCADE_MIN_BLOCKS, CASCADE_MIN_ROWS, DecodeGraphs
 from kiln.engine.decisions import RuntimeDecisions, choose_kv_cache_dtype, decide
@@ -30,6 +29,7 @@ from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.engine.spec import sample_with_drafts
+from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError, DeviceError
 from kiln.i18n import msg
 from kiln.layers.attention import (

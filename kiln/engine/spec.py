@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.config import EngineConfig
 from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, _top_logprobs, greedy_tokens
+from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError
 
 AUTO_START_K = 4

@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln import config as C
+from kiln.auto_rules import GiB
+from kiln.errors import ConfigError
 from kiln.i18n import msg
 from kiln.layers.kernels.flags import AMX_FLAGS, flags_amx
+from kiln.setting_resolve import ResolvedSettings
 
 
 def plan_expert_placement(sp: Any) -> None:
@@ -60,7 +62,7 @@ def model_max_tp(entry: Any, mc: Any) -> int | None:
     return tp
 
 
-def reduce_tp_to_model_max(s: C.ResolvedSettings, max_tp: int | None) -> None:
+def reduce_tp_to_model_max(s: ResolvedSettings, max_tp: int | None) -> None:
     """An explicit TP above the model's maximum would only make the engine refuse to start:
     reduce it and say so (kt-cli does the same)."""
     r = s.values["tensor_parallel_size"]
@@ -73,7 +75,7 @@ def reduce_tp_to_model_max(s: C.ResolvedSettings, max_tp: int | None) -> None:
     s.warnings.append(msg("startup.tp_reduced", asked=asked, source=source, max_tp=max_tp))
 
 
-def check_kt(s: C.ResolvedSettings, sp: Any, hw: Any) -> None:
+def check_kt(s: ResolvedSettings, sp: Any, hw: Any) -> None:
     """kt-kernel on (SGLang, an MoE model): the expert weights are where they are said to be,
     and the CPU runs the method asked for, before SGLang spends minutes finding out."""
     src = sp.source
@@ -81,8 +83,8 @@ def check_kt(s: C.ResolvedSettings, sp: Any, hw: Any) -> None:
     weights = s.get("kt_weight_path")
     if weights:
         if not Path(weights).expanduser().is_dir():
-            raise C.ConfigError(msg("startup.kt_weights_missing", path=weights),
-                                hint=msg("startup.kt_weights_missing.hint"))
+            raise ConfigError(msg("startup.kt_weights_missing", path=weights),
+                              hint=msg("startup.kt_weights_missing.hint"))
     elif src.format == "safetensors":
         s.override("kt_weight_path", str(src.path),
                    "kt-cli's default: no converted weights given, so kt-kernel reads the "
@@ -91,7 +93,7 @@ def check_kt(s: C.ResolvedSettings, sp: Any, hw: Any) -> None:
     if method.startswith("AMX") and not flags_amx(hw.cpu_flags):
         how = (msg("startup.kt_default_method") if s.source("kt_method") == "auto"
                else s.source("kt_method"))
-        raise C.ConfigError(
+        raise ConfigError(
             msg("startup.kt_no_amx", method=method, how=how, flags="/".join(sorted(AMX_FLAGS))),
             hint=msg("startup.kt_no_amx.hint"))
 
@@ -121,7 +123,7 @@ def preset_info(sp: Any, mc: Any) -> dict[str, Any]:
     return info
 
 
-def auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any, noted: bool = False) -> None:
+def auto_gpu_experts(s: ResolvedSettings, entry: Any, hw: Any, noted: bool = False) -> None:
     """Hybrid MoE: how many experts of each layer stay on the GPUs, from VRAM per GPU and TP
     (the registry's rule per model family, as ktransformers sizes it). `noted`: the user was
     already told the model has no registry entry (and how to give it one)."""
@@ -137,5 +139,5 @@ def auto_gpu_experts(s: C.ResolvedSettings, entry: Any, hw: Any, noted: bool = F
     vram = min(g.total_memory_bytes for g in hw.gpus)
     tp = s["tensor_parallel_size"] or 1
     n = gpu_experts_per_layer(entry, vram, tp)
-    s.override("num_gpu_experts", n, f"{n} experts per layer fit in {vram / C.GiB:.0f} GiB per "
+    s.override("num_gpu_experts", n, f"{n} experts per layer fit in {vram / GiB:.0f} GiB per "
                f"GPU x TP {tp} after the dense weights ({entry.name} rule)")

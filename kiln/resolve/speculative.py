@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from kiln import config as C
+from kiln.errors import ConfigError
+from kiln.setting_resolve import ResolvedSettings
 
 # vLLM's --speculative-config keys -> kiln's settings
 _SPEC_CONFIG_KEYS = {"model": "speculative_model", "method": "speculative_method",
@@ -17,7 +19,7 @@ _SPEC_CONFIG_KEYS = {"model": "speculative_model", "method": "speculative_method
                      "disable_by_batch_size": "speculative_disable_by_batch_size"}
 
 
-def unpack_speculative_config(s: C.ResolvedSettings) -> None:
+def unpack_speculative_config(s: ResolvedSettings) -> None:
     """--speculative-config '{"model": ..., "num_speculative_tokens": K, "method": ...}'
     (vLLM's form) becomes the settings it names, each with this flag as its provenance."""
     r = s.values.get("speculative_config")
@@ -26,22 +28,22 @@ def unpack_speculative_config(s: C.ResolvedSettings) -> None:
     for key, value in r.value.items():
         name = _SPEC_CONFIG_KEYS.get(key)
         if name is None:
-            raise C.ConfigError(f"--speculative-config: unknown key {key!r}",
-                                hint="keys: " + ", ".join(_SPEC_CONFIG_KEYS))
+            raise ConfigError(f"--speculative-config: unknown key {key!r}",
+                              hint="keys: " + ", ".join(_SPEC_CONFIG_KEYS))
         if key == "method":
             value = {"draft_model": "draft"}.get(value, value)
         spec = C.setting(name)
         try:
             value = spec.parse(value)
         except (TypeError, ValueError) as e:
-            raise C.ConfigError(f"--speculative-config: {key} {value!r}: {e}") from None
+            raise ConfigError(f"--speculative-config: {key} {value!r}: {e}") from None
         if spec.choices and value not in spec.choices:
-            raise C.ConfigError(f"--speculative-config: method {value!r} is not one of "
-                                f"{', '.join(spec.choices)} (or draft_model)")
+            raise ConfigError(f"--speculative-config: method {value!r} is not one of "
+                              f"{', '.join(spec.choices)} (or draft_model)")
         s.override(name, value, f"--speculative-config {key}", source=r.source)
 
 
-def resolve_draft_model(s: C.ResolvedSettings, dirs: Any, *, offline: bool,
+def resolve_draft_model(s: ResolvedSettings, dirs: Any, *, offline: bool,
                          download: bool) -> None:
     """--speculative-model on kiln's engine: resolved like MODEL (alias, folder, GGUF, cached
     id; a missing one is the same error, with the pull command); the setting becomes the path,
@@ -60,7 +62,7 @@ def resolve_draft_model(s: C.ResolvedSettings, dirs: Any, *, offline: bool,
                    source=r.source)
 
 
-def resolve_draft_for_engine(s: C.ResolvedSettings, dirs: Any, *, offline: bool) -> None:
+def resolve_draft_for_engine(s: ResolvedSettings, dirs: Any, *, offline: bool) -> None:
     """--speculative-model for vLLM / SGLang: a registry alias or local name means nothing to
     them, so it becomes what they load: the files when they are on this machine, else the
     registry's HF repo id (the engine downloads it). An HF id or a path passes as it is."""

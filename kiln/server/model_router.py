@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.config import parse_duration
 from kiln.server.errors import APIError
 from kiln.server.http import HttpLimits, api_key_guard
 from kiln.server.model_pool import ModelPool, ModelUnavailable
+from kiln.setting_values import parse_duration
 
 log = logging.getLogger("kiln.router")
 
