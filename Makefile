@@ -10,7 +10,7 @@ MODEL   ?=
 #   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: install serve test test-all lint clean system-deps
+.PHONY: install serve test test-fast lint clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ serve: install
 # shows where the time budget goes.
 test: install system-deps lint
 	$(BIN)/python -m pytest -q --durations=30
+
+# The unit tests that load no model (the `fast` marker, tests/conftest.py): under 2 minutes on
+# 2 cores, a loop while editing. `make test` stays what must pass.
+test-fast: install lint
+	$(BIN)/python -m pytest -q -m "fast and not slow and not heavy and not engines" --durations=10
 
 lint: install
 	$(BIN)/python -m ruff check kiln tests benchmarks

