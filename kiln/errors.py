@@ -8,14 +8,21 @@ from kiln.i18n import english, msg
 class KilnError(Exception):
     """Base class: `str(err)` is a message a user can act on, in the CLI's language when the
     message and hint come from the catalogue (kiln/i18n/); `english()` is the same text for
-    what machines read (effective config, API error bodies)."""
+    what machines read (effective config, API error bodies). `code` is what a program (and a
+    test) matches instead of the wording: the one given, else the catalogue key of the message
+    (`config.invalid_value`), the same in every language; None for a message in plain text."""
 
     exit_code = 1
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self._code = code
+
+    @property
+    def code(self) -> str | None:
+        return self._code or getattr(self.message, "key", None)
 
     def __str__(self) -> str:
         return msg("error.hint", message=self.message, hint=self.hint) if self.hint else self.message

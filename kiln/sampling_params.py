@@ -12,10 +12,11 @@ from kiln.errors import KilnError
 
 
 class SamplingParamsError(KilnError):
-    """A sampling field is out of range. `param` names the field (it becomes the OpenAI `param`)."""
+    """A sampling field is out of range. `param` names the field (it becomes the OpenAI `param`),
+    `code` the OpenAI error code (context_length_exceeded, request_limit_exceeded, ...)."""
 
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message, code=code)
         self.param = param
 
 

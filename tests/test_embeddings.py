@@ -331,21 +331,25 @@ def test_openai_client_embeddings_create(embed_server: tuple[str, Path],
 @pytest.mark.slow
 def test_embedding_request_limits_are_clear_400s(embed_server: tuple[str, Path]) -> None:
     c = _client(embed_server[0])
-    with pytest.raises(openai.BadRequestError, match="not a Matryoshka model"):
+    with pytest.raises(openai.BadRequestError) as e:
         c.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=128)
+    assert e.value.code == "invalid_value" and e.value.param == "dimensions"
     assert len(c.embeddings.create(model="all-MiniLM-L6-v2", input="hi",
                                    dimensions=384).data[0].embedding) == 384
     long = "word " * 400
-    with pytest.raises(openai.BadRequestError, match="at most 256 tokens"):
+    with pytest.raises(openai.BadRequestError) as e:
         c.embeddings.create(model="all-MiniLM-L6-v2", input=long)
+    assert e.value.code == "context_length_exceeded" and "256 tokens" in e.value.message
     cut = c.embeddings.create(model="all-MiniLM-L6-v2", input=long,
                               extra_body={"truncate_prompt_tokens": 100})
     assert cut.usage.prompt_tokens == 100
-    with pytest.raises(openai.BadRequestError, match="is served as an embedding model"):
+    with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="all-MiniLM-L6-v2",
                                   messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="embedding model"):
+    assert e.value.code == "wrong_model_kind" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="all-MiniLM-L6-v2", prompt="hi")
+    assert e.value.code == "wrong_model_kind"
 
 
 @pytest.mark.slow

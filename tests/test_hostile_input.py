@@ -52,7 +52,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_one_under_it_passes(server: Se
 
     url = f"{server.base_url}/v1/chat/completions"
     big = httpx.post(url, content=chunks(100_000), headers=AUTH, timeout=30)
-    assert big.status_code == 413, big.text
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
     assert "--max-request-body-bytes" in big.json()["error"]["message"]
     # 60 kB passes the limit; the prompt is then too long for the context (a 400, not a 413)
     ok = httpx.post(url, content=chunks(60_000), headers=AUTH, timeout=60)
@@ -61,7 +61,9 @@ def test_a_chunked_body_over_the_limit_is_413_and_one_under_it_passes(server: Se
 
 def test_headers_over_the_configured_limit_are_431(server: Server) -> None:
     r = httpx.get(f"{server.base_url}/health", headers={"X-Big": "a" * 9000}, timeout=10)
-    assert r.status_code == 431 and "8192 bytes" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 431 and err["code"] == "request_header_fields_too_large"
+    assert "8192 bytes" in err["message"]  # the limit configured
     assert httpx.get(f"{server.base_url}/health", headers={"X-Ok": "a" * 4000}).status_code == 200
 
 

@@ -44,7 +44,8 @@ class PromptTooLongError(KilnError):
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {asked} tokens ({prompt_len} in the messages, {max_tokens or 0} in the "
-            f"completion). Please reduce the length of the messages or completion.")
+            f"completion). Please reduce the length of the messages or completion.",
+            code="context_length_exceeded")
         self.prompt_len, self.max_model_len = prompt_len, max_model_len
 
 

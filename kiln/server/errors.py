@@ -28,10 +28,25 @@ _STATUS_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# The `code` of an error raised without one, by its status: every error body carries a code a
+# client (and a test) can match instead of the message's wording. Raisers give a narrower one
+# where it helps (model_not_found, context_length_exceeded, invalid_json, ...).
+_STATUS_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    431: "request_header_fields_too_large",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
-    """An error with its HTTP status, rendered in OpenAI's error shape."""
+    """An error with its HTTP status, rendered in OpenAI's error shape; `code` is never None
+    (the status's own code when the raiser gave none)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type_: str | None = None) -> None:
@@ -39,7 +54,7 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or _STATUS_CODES.get(status, "error")
         self.type = type_ or _STATUS_TYPES.get(status, "APIError")
 
     def body(self) -> dict[str, Any]:
@@ -56,8 +71,7 @@ class ClientGone(Exception):
 
 def bad_param(e: SamplingParamsError | TokenizerError, param: str | None = None) -> APIError:
     if isinstance(e, SamplingParamsError):
-        code = "context_length_exceeded" if "maximum context length" in e.message else None
-        return APIError(400, e.message, param=e.param, code=code or "invalid_value")
+        return APIError(400, e.message, param=e.param, code=e.code)
     return APIError(400, e.message, param=param, code="invalid_value")
 
 
@@ -78,7 +92,7 @@ def engine_error(e: BaseException) -> BaseException:
         return bad_param(e)
     if isinstance(e, KilnError):
         # add_request's own validation (the routes check the same things first, so rare).
-        return APIError(400, english(e.message), code="invalid_value")
+        return APIError(400, english(e.message), code=e.code or "invalid_value")
     return e
 
 

@@ -90,24 +90,27 @@ def build_router_app(pool: ModelPool, *, api_key: str | None, version: str,
             try:
                 payload = json.loads(body) if body else {}
             except ValueError:
-                raise APIError(400, "the request body is not valid JSON") from None
+                raise APIError(400, "the request body is not valid JSON",
+                               code="invalid_json") from None
         if not isinstance(payload, dict):
-            raise APIError(400, "the request body must be a JSON object")
+            raise APIError(400, "the request body must be a JSON object", code="invalid_value")
         name = payload.get("model") or first
         keep_alive = None
         if "keep_alive" in payload:  # Ollama's per-request field: the router's, not the model's
             try:
                 keep_alive = parse_duration(payload.pop("keep_alive"))
             except ValueError as e:
-                raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None
+                raise APIError(400, f"keep_alive: {e}", param="keep_alive",
+                               code="invalid_value") from None
             body = json.dumps(payload).encode()
         if not isinstance(name, str):
-            raise APIError(400, "model must be a string", param="model")
+            raise APIError(400, "model must be a string", param="model", code="invalid_value")
         try:
             child = await pool.acquire(name, keep_alive)
         except ModelUnavailable as e:
             raise APIError(e.status, str(e), param="model" if e.status == 404 else None,
-                           code="model_not_found" if e.status == 404 else None) from None
+                           code="model_not_found" if e.status == 404 else "model_unavailable"
+                           ) from None
         url = child.url + request.url.path + (f"?{request.url.query}" if request.url.query
                                               else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
@@ -117,7 +120,7 @@ def build_router_app(pool: ModelPool, *, api_key: str | None, version: str,
         except httpx.HTTPError as e:
             pool.release(child)
             raise APIError(503, f"model {name!r} did not answer ({type(e).__name__}); "
-                                "retry") from None
+                                "retry", code="model_unavailable") from None
 
         done = False
 
@@ -171,7 +174,7 @@ def build_router_app(pool: ModelPool, *, api_key: str | None, version: str,
             if r.status_code != 404:
                 return Response(r.content, r.status_code, media_type="application/json")
         raise APIError(404, f"no stored response {response_id!r} (its model may have been "
-                            "unloaded since)", param="response_id")
+                            "unloaded since)", param="response_id", code="response_not_found")
 
     async def from_loaded(path: str, request: Request) -> list[httpx.Response]:
         """GET `path` from every loaded model's server, with the caller's key."""

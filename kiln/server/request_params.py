@@ -33,6 +33,11 @@ class RequestLimits:
                    s["max_request_body_bytes"], s["max_header_bytes"])
 
 
+# The code of a request over one of the server's caps (--max-n, --max-stop-*): the request is
+# valid OpenAI, this server refuses its size.
+LIMIT = "request_limit_exceeded"
+
+
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:
     """Raises SamplingParamsError naming the field (and the flag) a request goes over; cheap,
     so routes call it before tokenizing anything."""
@@ -41,28 +46,29 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: Request
         if value is not None and value > limits.max_n:
             raise SamplingParamsError(
                 name, f"{name} is {value}; this server allows at most {limits.max_n} sequences "
-                "per request (--max-n)")
+                "per request (--max-n)", code=LIMIT)
     if isinstance(req, CompletionRequest):
         # A batch of prompts starts n sequences for each.
         num_prompts = len(req.prompts())
         if num_prompts * req.n > limits.max_n:
             raise SamplingParamsError(
                 "prompt", f"{num_prompts} prompts x n={req.n} is {num_prompts * req.n} "
-                f"sequences; this server allows at most {limits.max_n} per request (--max-n)")
+                f"sequences; this server allows at most {limits.max_n} per request (--max-n)",
+                code=LIMIT)
     stops = req.stop_list()
     if len(stops) > limits.max_stop_sequences:
         raise SamplingParamsError(
             "stop", f"{len(stops)} stop sequences; this server allows at most "
-            f"{limits.max_stop_sequences} (--max-stop-sequences)")
+            f"{limits.max_stop_sequences} (--max-stop-sequences)", code=LIMIT)
     longest = max(map(len, stops), default=0)
     if longest > limits.max_stop_length:
         raise SamplingParamsError(
             "stop", f"a stop sequence of {longest} characters; this server allows at most "
-            f"{limits.max_stop_length} (--max-stop-length)")
+            f"{limits.max_stop_length} (--max-stop-length)", code=LIMIT)
     if len(req.stop_token_ids or []) > limits.max_stop_sequences:
         raise SamplingParamsError(
             "stop_token_ids", f"{len(req.stop_token_ids or [])} stop token ids; this server "
-            f"allows at most {limits.max_stop_sequences} (--max-stop-sequences)")
+            f"allows at most {limits.max_stop_sequences} (--max-stop-sequences)", code=LIMIT)
 
 
 def strict_schema(schema: Any) -> Any:
@@ -141,13 +147,14 @@ def _context_error(param: str, max_model_len: int, prompt_len: int, max_tokens: 
             param,
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"{what} resulted in {prompt_len} tokens, leaving no room for the completion. "
-            f"Please reduce the length of the {what}.",
+            f"Please reduce the length of the {what}.", code="context_length_exceeded",
         )
     raise SamplingParamsError(
         tokens_param if prompt_len < max_model_len else param,
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the "
         f"completion). Please reduce the length of the {what} or completion.",
+        code="context_length_exceeded",
     )
 
 
