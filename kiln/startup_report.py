@@ -74,7 +74,10 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
                      ) -> dict[str, Any]:
     out: dict[str, Any] = {"status": status, "phase": sp.phase}
     if error is not None:
-        out["error"] = {"type": type(error).__name__, "message": english(error)}
+        # code: what a program matches (a KilnError's catalogue key or given code; None for an
+        # error kiln did not word), the same in every language; message: English
+        out["error"] = {"type": type(error).__name__, "code": getattr(error, "code", None),
+                        "message": english(error)}
     out["settings"] = sp.settings.to_json() if sp.settings else {}
     if sp.settings and "api_key" in out["settings"] and out["settings"]["api_key"]["value"]:
         out["settings"]["api_key"]["value"] = "***"
@@ -149,6 +152,7 @@ def _write_trace(path: Path, sp: StartupPlan, status: str, error: BaseException 
         for key, value in sp.extra.get("decisions", {}).items():
             f.write(json.dumps({"decision": key, **value}, default=str) + "\n")
         f.write(json.dumps({"decision": "startup", "status": status, "phase": sp.phase,
+                            "error_code": getattr(error, "code", None) if error else None,
                             "error": english(error) if error else None}) + "\n")
 
 

@@ -334,6 +334,7 @@ def load_tokenizer(source: Path, gguf_file: Path | None = None) -> Tokenizer:
         raise ModelLoadError(
             f"could not load the tokenizer from {gguf_file or source}: {e}",
             hint="check the path; a folder needs tokenizer.json or tokenizer_config.json",
+            code="load.tokenizer_failed",
         ) from e
 
     extra_eos: list[int] = []

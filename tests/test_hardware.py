@@ -207,24 +207,28 @@ def test_check_device_fails_closed_on_this_machine() -> None:
     for req in ("cuda", "cuda:0"):
         with pytest.raises(DeviceError) as err:
             check_device(req, hw)
-        assert "--device cpu" in str(err.value) and "CUDA build of torch" in str(err.value)
-    with pytest.raises(DeviceError, match="unknown device"):
+        assert err.value.code == "device.no_cuda" and "--device cpu" in str(err.value)
+    with pytest.raises(DeviceError) as err:
         check_device("tpu", hw)
+    assert err.value.code == "device.unknown"
 
 
 def test_check_device_gpu_seen_by_nvidia_smi_but_cpu_torch() -> None:
     hw = make_hw(parse_nvidia_smi(NVIDIA_SMI), torch_cuda=False)
     assert check_device("auto", hw) == "cpu"  # auto never picks a device torch cannot drive
-    with pytest.raises(DeviceError, match="CPU-only build"):
+    with pytest.raises(DeviceError) as err:
         check_device("cuda", hw)
+    assert err.value.code == "device.gpus_unusable"
+    assert err.value.message.fields["cuda"].key == "device.cpu_only_build"
 
 
 def test_check_device_with_usable_gpus() -> None:
     hw = make_hw(parse_nvidia_smi(NVIDIA_SMI), torch_cuda=True)
     assert check_device("auto", hw) == "cuda"
     assert check_device("cuda:1", hw) == "cuda:1"
-    with pytest.raises(DeviceError, match="only 2 GPU"):
+    with pytest.raises(DeviceError) as err:
         check_device("cuda:2", hw)
+    assert err.value.code == "device.bad_index" and "cuda:0..cuda:1" in str(err.value)
 
 
 def test_supported_dtypes_follow_the_hardware() -> None:

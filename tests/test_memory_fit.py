@@ -38,8 +38,9 @@ def test_auto_max_model_len_is_lowered_to_what_the_pool_holds(tiny):
     eng = Engine(EngineConfig(model=tiny, dtype="float32", max_num_batched_tokens=32),
                  runner=r)
     assert eng.max_model_len == FITS
-    with pytest.raises(PromptTooLongError, match="maximum context length is 160"):
+    with pytest.raises(PromptTooLongError) as e:
         eng.add_request("r", [1] * 150, SamplingParams(max_tokens=20))
+    assert e.value.code == "context_length_exceeded" and e.value.max_model_len == FITS
     eng.add_request("ok", [1] * 150, SamplingParams(max_tokens=9, temperature=0.0))
     while eng.has_unfinished:
         eng.step()
@@ -50,7 +51,7 @@ def test_explicit_max_model_len_that_does_not_fit_names_the_largest_that_does(ti
 
     with pytest.raises(MemoryFitError) as e:
         runner(tiny, kv_cache_memory=POOL, max_model_len=512, max_model_len_explicit=True)
-    assert "--max-model-len 512 does not fit" in str(e.value)
+    assert e.value.code == "memory.context_does_not_fit" and "--max-model-len 512" in str(e.value)
     assert e.value.hint is not None and f"--max-model-len {FITS} or less" in e.value.hint
     r = runner(tiny, kv_cache_memory=POOL, max_model_len=FITS, max_model_len_explicit=True)
     assert r.max_model_len == FITS and not r.plan.warnings
@@ -59,8 +60,10 @@ def test_explicit_max_model_len_that_does_not_fit_names_the_largest_that_does(ti
 def test_a_pool_smaller_than_one_block_is_refused(tiny):
     from kiln.errors import MemoryFitError
 
-    with pytest.raises(MemoryFitError, match="give the KV cache more memory"):
+    with pytest.raises(MemoryFitError) as e:
         runner(tiny, kv_cache_memory=4 << 10)
+    assert e.value.code == "memory.context_does_not_fit"
+    assert e.value.hint.key == "memory.kv_too_small.hint"  # give the KV cache more memory
 
 
 def test_max_model_len_counts_as_explicit_only_when_the_user_set_it():

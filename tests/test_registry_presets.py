@@ -94,8 +94,9 @@ def test_gpu_experts_per_layer_follows_the_formula() -> None:
     assert gpu_experts_per_layer(entry, vram, 1, quant="Q4_K_M") > expected  # smaller weights
     dense = lookup("llama3.1-8b")
     assert dense is not None
-    with pytest.raises(ConfigError, match="MoE"):
+    with pytest.raises(ConfigError) as e:
         gpu_experts_per_layer(dense, vram, 1)
+    assert e.value.code == "registry.not_moe"
 
 
 def test_registry_file_errors_are_config_errors(tmp_path: Path) -> None:
@@ -104,11 +105,13 @@ def test_registry_file_errors_are_config_errors(tmp_path: Path) -> None:
     first = f'[[models]]\nname = "a"\nhf_repo = "o/a"\naliases = ["x"]\n{common}'
     second = f'[[models]]\nname = "x"\nhf_repo = "o/x"\n{common}'
     bad.write_text(first + second)
-    with pytest.raises(ConfigError, match="used by"):
+    with pytest.raises(ConfigError) as e:
         load_registry(bad)
+    assert e.value.code == "registry.name_taken" and "'x'" in str(e.value)
     bad.write_text('[[models]]\nname = "a"\n')
-    with pytest.raises(ConfigError, match="lacks"):
+    with pytest.raises(ConfigError) as e:
         load_registry(bad)
+    assert e.value.code == "registry.entry_incomplete" and "hf_repo" in str(e.value)
 
 
 def test_unknown_preset_lists_the_known_ones() -> None:
@@ -362,8 +365,9 @@ def test_moe_hybrid_settings_fill_num_gpu_experts() -> None:
     s = moe_hybrid_settings(entry, hw_with([24]))
     assert s["cpu_offload_experts"] is True
     assert s["num_gpu_experts"] == gpu_experts_per_layer(entry, 24 * GIB, 1)
-    with pytest.raises(ConfigError, match="needs a GPU"):
+    with pytest.raises(ConfigError) as e:
         moe_hybrid_settings(entry, hw_with([]))
+    assert e.value.code == "preset.moe_hybrid_needs_gpu"
 
 
 def test_every_moe_rule_names_its_config_json_source() -> None:

@@ -162,7 +162,7 @@ def test_incomplete_cached_snapshot_offline_says_to_finish_the_pull(
     make_hf_repo(hf_cache, "acme/half", files)
     with pytest.raises(ModelNotFoundError) as err:
         resolve_model("acme/half", offline=True)
-    assert "incomplete" in str(err.value) and "kiln pull" in str(err.value)
+    assert err.value.code == "model.incomplete" and "kiln pull" in str(err.value)
 
 
 def gguf_repo_files() -> dict[str, bytes]:
@@ -254,16 +254,19 @@ def test_one_part_of_a_split_gguf_brings_all_parts(tmp_path: Path) -> None:
 
 def test_bad_paths_fail_with_a_reason(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hi")
-    with pytest.raises(ModelNotFoundError, match="not a .gguf"):
+    with pytest.raises(ModelNotFoundError) as e:
         resolve_model(str(tmp_path / "notes.txt"))
-    with pytest.raises(ModelNotFoundError, match="no such file"):
+    assert e.value.code == "model.not_gguf"
+    with pytest.raises(ModelNotFoundError) as e:
         resolve_model(str(tmp_path / "missing.gguf"))
+    assert e.value.code == "model.no_such_path"
     bin_only = tmp_path / "old"
     bin_only.mkdir()
     (bin_only / "config.json").write_text("{}")
     (bin_only / "pytorch_model.bin").write_bytes(b"x")
-    with pytest.raises(ModelLoadError, match="safetensors or GGUF"):
+    with pytest.raises(ModelLoadError) as e:
         resolve_model(str(bin_only))
+    assert e.value.code == "model.only_bin"
 
 
 def test_hf_id_found_in_model_dirs_up_to_three_levels(
@@ -308,9 +311,11 @@ def test_offline_with_nothing_cached_does_not_touch_the_network(
     text = str(err.value)
     assert "offline" in text and "kiln pull HuggingFaceTB/SmolLM2-360M" in text
     assert "HuggingFaceTB/SmolLM2-360M-Instruct" in text  # a close match from the registry
-    with pytest.raises(ModelNotFoundError, match="downloads are disabled"):
+    with pytest.raises(ModelNotFoundError) as err:
         monkeypatch.delenv("HF_HUB_OFFLINE")
         resolve_model("acme/nothing", download=False)
+    assert err.value.code == "model.not_cached"
+    assert err.value.message.fields["why"].key == "model.downloads_off"
 
 
 # --- download (Hub functions replaced by local fakes that write the cache layout) -----------
@@ -346,8 +351,9 @@ def test_download_plan_picks_weights_and_tokenizer_only() -> None:
     )
     gguf = plan_download("acme/x-GGUF", list(gguf_repo_files()), "Q6_K")
     assert gguf.format == "gguf" and len(gguf.files) == 2 and gguf.quant == "Q6_K"
-    with pytest.raises(ModelNotFoundError, match="no weights"):
+    with pytest.raises(ModelNotFoundError) as e:
         plan_download("acme/empty", ["README.md"], None)
+    assert e.value.code == "download.no_weights"
 
 
 def test_download_writes_into_the_cache_and_resolves(

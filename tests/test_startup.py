@@ -57,10 +57,12 @@ def test_conflicting_spellings_of_one_flag_are_rejected_by_name():
 
 
 def test_bad_values_name_the_flag():
-    with pytest.raises(ConfigError, match="--max-num-seqs"):
+    with pytest.raises(ConfigError, match="--max-num-seqs") as e:
         resolve_settings(env=S.env_values({"KILN_MAX_NUM_SEQS": "-3"}))
-    with pytest.raises(ConfigError, match="choose one of"):
+    assert e.value.code == "config.invalid_value"
+    with pytest.raises(ConfigError) as e:
         resolve_settings(file={"kv_cache_dtype": "int3"})
+    assert e.value.code == "config.invalid_choice" and "--kv-cache-dtype" in str(e.value)
 
 
 def test_served_model_names_reject_bad_lists():
@@ -135,9 +137,10 @@ def test_corrupt_weights_write_failed_artifacts(tmp_path, capsys):
     assert rc != 0
     data = json.loads(eff.read_text())
     assert data["status"] == "failed" and data["phase"] == "load"
-    assert data["error"]["message"]
+    assert data["error"]["message"] and data["error"]["code"] == "load.tokenizer_failed"
     last = json.loads(trace.read_text().splitlines()[-1])
     assert last["status"] == "failed" and last["phase"] == "load"
+    assert last["error_code"] == "load.tokenizer_failed"
     assert "error" in capsys.readouterr().err
 
 
@@ -147,8 +150,9 @@ def test_device_cuda_fails_closed_before_model_work(tmp_path, capsys):
     rc = main(["serve", str(folder), "--device", "cuda", "--effective-config-json", str(eff)])
     assert rc != 0
     err = capsys.readouterr().err
-    assert "cuda" in err.lower() and "--device cpu" in err
-    assert json.loads(eff.read_text())["phase"] == "device"
+    assert "--device cpu" in err  # the way out, printed
+    data = json.loads(eff.read_text())
+    assert data["phase"] == "device" and data["error"]["code"] == "device.no_cuda"
 
 
 def test_env_and_config_file_sources(tmp_path, monkeypatch):

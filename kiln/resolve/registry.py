@@ -127,7 +127,7 @@ def _entry_from_toml(raw: dict[str, Any], source: str) -> RegistryEntry:
     if missing:
         raise ConfigError(
             f"model registry {source}: entry {label!r} lacks {', '.join(missing)}",
-            hint="fix the entry in models.toml",
+            hint="fix the entry in models.toml", code="registry.entry_incomplete",
         )
     if raw["kind"] not in ("dense", "moe"):
         raise ConfigError(
@@ -180,7 +180,7 @@ def _parse_registry(text: str, source: str) -> list[RegistryEntry]:
             if key in seen:
                 raise ConfigError(
                     f"model registry {source}: name {n!r} is used by {seen[key]!r} and {e.name!r}",
-                    hint="make names and aliases unique",
+                    hint="make names and aliases unique", code="registry.name_taken",
                 )
             seen[key] = e.name
     return entries
@@ -317,6 +317,7 @@ def gpu_experts_per_layer(
         raise ConfigError(
             f"{entry.name} is a {entry.kind} model with no gpu_experts_rule",
             hint="num_gpu_experts only applies to MoE models; leave it unset",
+            code="registry.not_moe",
         )
     if tp < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {tp}")

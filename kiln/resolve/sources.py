@@ -111,6 +111,7 @@ def _from_path(p: Path, spec: str, quant: str | None) -> ModelSource:
                 f"{p} is a file but not a .gguf (nor a Piper voice's .onnx beside its "
                 ".onnx.json)",
                 hint="pass a .gguf file, or the folder holding config.json and *.safetensors",
+                code="model.not_gguf",
             )
         return source_from_gguf_file(p, spec)
     src = source_from_dir(p, spec=spec, kind="folder", origin="path", quant=quant)
