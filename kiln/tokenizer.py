@@ -154,6 +154,7 @@ class Tokenizer:
             raise TokenizerError(
                 "this model has no chat template, so /v1/chat/completions cannot format messages",
                 hint="use /v1/completions with a raw prompt, or a model with a chat template",
+                code="chat.no_template",
             )
         kwargs: dict[str, Any] = dict(template_kwargs)
         if continue_final_message:
@@ -169,7 +170,8 @@ class Tokenizer:
                 **kwargs,
             )
         except Exception as e:  # jinja errors, raise_exception() in templates, bad message dicts
-            raise TokenizerError(f"the chat template could not render these messages: {e}") from e
+            raise TokenizerError(f"the chat template could not render these messages: {e}",
+                                 code="chat.template_rejected") from e
         if not isinstance(text, str):  # some versions return a list for batched input
             text = text[0]
         return text

@@ -138,15 +138,18 @@ def test_chat_template_receives_tools(sp_tokenizer: Tokenizer) -> None:
 
 
 def test_chat_template_rejection_is_a_tokenizer_error(sp_tokenizer: Tokenizer) -> None:
-    with pytest.raises(TokenizerError, match="bad role"):
+    with pytest.raises(TokenizerError) as e:
         sp_tokenizer.apply_chat_template_text([{"role": "bot", "content": "x"}])
+    assert e.value.code == "chat.template_rejected"
+    assert "bad role" in e.value.message  # the template's own reason is passed on
 
 
 def test_no_chat_template_is_a_tokenizer_error(sp_tokenizer: Tokenizer) -> None:
     bare = Tokenizer(sp_tokenizer.hf.__class__(tokenizer_object=sp_tokenizer.hf.backend_tokenizer))
     assert not bare.chat_template
-    with pytest.raises(TokenizerError, match="no chat template"):
+    with pytest.raises(TokenizerError) as e:
         bare.apply_chat_template([{"role": "user", "content": "x"}])
+    assert e.value.code == "chat.no_template"
 
 
 # -- incremental detokenizer --------------------------------------------------------------------
