@@ -30,7 +30,7 @@ class AutoContext:
     model_max_tp: int | None = None  # from the registry
     is_moe: bool = False
     numa_nodes: int = 1
-    cpu_amx: bool = False  # Intel AMX tiles granted by the OS: kt-kernel's AMX methods
+    cpu_amx: bool = False  # AMX in the CPU flags (as check_kt tests): kt-kernel's AMX methods
     cpu_kernels: bool = True  # kiln's CPU kernels run here (kiln.layers.kernels: AVX2 or better)
     model_quant: str | None = None  # the checkpoint's own quantization, e.g. GGUF "Q4_1"
     # What the model's files say it is for (kiln.kinds.detect_kind): (kind, reason).

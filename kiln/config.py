@@ -301,6 +301,13 @@ SETTINGS: list[Setting] = [
             "voice) (auto: from the model's config and files)", ("--kind",),
             choices=("auto", "generate", "embed", "transcribe", "speech"),
             affects="correctness", auto=auto_kind, group="model", engines=("kiln",)),
+    # ferrum's --tts-slots: one voice per slot, each on its own thread (kiln/kinds/worker.py).
+    Setting("tts_slots", positive_int, 1,
+            "--kind speech: voices loaded, each on its own thread, so N /v1/audio/speech requests "
+            "are synthesized at once, --threads shared among them (ferrum's --tts-slots; "
+            "ferrum's default is 2, kiln's 1: one request at a time on every thread)",
+            ("--tts-slots",), affects="performance", group="model", metavar="N",
+            engines=("kiln",)),
     Setting("pooling", str, "auto",
             "--kind embed: how token states become one vector (auto: the model's "
             "sentence-transformers 1_Pooling config; else CLS for an encoder, the last token "
@@ -356,14 +363,24 @@ SETTINGS: list[Setting] = [
             "decodes)", ("--scheduler-prefill-first-until-active",), affects="performance",
             metavar="N", engines=("kiln",)),
     Setting("scheduler_prefill_step_chunk", positive_int, None,
-            "most prompt tokens one request prefills in a step (unset: the step's budget)",
+            "most prompt tokens one request prefills in a step (unset: the step's budget; "
+            "vLLM: --long-prefill-token-threshold)",
             ("--scheduler-prefill-step-chunk",), affects="performance", metavar="TOKENS",
-            engines=("kiln",)),
+            engines=("kiln", "vllm")),
     Setting("scheduler_active_decode_prefill_chunk", positive_int, None,
             "most prompt tokens all requests together prefill in a step that also decodes "
             "(keeps the decodes' inter-token latency down; unset: the step's budget)",
             ("--scheduler-active-decode-prefill-chunk",), affects="performance",
             metavar="TOKENS", engines=("kiln",)),
+    # ferrum's --greedy-argmax: temperature-0 rows picked by an argmax on the device, only the
+    # ids leaving it. kiln's sampler has no other greedy path (kiln/engine/sampler.py), so the
+    # row records that, and off is noted, not obeyed (kiln/resolve/ferrum.py).
+    Setting("greedy_argmax", parse_bool, True,
+            "temperature-0 rows take the argmax of their logits where the logits are, with no "
+            "softmax and no logprobs unless asked (kiln's only greedy path; vLLM and SGLang do "
+            "the same; ferrum's --disable-greedy-argmax is noted and changes nothing)",
+            ("--greedy-argmax",), neg_flags=("--disable-greedy-argmax",),
+            affects="performance", engines=("kiln",)),
     Setting("block_size", positive_int, 16, "tokens per KV cache block",
             ("--block-size", "--kv-block-size"), affects="memory"),
     Setting("kv_cache_dtype", str, "auto", "KV cache storage dtype",
@@ -454,7 +471,8 @@ SETTINGS: list[Setting] = [
     # -- speculative decoding (external engines)
     Setting("speculative_model", str, None,
             "draft model for speculative decoding, resolved like MODEL (alias, folder, GGUF, "
-            "cached id); it must share the model's tokenizer", ("--speculative-model",),
+            "cached id); it must share the model's tokenizer",
+            ("--speculative-model", "--speculative-draft-model-path", "--spec-draft"),
             affects="performance", metavar="DRAFT"),
     Setting("speculative_config", parse_json_object, None,
             "vLLM's form of the three above, a JSON object: model, num_speculative_tokens, "
@@ -469,7 +487,7 @@ SETTINGS: list[Setting] = [
             affects="performance"),
     Setting("num_speculative_tokens", positive_int_or_auto, None,
             "tokens the draft proposes per step (kiln's engine: auto follows the measured "
-            "acceptance, 1-8)", ("--num-speculative-tokens",),
+            "acceptance, 1-8)", ("--num-speculative-tokens", "--spec-tokens"),
             affects="performance", auto=auto_num_speculative_tokens),
     Setting("ngram_prompt_lookup_min", positive_int, 2,
             "ngram speculation: shortest suffix looked up in the request's tokens (vLLM's "

@@ -25,8 +25,9 @@ from kiln.errors import ConfigError, KilnError, ModelNotFoundError
 from kiln.i18n import english, msg, set_lang
 from kiln.kinds import AUDIO_FORMATS
 from kiln.layers.kernels import isa as kernel_isa
+from kiln.layers.kernels.flags import flags_amx
 from kiln.paths import check_cache_dir_writable
-from kiln.resolve import parallel, speculative
+from kiln.resolve import ferrum, parallel, speculative
 from kiln.setting_resolve import ResolvedSettings, resolve_settings
 from kiln.startup_plan import StartupPlan
 
@@ -180,7 +181,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         is_moe=parallel.model_is_moe(entry, mc),
         model_quant=sp.source.quant or (mc.quantization if mc else None),
         numa_nodes=hw.numa_nodes,
-        cpu_amx=kernel_isa.amx_granted(),
+        cpu_amx=flags_amx(hw.cpu_flags),  # kt-kernel's AMX: the test check_kt makes
         cpu_kernels=kernel_isa.cpu_has_avx2(),
         model_kind=model_kind,
         model_names=served_names(sp.source),
@@ -247,6 +248,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         _check_lora_adapters(s)
         sp.phase = "device"
         _check_kind(s, mc, sp.source.format)
+        ferrum.answer_flags(s)
         parallel.plan_expert_placement(sp)
         if not args.dry_run:
             _install_stages(s)

@@ -142,20 +142,22 @@ def test_registry_aliases_resolve_to_the_packages() -> None:
 # --------------------------------------------------------------------------- end to end
 
 
-def _serve(tmp: Path, model: Path, name: str) -> Iterator[Any]:
+def _serve(tmp: Path, model: Path, name: str, *args: str) -> Iterator[Any]:
     port = _free_port()
     cmd = [sys.executable, "-m", "kiln", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", "--served-model-name", name,
-           "--effective-config-json", str(tmp / f"effective-{port}.json")]
+           "--effective-config-json", str(tmp / f"effective-{port}.json"), *args]
     yield from _run_server(tmp, port, cmd)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, whisper_tiny_en: Path,
             piper_joe: Path) -> Iterator[tuple[Any, Any]]:
-    """(transcribe server, speech server), started at the same time."""
+    """(transcribe server, speech server), started at the same time; the speech server with
+    two slots (ferrum's --tts-slots), so two requests are spoken at once."""
     tmp = tmp_path_factory.mktemp("audio")
-    gens = [_serve(tmp, whisper_tiny_en, "whisper"), _serve(tmp, piper_joe, "joe")]
+    gens = [_serve(tmp, whisper_tiny_en, "whisper"),
+            _serve(tmp, piper_joe, "joe", "--tts-slots", "2")]
     with ThreadPoolExecutor(2) as ex:
         futures = [ex.submit(next, g) for g in gens]
         started = [f.result() for f in futures]
@@ -310,6 +312,30 @@ def test_speech_streams_sentence_by_sentence(servers: tuple[Any, Any]) -> None:
     assert events[-1]["type"] == "speech.audio.done"
     assert events[-1]["usage"]["input_tokens"] == len(body["input"])
     assert len(pcm) / 2 / 24000 == pytest.approx(seconds, rel=0.15)
+
+
+def test_tts_slots_speak_two_requests_at_once(servers: tuple[Any, Any]) -> None:
+    """ferrum's --tts-slots 2: each slot its own voice on its own thread (the 2 cores shared),
+    so a second request's sentences come while the first's still do; with one slot the second
+    would start after the first ended."""
+    url = f"{servers[1].base_url}/v1/audio/speech"
+    body = {"model": "joe", "input": " ".join(SENTENCES[:3]), "response_format": "pcm",
+            "stream_format": "sse"}
+
+    def spoken() -> list[float]:
+        """When each sentence's audio arrived."""
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            return [time.monotonic() for line in r.iter_lines()
+                    if line.startswith("data: ") and '"speech.audio.delta"' in line]
+
+    with ThreadPoolExecutor(2) as ex:
+        a, b = ex.map(lambda _: spoken(), range(2))
+    assert len(a) >= 3 and len(b) >= 3
+    assert a[0] < b[-1] and b[0] < a[-1]  # the two overlapped
+    eff = json.loads(servers[1].effective_config.read_text())
+    assert eff["settings"]["tts_slots"]["value"] == 2
+    assert eff["settings"]["tts_slots"]["source"] == "cli"
+    assert "shared by 2 speech slots" in eff["settings"]["num_threads"]["reason"]
 
 
 def test_bad_audio_requests_are_openai_errors(servers: tuple[Any, Any],

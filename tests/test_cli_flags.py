@@ -5,6 +5,7 @@ looked up, and an unwritable artifact as one warning line after the real error."
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -146,3 +147,53 @@ def test_kiln_run_on_a_base_model_runs_the_prompt_as_a_completion(tmp_path, caps
     assert rc == 0, err
     assert "no chat template (a base model)" in err and "Traceback" not in err
     assert out.strip()  # the completion's tokens
+
+
+def test_ferrums_greedy_argmax_and_tts_slots_are_settings_kiln_says_what_it_does_with(
+        tmp_path, monkeypatch):
+    """ferrum's --greedy-argmax is kiln's only greedy path (on, from the table); its
+    --disable-greedy-argmax is recorded and answered, not obeyed; --tts-slots is a setting
+    (env and config key too) that a model which does not speak says it ignores."""
+    s = _settings(tmp_path, "smollm2", "--greedy-argmax")
+    assert s["greedy_argmax"] == {"value": True, "source": "cli", "affects": "performance",
+                                  "reason": "set by --greedy-argmax"}
+    eff = tmp_path / "eff.json"
+    assert main(["serve", "smollm2", "--dry-run", "--disable-greedy-argmax",
+                 "--effective-config-json", str(eff)]) == 0
+    got = json.loads(eff.read_text())
+    assert got["settings"]["greedy_argmax"]["value"] is True
+    assert "one greedy path" in got["settings"]["greedy_argmax"]["reason"]
+    assert any("--disable-greedy-argmax (cli)" in w for w in got["warnings"])
+    monkeypatch.setenv("KILN_TTS_SLOTS", "3")
+    assert main(["serve", "smollm2", "--dry-run", "--effective-config-json", str(eff)]) == 0
+    got = json.loads(eff.read_text())
+    assert got["settings"]["tts_slots"] == {"value": 3, "source": "env",
+                                            "affects": "performance",
+                                            "reason": "set by KILN_TTS_SLOTS"}
+    assert any("--tts-slots 3 (env) applies to a speech model" in w for w in got["warnings"])
+
+
+def test_a_served_model_answers_to_the_names_ferrum_would_serve(tmp_path):
+    """Issue 43 item 6 through the API: `kiln serve smollm2 --served-model-name smollm2
+    --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct` (ferrum's spelling, the flag once
+    per name) lists and answers both, as the same command without the flag does (ferrum's
+    default: the name asked for, then the canonical id)."""
+    from test_server import _free_port, _run_server
+
+    names = ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert _settings(tmp_path, "smollm2")["served_model_name"]["value"] == names
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kiln", "serve", "smollm2", "--host", "127.0.0.1", "--port",
+           str(port), "--device", "cpu", "--dtype", "float32", "--no-compile",
+           "--max-model-len", "64", "--kv-cache-memory", "16MiB", "--served-model-name", names[0],
+           "--served-model-name", names[1],
+           "--effective-config-json", str(tmp_path / f"effective-{port}.json")]
+    run = _run_server(tmp_path, port, cmd)
+    client = next(run).client()
+    try:
+        assert [m.id for m in client.models.list().data] == names
+        for name in names:
+            r = client.completions.create(model=name, prompt="Hi", max_tokens=1)
+            assert r.model == name
+    finally:
+        run.close()

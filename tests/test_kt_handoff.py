@@ -538,7 +538,7 @@ def test_model_path_short_names_and_a_choice_among_registry_matches(
     assert flag(argv, "--model-path") == "deepseek-ai/DeepSeek-V3"
 
 
-def test_the_ten_commands_of_a_kt_cli_user_carry_every_flag_kt_clis_line_would(
+def test_kt_clis_own_spellings_carry_every_flag_kt_clis_line_would(
         machine: dict[str, HardwareInfo], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Each as a kt-cli user types it (kt-cli's own spellings included); the SGLang line carries
@@ -642,3 +642,121 @@ def test_the_embedded_models_repo_offline_is_the_embedded_copy(
     assert rc == 0, err
     assert eff["model"]["origin"] == "embedded" and eff["model"]["format"] == "gguf"
     assert eff["model"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# kt-cli's fixed flags with the values `kt run` gives them (kt-kernel on, one 24 GiB GPU, two
+# NUMA nodes of 32 cores); the model-dependent ones (GPU experts, remote code) are checked apart.
+KT_CLI_VALUES = {"--attention-backend": "triton", "--max-total-tokens": "40000",
+                 "--max-running-requests": "32", "--chunked-prefill-size": "4096",
+                 "--mem-fraction-static": "0.98", "--watchdog-timeout": "3000",
+                 "--kt-method": "AMXINT4", "--kt-threadpool-count": "2",
+                 "--kt-cpuinfer": str(int(64 * 0.8)), "--kt-gpu-prefill-token-threshold": "4096",
+                 "--tp-size": "1", "--host": "127.0.0.1", "--port": "8000"}
+
+
+def test_issue_43s_commands_as_a_kt_cli_user_types_them_give_kt_clis_sglang_line(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Acceptance of issue 43: the commands of its items 1-7 and 9 (the hand-off ones), each with
+    --dry-run on the simulated 2-socket machine with one 24 GiB GPU, give an SGLang line with
+    every flag kt-cli's `kt run` gives, at kt-cli's value, or kiln's reason where it differs
+    (--trust-remote-code only for models that ship code). Item 8 (a real hand-off) is
+    test_a_real_hand_off_prints_the_summary_and_the_command_it_launches."""
+    models = tmp_path / "models"
+    qwen = model_folder(models / "Qwen--Qwen3-30B-A3B", QWEN3_30B_A3B)
+    ds = model_folder(tmp_path / "D", DEEPSEEK_V3)
+    config = tmp_path / "kt.toml"
+    config.write_text('model = "qwen3-30b-a3b"\n')
+    knobs = ["--sequence-fit-policy", "full-input-must-fit",
+             "--scheduler-prefill-first-until-active", "8", "--scheduler-prefill-step-chunk",
+             "512", "--scheduler-active-decode-prefill-chunk", "256"]
+    commands: dict[str, list[str]] = {
+        "1 SGLang's options": ["qwen3-30b-a3b", "--attention-backend", "triton"],
+        "2 kt-cli's fixed flags": ["kimi-k2"],
+        "3 kt's folder by name": ["qwen3-30b-a3b", "--model-dir", str(models)],
+        "3 kt's folder by path": [str(qwen)],
+        "4 short alias": ["m2"],
+        "4 --model-path": ["deepseek-v3", "--model-path", str(ds)],
+        "5 config file's model": ["--config", str(config)],
+        "6 served names": ["qwen3-30b-a3b", "--served-model-name", "a",
+                           "--served-model-name", "b"],
+        "7 ferrum's scheduler knobs": ["qwen3-30b-a3b", *knobs],
+        "9 draft alias": ["qwen3-30b-a3b", "--speculative-draft-model-path", "qwen3-0.6b",
+                          "--num-speculative-tokens", "3"],
+    }
+    runs = {}
+    for item, command in commands.items():
+        rc, argv, eff, _, err = dry_run(tmp_path, capsys, *command, "--engine", "sglang")
+        assert rc == 0, (item, err)
+        assert argv[1:3] == ["-m", "sglang.launch_server"], item
+        missing = set(KT_CLI_FLAGS) - kt_flags(argv)
+        assert not missing, (item, missing)
+        for name, value in KT_CLI_VALUES.items():
+            assert flag(argv, name) == value, (item, name, flag(argv, name))
+        assert "--enable-mixed-chunk" in argv and "--enable-p2p-check" in argv, item
+        entry = lookup(eff["model"]["registry_entry"])
+        assert entry is not None, item
+        assert flag(argv, "--kt-num-gpu-experts") == str(gpu_experts_per_layer(entry, 24 * GIB,
+                                                                               1)), item
+        assert eff["preset"]["name"] == "kt", item
+        # The simulated CPU's AMX, as check_kt sees it (not the machine the test runs on).
+        assert "on this CPU's AMX tiles" in eff["settings"]["kt_method"]["reason"], item
+        trust = eff["settings"]["trust_remote_code"]
+        if "--trust-remote-code" not in argv:  # kt-cli passes it always; kiln says why not
+            assert "kt-cli passes --trust-remote-code for every model" in trust["reason"], item
+        runs[item] = argv, eff
+    # What each item fixed, on its own line.
+    argv, eff = runs["1 SGLang's options"]
+    assert eff["settings"]["attention_backend"]["source"] == "cli"
+    assert flag(argv, "--model-path") == "Qwen/Qwen3-30B-A3B"  # SGLang fetches it
+    argv, eff = runs["2 kt-cli's fixed flags"]
+    assert "--trust-remote-code" in argv and flag(argv, "--model-path") == \
+        "moonshotai/Kimi-K2-Instruct"
+    assert eff["settings"]["watchdog_timeout"]["source"] == "preset"
+    for item in ("3 kt's folder by name", "3 kt's folder by path"):
+        argv, eff = runs[item]
+        assert flag(argv, "--model-path") == str(qwen), item
+        assert eff["model"]["registry_entry"] == "qwen3-30b-a3b", item
+    assert runs["3 kt's folder by name"][1]["model"]["origin"] == "model-dir"
+    argv, eff = runs["4 short alias"]
+    assert flag(argv, "--model-path") == "MiniMaxAI/MiniMax-M2"
+    assert "--trust-remote-code" in argv and "--disable-shared-experts-fusion" in argv
+    argv, eff = runs["4 --model-path"]
+    assert flag(argv, "--model-path") == str(ds) and "--trust-remote-code" in argv
+    assert flag(argv, "--served-model-name") == "deepseek-v3"
+    argv, eff = runs["5 config file's model"]
+    assert eff["settings"]["model"]["source"] == "file"
+    assert flag(argv, "--model-path") == "Qwen/Qwen3-30B-A3B"
+    argv, eff = runs["6 served names"]
+    assert eff["settings"]["served_model_name"]["value"] == ["a", "b"]
+    assert flag(argv, "--served-model-name") == "a"  # SGLang takes one name, and kiln says so
+    assert any("serves one model name" in w for w in eff["engine"]["warnings"])
+    argv, eff = runs["7 ferrum's scheduler knobs"]
+    for knob in knobs[::2]:  # kiln's scheduler's knobs: not passed on, each said why
+        assert knob not in argv
+        assert any(w.startswith(f"SGLang ignores {knob}=") for w in eff["engine"]["warnings"])
+    assert eff["settings"]["scheduler_prefill_step_chunk"] == {
+        "value": 512, "source": "cli", "affects": "performance",
+        "reason": "set by --scheduler-prefill-step-chunk"}
+    argv, eff = runs["9 draft alias"]
+    assert flag(argv, "--speculative-draft-model-path") == "Qwen/Qwen3-0.6B"
+    assert flag(argv, "--speculative-num-steps") == "3"
+    assert "qwen3-0.6b resolved" in eff["settings"]["speculative_model"]["reason"]
+
+
+def test_ferrums_scheduler_knobs_reach_vllm_where_it_has_one_and_are_said_ignored_elsewhere(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    rc, argv, eff, _, err = dry_run(
+        tmp_path, capsys, str(folder), "--engine", "vllm", "--scheduler-prefill-step-chunk",
+        "512", "--sequence-fit-policy", "full-input-must-fit",
+        "--scheduler-active-decode-prefill-chunk", "256", "--greedy-argmax")
+    assert rc == 0, err
+    # vLLM's v1 scheduler cuts each request's prefill at --long-prefill-token-threshold.
+    assert flag(argv, "--long-prefill-token-threshold") == "512"
+    warnings = eff["engine"]["warnings"]
+    assert any("full-input-must-fit is ignored" in w for w in warnings)
+    assert any(w.startswith("vLLM ignores --scheduler-active-decode-prefill-chunk=256")
+               for w in warnings)
+    assert "--greedy-argmax" not in argv  # vLLM's greedy rows are an argmax already

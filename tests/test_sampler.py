@@ -266,3 +266,54 @@ def test_greedy_tokens_is_torch_argmax_ties_nan_and_views():
         got = greedy_tokens(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
     assert greedy_tokens(x).tolist()[1:4] == [7, 3, 0]
+
+
+# --------------------------------------------------------------------------- greedy rows
+
+
+class _SoftmaxRows(torch.overrides.TorchFunctionMode):
+    """Records the row count of every softmax / log-softmax the sampler computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.softmax: list[int] = []
+        self.log_softmax: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax):
+            self.softmax.append(args[0].shape[0])
+        if func in (torch.log_softmax, torch.Tensor.log_softmax,
+                    torch.nn.functional.log_softmax):
+            self.log_softmax.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_greedy_rows_take_the_argmax_without_a_softmax_or_logprobs_unless_asked():
+    """ferrum's --greedy-argmax, kiln's only greedy path: in a batch of 6 where 2 rows sample
+    and 1 asks for logprobs, the distribution is built for the 2 and log-softmax for the 1; the
+    tokens are what a whole-batch pass gives (same seed, same draws)."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3)) * 2
+    reqs = [make_req("g0", temperature=0.0), make_req("s1", temperature=0.9, top_p=0.8),
+            make_req("g2", temperature=0.0, logprobs=2), make_req("g3", temperature=0.0),
+            make_req("s4", temperature=1.2, seed=4), make_req("g5", temperature=0.0)]
+    with _SoftmaxRows() as seen:
+        out = Sampler(V, torch.device("cpu"), seed=11)(logits.clone(), reqs)
+    assert seen.softmax == [2] and seen.log_softmax == [1]
+    for i in (0, 2, 3, 5):
+        assert out.token_ids[i] == logits[i].argmax().item()
+    assert [lp is None for lp in out.logprobs] == [True, True, False, True, True, True]
+    assert out.logprobs[2] is not None and out.logprobs[2].token_id == out.token_ids[2]
+    assert math.isclose(out.logprobs[2].logprob,
+                        torch.log_softmax(logits[2], -1)[out.token_ids[2]].item(), abs_tol=1e-5)
+    # The sampled rows drew what they draw with every row sampling (rows 0, 2, 3, 5 at
+    # temperature 1 change nothing for rows 1 and 4).
+    every = [make_req(r.request_id, **{**vars(r.params), "temperature": r.params.temperature
+                                       or 1.0, "logprobs": None}) for r in reqs]
+    whole = Sampler(V, torch.device("cpu"), seed=11)(logits.clone(), every).token_ids
+    assert out.token_ids[1] == whole[1] and out.token_ids[4] == whole[4]
+    # An all-greedy batch computes no softmax at all.
+    greedy = [make_req(f"g{i}", temperature=0.0) for i in range(6)]
+    with _SoftmaxRows() as seen:
+        out = Sampler(V, torch.device("cpu"))(logits.clone(), greedy)
+    assert seen.softmax == [] and seen.log_softmax == []
+    assert out.token_ids == logits.argmax(dim=-1).tolist()

@@ -232,6 +232,18 @@ TABLE: tuple[Map, ...] = (
         "--gpu-memory-utilization or --kv-max-blocks"),
     Map("cpu_memory_utilization", unsupported="warn",
         note="SGLang sizes memory by --mem-fraction-static on the device"),
+    # ferrum's scheduler knobs steer kiln's scheduler; SGLang schedules by its own rules.
+    Map("sequence_fit_policy", unsupported="warn",
+        note="SGLang admits a request by its own rule (KV for the prompt and an estimate of the "
+        "output; --schedule-conservativeness tunes it)"),
+    Map("scheduler_prefill_first_until_active", unsupported="warn",
+        note="SGLang already runs waiting prompts' prefill before the decodes"),
+    Map("scheduler_prefill_step_chunk", unsupported="warn",
+        note="SGLang has no per-request prefill cap; --chunked-prefill-size (kiln's "
+        "--max-num-batched-tokens) caps a step's prefill"),
+    Map("scheduler_active_decode_prefill_chunk", unsupported="warn",
+        note="SGLang caps every step's prefill alike, by --chunked-prefill-size (kiln's "
+        "--max-num-batched-tokens)"),
 )
 
 # name, label, then this module's table and command functions, in Backend's field order

@@ -160,6 +160,14 @@ def _log(value: str, _: PlanContext) -> list[Out]:
     return [Env("VLLM_LOGGING_LEVEL", str(value).upper())]
 
 
+def _fit_policy(value: str, _: PlanContext) -> list[Out]:
+    if value == "immediate-only":
+        return []  # vLLM's own rule: a request is admitted when its first chunk's blocks are
+    raise Untranslatable("warn", "vLLM admits a request when its first chunk's KV blocks are "
+                         "free (immediate-only); --sequence-fit-policy full-input-must-fit is "
+                         "ignored")
+
+
 def _nothing(_: Any, __: PlanContext) -> list[Out]:
     return []
 
@@ -198,6 +206,15 @@ TABLE: tuple[Map, ...] = (
     Map("cpu_memory_utilization", unsupported="warn",
         note="vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB); set it "
         "under [engines.vllm.env] or give --kv-cache-memory"),
+    # ferrum's scheduler knobs: vLLM's scheduler has the per-request prefill cap (its v1
+    # scheduler cuts a request's new tokens at --long-prefill-token-threshold); not the others.
+    Map("scheduler_prefill_step_chunk", "--long-prefill-token-threshold"),
+    Map("sequence_fit_policy", emit=_fit_policy),
+    Map("scheduler_prefill_first_until_active", unsupported="warn",
+        note="vLLM schedules the decodes first, then prompts in the step's budget"),
+    Map("scheduler_active_decode_prefill_chunk", unsupported="warn",
+        note="vLLM caps prefill per request (--scheduler-prefill-step-chunk) and per step "
+        "(--max-num-batched-tokens), not by whether the step decodes"),
 )
 
 # name, label, then this module's table and command functions, in Backend's field order.

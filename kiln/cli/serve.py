@@ -333,8 +333,15 @@ def _serve_audio(sp: startup.StartupPlan, names: list[str]) -> int:
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
     kind = s["kind"]
+    slots = s["tts_slots"] if kind == "speech" else 1
+    if slots > 1 and s["num_threads"]:
+        # Each slot's voice gets its share of the threads: N runs at once on N x --threads
+        # threads would fight over the cores (recorded, so the effective config says so).
+        share = max(1, s["num_threads"] // slots)
+        s.override("num_threads", share, f"{s['num_threads']} ({s.source('num_threads')}) "
+                   f"shared by {slots} speech slots (--tts-slots)", source=s.source("num_threads"))
     worker = AudioWorker(lambda: startup.build_audio(sp), max_queue=s["max_queue"],
-                         name=f"kiln-{kind}")
+                         name=f"kiln-{kind}", slots=slots)
     model = worker.start(wait=False).wait_built()
     sp.phase = "serve"
     app = build_app(worker, None, names, api_key=s["api_key"],  # type: ignore[arg-type]
@@ -345,7 +352,9 @@ def _serve_audio(sp: startup.StartupPlan, names: list[str]) -> int:
     startup_report.write_artifacts(sp, "ok")
 
     def details() -> dict[str, str]:
-        return {"weights": str(src.path), "kind": f"{kind} ({model.description})",
+        slot_note = ({"slots": f"{slots} (each its own voice, {s['num_threads']} thread(s))"}
+                     if slots > 1 else {})
+        return {"weights": str(src.path), "kind": f"{kind} ({model.description})", **slot_note,
                 "ready in": f"{time.monotonic() - sp.started:.1f} s"}
 
     routes = (["POST /v1/audio/transcriptions", "POST /v1/audio/translations"]

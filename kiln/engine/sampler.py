@@ -9,6 +9,10 @@ vocabulary entry as in the exponential race argmax(p / E): on CPU, filling [16, 
 Exp(1) noise took ~20 ms, a third of a decode step.) Results leave the device in one transfer
 (a single host sync per step).
 
+Temperature-0 rows are picked by an argmax of their logits where the logits are (one transfer of
+ids, no softmax): the distribution is built only for the rows that sample, and log-softmax only
+for the rows that ask for logprobs (ferrum's --greedy-argmax, kiln's only greedy path).
+
 Rows whose request has a grammar (structured output, engine/structured.py) are masked before
 anything else; the grammar's mask is filled on the host and added as a 0 / -inf bias.
 """
@@ -63,8 +67,8 @@ class Sampler:
             # A new tensor: the caller's logits are left as they were.
             logits = matchers[0].owner.mask_logits(logits, grammar_rows, matchers)  # type: ignore
         params = [r.params for r in reqs]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = (torch.log_softmax(_rows(logits, lp_rows), dim=-1) if lp_rows else None)
 
         penalized = self._apply_penalties(logits, reqs)
         # min_tokens: end-of-sequence tokens are not allowed yet. (Masked on a copy: the
@@ -86,31 +90,38 @@ class Sampler:
             logits[i, torch.tensor(banned, device=dev)] = float("-inf")
 
         tokens = greedy_tokens(logits)
-        if not all(p.temperature == 0.0 for p in params):
-            greedy = torch.tensor([p.temperature == 0.0 for p in params], device=dev)
-            cdf = self.probs(logits, params).cumsum_(dim=-1)  # [B, V], fp32
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        if sampled_rows:
+            rows = [params[i] for i in sampled_rows]
+            cdf = self.probs(_rows(logits, sampled_rows), rows).cumsum_(dim=-1)  # [S, V], fp32
+            # One number per row of the batch, drawn as before whichever rows sample, so an
+            # unseeded row's draw does not depend on how many greedy rows share its step.
             u = torch.rand(B, device=dev, generator=self.generator)
-            for i, p in enumerate(params):
-                if p.seed is not None and p.temperature:
+            for i in sampled_rows:
+                if params[i].seed is not None:
                     u[i] = torch.rand(1, device=dev, generator=self._generator_for(reqs[i]))[0]
+            u = _rows(u, sampled_rows)
             # Strictly past u * total: a zero-probability (masked) token adds no mass, so it is
             # never the first to pass; scaling by the row's total absorbs cumsum rounding.
             target = (u * cdf[:, -1]).unsqueeze(1)
             sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
             sampled = sampled.clamp_(max=cdf.shape[1] - 1)
-            tokens = torch.where(greedy, tokens, sampled)
+            if len(sampled_rows) == B:
+                tokens = sampled
+            else:
+                tokens[torch.tensor(sampled_rows, device=dev)] = sampled
 
         out_tokens = tokens.tolist()
         out_logprobs: list[TokenLogprob | None] = [None] * B
         if raw_logprobs is not None:
-            k = max(p.logprobs or 0 for p in params)
-            chosen_l = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            k = max(params[i].logprobs or 0 for i in lp_rows)
+            picked = _rows(tokens, lp_rows).unsqueeze(1)
+            chosen_l = raw_logprobs.gather(1, picked).squeeze(1).tolist()
             tops = _top_logprobs(raw_logprobs, k) if k else None
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                top = tops[i][: p.logprobs] if tops is not None and p.logprobs else []
-                out_logprobs[i] = TokenLogprob(out_tokens[i], chosen_l[i], top)
+            for j, i in enumerate(lp_rows):
+                n = params[i].logprobs
+                top = tops[j][:n] if tops is not None and n else []
+                out_logprobs[i] = TokenLogprob(out_tokens[i], chosen_l[j], top)
         return SamplerOutput(out_tokens, out_logprobs)
 
     @staticmethod
@@ -180,6 +191,13 @@ class Sampler:
 
 
 _TOP_WINDOWS = (256, 4096)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x's rows `rows` (ascending): x itself when they are all of them (no copy)."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
 
 
 def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
