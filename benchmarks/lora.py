@@ -81,7 +81,7 @@ def run(llm, adapters: list[str | None], concurrency: int, tokens: int, tag: str
     steps = produced = 0
     while eng.has_unfinished:
         for o in eng.step():
-            produced += len(o.new_token_ids)
+            produced += len(o.outputs[0].token_ids)
         steps += 1
     wall = time.perf_counter() - t0
     return {"tokens": produced, "seconds": wall, "tok_s": produced / wall, "steps": steps}

@@ -67,9 +67,9 @@ def run_sequential(engine, prompts, params) -> dict:
         toks: list[int] = []
         while engine.has_unfinished:
             for o in engine.step():
-                if first is None and (o.new_token_ids or o.finished):
+                if first is None and (o.outputs[0].token_ids or o.finished):
                     first = time.perf_counter() - t0
-                toks.extend(o.new_token_ids)
+                toks.extend(o.outputs[0].token_ids)
         ttft.append(first)
         outputs.append(toks)
     return {"ttft": ttft, "outputs": outputs}
@@ -83,9 +83,9 @@ def run_burst(engine, prompts, params) -> dict:
     toks: dict[str, list[int]] = {}
     while engine.has_unfinished:
         for o in engine.step():
-            if o.request_id not in first and (o.new_token_ids or o.finished):
+            if o.request_id not in first and (o.outputs[0].token_ids or o.finished):
                 first[o.request_id] = time.perf_counter() - t0
-            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            toks.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     order = [f"r{i}" for i in range(len(prompts))]
     return {"ttft": [first[r] for r in order], "outputs": [toks[r] for r in order]}
 

@@ -107,7 +107,7 @@ def run(engine, prompts: list[list[int]], params, cold: bool = False
     t0 = time.perf_counter()
     while engine.has_unfinished:
         for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     dt = time.perf_counter() - t0
     toks = [outs[k] for k in sorted(outs, key=lambda k: int(k.rsplit("-", 1)[1]))]
     return dt, sum(len(t) for t in toks), toks, engine.stats.steps - steps0

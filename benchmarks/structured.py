@@ -75,7 +75,7 @@ def run(llm, so: object | None, concurrency: int, tokens: int, tag: str) -> dict
     out_tokens = 0
     while eng.has_unfinished:
         for o in eng.step():
-            out_tokens += len(o.new_token_ids) + (o.stop_token_id is not None)
+            out_tokens += len(o.outputs[0].token_ids) + (o.outputs[0].stop_token_id is not None)
     wall = time.perf_counter() - t0
     after = eng.metrics()
     rows = after["structured_rows"] - before["structured_rows"]

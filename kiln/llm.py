@@ -15,32 +15,14 @@ engine's one output processor: stop strings end a request in the engine, as on t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kiln.engine.request import TokenLogprob
-from kiln.sampling_params import SamplingParams
+from kiln.engine.output import CompletionOutput, RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
 
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
 
 class LLM:
@@ -76,40 +58,26 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | None = None, *, lora: str | None = None
                  ) -> list[RequestOutput]:
-        """Runs every prompt (x params.n) to completion, batched; outputs in prompt order.
+        """Runs every prompt (x params.n) to completion, batched; outputs in prompt order, each
+        request's choices whole (the engine's FINAL_ONLY outputs: it fans out and gathers).
         `lora`: the name of a loaded LoRA adapter to run them with (None: the base model)."""
-        params = params or SamplingParams()
+        params = replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
         if lora is not None:
             params = replace(params, lora=lora)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        results: list[RequestOutput] = []
-        pending: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        order: list[tuple[str, str | None]] = []
         for prompt in prompts:
-            text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            ro = RequestOutput(str(next(self._ids)), text, ids)
-            results.append(ro)
-            for i in range(params.n):
-                rid = f"{ro.request_id}-{i}"
-                co = CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
-                ro.outputs.append(co)
-                self.engine.add_request(rid, ids, params.for_choice(i))
-                pending[rid] = (ro, co)
-        while pending:
-            for out in self.engine.step():
-                ro, co = pending[out.request_id]
-                co.text += out.text
-                co.token_ids.extend(out.new_token_ids)
-                if co.logprobs is not None and out.new_logprobs:
-                    co.logprobs.extend(out.new_logprobs)
-                if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
-                    ro.prompt_logprobs = out.prompt_logprobs
-                if out.finished:
-                    co.finish_reason, co.stop_reason = out.finish_reason, out.stop_reason
-                    ro.num_cached_tokens = max(ro.num_cached_tokens, out.num_cached_tokens)
-                    del pending[out.request_id]
-        return results
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, params)
+            order.append((rid, prompt if isinstance(prompt, str) else None))
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(order):
+            done.update((out.request_id, out) for out in self.engine.step())
+        for rid, text in order:
+            done[rid].prompt = text
+        return [done[rid] for rid, _ in order]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None, *, lora: str | None = None

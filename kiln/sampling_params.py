@@ -6,9 +6,20 @@ so a user moving between the two finds the same knobs.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from kiln.errors import KilnError
+
+
+class RequestOutputKind(str, enum.Enum):
+    """How a request's outputs come back (vLLM's RequestOutputKind; the engine's output processor
+    makes them, kiln/engine/output.py): DELTA, one output per step carrying what the step added
+    to each choice that moved (streams); FINAL_ONLY, one output when every choice has finished,
+    carrying each choice whole (a JSON answer, `LLM.generate`)."""
+
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 class SamplingParamsError(KilnError):
@@ -65,6 +76,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
     # The LoRA adapter (its loaded name, kiln/engine/lora.py) this request runs; None: the base
     lora: str | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +134,7 @@ class SamplingParams:
                 f"regex, choice, grammar; got {so.kinds() or 'none'}")
 
     def for_choice(self, index: int) -> SamplingParams:
-        """Parameters of choice `index` of an n>1 request: one sequence each, distinct seeds."""
+        """Parameters of choice `index` of an n>1 request: one sequence each, distinct seeds
+        (the engine's output processor fans a request out with it, kiln/engine/output.py)."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)

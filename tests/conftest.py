@@ -109,7 +109,7 @@ def run_to_completion(engine, check=None) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     while engine.has_unfinished:
         for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         if check is not None:
             check(engine)
     return out

@@ -100,7 +100,7 @@ def test_greedy_batched_chunked_and_prefix_cached_match_transformers(tiny):
     def drive() -> None:
         while eng.has_unfinished:
             for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
             for r in eng.scheduler.all_requests():
                 cached[r.request_id] = r.num_cached_tokens
             eng.kv.check_integrity(eng.scheduler.all_requests())
@@ -336,7 +336,7 @@ def test_bf16_engine_runs_batched_and_stays_close_to_fp32(tiny):
     out: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     assert all(len(out[str(i)]) == 6 for i in range(5))
     assert eng.runner.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     ids = _ids(60, 6)

@@ -67,7 +67,7 @@ def test_batch_of_16_gives_the_tokens_of_one_by_one(make_engine, prompt_ids, one
         eng.add_request(str(i), ids, GREEDY)
     first = eng.step()
     assert len(eng.scheduler.running) == 16 and len(first) == 16  # all prefilled in one step
-    out = {o.request_id: list(o.new_token_ids) for o in first}
+    out = {o.request_id: list(o.outputs[0].token_ids) for o in first}
     for rid, toks in run_to_completion(eng, check=integrity).items():
         out[rid] += toks
     assert out == one_by_one
@@ -82,9 +82,9 @@ def test_tiny_kv_pool_preempts_and_still_completes_every_request(make_engine, pr
     out: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
             if o.finished:
-                finished[o.request_id] = o.finish_reason
+                finished[o.request_id] = o.outputs[0].finish_reason
         integrity(eng)
     assert eng.metrics()["num_preemptions"] > 0, "the pool was meant to be too small"
     assert finished == {str(i): "length" for i in range(8)}
@@ -117,9 +117,9 @@ def test_abort_mid_generation_frees_blocks_at_once(make_engine, prompt_ids, one_
 
     def collect(outputs) -> None:
         for o in outputs:
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
             if o.finished:
-                reasons[o.request_id] = o.finish_reason
+                reasons[o.request_id] = o.outputs[0].finish_reason
 
     for _ in range(3):
         collect(eng.step())
@@ -129,7 +129,7 @@ def test_abort_mid_generation_frees_blocks_at_once(make_engine, prompt_ids, one_
     assert not eng.abort("1")  # already gone
     assert eng.kv.num_free_blocks == free + held["1"] + held["3"]
     integrity(eng)
-    while eng.has_unfinished or eng._outputs_pending:
+    while eng.has_unfinished or eng.outputs_pending:
         collect(eng.step())
     assert reasons == {"0": "length", "1": "abort", "2": "length", "3": "abort"}
     assert outs["0"] == one_by_one["0"] and outs["2"] == one_by_one["2"]
@@ -161,8 +161,9 @@ def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
     outs = []
     while eng.has_unfinished:
         outs.extend(eng.step())
-    assert outs[-1].finish_reason == "stop" and outs[-1].stop_token_id == stop_at
-    got = [t for o in outs for t in o.new_token_ids]
+    last = outs[-1].outputs[0]
+    assert last.finish_reason == "stop" and last.stop_token_id == stop_at
+    got = [t for o in outs for t in o.outputs[0].token_ids]
     assert got == one_by_one["0"][:one_by_one["0"].index(stop_at)]
     with pytest.raises(PromptTooLongError):
         eng.add_request("long", [1] * eng.max_model_len, GREEDY)
@@ -170,6 +171,55 @@ def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
         eng.add_request("empty", [], GREEDY)
     with pytest.raises(KilnError):
         eng.add_request("oov", [10**9], GREEDY)
+
+
+def test_n_choices_fan_out_in_the_engine_as_one_group_delta_and_final_alike(make_engine,
+                                                                          prompt_ids):
+    """n=3: the output processor runs `{id}-{i}` sequences (seed + i) as one scheduler group;
+    DELTA outputs folded by RequestOutput.add equal the FINAL_ONLY output; aborting the request
+    aborts every choice."""
+    from dataclasses import replace
+
+    from kiln.engine.output import RequestOutput
+    from kiln.errors import KilnError
+    from kiln.sampling_params import RequestOutputKind
+
+    eng = make_engine(enable_prefix_caching=False)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, min_tokens=6,
+                            logprobs=0)
+    ids = prompt_ids[2]
+    eng.add_request("d", ids, params)
+    eng.add_request("f", ids, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    seqs = eng.scheduler.requests.values()
+    assert sorted((r.request_id, r.group, r.params.seed, r.params.n) for r in seqs) == [
+        (f"{rid}-{i}", rid, 11 + i, 1) for rid in "df" for i in range(3)]
+    with pytest.raises(KilnError):
+        eng.add_request("d", ids, params)  # the request's id is taken while it runs
+    delta = RequestOutput("d", ids, [], finished=False)
+    finals = []
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.request_id == "d":
+                assert not delta.finished and all(c.index in (0, 1, 2) for c in o.outputs)
+                delta.add(o)
+            else:
+                finals.append(o)
+    (final,) = finals  # FINAL_ONLY: one output, when every choice finished
+    assert final.finished and delta.finished
+    assert [c.index for c in final.outputs] == [c.index for c in delta.outputs] == [0, 1, 2]
+    for f, d in zip(final.outputs, delta.outputs, strict=True):
+        assert (f.token_ids, f.text, f.finish_reason) == (d.token_ids, d.text, "length")
+        assert len(f.token_ids) == len(f.logprobs) == f.num_output_tokens == 6
+        assert f.metrics is not None and f.metrics.num_generation_tokens == 6
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1  # each choice its own seed
+    integrity(eng)
+
+    eng.add_request("a", ids, params)
+    eng.step()
+    assert eng.abort("a") and not eng.abort("a")
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and eng.outputs_pending
+    (out,) = eng.step()
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
 
 
 # --------------------------------------------------------------------------- offline LLM API

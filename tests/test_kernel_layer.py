@@ -321,8 +321,8 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
             while eng.has_unfinished:
                 for o in eng.step():
                     ids, lps = out.setdefault(o.request_id, ([], []))
-                    ids += o.new_token_ids
-                    lps += [lp.logprob for lp in o.new_logprobs or []]
+                    ids += o.outputs[0].token_ids
+                    lps += [lp.logprob for lp in o.outputs[0].logprobs or []]
         return out
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

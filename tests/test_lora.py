@@ -143,7 +143,7 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, 
     got_ids: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            got_ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+            got_ids.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
             if o.prompt_logprobs is not None:
                 got_lps[o.request_id] = o.prompt_logprobs
         # every prompt prefilled in the first step: one batch of three adapters and the base
@@ -184,7 +184,7 @@ def test_an_unloaded_adapters_slot_serves_the_next_one(tiny):
     got: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     for k, p in ids.items():
         ref.set_adapter(k)
         with torch.no_grad():
@@ -452,8 +452,8 @@ def test_layer_kernel_adds_adapters_as_the_eager_layers_do(kernel_level, smol_ad
         while eng.has_unfinished:
             for o in eng.step():
                 ids, lps = got[o.request_id[2:]]
-                ids += o.new_token_ids
-                lps += [lp.logprob for lp in o.new_logprobs or []]
+                ids += o.outputs[0].token_ids
+                lps += [lp.logprob for lp in o.outputs[0].logprobs or []]
         return got
 
     calls = {"with adapters": 0}
@@ -495,7 +495,7 @@ def _offline(eng, prompt_ids: list[int], adapter: str | None, tag: str) -> list[
     out: list[int] = []
     while eng.has_unfinished:
         for o in eng.step():
-            out += o.new_token_ids
+            out += o.outputs[0].token_ids
     return out
 
 

@@ -98,7 +98,7 @@ def test_tiny_model_greedy_decode_matches_transformers(tmp_path, family):
     out: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
@@ -124,7 +124,7 @@ def test_smollm2_greedy_matches_transformers_gguf(gguf_path, smollm2_runner, mak
     out: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     for i, p in enumerate(prompts):
         ids = tok.encode(p)
         with torch.no_grad():
@@ -226,7 +226,7 @@ def test_sliding_window_prefix_cache_hit_matches_transformers(tmp_path, variant)
             eng.add_request(rid, p, params)
         while eng.has_unfinished:
             for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
             for r in eng.scheduler.all_requests():
                 cached[r.request_id] = r.num_cached_tokens
     assert all(cached[rid] >= 32 for rid in groups[1]), cached  # the prefix cache was hit

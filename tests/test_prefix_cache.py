@@ -34,7 +34,7 @@ def drive(engine, check=integrity) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     while engine.has_unfinished:
         for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         check(engine)
     return out
 
@@ -52,7 +52,7 @@ def build_engine(runner, gguf_path, kv_hash_fn=None, **kw):
 def run_shared(engine, prompts) -> dict[str, list[int]]:
     """The first request prefills (and publishes) the shared prefix; the others follow."""
     engine.add_request("0", prompts[0], PARAMS)
-    out = {o.request_id: list(o.new_token_ids) for o in engine.step()}
+    out = {o.request_id: list(o.outputs[0].token_ids) for o in engine.step()}
     integrity(engine)
     for i, ids in enumerate(prompts[1:], 1):
         engine.add_request(str(i), ids, PARAMS)
@@ -133,7 +133,7 @@ def test_multi_turn_chats_match_with_prefix_caching_on_and_off(make_engine, smol
             outs: dict[str, list[int]] = {}
             while eng.has_unfinished:
                 for o in eng.step():
-                    outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
                     if o.finished:
                         cached.append((o.request_id, o.num_cached_tokens))
                 integrity(eng)
@@ -246,7 +246,7 @@ def test_session_turn_2_hits_turn_1_after_traffic_that_evicts_it(make_engine,
         cached, out = 0, []
         while eng.has_unfinished:
             for o in eng.step():
-                out.extend(o.new_token_ids)
+                out.extend(o.outputs[0].token_ids)
                 cached = o.num_cached_tokens
             integrity(eng)
         seen[mode] = (cached, out, eng.metrics())
@@ -285,7 +285,7 @@ def test_cascade_decode_over_a_shared_prefix_matches_no_sharing(smollm2_runner, 
     def run(**kw) -> dict[str, list[int]]:
         eng = build_engine(runner, gguf_path, **kw)
         eng.add_request("0", prompts[0], params)
-        out = {o.request_id: list(o.new_token_ids) for o in eng.step()}
+        out = {o.request_id: list(o.outputs[0].token_ids) for o in eng.step()}
         for i, ids in enumerate(prompts[1:], 1):
             eng.add_request(str(i), ids, params)
         for rid, toks in drive(eng).items():

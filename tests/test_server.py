@@ -222,28 +222,65 @@ def test_stop_string_is_cut_identically_in_stream_and_non_stream(
 
 
 def test_n_choices_each_finish_in_stream_and_non_stream(client: Any) -> None:
+    """n=3 through the engine's one fan-out: choices 0..2 each with its own finish_reason and
+    logprobs, distinct samples (seed + i), usage counting every choice; the stream gives the
+    same choices as the JSON answer."""
     kw: dict[str, Any] = {
         "model": NAMES[0],
         "messages": POEM,
         "max_tokens": 6,
         "temperature": 0.9,
         "seed": 3,
-        "n": 2,
+        "n": 3,
+        "logprobs": True,
     }
     r = client.chat.completions.create(**kw)
-    assert sorted(c.index for c in r.choices) == [0, 1]
-    assert all(c.message.content for c in r.choices)
-    assert 2 <= r.usage.completion_tokens <= 12
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in r.choices)
+    assert len({c.message.content for c in r.choices}) > 1
+    lens = [len(c.logprobs.content) for c in r.choices]
+    assert r.usage.completion_tokens == sum(lens) and 3 <= sum(lens) <= 18
     finished: dict[int, str] = {}
-    texts = {0: "", 1: ""}
-    for c in client.chat.completions.create(**kw, stream=True):
+    texts = {0: "", 1: "", 2: ""}
+    usage = None
+    for c in client.chat.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}):
+        usage = c.usage or usage
         for ch in c.choices:
             texts[ch.index] += ch.delta.content or ""
             if ch.finish_reason:
                 finished[ch.index] = ch.finish_reason
-    assert set(finished) == {0, 1}
+    assert finished == {c.index: c.finish_reason for c in r.choices}
     # Same seeds -> the same samples as the non-streamed request.
     assert texts == {c.index: c.message.content for c in r.choices}
+    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_n_choices_for_a_batch_of_prompts(client: Any) -> None:
+    """Two prompts x n=3: indexes 0..5 (prompt * n + choice), usage counts both prompts once
+    and every choice; streamed as the JSON answer."""
+    kw: dict[str, Any] = {"model": NAMES[0], "prompt": ["The sea is", "My cat"],
+                          "max_tokens": 5, "temperature": 1.0, "seed": 5, "n": 3,
+                          "logprobs": 0}
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert all(len(c.logprobs.tokens) <= 5 and c.finish_reason for c in r.choices)
+    assert len({c.text for c in r.choices[:3]}) > 1  # a prompt's choices: their own seeds
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for c in client.completions.create(**kw, stream=True,
+                                       stream_options={"include_usage": True}):
+        usage = c.usage or usage
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.text for c in r.choices}
+    assert finish == {c.index: c.finish_reason for c in r.choices}
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
+        r.usage.prompt_tokens, r.usage.completion_tokens)
 
 
 def test_chat_logprobs_in_openai_shape(client: Any) -> None:

@@ -264,10 +264,10 @@ def _run(runner, tokenizer, ids, params_list, **kw):
     while eng.has_unfinished:
         for o in eng.step():
             acc = outs.setdefault(o.request_id, {"ids": [], "text": "", "lps": [], "fin": None})
-            acc["ids"] += o.new_token_ids
-            acc["text"] += o.text
-            acc["lps"] += [lp.logprob for lp in o.new_logprobs or []]
-            acc["fin"] = o.finish_reason
+            acc["ids"] += o.outputs[0].token_ids
+            acc["text"] += o.outputs[0].text
+            acc["lps"] += [lp.logprob for lp in o.outputs[0].logprobs or []]
+            acc["fin"] = o.outputs[0].finish_reason
         check(eng)
     eng.check_idle_integrity()
     return outs, eng

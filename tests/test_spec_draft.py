@@ -48,7 +48,7 @@ def _generate(eng, prompts, params):
     out: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         eng.kv.check_integrity(eng.scheduler.all_requests())
         if eng.drafter is not None:
             eng.drafter.kv.check_integrity(list(eng.drafter.shadows.values()))

@@ -239,8 +239,8 @@ def _run(eng) -> dict[str, tuple[str, list[int], str | None, list]]:
     while eng.has_unfinished:
         for o in eng.step():
             text, ids, _, lps = out.get(o.request_id, ("", [], None, []))
-            out[o.request_id] = (text + o.text, ids + o.new_token_ids,
-                                 o.finish_reason, lps + (o.new_logprobs or []))
+            out[o.request_id] = (text + o.outputs[0].text, ids + o.outputs[0].token_ids,
+                                 o.outputs[0].finish_reason, lps + (o.outputs[0].logprobs or []))
     return out
 
 

@@ -85,6 +85,7 @@ class _Chat:
         self._n = 0
 
     def ask(self, text: str) -> str:
+        from kiln.engine.output import RequestOutput
         from kiln.sampling_params import SamplingParams
 
         if self.raw:
@@ -105,17 +106,20 @@ class _Chat:
         rid = f"run-{self._n}"
         self.engine.add_request(rid, ids, params)
         answer: list[str] = []
+
+        def show(outputs: list[RequestOutput]) -> None:
+            for out in outputs:  # DELTA: the one choice's new text
+                for co in out.outputs:
+                    answer.append(co.text)
+                    sys.stdout.write(co.text)
+            sys.stdout.flush()
+
         try:
             while self.engine.has_unfinished:
-                for out in self.engine.step():
-                    answer.append(out.text)
-                    sys.stdout.write(out.text)
-                    sys.stdout.flush()
+                show(self.engine.step())
         except KeyboardInterrupt:
             self.engine.abort(rid)
-            for out in self.engine.step():  # the abort's output: the text held back so far
-                answer.append(out.text)
-                sys.stdout.write(out.text)
+            show(self.engine.step())  # the abort's output: the text held back so far
         sys.stdout.write("\n")
         sys.stdout.flush()
         reply = "".join(answer)

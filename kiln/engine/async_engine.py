@@ -130,6 +130,8 @@ class AsyncEngine:
                        params: SamplingParams, *, cache_salt: str | None = None,
                        session_id: str | None = None, group: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs (all `params.n` choices, as `params.output_kind` says) until
+        it finishes; leaving early aborts it."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if self._stats.get("num_waiting", 0) >= self.max_queue:
@@ -141,26 +143,26 @@ class AsyncEngine:
         cmd = _Add(request_id, prompt_token_ids, params, cache_salt, stream, loop, session_id,
                    group)
         self._commands.put(("add", cmd))
-        # Validation errors (prompt too long, bad token id) come back before any output.
-        first = await stream.get()
-        if isinstance(first, BaseException):
-            raise first
         self.num_inflight += 1
-        finished = False
+        done = False  # finished, refused or failed: nothing left to abort
         try:
-            item = first
             while True:
+                # Validation errors (prompt too long, bad token id) come before any output; a
+                # failed step's error, or a dead engine's, in place of one.
+                item = await stream.get()
                 if isinstance(item, BaseException):
+                    done = True
                     raise item
                 yield item
                 if item.finished:
-                    finished = True
+                    done = True
                     return
-                item = await stream.get()
         finally:
             self.num_inflight -= 1
-            if not finished:
-                self.abort(request_id)  # the consumer went away: free the blocks now
+            if not done:
+                # The consumer went away: free the blocks now. Also while the first output is
+                # still to come (a FINAL_ONLY request's first output is its last).
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -221,7 +223,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 block = not eng.has_unfinished
                 self._drain(block)
-                if not eng.has_unfinished and not eng._outputs_pending:
+                if not eng.has_unfinished and not eng.outputs_pending:
                     if eng.faults is not None and not idle_checked:
                         self._check_integrity(eng)
                         idle_checked = True
@@ -317,9 +319,10 @@ class AsyncEngine:
         not one per request (at 16 streams, 16 self-pipe writes and callbacks a step)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
-            if out.metrics is not None:
-                for listener in self.finished_listeners:
-                    listener(out.metrics)
+            for co in out.outputs:
+                if co.metrics is not None:  # a choice's sequence finished
+                    for listener in self.finished_listeners:
+                        listener(co.metrics)
             entry = self._streams.get(out.request_id)
             if entry is None:
                 continue

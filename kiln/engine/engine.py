@@ -2,7 +2,8 @@
 
 The async server wraps it in `AsyncEngine` (engine/async_engine.py); the offline `kiln.LLM` and
 `kiln run` drive it directly. All of them see the same `RequestOutput`s, made by the one output
-processor (engine/output.py): text, stop strings, EOS and logprobs are decided here, once.
+processor (engine/output.py): text, stop strings, EOS and logprobs are decided there, once, and
+a request's `n` choices run as sequences it fans out and gathers back.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kiln.engine.draft import DraftModel, check_same_vocab
 from kiln.engine.kv_cache import HashFn, KVCacheManager, default_block_hash
 from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
 from kiln.engine.model_runner import ModelRunner, PromptLogprobs, Sampled, SampledLogprobs
-from kiln.engine.output import OutputProcessor, RequestOutput
+from kiln.engine.output import OutputProcessor, ParentRequest, RequestOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.engine.spec import Speculator, spec_config
@@ -50,8 +51,8 @@ class PromptTooLongError(KilnError):
 
 
 class StepFailedError(KilnError):
-    """The model step raised; `request_ids` were in it and are aborted (their blocks freed).
-    Other requests and the engine go on."""
+    """The model step raised; `request_ids` had sequences in it and are aborted, every choice
+    (their blocks freed). Other requests and the engine go on."""
 
     def __init__(self, request_ids: list[str], cause: BaseException) -> None:
         super().__init__(f"the model step failed: {type(cause).__name__}: {cause}")
@@ -129,7 +130,6 @@ class Engine:
         self.structured: StructuredOutputs | None = (
             StructuredOutputs(tokenizer, self.ckpt.config.vocab_size)
             if tokenizer is not None else None)
-        self._outputs_pending: list[RequestOutput] = []
         self.stats = EngineStats()
         # LoRA adapters (kiln/engine/lora.py), kept with the runner's model: engines that share
         # a runner (tests) share its adapters. None: no adapter loaded yet.
@@ -182,10 +182,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, *, cache_salt: str | None = None,
-                    session_id: str | None = None, group: str | None = None) -> Request:
-        """`session_id` names the conversation (the OpenAI `user` field or X-Session-Id): with
-        the session cache on, this turn's prefix stays pinned for the next one. `group`: the API
-        request this sequence is one of (see Scheduler's fairness)."""
+                    session_id: str | None = None, group: str | None = None) -> None:
+        """Admits a request: one sequence per choice (`params.n`; see engine/output.py), all or
+        none. `session_id` names the conversation (the OpenAI `user` field or X-Session-Id):
+        with the session cache on, this turn's prefix stays pinned for the next one. `group`:
+        the API request it is part of (see Scheduler's fairness; default: its own choices)."""
         if not prompt_token_ids:
             raise KilnError("the prompt is empty: send at least one token")
         n = len(prompt_token_ids)
@@ -196,7 +197,9 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise KilnError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if request_id in self.scheduler.requests:
+        parent = ParentRequest(request_id, list(prompt_token_ids), params, group)
+        children = parent.children()
+        if self.output.has(request_id) or any(c in self.scheduler.requests for c, _ in children):
             raise KilnError(f"request id {request_id!r} is already in use")
         lora_id = 0
         if params.lora is not None:
@@ -204,22 +207,25 @@ class Engine:
                 raise LoRANotFoundError(f"LoRA adapter {params.lora!r} is not loaded (loaded: none)",
                                 hint="load it with --lora NAME=PATH")
             lora_id = self.lora.id_of(params.lora)
-        grammar = None
-        if params.structured_outputs is not None:
-            if self.structured is None:
-                raise KilnError("structured output needs a tokenizer, and this engine was built "
-                                "without one", hint="build the engine with its tokenizer")
-            # An invalid constraint raises StructuredOutputError (a 400 naming the field).
-            grammar = self.structured.matcher(params.structured_outputs)
-        req = Request(request_id, list(prompt_token_ids), params,
-                      eos_token_ids=self.eos_token_ids,
-                      cache_salt=cache_salt, session_id=session_id or None, group=group,
-                      grammar=grammar, lora_id=lora_id)
+        if params.structured_outputs is not None and self.structured is None:
+            raise KilnError("structured output needs a tokenizer, and this engine was built "
+                            "without one", hint="build the engine with its tokenizer")
         limit = self.max_model_len - n
-        req.max_tokens = min(params.max_tokens or limit, limit)
-        self.output.add(req)
-        self.scheduler.add_request(req)
-        return req
+        reqs = []
+        for cid, cparams in children:
+            # An invalid constraint raises StructuredOutputError (a 400 naming the field); each
+            # choice walks its own matcher.
+            grammar = (self.structured.matcher(cparams.structured_outputs)
+                       if self.structured is not None and cparams.structured_outputs is not None
+                       else None)
+            req = Request(cid, list(prompt_token_ids), cparams, eos_token_ids=self.eos_token_ids,
+                          cache_salt=cache_salt, session_id=session_id or None,
+                          group=parent.group, grammar=grammar, lora_id=lora_id)
+            req.max_tokens = min(params.max_tokens or limit, limit)
+            reqs.append(req)
+        self.output.add(parent, reqs)
+        for req in reqs:
+            self.scheduler.add_request(req)
 
     def load_lora(self, name: str, path: str) -> None:
         """Loads a PEFT adapter under `name` (/v1/load_lora_adapter); new requests may ask for
@@ -244,14 +250,24 @@ class Engine:
         self.lora.unload(name)
 
     def abort(self, request_id: str) -> bool:
-        req = self.scheduler.abort(request_id)
-        if req is None:
-            return False
-        self.runner.sampler.forget(request_id)
-        if self.drafter is not None:
-            self.drafter.forget(request_id)  # its draft KV goes back now, not at the next step
-        self._outputs_pending.append(self.output.process(req)[0])
-        return True
+        """Ends every running choice of the request; their outputs (finish_reason "abort")
+        come with the next step."""
+        aborted = False
+        for sid in self.output.sequences(request_id):
+            req = self.scheduler.abort(sid)
+            if req is None:
+                continue
+            aborted = True
+            self.runner.sampler.forget(sid)
+            if self.drafter is not None:
+                self.drafter.forget(sid)  # its draft KV goes back now, not at the next step
+            self.output.process(req)
+        return aborted
+
+    @property
+    def outputs_pending(self) -> bool:
+        """An abort's outputs wait for the next `step` to hand them out."""
+        return self.output.has_pending
 
     @property
     def has_unfinished(self) -> bool:
@@ -265,10 +281,9 @@ class Engine:
         prof = self.profiler
         if prof is not None and prof.want():
             return self._profiled_step(prof)
-        outputs, self._outputs_pending = self._outputs_pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
-            return outputs
+            return self.output.take()
         if self.sched_trace is not None:
             self._trace_schedule(sched)
         t0 = time.perf_counter()
@@ -280,8 +295,7 @@ class Engine:
         if self.spec is not None and len(sched.scheduled) == 1:  # the auto K's cost line
             self.spec.observe_step(len(sched.scheduled[0].spec_token_ids), t_exec)
         self.stats.tokens_computed += sched.num_tokens
-        self._process(touched, outputs)
-        return outputs
+        return self._process(touched)
 
     def _execute(self, sched: SchedulerOutput, marks: dict[str, float] | None = None
                  ) -> tuple[Sampled, SampledLogprobs, PromptLogprobs]:
@@ -293,11 +307,14 @@ class Engine:
                 self.faults.before_step(self.stats.steps)
             result = self.runner.execute(sched.scheduled, marks)
         except Exception as e:
-            ids = [s.request.request_id for s in sched.scheduled]
+            # A request fails whole: its choices outside this step stop too.
+            ids = list(dict.fromkeys(self.output.parent_of(s.request.request_id) or
+                                     s.request.request_id for s in sched.scheduled))
             for rid in ids:
-                if self.scheduler.abort(rid) is not None:
-                    self.runner.sampler.forget(rid)
-                    self.output.forget(rid)
+                for sid in self.output.sequences(rid):
+                    if self.scheduler.abort(sid) is not None:
+                        self.runner.sampler.forget(sid)
+                self.output.drop(rid)
             log.error("model step failed; failing its %d request(s): %s: %s", len(ids),
                       type(e).__name__, e)
             raise StepFailedError(ids, e) from e
@@ -310,27 +327,26 @@ class Engine:
                                      s.request.request_id in self.spec.hinted)
         return result
 
-    def _process(self, touched: list[Request], outputs: list[RequestOutput]) -> None:
+    def _process(self, touched: list[Request]) -> list[RequestOutput]:
         for req in touched:
-            out, stop_string = self.output.process(req)
+            stop_string = self.output.process(req)
             if stop_string and not req.is_finished:
                 # Finished in this step, so its blocks go back before the next one is planned.
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            outputs.append(out)
             if req.is_finished:
                 self.runner.sampler.forget(req.request_id)
                 self.stats.requests_finished += 1
         if self.spec is not None:  # drafts for the next step, after this one's stops
             self.spec.propose(self.scheduler.running)
+        return self.output.take()
 
     def _profiled_step(self, prof: StepProfiler) -> list[RequestOutput]:
         """`step` with the clock read between phases (a sampled step of --profile-jsonl)."""
         clock = time.perf_counter
         t0 = clock()
-        outputs, self._outputs_pending = self._outputs_pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
-            return outputs
+            return self.output.take()
         kinds = self._trace_schedule(sched)
         marks: dict[str, float] = {"schedule": clock() - t0}
         t1 = clock()
@@ -340,7 +356,7 @@ class Engine:
         self.stats.steps += 1
         self.stats.step_seconds += clock() - t1
         self.stats.tokens_computed += sched.num_tokens
-        self._process(touched, outputs)
+        outputs = self._process(touched)
         marks["detokenize"] = clock() - t2  # the tokens appended, stops checked, text made
         prof.record(self.stats.steps, marks, len(sched.scheduled), sched.num_tokens, *kinds)
         return outputs

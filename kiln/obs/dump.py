@@ -15,28 +15,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kiln.engine.output import ParentRequest, RequestOutput
+
 if TYPE_CHECKING:
     from kiln.sampling_params import SamplingParams
 
 
-# What a bundle reads of the server's choices (kiln.server.serving's ChoiceSpec and ChoiceEvent
-# have these fields), spelled out here so that this lower floor does not import the server that
+# What a bundle reads of the server's engine requests (kiln.server.serving's PromptSpec has
+# these fields), spelled out here so that this lower floor does not import the server that
 # writes through it (tests/test_layering.py keeps kiln/ free of import cycles).
-class ChoiceSpec(Protocol):
+class PromptSpec(Protocol):
     request_id: str
-    index: int
     prompt_ids: list[int]
     params: SamplingParams
+    first_index: int
 
-
-class ChoiceEvent(Protocol):
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-    @property
-    def finished(self) -> bool: ...
 
 # Body fields that may carry a credential. Matched by exact (lower-case) name at any depth: a
 # substring test would also remove max_tokens and logit_bias's token ids.
@@ -60,17 +53,18 @@ class RequestDumper:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.config_hash = config_hash
 
-    def begin(self, endpoint: str, body: Any, specs: list[ChoiceSpec]) -> RequestDump:
+    def begin(self, endpoint: str, body: Any, specs: list[PromptSpec]) -> RequestDump:
         raw = body.model_dump(mode="json", exclude_unset=True) if hasattr(
             body, "model_dump") else dict(body)
         return RequestDump(self, endpoint, sanitize(raw), specs)
 
 
 class RequestDump:
-    """One request's bundle, filled as its events arrive (streaming) or at once (collect)."""
+    """One request's bundle, filled from the engine's outputs as they arrive (a stream's
+    DELTA pieces, folded by `RequestOutput.add`) or at once (a JSON answer's FINAL_ONLY one)."""
 
     def __init__(self, dumper: RequestDumper, endpoint: str, body: dict[str, Any],
-                 specs: list[ChoiceSpec]) -> None:
+                 specs: list[PromptSpec]) -> None:
         self.dumper = dumper
         self.endpoint = endpoint
         self.body = body
@@ -78,32 +72,35 @@ class RequestDump:
         self.received = time.time()
         self.t0 = time.monotonic()
         self.first_token_s: float | None = None
-        self.text: dict[int, list[str]] = {s.index: [] for s in specs}
-        self.token_ids: dict[int, list[int]] = {s.index: [] for s in specs}
-        self.final: dict[int, ChoiceEvent] = {}
+        self.outputs = [RequestOutput(s.request_id, s.prompt_ids, [], finished=False)
+                        for s in specs]
 
-    def add(self, ev: ChoiceEvent) -> None:
-        if self.first_token_s is None and ev.token_ids:
+    def add(self, pos: int, out: RequestOutput) -> None:
+        """An output of the engine request `specs[pos]`."""
+        if self.first_token_s is None and any(co.token_ids for co in out.outputs):
             self.first_token_s = time.monotonic() - self.t0
-        self.text[ev.index].append(ev.text)
-        self.token_ids[ev.index].extend(ev.token_ids)
-        if ev.finished:
-            self.final[ev.index] = ev
+        self.outputs[pos].add(out)
 
     def write(self, error: str | None = None) -> Path:
         choices = []
-        for s in self.specs:
-            fin = self.final.get(s.index)
-            choices.append({
-                "index": s.index, "request_id": s.request_id,
-                "sampling_params": asdict(s.params),
-                "greedy": s.params.greedy, "seeded": s.params.seed is not None,
-                "prompt_token_ids": s.prompt_ids,
-                "output_token_ids": self.token_ids[s.index],
-                "text": "".join(self.text[s.index]),
-                "finish_reason": fin.finish_reason if fin else None,
-            })
-        request_id = self.specs[0].request_id.rsplit("-", 1)[0] if self.specs else "request"
+        for s, out in zip(self.specs, self.outputs, strict=True):
+            got = {co.index: co for co in out.outputs}
+            # The sequences the engine ran the request as, and each one's params.
+            runs = ParentRequest(s.request_id, s.prompt_ids, s.params).children()
+            for i, (seq_id, params) in enumerate(runs):
+                co = got.get(i)
+                choices.append({
+                    "index": s.first_index + i, "request_id": seq_id,
+                    "sampling_params": asdict(params),
+                    "greedy": params.greedy, "seeded": params.seed is not None,
+                    "prompt_token_ids": s.prompt_ids,
+                    "output_token_ids": co.token_ids if co else [],
+                    "text": co.text if co else "",
+                    "finish_reason": co.finish_reason if co else None,
+                })
+        request_id = self.specs[0].request_id if self.specs else "request"
+        if len(self.specs) > 1:  # a batch of prompts: `{api id}-{prompt}`
+            request_id = request_id.rsplit("-", 1)[0]
         bundle = {
             "version": BUNDLE_VERSION, "request_id": request_id, "endpoint": self.endpoint,
             "request": self.body, "choices": choices, "error": error,

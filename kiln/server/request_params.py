@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from kiln.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -219,6 +224,8 @@ def to_sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=req.prompt_logprobs,
             structured_outputs=structured[0] if structured else None,
+            # A stream shows each step's new text; a JSON answer needs each choice whole.
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
         )
     except SamplingParamsError as e:
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}

@@ -1,14 +1,15 @@
 """What every generating route shares: the served names, turning a request into engine requests
-(one per prompt and choice), and carrying their outputs back, whole or as SSE.
+(one per prompt), and carrying their outputs back, whole or as SSE.
 
-    route --specs--> Serving.start: one engine request per choice, all admitted (or 503) before
-      any header is sent --> Fanout merges their outputs (tagged with the choice index)
-      --> Serving.collect (one JSON response) or Serving.stream (SSE lines)
+    route --PromptSpecs--> Serving.start: one engine request per prompt (the engine fans it out
+      to its n choices), all admitted (or 503) before any header is sent --> Outputs merges the
+      prompts' RequestOutputs --> Serving.collect (each prompt's output whole, the engine's
+      FINAL_ONLY) or Serving.stream (SSE lines from its DELTA outputs, one chunk per choice)
 
-Text, stop strings, EOS and logprobs were already decided by the engine's output processor
-(kiln/engine/output.py), the same one the offline LLM and `kiln run` read. Engine requests are
-aborted whenever their output is no longer wanted (client gone, another choice failed), so their
-KV blocks come back at once.
+Text, stop strings, EOS, logprobs, the n choices and their accumulation were already decided by
+the engine's output processor (kiln/engine/output.py), the same one the offline LLM and `kiln
+run` read. Engine requests are aborted whenever their output is no longer wanted (client gone,
+another prompt failed), so their KV blocks come back at once.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams, SamplingParamsError
 from kiln.server.chat_output import ChatFormat
 from kiln.server.errors import APIError, ClientGone, bad_param, engine_error
@@ -33,6 +35,8 @@ from kiln.server.protocol import (
     CompletionRequest,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
+    UsageInfo,
 )
 from kiln.server.request_params import (
     RequestLimits,
@@ -58,51 +62,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class ChoiceEvent:
-    """What one engine step added to one choice."""
+class PromptSpec:
+    """One engine request of an API request: a prompt and its choices (`params.n`: the engine
+    fans them out), numbered in the response from `first_index` (a batch of prompts numbers
+    on: OpenAI's prompt * n + choice)."""
 
-    index: int
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    text_offsets: list[int] = field(default_factory=list)  # where each logprob's token starts
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)  # the new output token ids
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's first event
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @staticmethod
-    def joined(evs: list[ChoiceEvent]) -> ChoiceEvent:
-        """A choice's events as one: all its text, logprobs and offsets (offsets already count
-        from the choice's start); reasons and token counts are the last event's, the totals."""
-        return replace(evs[-1], text="".join(e.text for e in evs),
-                       prompt_logprobs=next((e.prompt_logprobs for e in evs
-                                             if e.prompt_logprobs is not None), None),
-                       token_ids=[t for e in evs for t in e.token_ids],
-                       logprobs=[lp for e in evs for lp in e.logprobs],
-                       text_offsets=[o for e in evs for o in e.text_offsets])
-
-
-@dataclass
-class ChoiceSpec:
     request_id: str
-    index: int
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str = ""  # echoed before the completion when echo=True
+    first_index: int = 0
     session_id: str | None = None  # keeps this conversation's KV blocks between turns
     cache_salt: str | None = None
+    group: str | None = None  # the API request's id, when it has several prompts
 
 
 @dataclass
 class _Failed:
-    index: int
     error: BaseException
 
 
@@ -285,119 +261,75 @@ class Serving:
         except SamplingParamsError as e:
             raise bad_param(e) from e
 
-    async def run_choice(self, spec: ChoiceSpec, on_started: Callable[[], None],
-                         group: str | None = None) -> AsyncIterator[ChoiceEvent]:
-        """One engine request as events: one per step that adds text or logprobs, and a final
-        one with finish_reason set. Aborts the engine request on any early exit. `group`: the
-        API request's name when it has several choices (the scheduler shares slots by it)."""
-        done = False
-        gen = self.engine.generate(spec.request_id, spec.prompt_ids, spec.params,
-                                   cache_salt=spec.cache_salt, session_id=spec.session_id,
-                                   group=group)
-        try:
-            async for out in gen:
-                on_started()
-                ev = ChoiceEvent(
-                    index=spec.index, text=out.text, logprobs=out.new_logprobs or [],
-                    text_offsets=out.text_offsets,
-                    finish_reason=(out.finish_reason or "stop") if out.finished else None,
-                    stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
-                    num_output_tokens=out.num_output_tokens,
-                    num_cached_tokens=out.num_cached_tokens, token_ids=out.new_token_ids,
-                    prompt_logprobs=out.prompt_logprobs)
-                if ev.finished:
-                    done = True
-                    yield ev
-                    return
-                if ev.text or ev.logprobs or ev.token_ids or ev.prompt_logprobs:
-                    yield ev
-            # The engine stream ended without a finished output: treat as aborted.
-            done = True
-            yield ChoiceEvent(index=spec.index, text="", finish_reason="abort")
-        finally:
-            if not done:
-                self.engine.abort(spec.request_id)
-            try:
-                await gen.aclose()
-            except Exception:  # closing must never mask the original outcome
-                log.debug("closing engine stream %s failed", spec.request_id, exc_info=True)
-
-    async def start(self, request: Request, specs: list[ChoiceSpec], body: Any = None
-                    ) -> Fanout:
-        """Submit every choice and wait until all are admitted; 503 when the engine is full.
+    async def start(self, request: Request, specs: list[PromptSpec], body: Any = None
+                    ) -> Outputs:
+        """Submit every prompt and wait until all are admitted; 503 when the engine is full.
         `body` (the validated request) goes into the request dump, when one is written."""
-        fan = Fanout(self, specs)
+        outs = Outputs(self, specs)
         if self.dumper is not None and body is not None:
-            fan.dump = self.dumper.begin(request.url.path.removeprefix("/v1/"), body, specs)
-        watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
+            outs.dump = self.dumper.begin(request.url.path.removeprefix("/v1/"), body, specs)
+        watcher = asyncio.create_task(_watch_disconnect(request, outs.disconnect))
         try:
-            await fan.wait_started()
+            await outs.wait_started()
         except BaseException as e:  # overloaded, client gone, handler cancelled: stop them all
-            fan.cancel()
-            if fan.dump is not None:
-                fan.dump.write(error=f"{type(e).__name__}: {e}")
+            outs.cancel()
+            if outs.dump is not None:
+                outs.dump.write(error=f"{type(e).__name__}: {e}")
             mapped = engine_error(e)
             if mapped is e:
                 raise
             raise mapped from e
         finally:
             watcher.cancel()
-        return fan
+        return outs
 
-    async def collect(self, request: Request, fan: Fanout) -> dict[int, ChoiceEvent]:
-        """Non-streaming: gather all events of all choices (abort on client disconnect), each
-        choice's joined into one (`ChoiceEvent.joined`), in the order of `fan.specs`."""
-        events: dict[int, list[ChoiceEvent]] = {s.index: [] for s in fan.specs}
-        remaining = len(fan.specs)
-        watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
+    async def collect(self, request: Request, outs: Outputs) -> list[RequestOutput]:
+        """Non-streaming: each prompt's output, every choice whole (the engine's FINAL_ONLY
+        output), in the order of `outs.specs`; aborts on client disconnect."""
+        got: dict[int, RequestOutput] = {}
+        watcher = asyncio.create_task(_watch_disconnect(request, outs.disconnect))
         try:
-            while remaining:
-                item = await fan.next()
+            while outs.remaining:
+                item = await outs.next()
                 if isinstance(item, _Failed):
-                    if fan.dump is not None:
-                        fan.dump.write(error=str(item.error))
+                    if outs.dump is not None:
+                        outs.dump.write(error=str(item.error))
                     err = engine_error(item.error)
                     if err is item.error:
                         raise err
                     raise err from item.error
-                events[item.index].append(item)
-                if fan.dump is not None:
-                    fan.dump.add(item)
-                if item.finished:
-                    remaining -= 1
+                pos, out = item
+                got[pos] = out
         finally:
             watcher.cancel()
-            fan.cancel()
-        if fan.dump is not None:
-            fan.dump.write()
-        return {i: ChoiceEvent.joined(evs) for i, evs in events.items()}
+            outs.cancel()
+        if outs.dump is not None:
+            outs.dump.write()
+        return [got[i] for i in range(len(outs.specs))]
 
-    def stream_response(self, request: Request, fan: Fanout,
-                        render: Callable[[ChoiceEvent], str | list[str] | None], first: list[str],
-                        last: Callable[[list[ChoiceEvent]], str | None], *,
+    def stream_response(self, request: Request, outs: Outputs, render: Render,
+                        first: list[str], last: Callable[[], str | None], *,
                         frame: Callable[[str], str] = data_frame, done: bool = True
                         ) -> StreamingResponse:
         """`stream` as the SSE response a streaming route returns."""
-        return StreamingResponse(self.stream(request, fan, render, first, last, frame=frame,
+        return StreamingResponse(self.stream(request, outs, render, first, last, frame=frame,
                                              done=done),
                                  media_type="text/event-stream")
 
-    async def stream(self, request: Request, fan: Fanout,
-                     render: Callable[[ChoiceEvent], str | list[str] | None], first: list[str],
-                     last: Callable[[list[ChoiceEvent]], str | None], *,
+    async def stream(self, request: Request, outs: Outputs, render: Render, first: list[str],
+                     last: Callable[[], str | None], *,
                      frame: Callable[[str], str] = data_frame, done: bool = True
                      ) -> AsyncIterator[str]:
-        """Streaming: SSE lines for each event that says something (`render` makes its chunk,
-        or several, or None to hold the text back); `first` chunks go out before any event;
-        `last` gets every choice's final event (for the usage chunk). `frame` turns a chunk into
-        its SSE text (the Responses API names each event); `done`: close with `data: [DONE]`
-        (the completions APIs)."""
+        """Streaming: SSE lines for each choice each DELTA output moved (`render(spec, out,
+        choice)` makes its chunk, or several, or None when there is nothing to say or the text
+        is held back); `first` chunks go out before any output; `last()` after every choice
+        finished (the usage chunk: `outs.usage()` counts them all by then). `frame` turns a
+        chunk into its SSE text (the Responses API names each event); `done`: close with
+        `data: [DONE]` (the completions APIs)."""
         # Starlette also cancels this generator on disconnect (ASGI spec < 2.4), but not on every
         # server; our own watcher makes the abort certain either way.
-        watcher = asyncio.create_task(_watch_disconnect(request, fan.disconnect))
-        finals: list[ChoiceEvent] = []
-        remaining = len(fan.specs)
-        dump = fan.dump
+        watcher = asyncio.create_task(_watch_disconnect(request, outs.disconnect))
+        dump = outs.dump
         error: str | None = None
         # --diagnostic-fault drop_stream:N: this stream is cut after N chunks (a drill).
         drop_after = self.faults.take_drop_stream() if self.faults is not None else None
@@ -405,15 +337,15 @@ class Serving:
         try:
             for line in first:
                 yield frame(line)
-            while remaining:
+            while outs.remaining:
                 if drop_after is not None and sent >= drop_after:
                     log.warning("stream cut after %d chunks by --diagnostic-fault drop_stream",
                                 sent)
                     error = f"dropped by --diagnostic-fault drop_stream:{drop_after}"
-                    fan.disconnect()  # as when the client leaves: its requests are aborted
+                    outs.disconnect()  # as when the client leaves: its requests are aborted
                     raise StreamDropped(error)
                 try:
-                    item = await fan.next()
+                    item = await outs.next()
                 except ClientGone:
                     error = "client disconnected"  # the dump keeps the partial output
                     return
@@ -425,67 +357,76 @@ class Serving:
                         500, f"internal error: {type(err).__name__}: {err}")
                     yield frame(json.dumps(api_err.body()))
                     break
-                if dump is not None:
-                    dump.add(item)
-                # A step that added no text or logprobs and finished nothing has nothing to send;
-                # nor has one whose text the route holds back (render gives None).
-                if item.text or item.logprobs or item.finished or item.prompt_logprobs:
-                    chunks = render(item)
-                    if chunks is not None:
+                pos, out = item
+                for co in out.outputs:
+                    chunks = render(outs.specs[pos], out, co)
+                    if chunks:  # None or []: nothing to say for this choice this step
                         for c in [chunks] if isinstance(chunks, str) else chunks:
                             yield frame(c)
                         sent += 1
-                if item.finished:
-                    finals.append(item)
-                    remaining -= 1
-            if not remaining:
-                tail = last(finals)
+            if not outs.remaining:
+                tail = last()
                 if tail is not None:
                     yield frame(tail)
             if done:
                 yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            fan.cancel()
+            outs.cancel()
             if dump is not None:
                 dump.write(error=error)
 
 
-class Fanout:
-    """Runs the engine requests of one HTTP request concurrently and merges their events into a
-    single queue (in arrival order, each tagged with its choice index)."""
+# A route's SSE chunk(s) for one choice of one output: (its prompt, the output, the choice)
+Render = Callable[[PromptSpec, RequestOutput, CompletionOutput], "str | list[str] | None"]
 
-    def __init__(self, serving: Serving, specs: list[ChoiceSpec]) -> None:
+
+class Outputs:
+    """The engine outputs of one API request's prompts, merged into one queue in arrival order
+    (one task per prompt; each prompt's choices come back inside its RequestOutputs). Counts
+    what usage reports as they pass, and hands them to the request dump."""
+
+    def __init__(self, serving: Serving, specs: list[PromptSpec]) -> None:
         self.specs = specs
-        self.queue: asyncio.Queue[ChoiceEvent | _Failed | _Disconnected] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | _Failed | _Disconnected] = (
+            asyncio.Queue())
         self.disconnected = False
         self.dump: RequestDump | None = None  # --request-dump-dir
+        self.remaining = len(specs)  # prompts not finished
+        self._cached = [0] * len(specs)  # per prompt: its prefix-cache hit
+        self._generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens
         loop = asyncio.get_running_loop()
         self._started: list[asyncio.Future[None]] = [loop.create_future() for _ in specs]
-        # The choices of one API request are one group to the scheduler: n=128 cannot take
-        # every sequence slot from the requests that come after it.
-        self.group = specs[0].request_id if len(specs) > 1 else None
-        self.tasks = [asyncio.create_task(self._pump(serving, spec, self._started[i]))
+        self.tasks = [asyncio.create_task(self._pump(serving, i, spec))
                       for i, spec in enumerate(specs)]
 
-    async def _pump(self, serving: Serving, spec: ChoiceSpec, started: asyncio.Future[None]
-                    ) -> None:
-        def on_started() -> None:
-            if not started.done():
-                started.set_result(None)
-
+    async def _pump(self, serving: Serving, pos: int, spec: PromptSpec) -> None:
+        started = self._started[pos]
+        gen = serving.engine.generate(spec.request_id, spec.prompt_ids, spec.params,
+                                      cache_salt=spec.cache_salt, session_id=spec.session_id,
+                                      group=spec.group)
         try:
-            async for ev in serving.run_choice(spec, on_started, self.group):
-                await self.queue.put(ev)
+            async for out in gen:
+                if not started.done():
+                    started.set_result(None)
+                await self.queue.put((pos, out))
+                if out.finished:
+                    return
+            raise RuntimeError(f"the engine stream of {spec.request_id} ended unfinished")
         except Exception as e:  # noqa: BLE001 - surfaced to the handler via the queue / future
             if not started.done():
                 started.set_exception(e)
-            await self.queue.put(_Failed(spec.index, e))
+            await self.queue.put(_Failed(e))
         finally:
-            on_started()
+            if not started.done():
+                started.set_result(None)
+            try:  # leaving early aborts the engine request (AsyncEngine.generate)
+                await gen.aclose()
+            except Exception:  # closing must never mask the original outcome
+                log.debug("closing engine stream %s failed", spec.request_id, exc_info=True)
 
     async def wait_started(self) -> None:
-        """Wait until every choice was admitted by the engine (its first output arrived) or one
+        """Wait until every prompt was admitted by the engine (its first output arrived) or one
         failed; a failure (e.g. EngineOverloadedError) is raised here, before any header is sent,
         so it can still become a proper HTTP status."""
         try:
@@ -499,7 +440,7 @@ class Fanout:
             raise ClientGone()
 
     def cancel(self) -> None:
-        """Stop every choice; their engine requests are aborted by run_choice's cleanup."""
+        """Stop every prompt; their engine requests are aborted as their streams close."""
         for t in self.tasks:
             t.cancel()
 
@@ -508,11 +449,30 @@ class Fanout:
         self.cancel()
         self.queue.put_nowait(_Disconnected())
 
-    async def next(self) -> ChoiceEvent | _Failed:
+    async def next(self) -> tuple[int, RequestOutput] | _Failed:
+        """The next output, as (its prompt's position in `specs`, the output)."""
         item = await self.queue.get()
         if isinstance(item, _Disconnected):
             raise ClientGone()
+        if isinstance(item, tuple):
+            pos, out = item
+            self._cached[pos] = max(self._cached[pos], out.num_cached_tokens)
+            for co in out.outputs:
+                self._generated[pos, co.index] = co.num_output_tokens
+            if out.finished:
+                self.remaining -= 1
+            if self.dump is not None:
+                self.dump.add(pos, out)
         return item
+
+    def usage(self) -> UsageInfo:
+        """OpenAI's usage of the outputs so far: every prompt once, every choice's tokens, the
+        prefix-cache hit of each prompt (its choices share it)."""
+        prompt = sum(len(s.prompt_ids) for s in self.specs)
+        completion = sum(self._generated.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached)))
 
 
 async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import TokenLogprob
 from kiln.sampling_params import SamplingParams
 from kiln.server.chat_output import (
@@ -31,13 +32,11 @@ from kiln.server.protocol import (
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
-    PromptTokensDetails,
     ToolCall,
     UsageInfo,
 )
 from kiln.server.serving import (
-    ChoiceEvent,
-    ChoiceSpec,
+    PromptSpec,
     Serving,
     clamp_logprob,
     prompt_logprobs_json,
@@ -108,21 +107,14 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # A conversation names its session with X-Session-Id, or else OpenAI's `user` field.
     session = request.headers.get("x-session-id") or req.user
-    specs = [ChoiceSpec(f"{rid}-{i}", i, prompt_ids, params.for_choice(i),
-                        session_id=session if req.n == 1 else None, cache_salt=req.cache_salt)
-             for i in range(req.n)]
+    # One engine request: the engine runs its n choices (kiln/engine/output.py).
+    spec = PromptSpec(rid, prompt_ids, params, session_id=session if req.n == 1 else None,
+                      cache_salt=req.cache_salt)
     # Every response and chunk of this request carries the same id, time and model.
     head: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
     k = params.logprobs or 0
     want_lp = params.logprobs is not None
-    fan = await sv.start(request, specs, body=req)
-
-    def usage(finals: list[ChoiceEvent]) -> UsageInfo:
-        completion = sum(e.num_output_tokens for e in finals)
-        cached = max((e.num_cached_tokens for e in finals), default=0)
-        return UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                         total_tokens=len(prompt_ids) + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    outs = await sv.start(request, [spec], body=req)
 
     def finish(reason: str | None, p: ChoiceParser) -> str | None:
         # OpenAI: a message that ends in tool calls finishes with "tool_calls"; one cut by
@@ -130,25 +122,24 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
         return "tool_calls" if reason == "stop" and p.called else reason
 
     if not req.stream:
-        outs = await sv.collect(request, fan)
+        (out,) = await sv.collect(request, outs)
         choices = []
-        for i, out in outs.items():
+        for co in out.outputs:
             p = choice_parser()
-            p.feed(out.text, final=True)
+            p.feed(co.text, final=True)
             r = p.result
             calls = [ToolCall.model_validate(c) for c in r.tool_calls]
             message = ChatResponseMessage(content=None if calls and not r.content else r.content,
                                           reasoning_content=r.reasoning or None,
                                           tool_calls=calls or None)
             choices.append(ChatCompletionChoice(
-                index=i, message=message,
-                logprobs=chat_logprobs(sv.tok, out.logprobs, k) if want_lp else None,
-                finish_reason=finish(out.finish_reason, p), stop_reason=out.stop_reason))
-        # vLLM reports them once, for the (shared) prompt: the first choice's
-        first = next(iter(outs.values()))
-        resp = ChatCompletionResponse(**head, choices=choices, usage=usage(list(outs.values())),
+                index=co.index, message=message,
+                logprobs=chat_logprobs(sv.tok, co.logprobs or [], k) if want_lp else None,
+                finish_reason=finish(co.finish_reason, p), stop_reason=co.stop_reason))
+        # vLLM reports them once, for the (shared) prompt
+        resp = ChatCompletionResponse(**head, choices=choices, usage=outs.usage(),
                                       prompt_logprobs=prompt_logprobs_json(
-                                          sv.tok, first.prompt_logprobs))
+                                          sv.tok, out.prompt_logprobs))
         return JSONResponse(resp.model_dump(mode="json"))
 
     def chunk(choices: list[ChatCompletionStreamChoice], u: UsageInfo | None = None) -> str:
@@ -156,22 +147,22 @@ async def create_chat_completion(sv: Serving, req: ChatCompletionRequest, reques
 
     parsers = {i: choice_parser() for i in range(req.n)}
 
-    def render(ev: ChoiceEvent) -> str | None:
-        p = parsers[ev.index]
-        d = p.feed(ev.text, final=ev.finished)
+    def render(_: PromptSpec, out: RequestOutput, co: CompletionOutput) -> str | None:
+        p = parsers[co.index]
+        d = p.feed(co.text, final=co.finished)
         delta = DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
                              tool_calls=[DeltaToolCall.model_validate(c) for c in d.tool_calls]
                              or None)
-        lps = chat_logprobs(sv.tok, ev.logprobs, k) if want_lp and ev.logprobs else None
-        if not (d.content or d.reasoning or d.tool_calls or lps or ev.finished):
+        lps = chat_logprobs(sv.tok, co.logprobs, k) if want_lp and co.logprobs else None
+        if not (d.content or d.reasoning or d.tool_calls or lps or co.finished):
             return None  # held back (a tag or call not decided yet): nothing to say
         return chunk([ChatCompletionStreamChoice(
-            index=ev.index, delta=delta, logprobs=lps,
-            finish_reason=finish(ev.finish_reason, p), stop_reason=ev.stop_reason)])
+            index=co.index, delta=delta, logprobs=lps,
+            finish_reason=finish(co.finish_reason, p), stop_reason=co.stop_reason)])
 
     first = [chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                            content=""))])
              for i in range(req.n)]
 
-    return sv.stream_response(request, fan, render, first,
-                              lambda fin: chunk([], usage(fin)) if req.include_usage else None)
+    return sv.stream_response(request, outs, render, first,
+                              lambda: chunk([], outs.usage()) if req.include_usage else None)

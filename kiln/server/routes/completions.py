@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import TokenLogprob
 from kiln.server.errors import APIError
 from kiln.server.protocol import (
@@ -17,12 +18,10 @@ from kiln.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
     UsageInfo,
 )
 from kiln.server.serving import (
-    ChoiceEvent,
-    ChoiceSpec,
+    PromptSpec,
     Serving,
     clamp_logprob,
     prompt_logprobs_json,
@@ -65,62 +64,62 @@ async def create_completion(sv: Serving, req: CompletionRequest, request: Reques
     sv.check_limits(req)  # before tokenizing what may be thousands of prompts
     prompts = completion_prompts(sv.tok, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    specs: list[ChoiceSpec] = []
-    for pi, (ids, text) in enumerate(prompts):
-        params = sv.params_for(req, len(ids))
-        for i in range(req.n):
-            idx = pi * req.n + i  # OpenAI's numbering for a batch of prompts
-            specs.append(ChoiceSpec(f"{rid}-{idx}", idx, ids, params.for_choice(i), text,
-                                    cache_salt=req.cache_salt))
+    # One engine request per prompt (the engine runs its n choices, kiln/engine/output.py),
+    # one scheduler group for them all.
+    batch = len(prompts) > 1
+    specs = [PromptSpec(f"{rid}-{pi}" if batch else rid, ids, sv.params_for(req, len(ids)), text,
+                        first_index=pi * req.n, cache_salt=req.cache_salt,
+                        group=rid if batch else None)
+             for pi, (ids, text) in enumerate(prompts)]
     await sv.check_structured(req, specs[0].params)  # one constraint for every prompt
     want_lp = req.logprobs is not None
     k = req.logprobs or 0
     # Every response and chunk of this request carries the same id, time and model.
     head: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": model}
-    fan = await sv.start(request, specs, body=req)
+    outs = await sv.start(request, specs, body=req)
 
-    def usage(finals: list[ChoiceEvent]) -> UsageInfo:
-        prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        completion = sum(e.num_output_tokens for e in finals)
-        cached_by_prompt: dict[int, int] = {}
-        for e in finals:
-            pi = e.index // req.n
-            cached_by_prompt[pi] = max(cached_by_prompt.get(pi, 0), e.num_cached_tokens)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion,
-                         prompt_tokens_details=PromptTokensDetails(
-                             cached_tokens=sum(cached_by_prompt.values())))
-
-    echo_len = {s.index: len(s.prompt_text) if req.echo else 0 for s in specs}
+    def echo_len(s: PromptSpec) -> int:
+        return len(s.prompt_text) if req.echo else 0
 
     if not req.stream:
-        outs = await sv.collect(request, fan)
         choices = []
-        for s in specs:
-            out = outs[s.index]
-            lps = (completion_logprobs(sv.tok, out.logprobs, out.text_offsets, k,
-                                       echo_len[s.index]) if want_lp else None)
-            choices.append(CompletionChoice(
-                index=s.index, text=(s.prompt_text if req.echo else "") + out.text, logprobs=lps,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                prompt_logprobs=prompt_logprobs_json(sv.tok, out.prompt_logprobs)))
-        resp = CompletionResponse(**head, choices=choices, usage=usage(list(outs.values())))
+        for s, out in zip(specs, await sv.collect(request, outs), strict=True):
+            for co in out.outputs:
+                lps = (completion_logprobs(sv.tok, co.logprobs or [], co.text_offsets, k,
+                                           echo_len(s)) if want_lp else None)
+                choices.append(CompletionChoice(
+                    index=s.first_index + co.index,
+                    text=(s.prompt_text if req.echo else "") + co.text, logprobs=lps,
+                    finish_reason=co.finish_reason, stop_reason=co.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(sv.tok, out.prompt_logprobs)))
+        resp = CompletionResponse(**head, choices=choices, usage=outs.usage())
         return JSONResponse(resp.model_dump(mode="json"))
 
     def chunk(choices: list[CompletionChoice], u: UsageInfo | None = None) -> str:
         return CompletionChunk(**head, choices=choices, usage=u).model_dump_json()
 
-    def render(ev: ChoiceEvent) -> str:
-        lp = (completion_logprobs(sv.tok, ev.logprobs, ev.text_offsets, k, echo_len[ev.index])
-              if want_lp and ev.logprobs else None)
-        return chunk([CompletionChoice(index=ev.index, text=ev.text, logprobs=lp,
-                                       finish_reason=ev.finish_reason,
-                                       stop_reason=ev.stop_reason,
-                                       prompt_logprobs=prompt_logprobs_json(
-                                           sv.tok, ev.prompt_logprobs))])
+    # Each choice's first chunk carries its prompt's logprobs (the engine gives them once per
+    # prompt, on its first output).
+    prompt_lps: dict[str, Any] = {}
+    lps_sent: set[int] = set()
 
-    first = ([chunk([CompletionChoice(index=s.index, text=s.prompt_text)])
-              for s in specs if s.prompt_text] if req.echo else [])
+    def render(s: PromptSpec, out: RequestOutput, co: CompletionOutput) -> str | None:
+        index = s.first_index + co.index
+        if out.prompt_logprobs is not None:
+            prompt_lps[s.request_id] = prompt_logprobs_json(sv.tok, out.prompt_logprobs)
+        plp = prompt_lps.get(s.request_id) if index not in lps_sent else None
+        lp = (completion_logprobs(sv.tok, co.logprobs, co.text_offsets, k, echo_len(s))
+              if want_lp and co.logprobs else None)
+        if not (co.text or lp or co.finished or plp):
+            return None  # a step that added no text (held back) and finished nothing
+        if plp is not None:
+            lps_sent.add(index)
+        return chunk([CompletionChoice(index=index, text=co.text, logprobs=lp,
+                                       finish_reason=co.finish_reason,
+                                       stop_reason=co.stop_reason, prompt_logprobs=plp)])
 
-    return sv.stream_response(request, fan, render, first,
-                              lambda fin: chunk([], usage(fin)) if req.include_usage else None)
+    first = ([chunk([CompletionChoice(index=s.first_index + i, text=s.prompt_text)])
+              for s in specs if s.prompt_text for i in range(req.n)] if req.echo else [])
+
+    return sv.stream_response(request, outs, render, first,
+                              lambda: chunk([], outs.usage()) if req.include_usage else None)

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.server.chat_output import ChoiceParser
 from kiln.server.errors import APIError
 from kiln.server.protocol import (
@@ -47,7 +48,7 @@ from kiln.server.responses_protocol import (
     ResponseUsage,
 )
 from kiln.server.routes.chat import prepare_chat
-from kiln.server.serving import ChoiceEvent, ChoiceSpec, Serving
+from kiln.server.serving import Outputs, PromptSpec, Serving
 
 # Errors name the Responses' own fields, not the chat request they are checked as.
 _PARAM_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -152,12 +153,14 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
                        param=_PARAM_NAMES.get(field or "", field), code="invalid_value") from e
 
 
-def _usage(prompt_len: int, ev: ChoiceEvent) -> ResponseUsage:
-    return ResponseUsage(input_tokens=prompt_len,
-                         input_tokens_details=InputTokensDetails(cached_tokens=ev.num_cached_tokens),
-                         output_tokens=ev.num_output_tokens,
+def _usage(outs: Outputs) -> ResponseUsage:
+    u = outs.usage()
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    return ResponseUsage(input_tokens=u.prompt_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                         output_tokens=u.completion_tokens,
                          output_tokens_details=OutputTokensDetails(),
-                         total_tokens=prompt_len + ev.num_output_tokens)
+                         total_tokens=u.total_tokens)
 
 
 # event(type, **fields) -> the event's JSON text (numbered in order)
@@ -315,12 +318,13 @@ class _Turn:
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
             metadata=req.metadata or {}, store=req.store, user=req.user)
 
-    def finish(self, ev: ChoiceEvent, items: OutputItems) -> ResponseObject:
-        """The finished response (stored when `store`); `ev` is the choice's final event,
+    def finish(self, co: CompletionOutput, items: OutputItems, usage: ResponseUsage
+               ) -> ResponseObject:
+        """The finished response (stored when `store`); `co` is the choice's final output,
         `items` its output, fed to the end."""
-        incomplete = ev.finish_reason in ("length", "abort")
-        resp = self.response("incomplete" if incomplete else "completed", items.items,
-                             _usage(self.prompt_len, ev), incomplete)
+        incomplete = co.finish_reason in ("length", "abort")
+        resp = self.response("incomplete" if incomplete else "completed", items.items, usage,
+                             incomplete)
         if self.req.store:
             calls = [template_tool_call({"id": i["call_id"], "type": "function", "function": {
                 "name": i["name"], "arguments": i["arguments"]}})
@@ -351,17 +355,17 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
         raise
     turn = _Turn(store, req, model, conversation, len(run.prompt_ids))
     session = request.headers.get("x-session-id") or req.user
-    spec = ChoiceSpec(turn.id, 0, run.prompt_ids, run.params, session_id=session)
-    fan = await sv.start(request, [spec], body=req)
+    spec = PromptSpec(turn.id, run.prompt_ids, run.params, session_id=session)
+    outs = await sv.start(request, [spec], body=req)
 
-    def status(ev: ChoiceEvent) -> str:
-        return "incomplete" if ev.finish_reason in ("length", "abort") else "completed"
+    def status(co: CompletionOutput) -> str:
+        return "incomplete" if co.finish_reason in ("length", "abort") else "completed"
 
     if not req.stream:
-        ev = (await sv.collect(request, fan))[0]
+        (co,) = (await sv.collect(request, outs))[0].outputs
         items = OutputItems(run.choice_parser())
-        items.feed(ev.text, True, status(ev))
-        return JSONResponse(turn.finish(ev, items).model_dump(mode="json"))
+        items.feed(co.text, True, status(co))
+        return JSONResponse(turn.finish(co, items, _usage(outs)).model_dump(mode="json"))
 
     seq = 0
 
@@ -377,15 +381,15 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
     first = [event("response.created", response=started),
              event("response.in_progress", response=started)]
 
-    def render(ev: ChoiceEvent) -> list[str]:
-        out = items.feed(ev.text, ev.finished, status(ev))
-        if ev.finished:
-            resp = turn.finish(ev, items)
+    def render(_: PromptSpec, __: RequestOutput, co: CompletionOutput) -> list[str]:
+        out = items.feed(co.text, co.finished, status(co))
+        if co.finished:
+            resp = turn.finish(co, items, _usage(outs))
             done = "response.incomplete" if resp.status == "incomplete" else "response.completed"
             out.append(event(done, response=resp.model_dump(mode="json")))
         return out
 
-    return sv.stream_response(request, fan, render, first, lambda _: None, frame=_frame,
+    return sv.stream_response(request, outs, render, first, lambda: None, frame=_frame,
                               done=False)
 
 
