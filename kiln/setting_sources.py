@@ -70,7 +70,7 @@ def cli_values(namespace: argparse.Namespace) -> dict[str, tuple[Any, str]]:
             flags = " and ".join(sorted({f for _, f in uses}))
             raise ConfigError(
                 f"conflicting flags for {name}: {flags}",
-                hint="give the setting once",
+                hint="give the setting once", code="config.conflicting_flags",
             )
         out[name] = uses[-1]
     return out

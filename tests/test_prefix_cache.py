@@ -171,8 +171,9 @@ def test_prefix_caching_flags_and_their_aliases():
 def test_conflicting_prefix_caching_spellings_are_rejected():
     from kiln.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="conflicting flags for enable_prefix_caching"):
+    with pytest.raises(ConfigError) as e:
         parse("--enable-prefix-caching", "--disable-prefix-cache")
+    assert e.value.code == "config.conflicting_flags" and "enable_prefix_caching" in str(e.value)
     with pytest.raises(ConfigError, match="--enable-prefix-cache and --no-enable-prefix-caching"):
         parse("--no-enable-prefix-caching", "--enable-prefix-cache")
 
@@ -189,12 +190,16 @@ def test_prefix_rendezvous_and_session_cache_settings():
     cfg = EngineConfig.from_settings(s, model="m")
     assert (cfg.prefix_rendezvous_max_wait_ms, cfg.session_cache, cfg.session_cache_max_entries,
             cfg.session_cache_max_tokens) == (250, "memory", 8, 4096)
-    with pytest.raises(ConfigError, match="--prefix-rendezvous-max-wait-ms.*must be > 0 ms"):
+    with pytest.raises(ConfigError) as e:
         parse("--prefix-rendezvous-max-wait-ms", "0")
+    assert e.value.code == "config.invalid_value"
+    assert e.value.message.fields["flag"] == "--prefix-rendezvous-max-wait-ms"
     from kiln.setting_resolve import resolve_settings
 
-    with pytest.raises(ConfigError, match="choose one of: off, memory"):
+    with pytest.raises(ConfigError) as e:
         resolve_settings(env={"session_cache": ("disk", "KILN_SESSION_CACHE")})
+    assert e.value.code == "config.invalid_choice"
+    assert e.value.hint.fields["choices"] == "off, memory"
 
 
 # --------------------------------------------------------------------------- rendezvous

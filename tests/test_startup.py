@@ -49,8 +49,9 @@ def test_auto_reason_is_recorded():
 
 def test_conflicting_spellings_of_one_flag_are_rejected_by_name():
     with pytest.raises(ConfigError, match="--enable-prefix-caching and "
-                                            "--no-enable-prefix-caching"):
+                                            "--no-enable-prefix-caching") as e:
         _cli("--enable-prefix-caching", "--no-enable-prefix-caching")
+    assert e.value.code == "config.conflicting_flags"
     # Two spellings that agree are fine.
     assert _cli("--disable-prefix-cache", "--no-enable-prefix-caching")[
         "enable_prefix_caching"][0] is False
