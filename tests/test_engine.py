@@ -174,14 +174,17 @@ def test_stop_token_and_prompt_validation(make_engine, prompt_ids, one_by_one):
 
 
 def test_n_choices_fan_out_in_the_engine_as_one_group_delta_and_final_alike(make_engine,
-                                                                          prompt_ids):
+                                                                          prompt_ids, tmp_path):
     """n=3: the output processor runs `{id}-{i}` sequences (seed + i) as one scheduler group;
-    DELTA outputs folded by RequestOutput.add equal the FINAL_ONLY output; aborting the request
-    aborts every choice."""
+    DELTA outputs folded by RequestOutput.add (and by the request dump) equal the FINAL_ONLY
+    output; aborting the request aborts every choice."""
+    import json
     from dataclasses import replace
+    from types import SimpleNamespace
 
     from kiln.engine.output import RequestOutput
     from kiln.errors import KilnError
+    from kiln.obs.dump import RequestDumper
     from kiln.sampling_params import RequestOutputKind
 
     eng = make_engine(enable_prefix_caching=False)
@@ -196,12 +199,15 @@ def test_n_choices_fan_out_in_the_engine_as_one_group_delta_and_final_alike(make
     with pytest.raises(KilnError):
         eng.add_request("d", ids, params)  # the request's id is taken while it runs
     delta = RequestOutput("d", ids, [], finished=False)
+    spec = SimpleNamespace(request_id="d", prompt_ids=ids, params=params, first_index=0)
+    dump = RequestDumper(tmp_path, "sha256:x").begin("completions", {"n": 3}, [spec])
     finals = []
     while eng.has_unfinished:
         for o in eng.step():
             if o.request_id == "d":
                 assert not delta.finished and all(c.index in (0, 1, 2) for c in o.outputs)
                 delta.add(o)
+                dump.add(0, o)
             else:
                 finals.append(o)
     (final,) = finals  # FINAL_ONLY: one output, when every choice finished
@@ -212,6 +218,11 @@ def test_n_choices_fan_out_in_the_engine_as_one_group_delta_and_final_alike(make
         assert len(f.token_ids) == len(f.logprobs) == f.num_output_tokens == 6
         assert f.metrics is not None and f.metrics.num_generation_tokens == 6
     assert len({tuple(c.token_ids) for c in final.outputs}) > 1  # each choice its own seed
+    bundle = json.loads(dump.write().read_text())
+    assert [(c["index"], c["request_id"], c["sampling_params"]["seed"], c["output_token_ids"],
+             c["text"], c["finish_reason"]) for c in bundle["choices"]] == [
+        (i, f"d-{i}", 11 + i, f.token_ids, f.text, "length")
+        for i, f in enumerate(final.outputs)]
     integrity(eng)
 
     eng.add_request("a", ids, params)

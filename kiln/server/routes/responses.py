@@ -295,10 +295,9 @@ class _Turn:
     """One /v1/responses request: its ids, conversation and the response object it becomes."""
 
     def __init__(self, store: ResponseStore, req: ResponsesRequest, model: str,
-                 conversation: list[dict[str, Any]], prompt_len: int) -> None:
+                 conversation: list[dict[str, Any]]) -> None:
         self.store, self.req, self.model = store, req, model
         self.conversation = conversation
-        self.prompt_len = prompt_len
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -353,7 +352,7 @@ async def create_response(sv: Serving, store: ResponseStore, req: ResponsesReque
     except APIError as e:  # errors name the Responses' own fields
         e.param = _PARAM_NAMES.get(e.param or "", e.param)
         raise
-    turn = _Turn(store, req, model, conversation, len(run.prompt_ids))
+    turn = _Turn(store, req, model, conversation)
     session = request.headers.get("x-session-id") or req.user
     spec = PromptSpec(turn.id, run.prompt_ids, run.params, session_id=session)
     outs = await sv.start(request, [spec], body=req)
