@@ -624,7 +624,7 @@ def test_a_draft_alias_reaches_the_engines_as_what_they_load(
 def test_a_registry_model_that_is_not_here_is_not_answered_with_other_models(
         machine: dict[str, HardwareInfo], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    for spec in ("qwen3-0.6b", "Qwen/Qwen3-0.6B"):
+    for spec in ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "m2"):  # m2: kt-cli's short name
         rc, _, _, _, err = dry_run(tmp_path, capsys, spec)
         assert rc != 0
         assert f"'{spec}' is not in the HF cache" in err and "did you mean" not in err
@@ -666,7 +666,8 @@ def test_issue_43s_commands_as_a_kt_cli_user_types_them_give_kt_clis_sglang_line
     qwen = model_folder(models / "Qwen--Qwen3-30B-A3B", QWEN3_30B_A3B)
     ds = model_folder(tmp_path / "D", DEEPSEEK_V3)
     config = tmp_path / "kt.toml"
-    config.write_text('model = "qwen3-30b-a3b"\n')
+    # The default model, and a kt-cli option's default, from the config file.
+    config.write_text('model = "qwen3-30b-a3b"\nwatchdog_timeout = 600\n')
     knobs = ["--sequence-fit-policy", "full-input-must-fit",
              "--scheduler-prefill-first-until-active", "8", "--scheduler-prefill-step-chunk",
              "512", "--scheduler-active-decode-prefill-chunk", "256"]
@@ -691,7 +692,9 @@ def test_issue_43s_commands_as_a_kt_cli_user_types_them_give_kt_clis_sglang_line
         assert argv[1:3] == ["-m", "sglang.launch_server"], item
         missing = set(KT_CLI_FLAGS) - kt_flags(argv)
         assert not missing, (item, missing)
-        for name, value in KT_CLI_VALUES.items():
+        # A value a person gave wins over kt-cli's (the config file's watchdog in item 5).
+        given = {"--watchdog-timeout": "600"} if item.startswith("5") else {}
+        for name, value in {**KT_CLI_VALUES, **given}.items():
             assert flag(argv, name) == value, (item, name, flag(argv, name))
         assert "--enable-mixed-chunk" in argv and "--enable-p2p-check" in argv, item
         entry = lookup(eff["model"]["registry_entry"])
@@ -727,6 +730,8 @@ def test_issue_43s_commands_as_a_kt_cli_user_types_them_give_kt_clis_sglang_line
     argv, eff = runs["5 config file's model"]
     assert eff["settings"]["model"]["source"] == "file"
     assert flag(argv, "--model-path") == "Qwen/Qwen3-30B-A3B"
+    assert flag(argv, "--watchdog-timeout") == "600"  # the file's, over preset kt's 3000
+    assert eff["settings"]["watchdog_timeout"]["source"] == "file"
     argv, eff = runs["6 served names"]
     assert eff["settings"]["served_model_name"]["value"] == ["a", "b"]
     assert flag(argv, "--served-model-name") == "a"  # SGLang takes one name, and kiln says so
