@@ -6,6 +6,7 @@ fan-out or a second output type fails here with its file and line."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 KILN = Path(__file__).resolve().parent.parent / "kiln"
@@ -14,6 +15,7 @@ OUTPUT = KILN / "engine" / "output.py"
 SUBMITS = {"add_request", "generate", "for_choice"}
 
 
+@functools.cache  # parsed once for the three tests
 def _modules() -> dict[Path, ast.Module]:
     return {p: ast.parse(p.read_text(), str(p)) for p in sorted(KILN.rglob("*.py"))}
 
