@@ -58,10 +58,12 @@ _FOLDER_HINT = ("a LoRA adapter is a PEFT folder with adapter_config.json and "
 class LoRAError(KilnError):
     """An adapter that cannot be served: missing files, a rank over --max-lora-rank, a target
     kiln does not adapt, a duplicate name, one in use. `field`: what is wrong, the adapter's
-    "path" (its files) or its "name" (the API's lora_path / lora_name)."""
+    "path" (its files) or its "name" (the API's lora_path / lora_name). `code`: which of
+    these, for a program or a test (lora.file_missing, lora.rank_too_large, ...)."""
 
-    def __init__(self, message: str, *, hint: str | None = None, field: str = "path") -> None:
-        super().__init__(message, hint=hint)
+    def __init__(self, message: str, *, hint: str | None = None, field: str = "path",
+                 code: str | None = None) -> None:
+        super().__init__(message, hint=hint, code=code)
         self.field = field
 
 
@@ -105,26 +107,27 @@ def inspect_adapter(name: str, path: str | Path, max_rank: int) -> AdapterSpec:
     where = f"LoRA adapter {name!r} ({folder})"
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / f).is_file():
-            raise LoRAError(f"{where}: {f} not found", hint=_FOLDER_HINT)
+            raise LoRAError(f"{where}: {f} not found", hint=_FOLDER_HINT,
+                            code="lora.file_missing")
     try:
         cfg = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise LoRAError(f"{where}: {CONFIG_FILE} is not readable JSON: {e}",
-                        hint=_FOLDER_HINT) from None
+                        hint=_FOLDER_HINT, code="lora.bad_config") from None
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise LoRAError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA",
-                        hint="kiln serves LoRA adapters only")
+                        hint="kiln serves LoRA adapters only", code="lora.not_lora")
     for key, off in (("use_dora", False), ("modules_to_save", None), ("bias", "none")):
         if cfg.get(key, off) not in (off, [], False, None):
             raise LoRAError(f"{where}: {key}={cfg[key]!r} is not supported",
                             hint="kiln serves plain LoRA (no DoRA, no trained biases or "
-                            "saved modules)")
+                            "saved modules)", code="lora.unsupported_option")
     wanted = cfg.get("target_modules")
     if isinstance(wanted, list):
         unknown = sorted(set(wanted) - set(TARGETS))
         if unknown:
             raise LoRAError(f"{where}: unknown target module(s) {', '.join(unknown)}",
-                            hint=f"kiln adapts {', '.join(TARGETS)}")
+                            hint=f"kiln adapts {', '.join(TARGETS)}", code="lora.unknown_target")
     from safetensors import safe_open
 
     pairs: dict[str, dict[str, str]] = {}
@@ -134,24 +137,28 @@ def inspect_adapter(name: str, path: str | Path, max_rank: int) -> AdapterSpec:
             m = _KEY.match(key)
             if m is None:
                 raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A/B weight",
-                                hint=f"kiln adapts {', '.join(TARGETS)} with plain LoRA")
+                                hint=f"kiln adapts {', '.join(TARGETS)} with plain LoRA",
+                                code="lora.unknown_target")
             module = m["module"]
             target = module.rsplit(".", 1)[-1]
             if target not in TARGETS:
                 raise LoRAError(f"{where}: unknown target module {target!r} ({key})",
-                                hint=f"kiln adapts {', '.join(TARGETS)}")
+                                hint=f"kiln adapts {', '.join(TARGETS)}",
+                                code="lora.unknown_target")
             pairs.setdefault(module, {})[m["ab"]] = key
             if m["ab"] == "A":
                 rank = max(rank, int(f.get_slice(key).get_shape()[0]))
     if not pairs:
-        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights", hint=_FOLDER_HINT)
+        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights", hint=_FOLDER_HINT,
+                        code="lora.no_weights")
     half = sorted(m for m, ab in pairs.items() if len(ab) != 2)
     if half:
         raise LoRAError(f"{where}: {half[0]} has lora_A or lora_B but not both",
-                        hint=_FOLDER_HINT)
+                        hint=_FOLDER_HINT, code="lora.no_weights")
     if rank > max_rank:
         raise LoRAError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}",
-                        hint=f"serve it with --max-lora-rank {rank} or more")
+                        hint=f"serve it with --max-lora-rank {rank} or more",
+                        code="lora.rank_too_large")
     return AdapterSpec(
         name=name, path=folder, rank=rank, lora_alpha=float(cfg.get("lora_alpha", 8)),
         use_rslora=bool(cfg.get("use_rslora", False)),
@@ -328,17 +335,20 @@ class LoRAManager:
             loaded = ", ".join(self.adapters) or "none"
             raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})",
                                     hint="load it with --lora NAME=PATH or POST "
-                                    "/v1/load_lora_adapter", field="name")
+                                    "/v1/load_lora_adapter", field="name",
+                                    code="lora.not_loaded")
         return a.id
 
     def load(self, name: str, path: str | Path) -> LoadedAdapter:
         if name in self.adapters:
             raise LoRAError(f"LoRA adapter {name!r} is already loaded",
-                            hint="unload it first, or load it under another name", field="name")
+                            hint="unload it first, or load it under another name", field="name",
+                            code="lora.already_loaded")
         if len(self.adapters) >= self.max_loras:
             raise LoRAError(f"LoRA adapter {name!r}: {len(self.adapters)} adapters are loaded, "
                             f"--max-loras is {self.max_loras}",
-                            hint="unload one, or raise --max-loras", field="name")
+                            hint="unload one, or raise --max-loras", field="name",
+                            code="lora.slots_full")
         spec = inspect_adapter(name, path, self.max_rank)
         per_module = self._place(spec)
         aid = self._next_id
@@ -393,7 +403,8 @@ class LoRAManager:
                 lin = self.model.get_submodule(our_path)
             except AttributeError:
                 raise LoRAError(f"LoRA adapter {spec.name!r}: this model has no {module}",
-                                hint="the adapter was trained for another model") from None
+                                hint="the adapter was trained for another model",
+                                code="lora.wrong_model") from None
             shards: dict[str, tuple[int, int]] = getattr(lin, "shards", None) or {}
             start, rows = shards[shard] if shard is not None else (0, lin.out_features)
             a, b = tensors[ka], tensors[kb]
@@ -402,7 +413,8 @@ class LoRAManager:
                 raise LoRAError(
                     f"LoRA adapter {spec.name!r}: {module} has A {tuple(a.shape)}, B "
                     f"{tuple(b.shape)}; this model's layer takes A ({r}, {lin.in_features}), "
-                    f"B ({rows}, {r})", hint="the adapter was trained for another model")
+                    f"B ({rows}, {r})", hint="the adapter was trained for another model",
+                    code="lora.wrong_model")
             scaled = b.float() * spec.scaling(module, r)
             parts.setdefault(our_path, []).append((start, rows, a.float(), scaled))
         out: dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]] = {}
