@@ -72,8 +72,9 @@ def test_every_level_computes_the_same_bits():
     ids = torch.tensor([[0, 2], [1, 2], [3, 0]])
     w = torch.rand(3, 2)
     g = torch.Generator().manual_seed(1)
-    parts = [kquant._random_blocks(9, 512, t, g) for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0",
-                                                           "Q5_0", "Q5_1")]
+    # 9 and 21 rows: the AVX-512 level's pairs of tiles whole (16 rows) and cut short
+    parts = [kquant._random_blocks(9 + 12 * (i % 2), 512, t, g)
+             for i, t in enumerate(("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q8_0"))]
     w13 = torch.stack([_q4_case(64, 512, 1, e)[1] for e in range(4)])
     w2 = torch.stack([_q4_case(512, 32, 1, 10 + e)[1] for e in range(4)])
     results = {}
