@@ -765,3 +765,25 @@ def test_ferrums_scheduler_knobs_reach_vllm_where_it_has_one_and_are_said_ignore
     assert any(w.startswith("vLLM ignores --scheduler-active-decode-prefill-chunk=256")
                for w in warnings)
     assert "--greedy-argmax" not in argv  # vLLM's greedy rows are an argmax already
+
+
+def test_a_ferrum_size_tag_names_that_size_or_fails_never_another_size(
+        machine: dict[str, HardwareInfo], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """ferrum's (and Ollama's) FAMILY:SIZE: qwen3:4b is Qwen3-4B; qwen3:14b, a size kiln's
+    registry lacks, is an error listing the sizes it has, not Qwen3-8B (the family's default)
+    with '14b' taken for a GGUF quant. The same for a draft model."""
+    rc, argv, _, _, err = dry_run(tmp_path, capsys, "qwen3:4b", "--engine", "sglang")
+    assert rc == 0, err
+    assert flag(argv, "--model-path") == "Qwen/Qwen3-4B"
+    rc, _, _, _, err = dry_run(tmp_path, capsys, "qwen3:14b", "--engine", "sglang")
+    assert rc != 0 and "'qwen3:14b' is a size of qwen3" in err
+    assert "qwen3:0.6b, qwen3:4b, qwen3:8b" in err and "Qwen3-8B" not in err
+    folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                  "--spec-draft", "qwen3:0.6b", "--spec-tokens", "3")
+    assert rc == 0, err
+    assert flag(argv, "--speculative-draft-model-path") == "Qwen/Qwen3-0.6B"
+    rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                  "--spec-draft", "qwen3:14b", "--spec-tokens", "3")
+    assert rc != 0 and "'qwen3:14b' is a size of qwen3" in err

@@ -263,6 +263,13 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "model.unknown": {"en": "model not found: {spec} is not a registry alias, a path, or "
                             "owner/repo",
                       "zh": "未找到模型 {spec}：既不是注册表中的别名，也不是路径或 owner/repo"},
+    "model.unknown_size": {"en": "model not found: {spec} is a size of {base} (ferrum's and "
+                                 "Ollama's FAMILY:SIZE tags) that kiln's registry does not have",
+                           "zh": "未找到模型 {spec}：这是 {base} 的一个尺寸（ferrum 与 Ollama 的 "
+                                 "FAMILY:SIZE 写法），kiln 的注册表中没有"},
+    "model.unknown_size.hint": {"en": "the sizes it has: {tags}; or give an HF repo "
+                                      "(owner/name) or a model folder",
+                                "zh": "注册表中的尺寸：{tags}；也可以给出 HF 仓库（owner/name）或模型目录"},
     "model.default_no_gguf": {"en": " (package folder {folder} has no .gguf)",
                               "zh": "（包目录 {folder} 中没有 .gguf）"},
     "model.default_missing": {"en": "the embedded default model is not installed{where}",

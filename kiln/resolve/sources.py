@@ -68,6 +68,10 @@ __all__ = [
 
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _QUANT_SUFFIX_RE = re.compile(r"^(.+):([A-Za-z0-9_.\-]+)$")
+# ferrum's and Ollama's tags put a size after the colon (qwen3:4b, qwen3:30b-a3b). The registry
+# lists the ones it has as aliases; any other is a size it lacks, not a GGUF quant of the
+# family's default model (qwen3:4b once served Qwen3-8B).
+_SIZE_TAG_RE = re.compile(r"^\d+(\.\d+)?[bm](-a\d+(\.\d+)?b)?$", re.IGNORECASE)
 
 
 def offline_mode(offline: bool = False) -> bool:
@@ -89,6 +93,23 @@ def _split_quant(spec: str) -> tuple[str, str | None]:
     if m and "/" not in m.group(2) and "\\" not in m.group(2) and len(m.group(1)) > 1:
         return m.group(1), m.group(2)
     return spec, None
+
+
+def registry_entry(spec: str) -> RegistryEntry | None:
+    """The registry model MODEL names: an alias as written (qwen3:0.6b is one), or ALIAS:QUANT;
+    not a family:size tag the registry does not list."""
+    entry = lookup(spec)
+    if entry is None:
+        base, quant = _split_quant(spec)
+        if quant is not None and not _SIZE_TAG_RE.match(quant):
+            entry = lookup(base)
+    return entry
+
+
+def _no_such_size(spec: str, base: str) -> ModelNotFoundError:
+    tags = [n for e in load_registry() for n in e.names if n.lower().startswith(base.lower() + ":")]
+    return ModelNotFoundError(msg("model.unknown_size", spec=repr(spec), base=base),
+                              hint=msg("model.unknown_size.hint", tags=", ".join(tags) or "-"))
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -202,6 +223,8 @@ def resolve_model(
         return _from_entry(entry, None, spec, dirs, offline, download)
 
     base, quant = _split_quant(spec)
+    if quant is not None and _SIZE_TAG_RE.match(quant) and lookup(base) is not None:
+        raise _no_such_size(spec, base)
     if quant is not None:
         entry = lookup(base)
         if entry is not None:

@@ -70,13 +70,12 @@ def resolve_draft_for_engine(s: ResolvedSettings, dirs: Any, *, offline: bool) -
 
     from kiln.errors import ModelNotFoundError
     from kiln.resolve import sources
-    from kiln.resolve.registry import lookup
 
     r = s.values.get("speculative_model")
     if r is None or r.value is None:
         return
     spec = str(r.value)
-    entry = lookup(spec.split(":")[0])
+    entry = sources.registry_entry(spec)
     if entry is None and (Path(spec).expanduser().exists() or spec.count("/") == 1):
         return
     try:
