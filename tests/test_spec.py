@@ -387,9 +387,12 @@ def test_kiln_engine_refuses_a_method_it_does_not_have(gguf_path, smollm2_runner
     from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="eagle"):
+    with pytest.raises(ConfigError) as e:
         Engine(EngineConfig(model=str(gguf_path), dtype="float32", speculative_method="eagle"),
                runner=smollm2_runner)
-    with pytest.raises(ConfigError, match="--speculative-method ngram"):
+    assert e.value.code == "spec.unknown_method" and "'eagle'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
         Engine(EngineConfig(model=str(gguf_path), dtype="float32", num_speculative_tokens=3),
                runner=smollm2_runner)
+    assert e.value.code == "spec.tokens_without_method"
+    assert "--speculative-method ngram" in str(e.value)  # the way out

@@ -229,13 +229,16 @@ def test_draft_method_needs_a_draft_model_and_ngram_none(tiny_pair):
     from kiln.errors import ConfigError
 
     target, draft = tiny_pair
-    with pytest.raises(ConfigError, match="--speculative-model"):
+    with pytest.raises(ConfigError, match="--speculative-model") as e:
         _engine(target, speculative_method="draft")
-    with pytest.raises(ConfigError, match="drop one"):
+    assert e.value.code == "spec.draft_needs_model"
+    with pytest.raises(ConfigError) as e:
         _engine(target, speculative_method="ngram", speculative_model=str(draft))
+    assert e.value.code == "spec.ngram_with_model"
     for method in (None, "ngram"):  # a head cut with no draft model to cut
-        with pytest.raises(ConfigError, match="--speculative-draft-vocab"):
+        with pytest.raises(ConfigError, match="--speculative-draft-vocab") as e:
             _engine(target, speculative_method=method, speculative_draft_vocab=1024)
+        assert e.value.code == "spec.draft_vocab_without_draft"
 
 
 # --------------------------------------------------------------------------- rejection sampling

@@ -142,28 +142,31 @@ def spec_config(cfg: EngineConfig) -> SpecConfig | None:
     if cfg.speculative_draft_vocab and method != "draft":
         raise ConfigError("--speculative-draft-vocab cuts a draft model's head, and no draft "
                           "model is set",
-                          hint="add --speculative-model DRAFT, or drop --speculative-draft-vocab")
+                          hint="add --speculative-model DRAFT, or drop --speculative-draft-vocab",
+                          code="spec.draft_vocab_without_draft")
     if method is None:
         if k not in (None, "auto"):
             raise ConfigError("--num-speculative-tokens needs a speculative method",
-                              hint="add --speculative-method ngram, or --speculative-model DRAFT")
+                              hint="add --speculative-method ngram, or --speculative-model DRAFT",
+                              code="spec.tokens_without_method")
         return None
     if method not in ("ngram", "draft"):
         raise ConfigError(f"kiln's engine has no speculative method {method!r}",
                           hint="use --speculative-method ngram or --speculative-model DRAFT, "
-                          "or --engine vllm / sglang")
+                          "or --engine vllm / sglang", code="spec.unknown_method")
     if method == "draft" and model is None:
         raise ConfigError("--speculative-method draft needs a draft model",
                           hint="add --speculative-model DRAFT (a smaller model with the same "
-                          "tokenizer)")
+                          "tokenizer)", code="spec.draft_needs_model")
     if method == "ngram" and model is not None:
         raise ConfigError("--speculative-method ngram uses no draft model, and "
                           f"--speculative-model {model} was given",
-                          hint="drop one of them")
+                          hint="drop one of them", code="spec.ngram_with_model")
     lo, hi = cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
     if lo > hi:
         raise ConfigError(f"--ngram-prompt-lookup-min {lo} is above --ngram-prompt-lookup-max "
-                          f"{hi}", hint="give a min no larger than the max")
+                          f"{hi}", hint="give a min no larger than the max",
+                          code="spec.ngram_range")
     return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi, model,
                       cfg.speculative_disable_by_batch_size,
                       cfg.speculative_prompt_lookup if method == "draft" else 0)
