@@ -5,7 +5,6 @@ looked up, and an unwritable artifact as one warning line after the real error."
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -172,28 +171,3 @@ def test_ferrums_greedy_argmax_and_tts_slots_are_settings_kiln_says_what_it_does
                                             "reason": "set by KILN_TTS_SLOTS"}
     assert any("--tts-slots 3 (env) applies to a speech model" in w for w in got["warnings"])
 
-
-def test_a_served_model_answers_to_the_names_ferrum_would_serve(tmp_path):
-    """Issue 43 item 6 through the API: `kiln serve smollm2 --served-model-name smollm2
-    --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct` (ferrum's spelling, the flag once
-    per name) lists and answers both, as the same command without the flag does (ferrum's
-    default: the name asked for, then the canonical id)."""
-    from test_server import _free_port, _run_server
-
-    names = ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
-    assert _settings(tmp_path, "smollm2")["served_model_name"]["value"] == names
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kiln", "serve", "smollm2", "--host", "127.0.0.1", "--port",
-           str(port), "--device", "cpu", "--dtype", "float32", "--no-compile",
-           "--max-model-len", "64", "--kv-cache-memory", "16MiB", "--served-model-name", names[0],
-           "--served-model-name", names[1],
-           "--effective-config-json", str(tmp_path / f"effective-{port}.json")]
-    run = _run_server(tmp_path, port, cmd)
-    client = next(run).client()
-    try:
-        assert [m.id for m in client.models.list().data] == names
-        for name in names:
-            r = client.completions.create(model=name, prompt="Hi", max_tokens=1)
-            assert r.model == name
-    finally:
-        run.close()

@@ -62,7 +62,10 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
     cmd = [
         sys.executable, "-m", "kiln", "serve", str(gguf),
         "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", ",".join(NAMES), *(["--api-key", API_KEY] if api_key else []),
+        # ferrum's spelling of two names, the flag once per name (issue 43 item 6): the tests
+        # below ask for the model by each.
+        "--served-model-name", NAMES[0], "--served-model-name", NAMES[1],
+        *(["--api-key", API_KEY] if api_key else []),
         # fp32, which also resolves quantization to none (the int4/int8 kernels compute in bf16):
         # the exact engine, whose batched tokens equal solo ones (the CPU default, int4 kernels,
         # is not batch-invariant yet; tests/test_bench.py serves that).
