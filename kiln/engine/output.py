@@ -97,7 +97,9 @@ class CompletionOutput:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         if later.logprobs is not None:
-            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+            if self.logprobs is None:
+                self.logprobs = []  # its own list: the later output's stays as it was
+            self.logprobs.extend(later.logprobs)
         self.text_offsets.extend(later.text_offsets)
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
         self.stop_token_id, self.metrics = later.stop_token_id, later.metrics
