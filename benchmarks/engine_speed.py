@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.engine.engine import Engine
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine_config import EngineConfig
 from kiln.models.loader import open_checkpoint
 from kiln.sampling_params import SamplingParams
+from kiln.settings.engine_config import EngineConfig
 
 # name -> (dtype, quantization, dense_weights)
 MODES = {"fp32": ("float32", "none", False), "bf16": ("bfloat16", "none", False),

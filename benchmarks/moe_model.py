@@ -383,8 +383,8 @@ def fit_routers(path: Path, ids: list[int], seed: int, logit_std: float,
     import torch
 
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=str(path), dtype="float32", compile=False,
                        max_num_batched_tokens=256, kv_cache_memory=16 << 20)
@@ -466,8 +466,8 @@ def routing_report(path: Path, tokenizer: Any) -> list[LayerRouting]:
 
     from kiln.bench.workloads import make_text
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     prose = _text_ids(tokenizer, REPORT_TOKENS)
     prompt = list(tokenizer.encode(make_text(random.Random("moe_model"), REPORT_PROMPT_TOKENS)))

@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from kiln.engine.engine import Engine
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
     from kiln.resolve.sources import default_model_path
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
     from kiln.tokenizer import load_tokenizer
 
     if args.threads:

@@ -42,7 +42,7 @@ class LLM:
 
     @property
     def settings(self) -> Any:
-        """The resolved settings (`kiln.setting_resolve.ResolvedSettings`): value, source and reason."""
+        """The resolved settings (`kiln.settings.resolve.ResolvedSettings`): value, source and reason."""
         return self.plan.settings
 
     def effective_config(self) -> dict[str, Any]:

@@ -16,11 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln import config as C
-from kiln import setting_sources as S
 from kiln import startup_report
-from kiln.auto_rules import AutoContext
-from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError, KilnError, ModelNotFoundError
 from kiln.i18n import english, msg, set_lang
 from kiln.kinds import AUDIO_FORMATS
@@ -28,7 +24,11 @@ from kiln.layers.kernels import isa as kernel_isa
 from kiln.layers.kernels.flags import flags_amx
 from kiln.paths import check_cache_dir_writable
 from kiln.resolve import ferrum, parallel, speculative
-from kiln.setting_resolve import ResolvedSettings, resolve_settings
+from kiln.settings import sources as S
+from kiln.settings import table as C
+from kiln.settings.engine_config import EngineConfig
+from kiln.settings.resolve import ResolvedSettings, resolve_settings
+from kiln.settings.rules import AutoContext
 from kiln.startup_plan import StartupPlan
 
 
@@ -478,7 +478,7 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     offline LLM and `kiln bench --offline` build it), then writes what the load decided back
     into the settings, so the effective config tells what actually runs."""
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     open_for_kiln(sp)
     s, src = sp.settings, sp.source

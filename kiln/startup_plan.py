@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.setting_resolve import ResolvedSettings
+from kiln.settings.resolve import ResolvedSettings
 
 
 @dataclass

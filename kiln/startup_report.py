@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.auto_rules import GiB
 from kiln.errors import ConfigError, KilnError
 from kiln.i18n import english, msg
+from kiln.settings.rules import GiB
 
 if TYPE_CHECKING:
     from kiln.startup_plan import StartupPlan

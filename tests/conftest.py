@@ -74,8 +74,8 @@ def gguf_path() -> Path:
 def smollm2_runner(gguf_path):
     """SmolLM2 in fp32 on CPU, loaded once: exact arithmetic for parity with transformers."""
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_model_len=2048,
                        kv_cache_memory=256 << 20, max_num_seqs=32, max_num_batched_tokens=512)
@@ -93,7 +93,7 @@ def smollm2_tokenizer(gguf_path):
 def make_engine(smollm2_runner, gguf_path):
     """Engine over the shared SmolLM2 runner with the given scheduler/KV limits."""
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     def make(**kw):
         kw.setdefault("max_num_seqs", 32)

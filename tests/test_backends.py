@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from kiln.auto_rules import AutoContext
 from kiln.backends import (
     BackendModel,
     EngineCommand,
@@ -35,9 +34,10 @@ from kiln.backends import (
     prepare_launch,
     probe_engine,
 )
-from kiln.config import SETTINGS
 from kiln.errors import ConfigError, EngineNotFoundError
-from kiln.setting_resolve import resolve_settings
+from kiln.settings.resolve import resolve_settings
+from kiln.settings.rules import AutoContext
+from kiln.settings.table import SETTINGS
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"

@@ -1,7 +1,7 @@
 """Batch invariance with kiln's default CPU settings: a greedy request's tokens and logprobs are
 the same bits alone, in a batch of 16 sharing a system prompt (prefix-cache hits), with the
 prefix cache off, and with its prefill cut into 32-token chunks (--max-num-batched-tokens 32).
-See the batch_invariant setting (kiln/config.py) and Attention._invariant."""
+See the batch_invariant setting (kiln/settings/table.py) and Attention._invariant."""
 
 from __future__ import annotations
 

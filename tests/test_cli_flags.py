@@ -58,7 +58,7 @@ def test_model_option_and_positional_must_agree(tmp_path, capsys, gguf_path):
 def test_short_p_is_the_port_and_pp_stays_pipeline_parallel(tmp_path, gguf_path):
     s = _settings(tmp_path, str(gguf_path), "-p", "9000")
     assert (s["port"]["value"], s["pipeline_parallel_size"]["value"]) == (9000, 1)
-    from kiln import setting_sources as S
+    from kiln.settings import sources as S
 
     seen = S.cli_values(build_parser().parse_args(["serve", "-pp", "2", "-p", "9001"]))
     assert seen["port"] == ("9001", "-p") and seen["pipeline_parallel_size"] == ("2", "-pp")
@@ -67,8 +67,8 @@ def test_short_p_is_the_port_and_pp_stays_pipeline_parallel(tmp_path, gguf_path)
 def test_tp_and_kv_dtype_aliases(tmp_path, gguf_path):
     s = _settings(tmp_path, str(gguf_path), "--kv-dtype", "int8")
     assert (s["kv_cache_dtype"]["value"], s["kv_cache_dtype"]["source"]) == ("int8", "cli")
-    from kiln import setting_sources as S
-    from kiln.config import BY_NAME
+    from kiln.settings import sources as S
+    from kiln.settings.table import BY_NAME
 
     assert "--tp" in BY_NAME["tensor_parallel_size"].flags
     ns = build_parser().parse_args(["serve", "--tp", "2"])

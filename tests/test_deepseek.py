@@ -29,8 +29,8 @@ def tiny(request, tmp_path_factory):
 
 def _runner(path: Path, **kw):
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("kv_cache_memory", 8 << 20)
     cfg = EngineConfig(model=str(path), dtype="float32", max_num_batched_tokens=64,
@@ -75,7 +75,7 @@ def test_greedy_batched_chunked_and_prefix_cached_match_transformers(tiny):
     transformers'."""
     from kiln.engine.engine import Engine
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     family, folder, ref = tiny
     eng = Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
@@ -325,7 +325,7 @@ def test_mla_decode_forms_match_a_reference():
 def test_bf16_engine_runs_batched_and_stays_close_to_fp32(tiny):
     """bf16 (the CPU default): batched decode takes the matmul forms; logits stay near fp32's."""
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     _, folder, ref = tiny
     eng = Engine(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_memory=8 << 20,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln import config as C
-from kiln import setting_docs
 from kiln.cli.main import main as kiln_main
+from kiln.settings import docs as setting_docs
+from kiln.settings import table as C
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS_MD = ROOT / "docs" / "flags.md"
@@ -20,7 +20,7 @@ FLAGS_MD = ROOT / "docs" / "flags.md"
 def test_docs_flags_md_is_generated_from_the_current_settings_table() -> None:
     assert FLAGS_MD.exists(), "docs/flags.md is missing: run `kiln config docs`"
     assert FLAGS_MD.read_text() == setting_docs.flags_markdown(), (
-        "docs/flags.md is stale (the settings table in kiln/config.py changed): run "
+        "docs/flags.md is stale (the settings table in kiln/settings/table.py changed): run "
         "`kiln config docs` and commit docs/flags.md")
 
 

@@ -38,7 +38,7 @@ def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
 
 def build_engine(runner, gguf_path, **kw):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("max_num_seqs", 32)
     kw.setdefault("max_num_batched_tokens", 512)

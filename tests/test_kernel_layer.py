@@ -126,8 +126,8 @@ def test_cpu_isa_setting_reaches_the_runner_and_the_decision_trace(tmp_path, ker
     from conftest import make_tiny_model
 
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
     cfg = EngineConfig(model=str(folder), quantization="int4", cpu_isa=kernel_level,
@@ -146,8 +146,8 @@ def test_decode_layer_equals_the_layer_modules(tmp_path, kernel_level):
     from conftest import make_tiny_model
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.layers.attention import AttentionMetadata, set_context
+    from kiln.settings.engine_config import EngineConfig
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
     cfg = EngineConfig(model=str(folder), dtype="float32", quantization="int4",
@@ -203,8 +203,8 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
     from conftest import make_tiny_model, run_to_completion
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
     common = {"model": str(folder), "quantization": "int4", "kv_cache_memory": 8 << 20,
@@ -262,13 +262,13 @@ def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_lev
     runs batch-invariant, and a row's greedy tokens are the same alone and among four."""
     from conftest import make_tiny_model, run_to_completion
 
-    from kiln.auto_rules import AutoContext
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.models.gguf_writer import write_gguf
     from kiln.models.loader import iter_tensors, open_checkpoint
     from kiln.sampling_params import SamplingParams
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings.engine_config import EngineConfig
+    from kiln.settings.resolve import resolve_settings
+    from kiln.settings.rules import AutoContext
 
     ck = open_checkpoint(make_tiny_model("gemma3", tmp_path / "g3"))
     path = write_gguf(tmp_path / "g3.gguf", ck.config, iter_tensors(ck), qtype="Q8_0")
@@ -299,9 +299,9 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
     from conftest import make_tiny_model
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.layers.moe import experts_of
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     folder = make_tiny_model(family, tmp_path / family, hidden_size=128,
                              moe_intermediate_size=64, intermediate_size=64)

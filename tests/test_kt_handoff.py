@@ -282,8 +282,8 @@ def test_kt_defaults_follow_the_pools_asked_for_and_explicit_values_win(
 def test_a_cpu_thread_count_turns_kt_kernel_on_for_a_model_kiln_cannot_tell_is_moe(
         machine: dict[str, HardwareInfo], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from kiln.auto_rules import AutoContext
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings.resolve import resolve_settings
+    from kiln.settings.rules import AutoContext
 
     cli = {"engine": ("sglang", "--engine"), "kt_cpuinfer": (16, "--kt-cpuinfer")}
     s = resolve_settings(cli=cli, ctx=AutoContext(is_moe=False))

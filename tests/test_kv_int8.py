@@ -17,8 +17,8 @@ NEW_TOKENS = 32
 
 def runner_for(model: str, **kw):
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("max_num_batched_tokens", 64)
     return ModelRunner(EngineConfig(model=model, dtype="float32", **kw), open_checkpoint(model))
@@ -100,7 +100,7 @@ def test_int8_kv_greedy_tokens_agree_with_fp32_kv(make_engine, gguf_path, int8_r
     same token, over 5 prompts x 32 tokens. After a divergence the texts usually differ at every
     later position, so this is close to "tokens before the first divergence" and strict."""
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     engines = {

@@ -68,7 +68,7 @@ def tiny(tmp_path_factory):
 
 def tiny_engine(base_dir, paths, **kw):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=str(base_dir), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_batched_tokens=256,
@@ -304,9 +304,9 @@ def test_lora_flags_take_vllm_forms_and_repeat():
     JSON form all resolve to one list of NAME=PATH; a name given twice is refused."""
     import argparse
 
-    from kiln import setting_sources as S
     from kiln.errors import ConfigError
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings import sources as S
+    from kiln.settings.resolve import resolve_settings
 
     p = argparse.ArgumentParser()
     S.add_setting_arguments(p)
@@ -339,7 +339,7 @@ def smol(tmp_path_factory, gguf_path, smollm2_runner):
     import transformers
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     root = tmp_path_factory.mktemp("smol-lora")
     base = transformers.AutoModelForCausalLM.from_pretrained(
@@ -411,7 +411,7 @@ def smol_adapters(tmp_path_factory, gguf_path, smollm2_runner):
     runner serving them; the adapters are taken off the shared runner afterwards."""
     from benchmarks.lora import write_adapter
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     root = tmp_path_factory.mktemp("smol-adapters")
     paths = {n: write_adapter(root / n, smollm2_runner.model_config, rank, seed=i, std=0.08)

@@ -19,8 +19,8 @@ def tiny(tmp_path_factory):
 
 def runner(model: str, **kw):
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32, **kw)
     return ModelRunner(cfg, open_checkpoint(model))
@@ -28,8 +28,8 @@ def runner(model: str, **kw):
 
 def test_auto_max_model_len_is_lowered_to_what_the_pool_holds(tiny):
     from kiln.engine.engine import Engine, PromptTooLongError
-    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     r = runner(tiny, kv_cache_memory=POOL)
     assert r.kv_bytes_per_token() == 512 and r.plan.num_blocks == 10
@@ -67,8 +67,8 @@ def test_a_pool_smaller_than_one_block_is_refused(tiny):
 
 
 def test_max_model_len_counts_as_explicit_only_when_the_user_set_it():
-    from kiln.engine_config import EngineConfig
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings.engine_config import EngineConfig
+    from kiln.settings.resolve import resolve_settings
 
     auto = EngineConfig.from_settings(resolve_settings(), model="m")
     assert not auto.max_model_len_explicit

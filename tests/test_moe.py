@@ -12,10 +12,10 @@ import torch
 from conftest import make_tiny_model
 
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine_config import EngineConfig
 from kiln.layers.moe import Experts, grouped_topk, softmax_topk
 from kiln.models.gguf_writer import write_gguf
 from kiln.models.loader import iter_tensors, open_checkpoint
+from kiln.settings.engine_config import EngineConfig
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 

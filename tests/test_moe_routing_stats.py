@@ -26,7 +26,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine(model: Path, **kw: Any) -> Any:
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=str(model), dtype="float32", max_num_batched_tokens=64,
                        kv_cache_memory=1 << 20, compile=False, **kw)

@@ -20,12 +20,12 @@ from kiln.engine import expert_placement
 from kiln.engine.engine import Engine
 from kiln.engine.expert_placement import CALIBRATION_PROMPTS, place_layer, rank
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine_config import EngineConfig
 from kiln.layers.moe import experts_of, reset_routing_counts
 from kiln.layers.moe_pools import SplitExperts
 from kiln.models.gguf_writer import write_gguf
 from kiln.models.loader import iter_tensors, open_checkpoint
 from kiln.sampling_params import SamplingParams
+from kiln.settings.engine_config import EngineConfig
 
 EXPERTS = TINY_MOE["qwen3_moe"]["num_experts"]
 TOP_K = TINY_MOE["qwen3_moe"]["num_experts_per_tok"]

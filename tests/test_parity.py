@@ -9,8 +9,8 @@ from conftest import make_tiny_model
 
 def _kiln_runner(folder, **kw):
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_batched_tokens=64, **kw)
@@ -82,8 +82,8 @@ def test_tiny_model_greedy_decode_matches_transformers(tmp_path, family):
     import transformers
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     family, _, variant = family.partition("-")
     folder = make_tiny_model(family, tmp_path / family)
@@ -204,8 +204,8 @@ def test_sliding_window_prefix_cache_hit_matches_transformers(tmp_path, variant)
     import transformers
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     family, _, flag = variant.partition("-")
     folder = make_tiny_model(family, tmp_path / family)

@@ -41,7 +41,7 @@ def drive(engine, check=integrity) -> dict[str, list[int]]:
 
 def build_engine(runner, gguf_path, kv_hash_fn=None, **kw):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("max_num_seqs", 32)
     kw.setdefault("max_num_batched_tokens", 512)
@@ -153,8 +153,8 @@ def test_multi_turn_chats_match_with_prefix_caching_on_and_off(make_engine, smol
 
 
 def parse(*argv):
-    from kiln.setting_resolve import resolve_settings
-    from kiln.setting_sources import add_setting_arguments, cli_values
+    from kiln.settings.resolve import resolve_settings
+    from kiln.settings.sources import add_setting_arguments, cli_values
 
     parser = argparse.ArgumentParser()
     add_setting_arguments(parser)
@@ -179,8 +179,8 @@ def test_conflicting_prefix_caching_spellings_are_rejected():
 
 
 def test_prefix_rendezvous_and_session_cache_settings():
-    from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
+    from kiln.settings.engine_config import EngineConfig
 
     s = parse()
     cfg = EngineConfig.from_settings(s, model="m")
@@ -194,7 +194,7 @@ def test_prefix_rendezvous_and_session_cache_settings():
         parse("--prefix-rendezvous-max-wait-ms", "0")
     assert e.value.code == "config.invalid_value"
     assert e.value.message.fields["flag"] == "--prefix-rendezvous-max-wait-ms"
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings.resolve import resolve_settings
 
     with pytest.raises(ConfigError) as e:
         resolve_settings(env={"session_cache": ("disk", "KILN_SESSION_CACHE")})

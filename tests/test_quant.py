@@ -313,8 +313,8 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
     from conftest import make_tiny_model, run_to_completion
 
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.sampling_params import SamplingParams
+    from kiln.settings.engine_config import EngineConfig
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import BY_NAME
 from kiln.errors import ConfigError
 from kiln.resolve.hardware import GPUInfo, HardwareInfo
 from kiln.resolve.presets import (
@@ -25,6 +24,7 @@ from kiln.resolve.registry import (
     lookup,
     parse_param_count,
 )
+from kiln.settings.table import BY_NAME
 
 GIB = 1024**3
 

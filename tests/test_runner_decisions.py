@@ -16,8 +16,8 @@ def tiny(tmp_path_factory):
 
 def runner(model: str, **kw):
     from kiln.engine.model_runner import ModelRunner
-    from kiln.engine_config import EngineConfig
     from kiln.models.loader import open_checkpoint
+    from kiln.settings.engine_config import EngineConfig
 
     cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32,
                        kv_cache_memory=80 << 10, **kw)
@@ -38,8 +38,8 @@ def test_an_fp32_runner_records_eager_decode_and_the_kv_dtype_of_its_model_dtype
 
 
 def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
-    from kiln.auto_rules import AutoContext
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings.resolve import resolve_settings
+    from kiln.settings.rules import AutoContext
 
     for cpu_bf16, kv in ((True, "bf16"), (False, "fp32")):
         s = resolve_settings(ctx=AutoContext(cpu_bf16=cpu_bf16))
@@ -73,8 +73,8 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
     """decide() over layers that say they run kiln's decode-layer kernel up to 64 rows (as int4
     bf16 layers on a kernel-read pool do): those batches need no graph."""
     from kiln.engine.decisions import choose_kv_cache_dtype, decide
-    from kiln.engine_config import EngineConfig
     from kiln.models import llama
+    from kiln.settings.engine_config import EngineConfig
 
     r = runner(tiny)
     monkeypatch.setattr(llama.LlamaDecoderLayer, "decode_kernel_rows", lambda self: 64)
@@ -95,8 +95,8 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     import torch
 
     from kiln.engine.decisions import choose_kv_cache_dtype
-    from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
+    from kiln.settings.engine_config import EngineConfig
 
     with pytest.raises(ConfigError) as e:
         choose_kv_cache_dtype(EngineConfig(model="m", kv_cache_dtype="int3"), torch.device("cpu"))

@@ -249,7 +249,7 @@ def chat_ids(smollm2_tokenizer) -> list[list[int]]:
 
 def _run(runner, tokenizer, ids, params_list, **kw):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     eng = Engine(EngineConfig(model=str(runner.config.model), dtype="float32", max_num_seqs=32,
                               max_num_batched_tokens=512, **kw), runner=runner,
@@ -384,8 +384,8 @@ def test_offline_llm_with_ngram_gives_the_plain_greedy_text(gguf_path, plain_ans
 
 def test_kiln_engine_refuses_a_method_it_does_not_have(gguf_path, smollm2_runner):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
     from kiln.errors import ConfigError
+    from kiln.settings.engine_config import EngineConfig
 
     with pytest.raises(ConfigError) as e:
         Engine(EngineConfig(model=str(gguf_path), dtype="float32", speculative_method="eagle"),

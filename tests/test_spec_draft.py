@@ -35,7 +35,7 @@ def tiny_pair(tmp_path_factory):
 
 def _engine(model, runner=None, **kw):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("kv_cache_memory", 8 << 20)
     return Engine(EngineConfig(model=str(model), dtype="float32", max_num_batched_tokens=64,
@@ -281,7 +281,7 @@ def test_smollm2_drafting_for_itself_is_identical_and_accepts_nearly_everything(
     """The same model as draft: greedy output equal to the plain engine's, and ~every draft
     accepted (the two differ only by the float noise of a batched step)."""
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     msgs = [[{"role": "user", "content": "Write a haiku about kilns."}],
             [{"role": "user", "content": "List three prime numbers and explain why."}]]
@@ -305,7 +305,7 @@ def test_qwen_05b_drafting_for_15b_is_identical(qwen_coder_gguf, qwen_coder_15b_
     """The real pair (heavy: two K-quant loads): greedy output of Qwen2.5-Coder 1.5B with the
     0.5B drafting equals the 1.5B's alone, with most drafts accepted."""
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
     from kiln.tokenizer import load_tokenizer
 
     tok = load_tokenizer(qwen_coder_15b_gguf)

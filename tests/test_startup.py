@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from kiln import setting_sources as S
-from kiln.auto_rules import AutoContext
 from kiln.cli.main import main
 from kiln.errors import ConfigError
-from kiln.setting_resolve import resolve_settings
+from kiln.settings import sources as S
+from kiln.settings.resolve import resolve_settings
+from kiln.settings.rules import AutoContext
 
 
 def _cli(*argv: str) -> dict:

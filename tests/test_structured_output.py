@@ -223,7 +223,7 @@ def test_a_padded_model_vocabulary_never_allows_the_padding(smollm2_tokenizer) -
 @pytest.fixture
 def engine(smollm2_runner, smollm2_tokenizer, gguf_path):
     from kiln.engine.engine import Engine
-    from kiln.engine_config import EngineConfig
+    from kiln.settings.engine_config import EngineConfig
 
     def make(**kw):
         kw.setdefault("max_num_seqs", 32)

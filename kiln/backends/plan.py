@@ -16,10 +16,10 @@ from typing import Any
 from kiln.backends import table as T
 from kiln.backends.discovery import check_plan, find_engine, probe_engine
 from kiln.backends.table import BackendModel, EngineCommand, EngineHelp, LaunchPlan
-from kiln.config import BY_NAME, SETTINGS
 from kiln.errors import ConfigError, EngineNotFoundError
 from kiln.i18n import msg
-from kiln.setting_resolve import ResolvedSettings
+from kiln.settings.resolve import ResolvedSettings
+from kiln.settings.table import BY_NAME, SETTINGS
 
 
 def _fires(row: T.Map, ctx: T.PlanContext, name: str) -> bool:

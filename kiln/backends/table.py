@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kiln.config import BY_NAME
 from kiln.errors import ConfigError
-from kiln.setting_resolve import ResolvedSettings
-from kiln.setting_values import lora_module
+from kiln.settings.resolve import ResolvedSettings
+from kiln.settings.table import BY_NAME
+from kiln.settings.values import lora_module
 
 ENGINES = ("vllm", "sglang")
 
@@ -197,7 +197,7 @@ class PlanContext:
         """True when setting `a`'s value comes from a higher source than `b`'s (cli > env >
         file > preset > registry > ...): which of two settings that spell one engine flag
         wins. A plain mapping has no sources: `a` wins when it is set."""
-        from kiln.setting_resolve import SOURCES
+        from kiln.settings.resolve import SOURCES
 
         if self._resolved is None:
             return self._plain.get(a) is not None

@@ -211,7 +211,7 @@ def served_settings(llm: Any) -> dict[str, dict[str, Any]]:
     settings = getattr(llm, "settings", None)
     if settings is None:
         return {}
-    from kiln.config import BY_NAME
+    from kiln.settings.table import BY_NAME
 
     return {name: r.to_dict() for name, r in settings.values.items()
             if BY_NAME[name].group == "engine" and r.value is not None}

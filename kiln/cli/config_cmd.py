@@ -11,12 +11,12 @@ from typing import Any
 
 import tomllib
 
-from kiln import config as C
-from kiln import setting_sources as S
 from kiln.cli import add_lang_flag
 from kiln.errors import ConfigError, KilnError
 from kiln.i18n import msg
-from kiln.setting_resolve import ResolvedSettings, resolve_settings
+from kiln.settings import sources as S
+from kiln.settings import table as C
+from kiln.settings.resolve import ResolvedSettings, resolve_settings
 
 
 def add_parser(subparsers: Any) -> None:
@@ -69,7 +69,7 @@ def _main(args: argparse.Namespace) -> int:
         print(_path(args))
         return 0
     if action == "docs":
-        from kiln import setting_docs
+        from kiln.settings import docs as setting_docs
 
         return setting_docs.main(args)
     if action == "set":

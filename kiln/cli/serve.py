@@ -77,8 +77,8 @@ def _engine_asked(args: argparse.Namespace) -> str:
     """The engine a person asked for (flag, KILN_ENGINE, config file), before any resolution:
     whether options kiln does not know may go to an external engine. A config file that does
     not load is reported by the normal path."""
-    from kiln import setting_sources as S
     from kiln.errors import KilnError
+    from kiln.settings import sources as S
 
     try:
         layers: list[dict[str, Any]] = [S.cli_values(args), S.env_values(),
@@ -100,8 +100,8 @@ def _refuse_unknown(args: argparse.Namespace, unknown: list[str]) -> None:
 
 def _wants_router(args: argparse.Namespace) -> bool:
     """--models (flag, KILN_MODELS or the config file's `models`): the router serves them."""
-    from kiln import setting_sources as S
     from kiln.errors import KilnError
+    from kiln.settings import sources as S
 
     try:
         if "models" in S.cli_values(args) or "models" in S.env_values():
@@ -120,12 +120,12 @@ def _serve_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kiln import __version__
-    from kiln import setting_sources as S
     from kiln.errors import KilnError
     from kiln.server.http import h11_protocol
     from kiln.server.model_pool import ModelPool, child_settings
     from kiln.server.model_router import build_router_app
-    from kiln.setting_resolve import resolve_settings
+    from kiln.settings import sources as S
+    from kiln.settings.resolve import resolve_settings
 
     try:
         file_settings, _, path = S.load_config_file(args.config)

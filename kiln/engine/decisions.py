@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from kiln.auto_rules import AutoContext, auto_kv_cache_dtype
 from kiln.engine.compile import decode_buckets
 from kiln.engine.memory import KV_DTYPES, gib
-from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError
 from kiln.i18n import msg
+from kiln.settings.engine_config import EngineConfig
+from kiln.settings.rules import AutoContext, auto_kv_cache_dtype
 
 log = logging.getLogger("kiln.runner")
 

@@ -46,10 +46,10 @@ from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, greedy_tokens
 from kiln.engine.scheduler import ScheduledRequest
-from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.loader import open_checkpoint
 from kiln.sampling_params import SamplingParams
+from kiln.settings.engine_config import EngineConfig
 
 log = logging.getLogger("kiln.draft")
 

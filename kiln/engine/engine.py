@@ -24,7 +24,6 @@ from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.engine.spec import Speculator, spec_config
 from kiln.engine.structured import StructuredOutputs
-from kiln.engine_config import EngineConfig
 from kiln.errors import KilnError
 from kiln.layers.kernels.threads import ThreadGovernor
 from kiln.layers.moe import experts_of, reset_routing_counts, routing_counts
@@ -32,6 +31,7 @@ from kiln.models.loader import Checkpoint, ProgressFn, open_checkpoint
 from kiln.obs.faults import Faults
 from kiln.obs.trace import JsonlWriter, SchedulerTracer, StepProfiler
 from kiln.sampling_params import SamplingParams
+from kiln.settings.engine_config import EngineConfig
 from kiln.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineStats", "PromptTooLongError", "RequestOutput", "StepFailedError"]

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from kiln.auto_rules import GiB
-from kiln.engine_config import EngineConfig
 from kiln.errors import MemoryFitError
 from kiln.i18n import msg
 from kiln.layers.attention import INT8_SCALE_BYTES
 from kiln.models.config import ModelConfig
 from kiln.paths import cache_dir
 from kiln.resolve import hardware
+from kiln.settings.engine_config import EngineConfig
+from kiln.settings.rules import GiB
 
 log = logging.getLogger("kiln.memory")
 

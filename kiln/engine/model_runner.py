@@ -29,7 +29,6 @@ from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, score_tokens
 from kiln.engine.scheduler import ScheduledRequest
 from kiln.engine.spec import sample_with_drafts
-from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError, DeviceError
 from kiln.i18n import msg
 from kiln.layers.attention import (
@@ -42,6 +41,7 @@ from kiln.layers.attention import (
 from kiln.models.llama import DECODE_KERNEL_ANY_ROWS, kernel_layer_call
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 from kiln.obs.trace import stage
+from kiln.settings.engine_config import EngineConfig
 
 log = logging.getLogger("kiln.runner")
 

@@ -50,8 +50,8 @@ import torch
 
 from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, _top_logprobs, greedy_tokens
-from kiln.engine_config import EngineConfig
 from kiln.errors import ConfigError
+from kiln.settings.engine_config import EngineConfig
 
 AUTO_START_K = 4
 AUTO_MAX_K = 8

@@ -11,8 +11,9 @@ llama.cpp's vec_dot does with its Q8_0 and Q8_K). The blocks are first reordered
 once at load, nothing rounded) into tiles of 8 output rows, one row per 32-bit lane; the
 row-at-a-time kernel over the raw blocks is the tiles' check.
 
-`reference` is what the kernel computes, in PyTorch (the weight dequantized by
-kiln/models/gguf.py, the activation rounded as the kernel rounds it): the tests compare the
+`kq_reference` (kiln/layers/kernels/reference.py) is what the kernel computes, in PyTorch (the
+weight dequantized by kiln/layers/kernels/formats.py, the activation rounded as the kernel rounds
+it): the builder's self-check and the tests compare the
 two on blocks written by the `gguf` package's quantizers. Where the kernel is not built (no
 AVX2, not x86 Linux, --no-cpu-kernels / --no-gguf-kernels) the loader keeps the old path (the
 blocks dequantized, then re-quantized by --quantization), which is faster than this module's
@@ -21,60 +22,26 @@ fallback (dequantize every forward).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers import kernels
+from kiln.layers.kernels.choose import choose_linear_kernel
+from kiln.layers.kernels.formats import KQUANT_TYPES, GGUFBlocks
 from kiln.layers.quant import QuantizedLinear
 
-# ggml type name -> id (GGUF's tensor-table values): the types kernels/kquant.cpp reads
-KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-# types an untied embedding keeps as blocks (kiln/models/gguf.py's torch dequantizer reads
+# types an untied embedding keeps as blocks (kiln/layers/kernels/formats.py's dequantizer reads
 # them row by row): Qwen2.5-0.5B's 151936 x 896 token_embd is 545 MB in fp32, 94 MB as Q5_0
 EMBED_TYPES = {"Q4_0", "Q4_1", *KQUANT_TYPES}
 
 
-@dataclass
-class GGUFBlocks:
-    """A 2-D GGUF tensor's raw blocks: raw uint8 [rows, row_bytes] (each row the blocks of one
-    output row, in file order), of `type_name`, `in_features` values per row."""
-
-    raw: torch.Tensor
-    type_name: str
-    in_features: int
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.raw.shape[0], self.in_features))
-
-    @property
-    def type_id(self) -> int:
-        return KQUANT_TYPES[self.type_name]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from kiln.models.gguf import dequantize_blocks
-
-        flat = dequantize_blocks(self.raw.reshape(-1), self.type_name)
-        assert flat is not None
-        return flat.reshape(self.shape).to(dtype)
-
-    def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GGUFBlocks:
-        return GGUFBlocks(fn(self.raw).contiguous(), self.type_name, self.in_features)
-
-
 def available() -> bool:
-    from kiln.layers import kernels
-
     return kernels.available()
 
 
 def _lib():
-    from kiln.layers.kernels import lib
-
-    return lib()
+    return kernels.lib()
 
 
 def kq_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int],
@@ -106,22 +73,6 @@ def unpack(packed: torch.Tensor, type_name: str, rows: int, in_features: int) ->
     return GGUFBlocks(raw, type_name, in_features)
 
 
-def quantize_act(x: torch.Tensor, type_name: str = "Q8_0") -> torch.Tensor:
-    """The activation as the kernel sees it for weights of `type_name`: int8 per span of the
-    type's block (32 values, or a K-quant's super-block of 256: llama.cpp's Q8_0 and Q8_K
-    forms), returned dequantized; the kernels' rounding, one definition for all."""
-    from kiln.layers.kernels.ops import quantize_act_q8
-    from kiln.models.gguf import GGML_TYPES
-
-    return quantize_act_q8(x, GGML_TYPES[KQUANT_TYPES[type_name]][1])
-
-
-def reference(x: torch.Tensor, parts: list[GGUFBlocks]) -> torch.Tensor:
-    """What kq_linear computes, in fp32 PyTorch (tests, self-check)."""
-    return torch.cat([F.linear(quantize_act(x.float(), p.type_name), p.dequantize(torch.float32))
-                      for p in parts], dim=-1)
-
-
 class KQuantLinear(QuantizedLinear):
     """y = x @ W^T + b, W the GGUF blocks of one or more checkpoint tensors stacked by rows (a
     merged qkv / gate_up may mix types: Q4_K_M files put Q5_0, Q6_K or Q8_0 beside Q4_K).
@@ -144,8 +95,6 @@ class KQuantLinear(QuantizedLinear):
         self.types = [p.type_id for p in parts]
         self.type_names = [p.type_name for p in parts]
         self.rows = [p.raw.shape[0] for p in parts]
-        from kiln.layers.kernels.choose import choose_linear_kernel
-
         self.kernel_choice = choose_linear_kernel("gguf", parts[0].raw.device,
                                                   self.out_features, self.in_features)
         # per part: True where blocks{i} holds `pack`'s tiles, False for raw rows
@@ -208,40 +157,3 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} blocks"
 
 
-def register_fakes(ns: str) -> None:
-    @torch.library.register_fake(f"{ns}::kq_linear")
-    def _(x, weights, types, rows):
-        return x.new_empty((x.shape[0], sum(rows)))
-
-
-def _random_blocks(rows: int, k: int, type_name: str, g: torch.Generator) -> GGUFBlocks:
-    """Random bytes with sane fp16 scales (self-check; the tests use gguf's quantizers)."""
-    from kiln.models.gguf import GGML_TYPES
-
-    _, be, bb = next(v for v in GGML_TYPES.values() if v[0] == type_name)
-    nb = rows * k // be
-    raw = torch.randint(0, 256, (nb, bb), dtype=torch.uint8, generator=g)
-    offs = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-            "Q6_K": [208]}[type_name]
-    for off in offs:
-        d = (torch.rand(nb, generator=g) * 0.01 + 1e-3).to(torch.float16)
-        raw[:, off:off + 2] = d.view(torch.uint8).reshape(nb, 2)
-    return GGUFBlocks(raw.reshape(rows, -1), type_name, k)
-
-
-def self_check(ns) -> bool:
-    """kq_linear of library `ns` (the ops of one ISA level) on raw rows and on tiles against
-    `reference`, for every type at once."""
-    g = torch.Generator().manual_seed(0)
-    parts = [_random_blocks(5, 512, "Q4_K", g), _random_blocks(3, 512, "Q6_K", g),
-             _random_blocks(4, 512, "Q8_0", g), _random_blocks(9, 512, "Q5_0", g),
-             _random_blocks(2, 512, "Q5_K", g)]
-    x = torch.randn(5, 512, generator=g)
-    want = reference(x, parts)
-    types = [p.type_id for p in parts]
-    rows = [p.raw.shape[0] for p in parts]
-    raw = ns.kq_linear(x, [p.raw for p in parts], types, rows)
-    tiled = ns.kq_linear(x, [ns.kq_pack(p.raw.contiguous(), p.type_id)
-                             if ns.has_tiles(p.type_id) else p.raw for p in parts], types, rows)
-    tol = {"rtol": 1e-4, "atol": 1e-4 * want.abs().max().item()}
-    return bool(torch.allclose(raw, want, **tol) and torch.allclose(tiled, want, **tol))

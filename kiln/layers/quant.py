@@ -112,34 +112,6 @@ def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-@dataclass
-class GroupQuant:
-    """A weight in asymmetric groups along its input dimension: w = q * scale + min, q in 0..15.
-
-    q: [N, K] uint8; scale, min: [N, K / group_size] fp32. GGUF Q4_1 blocks are exactly this
-    (Q4_0 too, with min = -8 * scale; `kiln.models.gguf` hands them over as they are), and
-    `Int4Linear` repacks it for the int4 kernel."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor
-    group_size: int = 32
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.q.shape
-        g = self.group_size
-        w = torch.addcmul(self.min.unsqueeze(-1), self.q.view(n, k // g, g).float(),
-                          self.scale.unsqueeze(-1))
-        return w.reshape(n, k).to(dtype)
-
-    def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupQuant:
-        return GroupQuant(fn(self.q), fn(self.scale), fn(self.min), self.group_size)
-
-
 def quantize_int4_groups(w: torch.Tensor, group_size: int = INT4_GROUP) -> GroupQuant:
     """Asymmetric 4-bit groups along K (min/max, like GGUF Q4_1): w [N, K] -> GroupQuant."""
     n, k = w.shape

@@ -10,7 +10,7 @@ The flags ferrum and kiln share in meaning (the scheduler knobs, served names) n
 
 from __future__ import annotations
 
-from kiln.setting_resolve import ResolvedSettings
+from kiln.settings.resolve import ResolvedSettings
 
 PERSON = ("cli", "env", "file")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.auto_rules import GiB
 from kiln.errors import ConfigError
 from kiln.i18n import msg
 from kiln.layers.kernels.flags import AMX_FLAGS, flags_amx
-from kiln.setting_resolve import ResolvedSettings
+from kiln.settings.resolve import ResolvedSettings
+from kiln.settings.rules import GiB
 
 
 def plan_expert_placement(sp: Any) -> None:

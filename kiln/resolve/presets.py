@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.config import BY_NAME
 from kiln.errors import ConfigError
 from kiln.i18n import msg
 from kiln.resolve.hardware import HardwareInfo
 from kiln.resolve.registry import RegistryEntry, gpu_experts_per_layer
+from kiln.settings.table import BY_NAME
 
 # Dense models up to this size count as "small" on CPU: at bf16 that is ~4 GB of weights, which
 # decodes at interactive speed from DRAM bandwidth.

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln import config as C
 from kiln.errors import ConfigError
-from kiln.setting_resolve import ResolvedSettings
+from kiln.settings import table as C
+from kiln.settings.resolve import ResolvedSettings
 
 # vLLM's --speculative-config keys -> kiln's settings
 _SPEC_CONFIG_KEYS = {"model": "speculative_model", "method": "speculative_method",

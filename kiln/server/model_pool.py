@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import tomli_w
 
-from kiln.config import BY_NAME, ROUTER_SETTINGS, SETTINGS
 from kiln.resolve.hardware import ram_available_bytes, rss_bytes
+from kiln.settings.table import BY_NAME, ROUTER_SETTINGS, SETTINGS
 
 log = logging.getLogger("kiln.router")
 

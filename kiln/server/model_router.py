@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kiln.server.errors import APIError
 from kiln.server.http import HttpLimits, api_key_guard
 from kiln.server.model_pool import ModelPool, ModelUnavailable
-from kiln.setting_values import parse_duration
+from kiln.settings.values import parse_duration
 
 log = logging.getLogger("kiln.router")
 

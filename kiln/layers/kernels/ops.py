@@ -8,59 +8,15 @@ at the level kiln.layers.kernels selected (`lib()`: torch.ops.kiln_<level>).
 head; `rms_norm`, `silu_mul`, `rope_write`: the fp32 row kernels; `decode_layer`: a whole Llama
 decoder layer of any step (decode rows, prefill chunks, speculative verify rows) in one call,
 chaining those kernels in the eager layer's order; `decode_stack`: all of a step's layers.
+The layouts they read and what they compute, in PyTorch, are kiln/layers/kernels/reference.py
+(pack_q4, q4_reference), which the builder checks each library against.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kiln.layers.kernels import available, lib
-
-Q4_TILE = 8  # output rows per tile of pack_q4's layout
-Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 fp16 mins
-
-
-def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q +
-    min) -> the kernels' layout, uint8 [ceil(N/8), K/32, 160] (see kernels.cpp):
-    per tile of 8 rows and group, the codes of row pairs (p, p+4) in 32 bytes each (byte j of
-    a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales, then their fp16 mins. Rows
-    past N are zeros."""
-    n, k = q.shape
-    g = k // 32
-    nt = (n + Q4_TILE - 1) // Q4_TILE
-    pad = nt * Q4_TILE - n
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        scale = torch.cat([scale, scale.new_zeros(pad, g)])
-        mn = torch.cat([mn, mn.new_zeros(pad, g)])
-    c = q.to(torch.uint8).reshape(nt, Q4_TILE, g, 2, 16)
-    codes = c[..., 0, :] | (c[..., 1, :] << 4)  # [NT, 8 rows, G, 16]
-    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
-    codes = codes[:, order].permute(0, 2, 1, 3).reshape(nt, g, 128)
-
-    def f16(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [NT, G, 16 bytes]
-        return t.to(torch.float16).reshape(nt, Q4_TILE, g).transpose(1, 2).contiguous() \
-            .view(torch.uint8)
-
-    return torch.cat([codes, f16(scale), f16(mn)], dim=-1).contiguous()
-
-
-def unpack_q4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_q4's inverse: (codes uint8 [n, K], scale fp32 [n, K/32], min fp32 [n, K/32])."""
-    nt, g, _ = packed.shape
-    b = packed[..., :128].reshape(nt, g, Q4_TILE, 16)  # rows in pair order 0,4,1,5,...
-    b = b[:, :, torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])]  # back to rows 0..7
-    q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [NT, G, 8, 2 halves, 16]
-    q = q.permute(0, 2, 1, 3, 4).reshape(nt * Q4_TILE, g * 32)[:n]
-
-    def f32(off: int) -> torch.Tensor:
-        return packed[..., off:off + 16].contiguous().view(torch.float16).transpose(1, 2) \
-            .reshape(nt * Q4_TILE, g)[:n].float()
-
-    return q, f32(128), f32(144)
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -122,94 +78,6 @@ def attend_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s = (kt * q[t].float()).sum(-1) * scale  # [n, Hq]
         out[t] = (torch.softmax(s, dim=0).unsqueeze(-1) * vt).sum(0)
     return out
-
-
-def quantize_act_q8(x: torch.Tensor, span: int = 32) -> torch.Tensor:
-    """What the kernels see of an activation x [M, K]: int8 per span of 32 values (256
-    for the GGUF K-quants' kernels; scale amax/127, round half to even), returned dequantized
-    in fp32 (tests, self-check)."""
-    m, k = x.shape
-    g = x.float().reshape(m, k // span, span)
-    amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
-
-
-def q4_reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """q4_linear in fp32 PyTorch: scale * (q . xq) with x's int8 rounding, plus min * sum(x)
-    with x unrounded (what the kernel computes)."""
-    q, s, mn = unpack_q4(packed, n)
-    m, k = x.shape
-    g = k // 32
-    xq = quantize_act_q8(x).reshape(m, g, 32)
-    dots = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(n, g, 32).double())
-    sums = x.double().reshape(m, g, 32).sum(-1)  # [M, G]
-    return ((dots * s.double()).sum(-1) + sums @ mn.double().t()).float()
-
-
-def register_fakes(ns: str) -> None:
-    """Output shapes for torch.compile's tracing of library `ns` (the kernels run as one opaque
-    call each)."""
-    @torch.library.register_fake(f"{ns}::q4_linear")
-    def _(x, packed, n):
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake(f"{ns}::attend_rows")
-    def _(q, k, v, table, row_of, lens, scale):
-        return q.new_empty((*q.shape[:2], v.shape[-1]), dtype=torch.float32)
-
-    @torch.library.register_fake(f"{ns}::rope_write")
-    def _(qkv, cos, sin, k, v, slots, num_heads):
-        return qkv.new_empty((qkv.shape[0], num_heads, k.shape[2]))
-
-    @torch.library.register_fake(f"{ns}::rms_norm")
-    def _(x, w, eps):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake(f"{ns}::silu_mul")
-    def _(gu):
-        return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
-
-    @torch.library.register_fake(f"{ns}::decode_layer")
-    def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k, v, slots,
-          table, row_of, lens, num_heads, scale, lora=(), lora_seg=None, q_norm=None,
-          k_norm=None, qk_eps=0.0):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake(f"{ns}::moe_layer")
-    def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, q_norm, k_norm,
-          qk_eps, k, v, slots, table, row_of, lens, num_heads, scale, router, top_k,
-          renormalize, w13, w2):
-        return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.long)
-
-    @torch.library.register_fake(f"{ns}::router_logits")
-    def _(x, w):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake(f"{ns}::q8_linear")
-    def _(x, w, scale):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake(f"{ns}::moe_q4")
-    def _(x, ids, weights, w13, w2, threads=0):
-        return torch.empty_like(x)
-
-
-def self_check(ns: Any) -> bool:
-    """q4_linear of library `ns` against q4_reference, on odd sizes (a padded tile)."""
-    g = torch.Generator().manual_seed(0)
-    n, k = 21, 96
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    s = torch.rand(n, k // 32, generator=g) * 0.1
-    mn = -8 * s + torch.rand(n, k // 32, generator=g) * 0.05
-    x = torch.randn(5, k, generator=g)
-    packed = pack_q4(q, s, mn)
-    q2, s2, mn2 = unpack_q4(packed, n)
-    if not (torch.equal(q2, q) and torch.allclose(s2, s, rtol=1e-3)
-            and torch.allclose(mn2, mn, rtol=1e-3, atol=1e-5)):
-        return False
-    got, want = ns.q4_linear(x, packed, n), q4_reference(x, packed, n)
-    return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Resolving the settings table (kiln/config.py) with provenance: for every setting, the sources
+"""Resolving the settings table (kiln/settings/table.py) with provenance: for every setting, the sources
 in order, highest first,
 
     cli > env > file > preset > registry (model defaults) > auto > default
@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kiln.auto_rules import AutoContext
-from kiln.config import SETTINGS, Setting
 from kiln.errors import ConfigError
 from kiln.i18n import msg
+from kiln.settings.rules import AutoContext
+from kiln.settings.table import SETTINGS, Setting
 
 # "engine": decided while loading (the KV pool lowered the context, the layer kernel left nothing
 # to compile), written back over the resolved value so the record tells what actually runs.

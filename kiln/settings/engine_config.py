@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.config import BY_NAME
-from kiln.setting_resolve import ResolvedSettings
+from kiln.settings.resolve import ResolvedSettings
+from kiln.settings.table import BY_NAME
 
 
 def _table_default(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""docs/flags.md, written from the settings table (kiln/config.py's SETTINGS) and the front-end
+"""docs/flags.md, written from the settings table (kiln/settings/table.py's SETTINGS) and the front-end
 flags `kiln serve` adds around it, by `kiln config docs`.
 
 The page is generated so that it cannot drift from the flags argparse builds from the same rows;
@@ -11,11 +11,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kiln import config as C
-from kiln.setting_values import parse_bytes, positive_bytes
+from kiln.settings import table as C
+from kiln.settings.values import parse_bytes, positive_bytes
 
 # Where the repository's copy lives (an editable install: kiln/ sits beside docs/).
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 COMMAND = "kiln config docs"
 
 GROUP_TITLES = {
@@ -90,7 +90,7 @@ def flags_markdown() -> str:
     lines = [
         "# Settings and flags",
         "",
-        (f"Generated from the settings table (`SETTINGS` in `kiln/config.py`) by `{COMMAND}`: "
+        (f"Generated from the settings table (`SETTINGS` in `kiln/settings/table.py`) by `{COMMAND}`: "
          "edit the table, then run that command (`tests/test_docs.py` fails while this page is "
          "stale). `kiln serve --help` prints the same flags."),
         "",

@@ -1,12 +1,12 @@
 """One table of settings: every setting kiln knows, declared once.
 
-Each row of `SETTINGS` gives a setting's name, parser, default or auto rule (kiln/auto_rules.py),
+Each row of `SETTINGS` gives a setting's name, parser, default or auto rule (kiln/settings/rules.py),
 CLI flag(s) (vLLM's spelling first where vLLM has the same knob), env var `KILN_<NAME>`,
 config-file key (the name), what it affects and which engines honour it. The CLI flags,
 `--dry-run`, the effective-config JSON, the decision trace and docs/flags.md are all generated
 from this table, so they cannot disagree. This module is the table (and the one parser that reads
-it, `--models`); resolving it with provenance is kiln/setting_resolve.py, the engine's frozen view
-kiln/engine_config.py. It stays one declarative table past 600 lines: tests/test_settings_table.py
+it, `--models`); resolving it with provenance is kiln/settings/resolve.py, the engine's frozen view
+kiln/settings/engine_config.py. It stays one declarative table past 600 lines: tests/test_settings_table.py
 keeps its rows consistent (names, flags and env vars unique, defaults parse and are among the
 choices), and tests/test_docs.py keeps docs/flags.md what the table generates.
 """
@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.auto_rules import (
+from kiln.errors import ConfigError
+from kiln.settings.rules import (
     AutoRule,
     auto_batched_tokens,
     auto_cpu_isa,
@@ -43,8 +44,7 @@ from kiln.auto_rules import (
     auto_tp,
     auto_trust_remote_code,
 )
-from kiln.errors import ConfigError
-from kiln.setting_values import (
+from kiln.settings.values import (
     fraction,
     non_negative_int,
     parse_bool,

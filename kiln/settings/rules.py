@@ -1,4 +1,4 @@
-"""What kiln picks when nobody chose: the auto rules of the settings table (kiln/config.py).
+"""What kiln picks when nobody chose: the auto rules of the settings table (kiln/settings/table.py).
 
 Each rule reads the `AutoContext` (hardware probe, model source, what was set explicitly) and the
 values of the settings resolved before it (table order: dtype reads device), and returns

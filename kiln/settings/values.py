@@ -1,4 +1,4 @@
-"""The value parsers of kiln's settings table (kiln/config.py's `SETTINGS`): each takes what a
+"""The value parsers of kiln's settings table (kiln/settings/table.py's `SETTINGS`): each takes what a
 flag, an env var or a config file gave and returns the typed value, or raises ValueError with
 what was wrong (resolution turns it into a ConfigError naming the source)."""
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import tomllib
 
-from kiln.config import BY_NAME, SETTINGS
 from kiln.errors import ConfigError
+from kiln.settings.table import BY_NAME, SETTINGS
 
 
 class _Record(argparse.Action):
