@@ -449,7 +449,16 @@ struct XTiles {
   const int32_t* is;
   const int32_t* h;
   int64_t K, G;
+  // where the kernel's prefetches point, in bytes past the weights it reads (-1: none); see
+  // kq_linear_impl's passes
+  int64_t pf = KILN_PF;
 };
+
+// Asks for the cache lines of [p + pf, p + pf + bytes) (pf < 0: nothing)
+inline void prefetch_at(const uint8_t* p, int64_t pf, int64_t bytes) {
+  if (pf < 0) return;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + pf + o, _MM_HINT_T0);
+}
 
 // An empty asm that takes v and gives it back "changed": the compiler keeps the sums in the
 // order written. Without it GCC moved every product of a group ahead of the first addition
@@ -659,8 +668,8 @@ void tile_q8_0(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
   typename V::F acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = V::fzero();
   for (int64_t b = 0; b < nb; ++b, w += 272) {
-    prefetch_ahead(w, 272);
-    if (NT == 2) prefetch_ahead(w + st, 272);
+    prefetch_at(w, x.pf, 272);
+    if (NT == 2) prefetch_at(w + st, x.pf, 272);
     I S[MB];
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {  // vector k: values 4k..4k+3 of the 8 rows
@@ -724,8 +733,8 @@ void tile_q5(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
   typename V::F acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = V::fzero();
   for (int64_t b = 0; b < nb; ++b, w += kBytes) {
-    prefetch_ahead(w, kBytes);
-    if (NT == 2) prefetch_ahead(w + st, kBytes);
+    prefetch_at(w, x.pf, kBytes);
+    if (NT == 2) prefetch_at(w + st, x.pf, kBytes);
     typename V::I S[MB], S2[MB];
     q5_sums<MB, NT>(w, st, x.q + 32 * b, x.K, S, S2);
     const auto d = f16s<NT>(w + 160, st);
@@ -754,8 +763,8 @@ void tile_qk(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
     I Iacc[MB];  // sum over j of sc[j] x the sub-block's code products: < 8 x 63 x 61K
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sw = w + kSub * j;
-      prefetch_ahead(sw, kSub);
-      if (NT == 2) prefetch_ahead(sw + st, kSub);
+      prefetch_at(sw, x.pf, kSub);
+      if (NT == 2) prefetch_at(sw + st, x.pf, kSub);
       const int64_t g = 8 * b + j;
       I S[MB], S2[MB];
       if (kQ5) {
@@ -827,8 +836,8 @@ void tile_q6_k(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
     I Iacc[MB];
     for (int j = 0; j < 8; ++j) {
       const uint8_t* gw = w + 208 * j;
-      prefetch_ahead(gw, 208);
-      if (NT == 2) prefetch_ahead(gw + st, 208);
+      prefetch_at(gw, x.pf, 208);
+      if (NT == 2) prefetch_at(gw + st, x.pf, 208);
       const int64_t g = 8 * b + j;
       // T: int16 (sc[2g], sc[2g + 1]) of row r in 32-bit lane r
       const I T = V::each([&](int64_t o) {
@@ -1030,10 +1039,17 @@ at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntAr
       if (p.tiled) {
         const int64_t nr = std::min(pairs ? kTile * kMaxTiles : kTile, p.rows - r0);
         const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
+        const int64_t step = (nr + kTile - 1) / kTile * p.tile_bytes;  // to the next item's tiles
         for (int64_t m = m0; m < m0 + mn; m += kTileRows) {
           const int mb = static_cast<int>(std::min<int64_t>(kTileRows, m0 + mn - m));
           const XRow x0 = xrow(p.slot, m);
-          const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G};
+          // The first pass over the item's rows streams its tiles (prefetching KILN_PF ahead);
+          // the second, whose weights are in cache, prefetches the next item's, so that memory
+          // keeps streaming while the dot products run; later passes ask for nothing. Without
+          // it a 16-row step read each tile, then computed on it with the memory idle: Qwen2.5-
+          // 0.5B's 9728 x 896 Q5_0 at 16 rows, 2 threads, 477 us from L3 but 836 from DRAM.
+          const int64_t pf = m == m0 ? KILN_PF : (m == m0 + kTileRows ? step : -1);
+          const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G, pf};
           alignas(64) float tmp[kTile * kMaxTiles];
           auto store = [&](int i) {
             std::memcpy(yp + (m + i) * N + p.row0 + r0, tmp, nr * sizeof(float));
