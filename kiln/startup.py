@@ -32,23 +32,6 @@ from kiln.settings.rules import AutoContext
 from kiln.startup_plan import StartupPlan
 
 
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", dest="model_option", metavar="MODEL",
-                   help="what to serve, as the positional MODEL (giving both, different, is an "
-                   "error)")
-    p.add_argument("--config", type=Path, metavar="PATH",
-                   help="TOML config file (default: ~/.config/kiln/config.toml) [env KILN_CONFIG]")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print hardware, model source and every non-default setting with its "
-                   "source, then exit without loading weights")
-    p.add_argument("--effective-config-json", type=Path, metavar="PATH",
-                   help="write every setting {value, source, affects, reason}, the hardware "
-                   "and the model identity")
-    p.add_argument("--decision-trace-jsonl", type=Path, metavar="PATH",
-                   help="write one JSON line per decision (candidates by source, chosen, why)")
-    S.add_setting_arguments(p)
-
-
 def model_spec(args: argparse.Namespace) -> str | None:
     """MODEL from the positional or -m/--model (the same thing, so both given must agree); the
     `model` row's KILN_MODEL and config-file key come in below them in plan()."""

@@ -227,3 +227,103 @@ def test_a_longer_circle_is_named_arrow_by_arrow(tmp_path: Path) -> None:
                        "    pkg.a -> pkg.b (pkg/a.py:1)\n"
                        "    pkg.b -> pkg.c (pkg/b.py:1)\n"
                        "    pkg.c -> pkg.a (pkg/c.py:1)")
+
+
+# The allowed package order, bottom floor first: a module may import modules of its own floor
+# and of the floors below it, never of a floor above (deferred and TYPE_CHECKING imports count,
+# as for circles). Each floor names modules or packages; a package covers its submodules, and the
+# longest name that matches places a module (kiln.resolve.hardware is platform, the rest of
+# kiln.resolve sits higher). "kiln" alone is the package's own __init__ (it exports LLM). Derived
+# from the import graph as it is; a new top-level module or package must be placed here.
+PACKAGE_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # what every floor may use: errors, the text catalogue, paths and pid files, and the probes of
+    # this machine (the hardware probe; the CPU flag table and the ISA probe, which live beside
+    # the kernels they describe but read only flags, the OS and the cache dir)
+    ("platform", ("kiln.errors", "kiln.i18n", "kiln.paths", "kiln.pidfile",
+                  "kiln.resolve.hardware", "kiln.layers.kernels.flags", "kiln.layers.kernels.isa")),
+    # the recorders the engine writes to and the faults it injects (a settings row parses faults)
+    ("diagnostics", ("kiln.obs", "kiln.obs.faults", "kiln.obs.trace")),
+    # every setting, resolved; what one request asks for
+    ("settings", ("kiln.settings", "kiln.sampling_params")),
+    ("layers and models", ("kiln.layers", "kiln.models", "kiln.tokenizer")),
+    ("engine", ("kiln.engine",)),
+    # what a model is (kinds: generate, embed, transcribe, speak) and where it comes from
+    ("kinds and model sources", ("kiln.kinds", "kiln.resolve")),
+    # the HTTP server and the request dump it writes
+    ("server", ("kiln.server", "kiln.obs.dump")),
+    # what plans and starts an engine for a front end, the front ends that are not the CLI, and
+    # the other engines kiln can launch
+    ("front ends", ("kiln.startup", "kiln.startup_plan", "kiln.startup_report", "kiln.llm",
+                    "kiln.bench", "kiln.backends", "kiln")),
+    ("cli", ("kiln.cli", "kiln.__main__")),
+)
+
+# Imports that run upward on purpose, each with why it is not cut yet. An arrow listed here that
+# no longer exists fails too, so the list only shrinks.
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+    ("kiln.models.llama", "kiln.engine.lora"):
+        "the step's LoRA state (which rows carry which adapter) lives with the adapter registry "
+        "in engine/lora.py and the decoder layer reads it for the one-call kernels; moving the "
+        "per-step state and the grouped LoRA matmuls to layers/ cuts it",
+}
+
+
+def floor_of(module: str, order: tuple[tuple[str, tuple[str, ...]], ...] = PACKAGE_ORDER,
+             root: str = "kiln") -> tuple[int, str] | None:
+    """(floor index, floor name) of a module: the floor of the longest listed name that is the
+    module or a package above it; the root package's name covers only itself."""
+    best: tuple[int, int, str] | None = None
+    for i, (floor, names) in enumerate(order):
+        for name in names:
+            covers = module == name or (name != root and module.startswith(name + "."))
+            if covers and (best is None or len(name) > best[0]):
+                best = (len(name), i, floor)
+    return None if best is None else (best[1], best[2])
+
+
+def upward_imports(graph: dict[str, dict[str, int]], modules: dict[str, Path], root: Path,
+                   order: tuple[tuple[str, tuple[str, ...]], ...], package: str = "kiln",
+                   known: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """One line per import against the order (or per module no floor places), naming the arrow
+    with its file and line and the two floors."""
+    known = known or {}
+    problems = []
+    for mod in sorted(graph):
+        here = floor_of(mod, order, package)
+        if here is None:
+            problems.append(f"{mod} ({modules[mod].relative_to(root)}) is on no floor: place it "
+                            "in PACKAGE_ORDER")
+            continue
+        for dep, line in sorted(graph[mod].items()):
+            there = floor_of(dep, order, package)
+            if there is not None and there[0] > here[0] and (mod, dep) not in known:
+                problems.append(f"{mod} -> {dep} ({modules[mod].relative_to(root)}:{line}): "
+                                f"{here[1]} imports {there[1]}, a floor above it")
+    return problems
+
+
+def test_kiln_imports_follow_the_package_order() -> None:
+    graph, modules = import_graph(ROOT, "kiln")
+    problems = upward_imports(graph, modules, ROOT, PACKAGE_ORDER, known=KNOWN_UPWARD)
+    assert not problems, (
+        "\n".join(problems) + "\nMove the piece the lower module needs down to its floor (or "
+        "below), or pass it in from above; a deferred import still counts.")
+    stale = [f"{a} -> {b}" for a, b in KNOWN_UPWARD if b not in graph.get(a, {})]
+    assert not stale, f"KNOWN_UPWARD names arrows that are gone (delete them): {stale}"
+
+
+def test_an_upward_import_is_named_with_its_floors(tmp_path: Path) -> None:
+    """The checker on a scratch package: low may not import high (at the top or deferred), high
+    may import low, a module on no floor is named, a listed exception passes."""
+    order = (("low", ("pkg.low", "pkg")), ("high", ("pkg.high",)))
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/high.py": "from pkg import low\n",
+                      "pkg/low.py": "X = 1\n\ndef f():\n    from pkg.high import Y\n",
+                      "pkg/stray.py": "import pkg.low\n"})
+    graph, modules = import_graph(tmp_path, "pkg")
+    problems = upward_imports(graph, modules, tmp_path, order, package="pkg")
+    assert problems == [
+        "pkg.low -> pkg.high (pkg/low.py:4): low imports high, a floor above it",
+        "pkg.stray (pkg/stray.py) is on no floor: place it in PACKAGE_ORDER"]
+    order = (("low", ("pkg.low", "pkg.stray", "pkg")), ("high", ("pkg.high",)))
+    assert upward_imports(graph, modules, tmp_path, order, package="pkg",
+                          known={("pkg.low", "pkg.high"): "why"}) == []

@@ -12,6 +12,7 @@ from typing import Any
 
 from kiln import startup, startup_report
 from kiln.i18n import msg
+from kiln.settings.sources import add_common_arguments
 
 
 def add_parser(subparsers: Any) -> None:
@@ -24,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop when TEXT is generated (cut from the answer; repeatable)")
-    startup.add_common_arguments(p)
+    add_common_arguments(p)
     p.set_defaults(func=main)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from kiln import pidfile, startup, startup_report
 from kiln.i18n import english, msg
 from kiln.resolve import parallel
+from kiln.settings.sources import add_common_arguments
 
 log = logging.getLogger("kiln.serve")
 
@@ -29,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
         "options kiln does not know, and every argument after `--`, go to the external engine "
         "untouched.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="what to serve")
-    startup.add_common_arguments(p)
+    add_common_arguments(p)
     p.set_defaults(func=main)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.settings import table as C
+from kiln.settings.sources import add_common_arguments
 from kiln.settings.values import parse_bytes, positive_bytes
 
 # Where the repository's copy lives (an editable install: kiln/ sits beside docs/).
@@ -79,10 +80,8 @@ def _engines(s: C.Setting) -> str:
 def _front_end_flags() -> list[argparse.Action]:
     """`kiln serve`'s options that are not rows of the table (the model, the config file, the
     dry run and the two records), read from the parser the command builds."""
-    from kiln import startup
-
     parser = argparse.ArgumentParser(add_help=False)
-    startup.add_common_arguments(parser)
+    add_common_arguments(parser)
     return [a for a in parser._actions if a.option_strings and a.dest not in C.BY_NAME]
 
 

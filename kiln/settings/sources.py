@@ -121,3 +121,22 @@ def config_path() -> Path:
 def default_config_path() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "kiln" / "config.toml"
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of every command that resolves settings (kiln serve, kiln run): the model, the
+    config file, the dry run, the two records, then one flag set per row of the table."""
+    p.add_argument("-m", "--model", dest="model_option", metavar="MODEL",
+                   help="what to serve, as the positional MODEL (giving both, different, is an "
+                   "error)")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="TOML config file (default: ~/.config/kiln/config.toml) [env KILN_CONFIG]")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print hardware, model source and every non-default setting with its "
+                   "source, then exit without loading weights")
+    p.add_argument("--effective-config-json", type=Path, metavar="PATH",
+                   help="write every setting {value, source, affects, reason}, the hardware "
+                   "and the model identity")
+    p.add_argument("--decision-trace-jsonl", type=Path, metavar="PATH",
+                   help="write one JSON line per decision (candidates by source, chosen, why)")
+    add_setting_arguments(p)
