@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kiln.layers import kquant
-from kiln.layers.kernels import ops
+from kiln.layers.kernels import ops, reference
 from kiln.layers.quant import quantize_int4_groups
 
 # (name, out rows, in features, ggml type): one Qwen2.5-Coder-0.5B Q4_K_M layer's linears
@@ -95,10 +95,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     layers = []
     for name, n, k, t in SHAPES + ([LM_HEAD] if args.lm_head else []):
-        b = kquant._random_blocks(n, k, t, g)
+        b = reference.random_blocks(n, k, t, g)
         gq = quantize_int4_groups(b.dequantize())
         layers.append((f"{name} {n}x{k} {t}", b, kquant.pack(b),
-                       ops.pack_q4(gq.q, gq.scale, gq.min)))
+                       reference.pack_q4(gq.q, gq.scale, gq.min)))
     ms = [int(m) for m in args.rows.split(",")]
     res: dict[str, dict[str, list[float]]] = {}
     print(f"threads {args.threads}, load average {os.getloadavg()}")

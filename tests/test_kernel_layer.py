@@ -52,13 +52,13 @@ def test_every_level_the_cpu_runs_loads_and_the_others_compile():
 
 
 def _q4_case(n: int, k: int, m: int, seed: int):
-    from kiln.layers.kernels import ops
+    from kiln.layers.kernels import reference
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     s = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
     mn = (-8 * s + torch.randn(n, k // 32, generator=g) * 0.01).half().float()
-    return torch.randn(m, k, generator=g), ops.pack_q4(q, s, mn)
+    return torch.randn(m, k, generator=g), reference.pack_q4(q, s, mn)
 
 
 @pytest.mark.skipif(len(KERNEL_LEVELS) < 2, reason="one ISA level runs here: nothing to compare")
@@ -66,14 +66,14 @@ def test_every_level_computes_the_same_bits():
     """The levels differ in instructions, not arithmetic (simd.h): q4_linear, moe_q4 and every
     GGUF block type give identical results at each level (so greedy tokens do too)."""
     from kiln.layers import kquant
-    from kiln.layers.kernels import ops
+    from kiln.layers.kernels import ops, reference
 
     x, packed = _q4_case(77, 512, 19, 0)
     ids = torch.tensor([[0, 2], [1, 2], [3, 0]])
     w = torch.rand(3, 2)
     g = torch.Generator().manual_seed(1)
     # 9 and 21 rows: the AVX-512 level's pairs of tiles whole (16 rows) and cut short
-    parts = [kquant._random_blocks(9 + 12 * (i % 2), 512, t, g)
+    parts = [reference.random_blocks(9 + 12 * (i % 2), 512, t, g)
              for i, t in enumerate(("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q8_0"))]
     w13 = torch.stack([_q4_case(64, 512, 1, e)[1] for e in range(4)])
     w2 = torch.stack([_q4_case(512, 32, 1, 10 + e)[1] for e in range(4)])

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.layers.kernels import ops as ck
+from kiln.layers.kernels import reference
+from kiln.layers.kernels.formats import GroupQuant
 from kiln.layers.moe import Experts, softmax_topk
-from kiln.layers.quant import GroupQuant, Int4Linear, quantize_int4_groups
+from kiln.layers.quant import Int4Linear, quantize_int4_groups
 
 pytestmark = pytest.mark.usefixtures("kernel_level")
 
@@ -31,9 +33,9 @@ def _groups(n: int, k: int, seed: int, q4_0: bool = False) -> GroupQuant:
 def test_pack_q4_round_trips(n):
     """unpack_q4(pack_q4(...)) gives the codes, scales and mins back, padding rows dropped."""
     gq = _groups(n, 96, 0)
-    packed = ck.pack_q4(gq.q, gq.scale, gq.min)
+    packed = reference.pack_q4(gq.q, gq.scale, gq.min)
     assert packed.shape == ((n + 7) // 8, 3, 160)
-    q, s, mn = ck.unpack_q4(packed, n)
+    q, s, mn = reference.unpack_q4(packed, n)
     assert torch.equal(q, gq.q)
     assert torch.equal(s, gq.scale) and torch.equal(mn, gq.min)
 
@@ -46,11 +48,11 @@ def test_q4_linear_matches_reference(m, n, dtype):
     32, fp32 sums), and stays within the activations' rounding of the dense fp32 product."""
     k = 256
     gq = _groups(n, k, m + n)
-    packed = ck.pack_q4(gq.q, gq.scale, gq.min)
+    packed = reference.pack_q4(gq.q, gq.scale, gq.min)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     got = ck.q4_linear(x, packed, n)
     assert got.dtype == dtype and got.shape == (m, n)
-    want = ck.q4_reference(x.float(), packed, n)
+    want = reference.q4_reference(x.float(), packed, n)
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     dense = x.float() @ gq.dequantize().t()
@@ -93,12 +95,14 @@ def _moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         xe = x[tok].float()
         gate_up = w13[e].dequantize()
         if emulate:
-            gu = ck.q4_reference(xe, ck.pack_q4(w13[e].q, w13[e].scale, w13[e].min), 2 * i)
+            gu = reference.q4_reference(
+                xe, reference.pack_q4(w13[e].q, w13[e].scale, w13[e].min), 2 * i)
         else:
             gu = xe @ gate_up.t()
         h = F.silu(gu[:, :i]) * gu[:, i:]
         if emulate:
-            out = ck.q4_reference(h, ck.pack_q4(w2[e].q, w2[e].scale, w2[e].min), x.shape[1])
+            out = reference.q4_reference(
+                h, reference.pack_q4(w2[e].q, w2[e].scale, w2[e].min), x.shape[1])
         else:
             out = h @ w2[e].dequantize().t()
         y.index_add_(0, tok, (out * weights[tok, j].unsqueeze(1)).double())
@@ -106,7 +110,7 @@ def _moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 
 def _stack(w: list[GroupQuant]) -> torch.Tensor:
-    return torch.stack([ck.pack_q4(g.q, g.scale, g.min) for g in w])
+    return torch.stack([reference.pack_q4(g.q, g.scale, g.min) for g in w])
 
 
 @pytest.mark.parametrize("t", [1, 5, 40])
@@ -284,7 +288,7 @@ def test_fixed_int8_head_runs_q8_at_every_row_count():
 
 def _packed_q4(n: int, k: int, seed: int) -> torch.Tensor:
     gq = _groups(n, k, seed)
-    return ck.pack_q4(gq.q, gq.scale, gq.min)
+    return reference.pack_q4(gq.q, gq.scale, gq.min)
 
 
 def test_elementwise_kernels_match_pytorch_and_keep_rows_apart():
@@ -372,7 +376,7 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind,
 
     w_qkv, w_o, w_gu = (_packed_q4(qkv_n, h, 2), _packed_q4(h, hq * d, 3),
                         _packed_q4(2 * inter, h, 4))
-    down = kquant._random_blocks(h, inter, "Q8_0", g)
+    down = reference.random_blocks(h, inter, "Q8_0", g)
     if down_kind == "q4":
         w_down, down_id = _packed_q4(h, inter, 5), ck.Q4_KIND
     else:
@@ -426,7 +430,7 @@ def test_decode_stack_is_decode_layer_layer_after_layer():
     b, h, hq, hk, d, inter, s, ctx = 2, 128, 4, 2, 32, 96, 48, 11
     qkv_n = (hq + 2 * hk) * d
 
-    down = kquant._random_blocks(h, inter, "Q8_0", g)
+    down = reference.random_blocks(h, inter, "Q8_0", g)
     w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
     layers = []
     for i, (kind, wd) in enumerate([(ck.Q4_KIND, _packed_q4(h, inter, 9)),

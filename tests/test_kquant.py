@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kiln.layers import kquant
+from kiln.layers.kernels import reference
 from kiln.layers.kernels.choose import Choice
-from kiln.layers.kquant import KQUANT_TYPES, GGUFBlocks, KQuantLinear
-from kiln.models.gguf import GGML_TYPES
+from kiln.layers.kernels.formats import GGML_TYPES, KQUANT_TYPES, GGUFBlocks
+from kiln.layers.kquant import KQuantLinear
 
 gguf = pytest.importorskip("gguf")
 
@@ -31,12 +32,13 @@ def _blocks(rows: int, k: int, type_name: str, seed: int) -> GGUFBlocks:
         raw = gguf.quants.quantize(w, qt)
         return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)), type_name, k)
     except NotImplementedError:
-        return kquant._random_blocks(rows, k, type_name, torch.Generator().manual_seed(seed))
+        return reference.random_blocks(rows, k, type_name, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("type_name", sorted(KQUANT_TYPES))
 def test_dequantizer_matches_gguf_package(type_name: str) -> None:
-    """The reference's weights (kiln/models/gguf.py) are what the `gguf` package decodes."""
+    """The reference's weights (kiln/layers/kernels/formats.py) are what the `gguf` package
+    decodes."""
     b = _blocks(7, 512, type_name, 1)
     ours = b.dequantize(torch.float32).numpy()
     theirs = gguf.quants.dequantize(b.raw.numpy(), gguf.GGMLQuantizationType[type_name])
@@ -51,7 +53,7 @@ def test_kernel_matches_reference(type_name: str, m: int) -> None:
     b = _blocks(rows, k, type_name, 2)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     got = kquant.kq_linear(x, [b.raw], [b.type_id])
-    want = kquant.reference(x, [b])
+    want = reference.kq_reference(x, [b])
     assert got.shape == (m, rows)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
     # and close to the unrounded activation (the int8 rounding of x is all that differs)
@@ -73,8 +75,8 @@ def test_k_quants_round_the_activation_per_super_block(type_name: str) -> None:
     x[:, 7] = 40.0  # sets the first super-block's scale
     got = kquant.kq_linear(x, [kquant.pack(b)], [b.type_id], [rows])
     w = b.dequantize(torch.float32)
-    per256 = kquant.quantize_act(x, type_name) @ w.t()
-    per32 = kquant.quantize_act(x, "Q8_0") @ w.t()
+    per256 = reference.quantize_act(x, type_name) @ w.t()
+    per32 = reference.quantize_act(x, "Q8_0") @ w.t()
     tol = 2e-5 * per256.abs().max().item()
     torch.testing.assert_close(got, per256, rtol=2e-5, atol=tol)
     assert (got - per32).abs().max().item() > 100 * tol
@@ -99,7 +101,7 @@ def test_pack_round_trip(type_name: str, rows: int) -> None:
     back = kquant.unpack(packed, type_name, rows, 512)
     assert torch.equal(back.raw, b.raw)
     # random bytes too: every bit of a block has its place in the tile
-    r = kquant._random_blocks(rows, 512, type_name, torch.Generator().manual_seed(rows))
+    r = reference.random_blocks(rows, 512, type_name, torch.Generator().manual_seed(rows))
     r.raw.random_(0, 256, generator=torch.Generator().manual_seed(1))
     assert torch.equal(kquant.unpack(kquant.pack(r), type_name, rows, 512).raw, r.raw)
 
@@ -115,7 +117,7 @@ def test_tiles_match_rows_and_reference(type_name: str, m: int) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
     tiled = kquant.kq_linear(x, [kquant.pack(b)], [b.type_id], [rows])
     raw = kquant.kq_linear(x, [b.raw], [b.type_id], [rows])
-    want = kquant.reference(x, [b])
+    want = reference.kq_reference(x, [b])
     tol = {"rtol": 2e-5, "atol": 2e-5 * want.abs().max().item()}
     torch.testing.assert_close(tiled, raw, **tol)
     torch.testing.assert_close(tiled, want, **tol)
@@ -135,12 +137,12 @@ def test_mixed_parts_bf16_and_batch_invariance() -> None:
     assert lin.tiled == [True, True, True, True]
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     y = lin(x)
-    want = kquant.reference(x, parts) + lin.bias
+    want = reference.kq_reference(x, parts) + lin.bias
     torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
     assert torch.equal(lin(x[4:5]), y[4:5])
     yb = KQuantLinear(parts, None, torch.bfloat16)(x.bfloat16())
     assert yb.dtype == torch.bfloat16
-    wb = kquant.reference(x.bfloat16().float(), parts)
+    wb = reference.kq_reference(x.bfloat16().float(), parts)
     torch.testing.assert_close(yb.float(), wb, rtol=1e-2, atol=1e-2 * wb.abs().max().item())
 
 
@@ -151,7 +153,7 @@ def test_tiles_beside_row_kernel_parts() -> None:
     parts = [_blocks(6, 512, "Q5_K", 13), _blocks(11, 512, "Q4_K", 14), _blocks(3, 512, "Q5_1", 15),
              _blocks(9, 512, "Q6_K", 16)]
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
-    want = kquant.reference(x, parts)
+    want = reference.kq_reference(x, parts)
     tol = {"rtol": 2e-5, "atol": 2e-5 * want.abs().max().item()}
     mixed = kquant.kq_linear(x, [parts[0].raw, kquant.pack(parts[1]), kquant.pack(parts[2]),
                                  parts[3].raw], [q.type_id for q in parts],

@@ -27,18 +27,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Circles left on purpose, for now: all belong to the kernel layer (kiln/layers/kernels, the
-# quantized linears, the GGUF reader, the one-call MoE layer's eligibility check), whose owner
-# cuts them with the kernel-layer issue (issue 42: "the kernel circle goes with the kernel-layer
-# issue"). A circle found must lie inside one of these; a new module joining one, or any other
-# circle, fails. When one is cut, delete its entry.
-KNOWN_KERNEL_CIRCLES: tuple[frozenset[str], ...] = (
-    frozenset({"kiln.layers.kernels", "kiln.layers.kernels.build", "kiln.layers.kernels.choose",
-               "kiln.layers.kernels.ops", "kiln.layers.kquant", "kiln.layers.quant",
-               "kiln.models.gguf"}),
-)
-
-
 def module_files(root: Path, package: str) -> dict[str, Path]:
     """Dotted module name -> file, for every .py under root/package."""
     out: dict[str, Path] = {}
@@ -175,10 +163,10 @@ def circles_outside(graph: dict[str, dict[str, int]], modules: dict[str, Path], 
     return problems
 
 
-def test_kiln_has_no_import_circle_outside_the_known_kernel_ones() -> None:
+def test_kiln_has_no_import_circle() -> None:
     graph, modules = import_graph(ROOT, "kiln")
     assert len(modules) > 100 and "kiln.settings.table" in graph["kiln.startup"]  # the graph was read
-    problems = circles_outside(graph, modules, ROOT, KNOWN_KERNEL_CIRCLES)
+    problems = circles_outside(graph, modules, ROOT)
     assert not problems, (
         "\n".join(problems) + "\nCut it: move the piece both modules need below both (a type, a "
         "constant, an error class), or pass it in; a deferred or TYPE_CHECKING import does not "

@@ -27,7 +27,7 @@ MODES = ["int8", "int4", "int4+dense"]  # +dense: bf16 copies for large steps
 
 
 def _groups(n: int, k: int, seed: int = 0):
-    from kiln.layers.quant import GroupQuant
+    from kiln.layers.kernels.formats import GroupQuant
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
@@ -174,7 +174,7 @@ def test_gguf_blocks_decode_like_the_gguf_package():
     """kiln's torch decoding of each GGUF block type equals gguf-py's numpy reference."""
     import gguf
 
-    from kiln.models.gguf import GGML_TYPES, dequantize_blocks
+    from kiln.layers.kernels.formats import GGML_TYPES, dequantize_blocks
 
     rng = np.random.default_rng(0)
     f16_at = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -194,7 +194,8 @@ def test_gguf_blocks_decode_like_the_gguf_package():
 def test_q4_1_blocks_become_int4_without_requantizing(gguf_path):
     """A GGUF Q4_1 matrix reaches Int4Linear as its own codes and scales (exact up to bf16
     rounding of scale and zero), never through a dense copy."""
-    from kiln.layers.quant import GroupQuant, Int4Linear
+    from kiln.layers.kernels.formats import GroupQuant
+    from kiln.layers.quant import Int4Linear
     from kiln.models.gguf import GGUFFile, gguf_tensor
 
     gf = GGUFFile(gguf_path)

@@ -191,6 +191,7 @@ def test_head_rows_give_the_whole_heads_first_logits():
     whole head's first n (the same storage, the same kernel); a cut inside a tile of rows is
     refused (None)."""
     from kiln.layers import kquant
+    from kiln.layers.kernels import reference
     from kiln.layers.linear import Linear
     from kiln.layers.quant import Int8Linear
     from kiln.layers.quantize import head_rows
@@ -202,7 +203,7 @@ def test_head_rows_give_the_whole_heads_first_logits():
     lin.weight.data.copy_(w)
     heads.append(lin)
     if kquant.available():
-        heads.append(kquant.KQuantLinear([kquant._random_blocks(96, 256, "Q8_0", g)], None,
+        heads.append(kquant.KQuantLinear([reference.random_blocks(96, 256, "Q8_0", g)], None,
                                          torch.float32))
     x = torch.randn(3, 256, generator=g)
     for head in heads:

@@ -155,5 +155,3 @@ class BlockEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} blocks"
-
-

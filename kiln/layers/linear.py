@@ -37,7 +37,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
-        # shard name (None: the whole weight) -> kiln.layers.quant.GroupQuant, not yet applied
+        # shard name (None: the whole weight) -> kiln.layers.kernels.formats.GroupQuant, not yet
+        # applied
         self.stash: dict[str | None, Any] = {}
         self.packed = False  # weight is in oneDNN's layout (`pack`): a buffer, multiply-only
 

@@ -137,7 +137,7 @@ class Experts(nn.Module):
         self.stash: dict[tuple[str, int | None], Any] = {}
         # Set by `quantize`: per expert, a module for gate_up and one for down.
         self.quantized: nn.ModuleList | None = None
-        # Or, with kiln's CPU kernels (int4): all experts stacked in ops.pack_q4's
+        # Or, with kiln's CPU kernels (int4): all experts stacked in reference.pack_q4's
         # layout, w13 [E, 2I/8, H/32, 160] and w2 [E, H/8, I/32, 160], run by one moe_q4 call.
         self.register_buffer("w13_q4", None)
         self.register_buffer("w2_q4", None)
@@ -200,7 +200,7 @@ class Experts(nn.Module):
 
     def _expert_groups(self, part: str, e: int) -> Any:
         """Expert e's stashed blocks for `part`, or None where they were loaded dense."""
-        from kiln.layers.quant import GroupQuant
+        from kiln.layers.kernels.formats import GroupQuant
 
         _, _, size = self._rows(part)
         if (part, e) in self.stash:
@@ -253,7 +253,8 @@ class Experts(nn.Module):
     def _expert_int4(self, e: int, part: str) -> Any:
         """Expert e's `part` ("gate_up" or "down") as a GroupQuant: stashed GGUF blocks as they
         are, dense rows quantized here."""
-        from kiln.layers.quant import GroupQuant, quantize_int4_groups
+        from kiln.layers.kernels.formats import GroupQuant
+        from kiln.layers.quant import quantize_int4_groups
 
         w = (self.gate_up_proj if part == "gate_up" else self.down_proj).data[e]
         pieces = []
@@ -271,14 +272,14 @@ class Experts(nn.Module):
     def _quantize_stacked_q4(self) -> None:
         """All experts into the kernels' stacked layout (see w13_q4), one expert at a time
         (a whole layer's codes are never held unpacked)."""
-        from kiln.layers.kernels import ops
+        from kiln.layers.kernels import reference
 
         w13, w2 = [], []
         for e in range(self.num_experts):
             gq = self._expert_int4(e, "gate_up")
-            w13.append(ops.pack_q4(gq.q, gq.scale, gq.min))
+            w13.append(reference.pack_q4(gq.q, gq.scale, gq.min))
             gq = self._expert_int4(e, "down")
-            w2.append(ops.pack_q4(gq.q, gq.scale, gq.min))
+            w2.append(reference.pack_q4(gq.q, gq.scale, gq.min))
         self.w13_q4 = torch.stack(w13)
         self.w2_q4 = torch.stack(w2)
         self._drop_dense()
@@ -287,13 +288,13 @@ class Experts(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) weights, dense, whatever the form they run
         in (dequantized where quantized): for tests and inspection."""
-        from kiln.layers.kernels import ops
-        from kiln.layers.quant import GroupQuant
+        from kiln.layers.kernels import reference
+        from kiln.layers.kernels.formats import GroupQuant
 
         if self.w13_q4 is not None:
             i, h = self.intermediate_size, self.hidden_size
-            return (GroupQuant(*ops.unpack_q4(self.w13_q4[e], 2 * i)).dequantize(dtype),
-                    GroupQuant(*ops.unpack_q4(self.w2_q4[e], h)).dequantize(dtype))
+            return (GroupQuant(*reference.unpack_q4(self.w13_q4[e], 2 * i)).dequantize(dtype),
+                    GroupQuant(*reference.unpack_q4(self.w2_q4[e], h)).dequantize(dtype))
         if self.quantized is not None:
             return (self.quantized[2 * e].dequantize(dtype),
                     self.quantized[2 * e + 1].dequantize(dtype))
@@ -325,7 +326,8 @@ class Experts(nn.Module):
         expert_ids[i]), in whatever form they run here, on `device`. The kernels' packed
         int4 runs only on the CPU: moved to another device, those experts become Int4Linear
         modules there. The pool does not count routing (its SplitExperts does)."""
-        from kiln.layers.quant import GroupQuant, Int4Linear
+        from kiln.layers.kernels.formats import GroupQuant
+        from kiln.layers.quant import Int4Linear
 
         device = torch.device(device)
         dtype = self.gate_up_proj.dtype
@@ -342,13 +344,13 @@ class Experts(nn.Module):
                 pool.w13_q4 = self.w13_q4.index_select(0, idx).contiguous()
                 pool.w2_q4 = self.w2_q4.index_select(0, idx).contiguous()
             elif self.w13_q4 is not None:
-                from kiln.layers.kernels import ops
+                from kiln.layers.kernels import reference
 
                 i, h = self.intermediate_size, self.hidden_size
                 mods: list[nn.Module] = []
                 for e in expert_ids:
                     for packed, rows in ((self.w13_q4[e], 2 * i), (self.w2_q4[e], h)):
-                        q, scale, mn = ops.unpack_q4(packed, rows)
+                        q, scale, mn = reference.unpack_q4(packed, rows)
                         gq = GroupQuant(q.to(device), scale.to(device), mn.to(device), 32)
                         mods.append(Int4Linear(gq, None, dtype, False))
                 pool.quantized = nn.ModuleList(mods)

@@ -49,14 +49,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.kernels import choose, ops
+from kiln.layers.kernels import choose, ops, reference
+from kiln.layers.kernels.formats import GroupQuant
 from kiln.layers.linear import pack_weight, packed_linear
 
 log = logging.getLogger("kiln.quant")
@@ -338,8 +337,8 @@ class Int4Linear(QuantizedLinear):
         self.kernel_max_m = INT4_KERNEL_MAX_M
         bn = int4_block_n() if self.native else None
         self.block_n = bn if bn is not None and n % bn == 0 else None
-        if self.kernel == "q4":  # ops.pack_q4's layout: tiles of 8 rows, fp16 scale/min
-            self.register_buffer("packed", ops.pack_q4(gq.q, gq.scale, gq.min))
+        if self.kernel == "q4":  # reference.pack_q4's layout: tiles of 8 rows, fp16 scale/min
+            self.register_buffer("packed", reference.pack_q4(gq.q, gq.scale, gq.min))
             self.register_buffer("scales_zeros", None)
         elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -398,7 +397,7 @@ class Int4Linear(QuantizedLinear):
         """W [N, K] in `dtype` (reference path; also used by tests)."""
         n, k, g = self.out_features, self.in_features, self.group_size
         if self.kernel == "q4":
-            return GroupQuant(*ops.unpack_q4(self.packed, n), g).dequantize(dtype)
+            return GroupQuant(*reference.unpack_q4(self.packed, n), g).dequantize(dtype)
         if self.native:
             if self.block_n is not None:
                 return self._dequant_t(torch.float32).t().to(dtype)

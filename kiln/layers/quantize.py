@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant
 from kiln.layers.linear import Linear, TiedLMHead
 from kiln.layers.quant import (
     INT4_GROUP,
-    GroupQuant,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
@@ -88,8 +88,6 @@ def _int4_ok(lin: Linear) -> bool:
 def _native_blocks(lin: Linear) -> list | None:
     """The layer's GGUF blocks in row order when every row of it came as `GGUFBlocks` (the
     loader kept them: kiln/layers/kquant.py's kernels run here), else None."""
-    from kiln.layers.kquant import GGUFBlocks
-
     parts = sorted((lin.shard_rows(s)[0], s) for s in lin.stash)
     shards = getattr(lin, "shards", None)
     whole = None in lin.stash if not shards else set(lin.stash) == set(shards)
@@ -223,7 +221,7 @@ def head_rows(head: nn.Module, n: int) -> nn.Module | None:
     elif isinstance(head, Int8Linear) and head.dense is None:
         per = {"weight": 1, "scales": 1}
     elif isinstance(head, Int4Linear) and head.kernel == "q4" and head.dense is None:
-        per = {"packed": 8}  # ops.pack_q4: tiles of 8 rows
+        per = {"packed": 8}  # reference.pack_q4: tiles of 8 rows
     elif isinstance(head, (Linear, TiedLMHead)):
         linear = isinstance(head, Linear)
         if linear and (head.packed or head.stash):

@@ -1,9 +1,10 @@
-"""The one GGUF reader and dequantizer: header, metadata, tensor table, and tensor bytes.
+"""The one GGUF reader: header, metadata, tensor table, and tensor bytes.
 
 The file is parsed here (memory-mapped, a few ms) rather than with `gguf.GGUFReader`, which takes
 seconds on a tokenizer's 50k-entry string arrays; the loader, the tokenizer and the export all
 read GGUF files through `GGUFFile`. Quantized blocks are dequantized with vectorized torch code
-(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; other types through the `gguf` package's numpy code).
+(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: kiln/layers/kernels/formats.py, the block formats the
+layers and kernels read too; other types through the `gguf` package's numpy code).
 4-bit blocks (Q4_0/Q4_1) can instead be handed over undequantized as `GroupQuant` (codes, scale,
 min), which the int4 path of `kiln/layers/quant.py` repacks exactly; Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/
 Q6_K matrices as `GGUFBlocks` (raw rows), which `kiln/layers/kquant.py` multiplies as they are.
@@ -25,8 +26,13 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
-from kiln.layers.kquant import GGUFBlocks
-from kiln.layers.quant import GroupQuant
+from kiln.layers.kernels.formats import (
+    GGML_TYPES,
+    GGUFBlocks,
+    GroupQuant,
+    dequantize_blocks,
+    q4_groups,
+)
 
 # --------------------------------------------------------------------------- GGUF parsing
 
@@ -216,7 +222,7 @@ def gguf_file_type_name(meta: dict[str, Any]) -> str | None:
         return None
 
 
-# --------------------------------------------------------------------------- GGUF dequantization
+# --------------------------------------------------------------------------- GGUF tensors
 
 
 def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
@@ -232,7 +238,7 @@ def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
     if t.type_name in keep_blocks and len(shape) == 2:
         return GGUFBlocks(raw.view(shape[0], -1), t.type_name, shape[1])
     if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) in (2, 3):
-        g = _group_q4(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
+        g = q4_groups(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
         k = shape[-1]
         n = raw.numel() // (k // 32 * GGML_TYPES[t.type_id][2])  # stacked experts: E * rows
         return GroupQuant(g.q.reshape(n, k), g.scale.reshape(n, k // 32),

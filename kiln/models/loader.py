@@ -26,10 +26,10 @@ import torch
 
 from kiln.errors import ModelLoadError
 from kiln.i18n import msg
-from kiln.layers.kquant import EMBED_TYPES, KQUANT_TYPES, BlockEmbedding, GGUFBlocks
+from kiln.layers.kernels.formats import KQUANT_TYPES, GGUFBlocks, GroupQuant
+from kiln.layers.kquant import EMBED_TYPES, BlockEmbedding
 from kiln.layers.linear import TiedLMHead
 from kiln.layers.moe import Experts
-from kiln.layers.quant import GroupQuant
 from kiln.models.config import ModelConfig
 from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
 

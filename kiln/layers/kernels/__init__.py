@@ -3,8 +3,11 @@ Python faces (ops.py), the choosers that give each layer its kernel with the rea
 (choose.py) and the threads they run on (threads.py). The rest of kiln asks here, and only
 here, whether a kernel runs.
 
+    formats.py  the weight formats: GGUF's block types and dequantizer, kiln's int4 groups
     isa.py      the probe: CPU flags + XCR0 (what the OS grants) + AMX permission; LEVELS
-    build.py    one library per level from one source (kernels.cpp, kquant.cpp, simd.h)
+    reference.py  the kernels in PyTorch: pack_q4's layout, references, fakes, self-checks
+    build.py    one library per level from one source (kernels.cpp, kquant.cpp, simd.h),
+                each checked against reference.py before use
     ops.py      q4_linear, moe_q4, attend_rows, q8_linear, lora_add, rms_norm, rope_write,
                 silu_mul, decode_layer, decode_stack (+ kiln/layers/kquant.py: kq_linear)
     choose.py   choose_linear_kernel / choose_attention_kernel -> (kernel, reasons)
@@ -33,6 +36,9 @@ _reason = ""
 
 def runnable_levels() -> list[str]:
     """The levels this machine runs (CPU, OS and a working library), best first."""
+    # build (and through it torch) loads when a level is chosen, not with this package: the
+    # hardware probe, `kiln doctor` and the settings read flags.py / isa.py, which run this
+    # __init__, and must stay quick without torch. No circle: build never imports this module.
     from kiln.layers.kernels.build import library
 
     return [lv.name for lv in LEVELS if library(lv.name)]
@@ -42,7 +48,7 @@ def select(requested: str = "auto") -> tuple[str | None, str]:
     """Chooses the process's level: `auto` the best that runs, or the one asked for (a level
     above what runs here is refused, saying which run). Returns (level or None, reason)."""
     from kiln.errors import ConfigError
-    from kiln.layers.kernels.build import library
+    from kiln.layers.kernels.build import library  # deferred: see runnable_levels
 
     global _level, _reason
     if requested == "auto":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.layers.kernels import reference
 from kiln.layers.kernels.isa import BY_NAME, Level, cpu_runs
 from kiln.paths import cache_dir
 from kiln.resolve.hardware import cpu_signature
@@ -121,12 +122,8 @@ def library(name: str) -> bool:
     if ns.isa() != name:
         log.warning("kiln's %s library reports %s: not used", name, ns.isa())
         return False
-    from kiln.layers import kquant
-    from kiln.layers.kernels import ops
-
-    ops.register_fakes(f"kiln_{name}")
-    kquant.register_fakes(f"kiln_{name}")
-    if not (ops.self_check(ns) and kquant.self_check(ns)):
+    reference.register_fakes(f"kiln_{name}")
+    if not reference.self_check(ns):
         log.warning("kiln's %s kernels disagree with PyTorch on this machine: not used", name)
         return False
     log.info("kiln's %s kernels %s in %.1f s (%s)", name, "loaded" if cached else "built",

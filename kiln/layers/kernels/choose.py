@@ -13,8 +13,9 @@ import torch
 
 from kiln.layers import kernels
 
-# Kernel names: kiln's own (at the selected ISA level) and the fallbacks.
-KILN_KERNELS = ("q4", "gguf", "q8", "attend_rows")
+# The names of kiln's own kernels (at the selected ISA level); every other Choice.kernel is a
+# fallback (PyTorch's ops, the reference form).
+OWN_KERNEL_NAMES = ("q4", "gguf", "q8", "attend_rows")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Choice:
 
     @property
     def kiln(self) -> bool:
-        return self.kernel in KILN_KERNELS
+        return self.kernel in OWN_KERNEL_NAMES
 
     @property
     def why(self) -> str:
