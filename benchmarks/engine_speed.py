@@ -59,8 +59,8 @@ class Bench:
         self.name = name
         kv_tokens = max_batch * (DECODE_PROMPT + decode_steps + 2 * max_batch) + PREFILL_TOKENS
         per_token = 2 * 30 * 3 * 64 * (4 if dtype == "float32" else 2)  # SmolLM2-135M KV bytes
-        self.cfg = EngineConfig(model=model, dtype=dtype, quantization=quant, dense_weights=dense,
-                                compile=compile_,
+        self.cfg = EngineConfig.of(model=model, dtype=dtype, quantization=quant,
+                                   dense_weights=dense, compile=compile_,
                                 num_threads=threads, max_model_len=2048, max_num_seqs=max_batch,
                                 max_num_batched_tokens=PREFILL_TOKENS,
                                 kv_cache_memory=int(kv_tokens * per_token * 1.25),

@@ -386,7 +386,7 @@ def fit_routers(path: Path, ids: list[int], seed: int, logit_std: float,
     from kiln.models.loader import open_checkpoint
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=str(path), dtype="float32", compile=False,
+    cfg = EngineConfig.of(model=str(path), dtype="float32", compile=False,
                        max_num_batched_tokens=256, kv_cache_memory=16 << 20)
     runner = ModelRunner(cfg, open_checkpoint(path))
     fitted: dict[int, np.ndarray] = {}
@@ -472,7 +472,7 @@ def routing_report(path: Path, tokenizer: Any) -> list[LayerRouting]:
     prose = _text_ids(tokenizer, REPORT_TOKENS)
     prompt = list(tokenizer.encode(make_text(random.Random("moe_model"), REPORT_PROMPT_TOKENS)))
     longest = max(len(prose) + 1, len(prompt) + REPORT_DECODE_TOKENS + 1)
-    cfg = EngineConfig(model=str(path), compile=False, kv_cache_memory=128 << 20,
+    cfg = EngineConfig.of(model=str(path), compile=False, kv_cache_memory=128 << 20,
                        max_model_len=longest, max_num_batched_tokens=longest,
                        enable_prefix_caching=False)
     engine = Engine(cfg)

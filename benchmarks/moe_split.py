@@ -139,7 +139,7 @@ def _shares(hot_llm: LLM, even_plan: dict) -> list[float]:
     from kiln.engine.expert_placement import load_calibration
 
     cfg = hot_llm.engine.config
-    counts = load_calibration(cfg.gguf_file or cfg.model, cfg.quantization,
+    counts = load_calibration(cfg.gguf_file or cfg.model, cfg.quant.method,
                               len(even_plan["layers"]), even_plan["num_experts"]) or []
     return [sum(c[e] for e in lp["device_experts"]) / max(1, sum(c))
             for lp, c in zip(even_plan["layers"], counts)]

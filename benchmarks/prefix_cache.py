@@ -128,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     base = {"model": str(model), "dtype": "float32", "device": "cpu", "max_model_len": 2048,
             "kv_cache_memory": 512 << 20, "max_num_seqs": 32, "max_num_batched_tokens": 512}
     t0 = time.perf_counter()
-    runner = ModelRunner(EngineConfig(**base), open_checkpoint(model))
+    runner = ModelRunner(EngineConfig.of(**base), open_checkpoint(model))
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(model)
     sys_ids, prompts = build_prompts(tok, args.system_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     def engine(**kw) -> Engine:
-        return Engine(EngineConfig(**{**base, **kw}), runner=runner)
+        return Engine(EngineConfig.of(**{**base, **kw}), runner=runner)
 
     warm = engine(enable_prefix_caching=False)  # first-call allocations stay out of the numbers
     warm.add_request("warm", tok.encode("Warm up the kernels. " * 30), params)

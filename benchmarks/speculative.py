@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 CODE = '''import csv
@@ -157,8 +156,8 @@ def main() -> None:
     for v in (values.split(",") if args.vary else [None]):
         extra = {} if v is None else {name: int(v) if v.lstrip("-").isdigit() else v}
         ons["on" if v is None else f"on/{name}={v}"] = Engine(
-            replace(off.config, **method, **extra,
-                    num_speculative_tokens=k if k is not None else "auto"),
+            off.config.replace(**method, **extra,
+                               num_speculative_tokens=k if k is not None else "auto"),
             runner=off.runner, tokenizer=llm.tokenizer)
     edit = llm.tokenizer.apply_chat_template(EDIT)
     quote = llm.tokenizer.apply_chat_template(QUOTE)
@@ -168,7 +167,7 @@ def main() -> None:
                  "c16": [edit if i % 2 == 0 else quote for i in range(16)]}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"model={llm.engine.config.model} dtype={off.config.dtype} "
-          f"quantization={off.config.quantization} threads={off.config.num_threads} "
+          f"quantization={off.config.quant.method} threads={off.config.num_threads} "
           f"K={args.k} max_tokens={args.max_tokens} draft={args.draft}", flush=True)
     run(off, [edit], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     for on in ons.values():

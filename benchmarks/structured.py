@@ -103,9 +103,9 @@ def main() -> None:
     settings = dict(s.split("=", 1) for s in args.setting)
     settings.setdefault("kv_cache_memory", "512MiB")
     llm = LLM(args.model, **settings)
-    print(f"loaded; {llm.config.dtype}, quantization {llm.config.quantization}, "
+    print(f"loaded; {llm.config.dtype}, quantization {llm.config.quant.method}, "
           f"{llm.config.num_threads or 'default'} threads, "
-          f"max_num_seqs {llm.config.max_num_seqs}", flush=True)
+          f"max_num_seqs {llm.config.scheduler.max_num_seqs}", flush=True)
     so = constraint(args.constraint)
     run(llm, None, args.concurrency, 8, "warm-free")  # kernels, caches
     run(llm, so, args.concurrency, 8, "warm-json")  # and the grammar's vocabulary, compile
@@ -143,8 +143,9 @@ def main() -> None:
     path.write_text(json.dumps({
         "args": vars(args), "machine": {"platform": platform.platform(),
                                         "cpus": os.cpu_count()},
-        "config": {"dtype": llm.config.dtype, "quantization": llm.config.quantization,
-                   "num_threads": llm.config.num_threads, "max_num_seqs": llm.config.max_num_seqs},
+        "config": {"dtype": llm.config.dtype, "quantization": llm.config.quant.method,
+                   "num_threads": llm.config.num_threads,
+                   "max_num_seqs": llm.config.scheduler.max_num_seqs},
         "runs": results, "summary": summary}, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
 

@@ -478,7 +478,8 @@ def build_engine(sp: StartupPlan, tokenizer: Any, progress: Any = None) -> Any:
     meta = {"commit_sha": s["profile_commit_sha"], "env_hash": s["profile_env_hash"],
             "model": s["profile_model"] or src.name, "concurrency": s["profile_concurrency"],
             "runtime_flags": s["profile_runtime_flags_json"],
-            "config_hash": startup_report.config_hash(sp)} if cfg.profile_jsonl else None
+            "config_hash": startup_report.config_hash(sp)
+            } if cfg.diagnostics.profile_jsonl else None
     engine = Engine(cfg, ckpt=sp.checkpoint, tokenizer=tokenizer, progress=progress,
                     trace_meta=meta)
     record_engine(sp, engine, time.monotonic() - t0)

@@ -77,7 +77,7 @@ def smollm2_runner(gguf_path):
     from kiln.models.loader import open_checkpoint
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_model_len=2048,
+    cfg = EngineConfig.of(model=str(gguf_path), dtype="float32", max_model_len=2048,
                        kv_cache_memory=256 << 20, max_num_seqs=32, max_num_batched_tokens=512)
     return ModelRunner(cfg, open_checkpoint(gguf_path))
 
@@ -98,7 +98,7 @@ def make_engine(smollm2_runner, gguf_path):
     def make(**kw):
         kw.setdefault("max_num_seqs", 32)
         kw.setdefault("max_num_batched_tokens", 512)
-        cfg = EngineConfig(model=str(gguf_path), dtype="float32", **kw)
+        cfg = EngineConfig.of(model=str(gguf_path), dtype="float32", **kw)
         return Engine(cfg, runner=smollm2_runner)
 
     return make

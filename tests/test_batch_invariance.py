@@ -5,7 +5,6 @@ See the batch_invariant setting (kiln/settings/table.py) and Attention._invarian
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ def _with_engine(llm: Any, **changes: Any) -> Any:
     from kiln.engine.engine import Engine
 
     old = llm.engine
-    cfg = dataclasses.replace(old.config, **changes)
+    cfg = old.config.replace(**changes)
     llm.engine = Engine(cfg, runner=old.runner, tokenizer=llm.tokenizer)
     return old
 

@@ -33,7 +33,7 @@ def _runner(path: Path, **kw):
     from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("kv_cache_memory", 8 << 20)
-    cfg = EngineConfig(model=str(path), dtype="float32", max_num_batched_tokens=64,
+    cfg = EngineConfig.of(model=str(path), dtype="float32", max_num_batched_tokens=64,
                        compile=False, **kw)
     return ModelRunner(cfg, open_checkpoint(path))
 
@@ -78,7 +78,7 @@ def test_greedy_batched_chunked_and_prefix_cached_match_transformers(tiny):
     from kiln.settings.engine_config import EngineConfig
 
     family, folder, ref = tiny
-    eng = Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
+    eng = Engine(EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
                               max_num_batched_tokens=32, compile=False, batch_invariant=False))
     params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
     prompts = {f"a{i}": _ids(n, 10 + i) for i, n in enumerate((5, 17, 40, 70))}
@@ -328,7 +328,7 @@ def test_bf16_engine_runs_batched_and_stays_close_to_fp32(tiny):
     from kiln.settings.engine_config import EngineConfig
 
     _, folder, ref = tiny
-    eng = Engine(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_memory=8 << 20,
+    eng = Engine(EngineConfig.of(model=str(folder), dtype="bfloat16", kv_cache_memory=8 << 20,
                               max_num_batched_tokens=32, compile=False))
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
     for i in range(5):

@@ -42,7 +42,7 @@ def build_engine(runner, gguf_path, **kw):
 
     kw.setdefault("max_num_seqs", 32)
     kw.setdefault("max_num_batched_tokens", 512)
-    return Engine(EngineConfig(model=str(gguf_path), dtype="float32", **kw), runner=runner)
+    return Engine(EngineConfig.of(model=str(gguf_path), dtype="float32", **kw), runner=runner)
 
 
 def integrity(engine) -> None:

@@ -130,7 +130,7 @@ def test_cpu_isa_setting_reaches_the_runner_and_the_decision_trace(tmp_path, ker
     from kiln.settings.engine_config import EngineConfig
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
-    cfg = EngineConfig(model=str(folder), quantization="int4", cpu_isa=kernel_level,
+    cfg = EngineConfig.of(model=str(folder), quantization="int4", cpu_isa=kernel_level,
                        kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=64)
     r = ModelRunner(cfg, open_checkpoint(folder))
     d = r.decisions.to_dict()["cpu_kernels"]
@@ -150,7 +150,7 @@ def test_decode_layer_equals_the_layer_modules(tmp_path, kernel_level):
     from kiln.settings.engine_config import EngineConfig
 
     folder = make_tiny_model("llama", tmp_path / "tiny", hidden_size=256)
-    cfg = EngineConfig(model=str(folder), dtype="float32", quantization="int4",
+    cfg = EngineConfig.of(model=str(folder), dtype="float32", quantization="int4",
                        kv_cache_dtype="fp32", dense_weights=False, kv_cache_memory=8 << 20,
                        max_num_seqs=4, max_num_batched_tokens=64, compile=False)
     model = Engine(cfg).runner.model
@@ -214,7 +214,7 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
     outs, ns = {}, f"kiln_{kernel_level}::"
     for mode, kw in (("kernel", {}), ("eager", {"batch_invariant": False, "compile": False})):
-        e = Engine(EngineConfig(**common, **kw))
+        e = Engine(EngineConfig.of(**common, **kw))
         assert (e.runner.decode_kernel_rows > 0) == (mode == "kernel")
         for i, p in enumerate(prompts):
             e.add_request(str(i), p, params)
@@ -276,7 +276,7 @@ def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_lev
     picked = {k: s[k] for k in ("dtype", "quantization", "kv_cache_dtype", "batch_invariant",
                                 "compile", "gguf_kernels")}
     assert picked["dtype"] == "float32" and picked["batch_invariant"] is True
-    cfg = EngineConfig(model=str(path), **picked, kv_cache_memory=8 << 20, max_num_seqs=4,
+    cfg = EngineConfig.of(model=str(path), **picked, kv_cache_memory=8 << 20, max_num_seqs=4,
                        max_num_batched_tokens=64)
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
     prompts = [[5, 9, 11, 3, 200], [7] * 30, [1, 2, 3], list(range(40, 80))]
@@ -305,7 +305,7 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
 
     folder = make_tiny_model(family, tmp_path / family, hidden_size=128,
                              moe_intermediate_size=64, intermediate_size=64)
-    eng = Engine(EngineConfig(model=str(folder), quantization="int4", kv_cache_memory=8 << 20,
+    eng = Engine(EngineConfig.of(model=str(folder), quantization="int4", kv_cache_memory=8 << 20,
                               max_num_seqs=4, max_num_batched_tokens=64))
     runner = eng.runner
     assert runner.decode_kernel_rows > 0, runner.decisions.decode_path.reason

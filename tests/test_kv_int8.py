@@ -21,7 +21,7 @@ def runner_for(model: str, **kw):
     from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("max_num_batched_tokens", 64)
-    return ModelRunner(EngineConfig(model=model, dtype="float32", **kw), open_checkpoint(model))
+    return ModelRunner(EngineConfig.of(model=model, dtype="float32", **kw), open_checkpoint(model))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_int8_kv_greedy_tokens_agree_with_fp32_kv(make_engine, gguf_path, int8_r
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     engines = {
         "fp32": make_engine(),
-        "int8": Engine(EngineConfig(model=str(gguf_path), dtype="float32",
+        "int8": Engine(EngineConfig.of(model=str(gguf_path), dtype="float32",
                                     kv_cache_dtype="int8", max_num_batched_tokens=512),
                        runner=int8_runner),
     }

@@ -70,7 +70,7 @@ def tiny_engine(base_dir, paths, **kw):
     from kiln.engine.engine import Engine
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=str(base_dir), dtype="float32", kv_cache_memory=8 << 20,
+    cfg = EngineConfig.of(model=str(base_dir), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_batched_tokens=256,
                        lora_modules=tuple(f"{n}={p}" for n, p in paths.items()), **kw)
     return Engine(cfg)
@@ -361,7 +361,7 @@ def smol(tmp_path_factory, gguf_path, smollm2_runner):
     for name in SMOL:
         ref.save_pretrained(root, selected_adapters=[name])
         paths[name] = root / name
-    cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_num_seqs=32,
+    cfg = EngineConfig.of(model=str(gguf_path), dtype="float32", max_num_seqs=32,
                        max_num_batched_tokens=512,
                        lora_modules=tuple(f"{n}={p}" for n, p in paths.items()))
     eng = Engine(cfg, runner=smollm2_runner)
@@ -416,7 +416,7 @@ def smol_adapters(tmp_path_factory, gguf_path, smollm2_runner):
     root = tmp_path_factory.mktemp("smol-adapters")
     paths = {n: write_adapter(root / n, smollm2_runner.model_config, rank, seed=i, std=0.08)
              for i, (n, rank) in enumerate((("t1", 8), ("t2", 4), ("t3", 16)))}
-    cfg = EngineConfig(model=str(gguf_path), dtype="float32", max_num_seqs=32,
+    cfg = EngineConfig.of(model=str(gguf_path), dtype="float32", max_num_seqs=32,
                        max_num_batched_tokens=512,
                        lora_modules=tuple(f"{n}={p}" for n, p in paths.items()))
     yield paths, Engine(cfg, runner=smollm2_runner)

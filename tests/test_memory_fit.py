@@ -22,7 +22,7 @@ def runner(model: str, **kw):
     from kiln.models.loader import open_checkpoint
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32, **kw)
+    cfg = EngineConfig.of(model=model, dtype="float32", max_num_batched_tokens=32, **kw)
     return ModelRunner(cfg, open_checkpoint(model))
 
 
@@ -35,7 +35,7 @@ def test_auto_max_model_len_is_lowered_to_what_the_pool_holds(tiny):
     assert r.kv_bytes_per_token() == 512 and r.plan.num_blocks == 10
     assert r.plan.token_capacity == FITS and r.max_model_len == FITS
     assert any("lowered from 512 to 160" in w for w in r.plan.warnings)
-    eng = Engine(EngineConfig(model=tiny, dtype="float32", max_num_batched_tokens=32),
+    eng = Engine(EngineConfig.of(model=tiny, dtype="float32", max_num_batched_tokens=32),
                  runner=r)
     assert eng.max_model_len == FITS
     with pytest.raises(PromptTooLongError) as e:

@@ -21,7 +21,7 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 def _runner(path, **kw) -> ModelRunner:
-    cfg = EngineConfig(model=str(path), dtype="float32", kv_cache_memory=8 << 20,
+    cfg = EngineConfig.of(model=str(path), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_batched_tokens=64, compile=False, **kw)
     return ModelRunner(cfg, open_checkpoint(path))
 

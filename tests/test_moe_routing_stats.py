@@ -28,7 +28,7 @@ def _engine(model: Path, **kw: Any) -> Any:
     from kiln.engine.engine import Engine
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=str(model), dtype="float32", max_num_batched_tokens=64,
+    cfg = EngineConfig.of(model=str(model), dtype="float32", max_num_batched_tokens=64,
                        kv_cache_memory=1 << 20, compile=False, **kw)
     return Engine(cfg)
 

@@ -54,7 +54,7 @@ CALIBRATION = [_prompt(24, 100), _prompt(16, 101)]
 
 
 def _config(path: Path, quant: str, **kw: Any) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", quantization=quant,
+    return EngineConfig.of(model=str(path), dtype="float32", quantization=quant,
                         kv_cache_memory=4 << 20, max_num_batched_tokens=16, compile=False, **kw)
 
 

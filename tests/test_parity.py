@@ -12,7 +12,7 @@ def _kiln_runner(folder, **kw):
     from kiln.models.loader import open_checkpoint
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
+    cfg = EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_batched_tokens=64, **kw)
     return ModelRunner(cfg, open_checkpoint(folder))
 
@@ -90,7 +90,7 @@ def test_tiny_model_greedy_decode_matches_transformers(tmp_path, family):
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    eng = Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
+    eng = Engine(EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
                               max_num_batched_tokens=32,
                               batch_invariant=variant != "no-batch-invariant"))
     for i, p in enumerate(prompts):
@@ -210,7 +210,7 @@ def test_sliding_window_prefix_cache_hit_matches_transformers(tmp_path, variant)
     family, _, flag = variant.partition("-")
     folder = make_tiny_model(family, tmp_path / family)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    eng = Engine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
+    eng = Engine(EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
                               max_num_batched_tokens=16, block_size=16,
                               batch_invariant=flag != "no-batch-invariant"))
     g = torch.Generator().manual_seed(5)

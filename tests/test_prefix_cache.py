@@ -45,7 +45,7 @@ def build_engine(runner, gguf_path, kv_hash_fn=None, **kw):
 
     kw.setdefault("max_num_seqs", 32)
     kw.setdefault("max_num_batched_tokens", 512)
-    return Engine(EngineConfig(model=str(gguf_path), dtype="float32", **kw), runner=runner,
+    return Engine(EngineConfig.of(model=str(gguf_path), dtype="float32", **kw), runner=runner,
                   kv_hash_fn=kv_hash_fn)
 
 
@@ -184,12 +184,14 @@ def test_prefix_rendezvous_and_session_cache_settings():
 
     s = parse()
     cfg = EngineConfig.from_settings(s, model="m")
-    assert cfg.prefix_rendezvous_max_wait_ms is None and cfg.session_cache == "off"
+    assert cfg.scheduler.prefix_rendezvous_max_wait_ms is None
+    assert cfg.cache.session_cache == "off"
     s = parse("--prefix-rendezvous-max-wait-ms", "250", "--session-cache", "memory",
               "--session-cache-max-entries", "8", "--session-cache-max-tokens", "4096")
     cfg = EngineConfig.from_settings(s, model="m")
-    assert (cfg.prefix_rendezvous_max_wait_ms, cfg.session_cache, cfg.session_cache_max_entries,
-            cfg.session_cache_max_tokens) == (250, "memory", 8, 4096)
+    assert (cfg.scheduler.prefix_rendezvous_max_wait_ms, cfg.cache.session_cache,
+            cfg.cache.session_cache_max_entries, cfg.cache.session_cache_max_tokens) == (
+        250, "memory", 8, 4096)
     with pytest.raises(ConfigError) as e:
         parse("--prefix-rendezvous-max-wait-ms", "0")
     assert e.value.code == "config.invalid_value"

@@ -320,7 +320,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     folder = make_tiny_model("llama", tmp_path / "tiny")
-    cfg = EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
+    cfg = EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
                        max_num_seqs=4, max_num_batched_tokens=64, compile=True,
                        batch_invariant=False)  # (which turns compile and cascade off)
     eng = Engine(cfg)

@@ -19,7 +19,7 @@ def runner(model: str, **kw):
     from kiln.models.loader import open_checkpoint
     from kiln.settings.engine_config import EngineConfig
 
-    cfg = EngineConfig(model=model, dtype="float32", max_num_batched_tokens=32,
+    cfg = EngineConfig.of(model=model, dtype="float32", max_num_batched_tokens=32,
                        kv_cache_memory=80 << 10, **kw)
     return ModelRunner(cfg, open_checkpoint(model))
 
@@ -78,7 +78,7 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
 
     r = runner(tiny)
     monkeypatch.setattr(llama.LlamaDecoderLayer, "decode_kernel_rows", lambda self: 64)
-    cfg = EngineConfig(model=tiny, dtype="float32", max_num_seqs=max_num_seqs,
+    cfg = EngineConfig.of(model=tiny, dtype="float32", max_num_seqs=max_num_seqs,
                        compile=compile_, batch_invariant=False)
     d = decide(cfg, r.model, r.device, choose_kv_cache_dtype(cfg, r.device))
     assert d.decode_path.value == path and d.decode_kernel_rows == 64
@@ -99,7 +99,8 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     from kiln.settings.engine_config import EngineConfig
 
     with pytest.raises(ConfigError) as e:
-        choose_kv_cache_dtype(EngineConfig(model="m", kv_cache_dtype="int3"), torch.device("cpu"))
+        choose_kv_cache_dtype(EngineConfig.of(model="m", kv_cache_dtype="int3"),
+                              torch.device("cpu"))
     assert e.value.hint is not None and "int8" in e.value.hint
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 import zlib
+from dataclasses import replace
 
 from kiln.engine.kv_cache import KVCacheManager
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler, SchedulerConfig
+from kiln.engine.scheduler import Scheduler
 from kiln.sampling_params import SamplingParams
+from kiln.settings.engine_config import SchedulerConfig
 
 BS = 4
 
@@ -23,8 +25,10 @@ def make_sched(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8,
                max_model_len: int | None = None, rendezvous_ms: int | None = None,
                clock=None, **kv_kw) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, **kv_kw)
-    cfg = SchedulerConfig(max_seqs, budget, max_model_len or num_blocks * BS, rendezvous_ms)
-    return Scheduler(cfg, kv, clock=clock) if clock else Scheduler(cfg, kv)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          prefix_rendezvous_max_wait_ms=rendezvous_ms)
+    mml = max_model_len or num_blocks * BS
+    return Scheduler(cfg, kv, mml, clock=clock) if clock else Scheduler(cfg, kv, mml)
 
 
 def make_req(rid: str, prompt: list[int] | int, max_tokens: int = 4, **kw) -> Request:
@@ -367,7 +371,7 @@ def test_a_rendezvous_gives_up_after_the_max_wait():
     assert s.stats.num_rendezvous_waits == 1
     # Given up: admitted (and counted) as soon as there is room, although a still prefills.
     s.add_request(twin)
-    s.config.max_num_batched_tokens = 100
+    s.config = replace(s.config, max_num_batched_tokens=100)
     out = Driver(s).step()
     assert [x.request.request_id for x in out.scheduled] == ["a", "twin"]
     assert s.stats.num_rendezvous_timeouts == 1

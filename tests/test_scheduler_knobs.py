@@ -12,12 +12,13 @@ import pytest
 from test_scheduler import BS, Driver, expected_output, make_req, run_random_arrivals
 
 from kiln.engine.kv_cache import KVCacheManager
-from kiln.engine.scheduler import Scheduler, SchedulerConfig
+from kiln.engine.scheduler import Scheduler
+from kiln.settings.engine_config import SchedulerConfig
 
 
 def sched(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, **knobs) -> Scheduler:
-    cfg = SchedulerConfig(max_seqs, budget, num_blocks * BS, **knobs)
-    return Scheduler(cfg, KVCacheManager(num_blocks, BS))
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **knobs)
+    return Scheduler(cfg, KVCacheManager(num_blocks, BS), num_blocks * BS)
 
 
 KNOBS = [

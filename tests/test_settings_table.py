@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from kiln.settings.engine_config import EngineConfig
+from kiln.settings.engine_config import PLACES, EngineConfig
 from kiln.settings.table import BY_NAME, ROUTER_SETTINGS, SETTINGS, Setting
 
 AFFECTS = {"correctness", "performance", "memory", "observability", "server"}
@@ -55,6 +55,20 @@ def test_each_row_says_what_it_affects_and_which_engines_honour_it() -> None:
 
 def test_the_router_settings_and_the_engine_config_name_rows_of_the_table() -> None:
     assert ROUTER_SETTINGS <= set(BY_NAME)
-    # EngineConfig.from_settings copies a field from the setting of the same name.
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert fields - {"model", "gguf_file", "max_model_len_explicit"} - set(BY_NAME) == set()
+    # EngineConfig's groups name the row each field holds; from_settings, of and replace place
+    # a setting by that name, so every field but the model's path and the explicit-context
+    # mark is one row, and no row lands in two fields.
+    places = {}
+    for f in dataclasses.fields(EngineConfig):
+        if dataclasses.is_dataclass(f.default_factory):
+            places.update({g.metadata["setting"]: (f.name, g.name)
+                           for g in dataclasses.fields(f.default_factory)})
+        elif f.name not in ("model", "gguf_file", "max_model_len_explicit"):
+            places[f.metadata["setting"]] = (None, f.name)
+    assert places == PLACES
+    assert set(PLACES) - set(BY_NAME) == set()
+    # a setting given by its table name lands in its group and reads back by that name
+    cfg = EngineConfig.of("m", quantization="q8", max_num_seqs=3, lora_modules=("a=b",))
+    assert (cfg.quant.method, cfg.scheduler.max_num_seqs, cfg.lora.modules) == ("q8", 3, ("a=b",))
+    assert EngineConfig.of("m", **cfg.settings()) == cfg
+    assert cfg.replace(block_size=32).cache.block_size == 32

@@ -251,7 +251,7 @@ def _run(runner, tokenizer, ids, params_list, **kw):
     from kiln.engine.engine import Engine
     from kiln.settings.engine_config import EngineConfig
 
-    eng = Engine(EngineConfig(model=str(runner.config.model), dtype="float32", max_num_seqs=32,
+    eng = Engine(EngineConfig.of(model=str(runner.config.model), dtype="float32", max_num_seqs=32,
                               max_num_batched_tokens=512, **kw), runner=runner,
                  tokenizer=tokenizer)
     outs = {}
@@ -388,11 +388,11 @@ def test_kiln_engine_refuses_a_method_it_does_not_have(gguf_path, smollm2_runner
     from kiln.settings.engine_config import EngineConfig
 
     with pytest.raises(ConfigError) as e:
-        Engine(EngineConfig(model=str(gguf_path), dtype="float32", speculative_method="eagle"),
+        Engine(EngineConfig.of(model=str(gguf_path), dtype="float32", speculative_method="eagle"),
                runner=smollm2_runner)
     assert e.value.code == "spec.unknown_method" and "'eagle'" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        Engine(EngineConfig(model=str(gguf_path), dtype="float32", num_speculative_tokens=3),
+        Engine(EngineConfig.of(model=str(gguf_path), dtype="float32", num_speculative_tokens=3),
                runner=smollm2_runner)
     assert e.value.code == "spec.tokens_without_method"
     assert "--speculative-method ngram" in str(e.value)  # the way out

@@ -38,7 +38,7 @@ def _engine(model, runner=None, **kw):
     from kiln.settings.engine_config import EngineConfig
 
     kw.setdefault("kv_cache_memory", 8 << 20)
-    return Engine(EngineConfig(model=str(model), dtype="float32", max_num_batched_tokens=64,
+    return Engine(EngineConfig.of(model=str(model), dtype="float32", max_num_batched_tokens=64,
                                compile=False, **kw), runner=runner)
 
 
@@ -290,9 +290,9 @@ def test_smollm2_drafting_for_itself_is_identical_and_accepts_nearly_everything(
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (24, 16)]
     cfg = {"model": str(gguf_path), "dtype": "float32", "max_num_seqs": 32,
            "max_num_batched_tokens": 512}
-    plain = _generate(Engine(EngineConfig(**cfg), runner=smollm2_runner,
+    plain = _generate(Engine(EngineConfig.of(**cfg), runner=smollm2_runner,
                              tokenizer=smollm2_tokenizer), prompts, params)
-    eng = Engine(EngineConfig(**cfg, speculative_model=str(gguf_path),
+    eng = Engine(EngineConfig.of(**cfg, speculative_model=str(gguf_path),
                               num_speculative_tokens=4, kv_cache_memory=64 << 20,
                               max_model_len=2048, compile=False),
                  runner=smollm2_runner, tokenizer=smollm2_tokenizer)
@@ -316,9 +316,9 @@ def test_qwen_05b_drafting_for_15b_is_identical(qwen_coder_gguf, qwen_coder_15b_
     params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in prompts]
     cfg = {"model": str(qwen_coder_15b_gguf), "max_model_len": 1024, "compile": False,
            "quantization": "int4"}
-    plain_eng = Engine(EngineConfig(**cfg), tokenizer=tok)
+    plain_eng = Engine(EngineConfig.of(**cfg), tokenizer=tok)
     plain = _generate(plain_eng, prompts, params)
-    eng = Engine(EngineConfig(**cfg, speculative_model=str(qwen_coder_gguf),
+    eng = Engine(EngineConfig.of(**cfg, speculative_model=str(qwen_coder_gguf),
                               num_speculative_tokens=4), runner=plain_eng.runner, tokenizer=tok)
     assert _generate(eng, prompts, params) == plain
     assert eng.spec.stats.acceptance_rate > 0.5, eng.spec.stats

@@ -228,7 +228,7 @@ def engine(smollm2_runner, smollm2_tokenizer, gguf_path):
     def make(**kw):
         kw.setdefault("max_num_seqs", 32)
         kw.setdefault("max_num_batched_tokens", 512)
-        cfg = EngineConfig(model=str(gguf_path), dtype="float32", **kw)
+        cfg = EngineConfig.of(model=str(gguf_path), dtype="float32", **kw)
         return Engine(cfg, runner=smollm2_runner, tokenizer=smollm2_tokenizer)
 
     return make

@@ -55,13 +55,13 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     serves an EngineConfig built directly with "auto". `mla`: the model keeps a latent row per
     token (DeepSeek), which int8 storage does not support (its keys are stored rotated, and
     MLA's values are the keys' first columns): it falls back to the model dtype, saying so."""
-    name = config.kv_cache_dtype
+    name = config.cache.kv_cache_dtype
     if name == "auto":
         from kiln.layers import kernels
 
         ctx = AutoContext(cpu_kernels=kernels.available())
         value, reason = auto_kv_cache_dtype(ctx, {
-            "dtype": config.dtype, "device": device.type, "quantization": config.quantization})
+            "dtype": config.dtype, "device": device.type, "quantization": config.quant.method})
         name, decided = value, Decision(value, reason)
     else:
         decided = None
@@ -94,7 +94,7 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
     moe = _moe_eager(model)
     # Batch invariance, where its attention kernel runs, turns compile and cascade off.
     invariant = _batch_invariant(config, model, kernel_rows)
-    buckets = (decode_buckets(kernel_rows, config.max_num_seqs)
+    buckets = (decode_buckets(kernel_rows, config.scheduler.max_num_seqs)
                if config.compile and not moe and not invariant.value else [])
     reads = any(getattr(layer.kv, "invariant", False) for layer in model.attention_layers())
     cascade = _cascade(model, invariant.value)
@@ -121,7 +121,7 @@ def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
     CPU kernels under --batch-invariant with an fp32 pool; see decode_kernel_rows in models/llama.py), and why not when 0."""
     if device.type != "cpu":
         return 0, "kiln's decode-layer kernel is CPU-only"
-    if not config.cpu_kernels:
+    if not config.quant.cpu_kernels:
         return 0, "--no-cpu-kernels"
     layers = list(getattr(getattr(model, "model", None), "layers", []))
     if not layers or not all(hasattr(layer, "decode_kernel_rows") for layer in layers):
@@ -129,7 +129,7 @@ def _decode_kernel_rows(config: EngineConfig, model: torch.nn.Module,
     rows = min(layer.decode_kernel_rows() for layer in layers)
     if rows:
         return rows, ""
-    if config.quantization in (None, "none"):
+    if config.quant.method in (None, "none"):
         return 0, "the layer kernels run quantized layers only, and nothing is quantized"
     if config.dtype != "float32":
         return 0, f"the layer kernel computes in fp32, the model runs {config.dtype}"
@@ -142,7 +142,7 @@ def _cpu_kernels(config: EngineConfig, model: torch.nn.Module, device: torch.dev
     (kiln.layers.kernels.choose), with the reasons."""
     if device.type != "cpu":
         return Decision(None, f"kiln's CPU kernels do not run on {device.type}")
-    if not config.cpu_kernels:
+    if not config.quant.cpu_kernels:
         return Decision(None, "--no-cpu-kernels: PyTorch's paths")
     from kiln.layers.kernels.choose import summary
 
@@ -179,9 +179,9 @@ def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, bucket
     if kernel_rows:
         kernel = (f"decode steps of {_kernel_reach(kernel_rows)} run kiln's one-call "
                   "decode-layer kernel")
-        if kernel_rows >= config.max_num_seqs:
+        if kernel_rows >= config.scheduler.max_num_seqs:
             return Decision("kernel", f"{kernel} (every batch: --max-num-seqs "
-                                      f"{config.max_num_seqs})")
+                                      f"{config.scheduler.max_num_seqs})")
         if buckets:
             return Decision("kernel+compiled", f"{kernel}; larger ones {graphs}")
         return Decision("kernel+eager", f"{kernel}; larger ones eager modules (--compile is off)")
@@ -194,7 +194,7 @@ def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, bucket
 def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
                      kernel_rows: int) -> Decision:
     """Whether every row's arithmetic is its own (see the batch_invariant setting)."""
-    if not config.batch_invariant:
+    if not config.quant.batch_invariant:
         return Decision(False, "--no-batch-invariant: kernels chosen by each step's row count, "
                                "compiled decode and cascade attention allowed")
     layers = list(model.attention_layers()) if hasattr(model, "attention_layers") else []
@@ -265,7 +265,7 @@ def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
     quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if not quantized:
         return Decision(False, "nothing is quantized: the weights are dense already")
-    if not config.dense_weights:
+    if not config.quant.dense_weights:
         return Decision(False, "dense_weights off: quantized weights only")
     kept = [m for m in quantized if m.dense is not None]
     size = gib(sum(m.dense.numel() * m.dense.element_size() for m in kept))

@@ -35,7 +35,6 @@ a reason to stall the target.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -105,16 +104,18 @@ class DraftModel:
         reuse one)."""
         from kiln.engine.spec import AUTO_MAX_K
 
-        path = config.speculative_model
+        path = config.speculative.model
         assert path is not None
         if runner is None:
             ckpt = open_checkpoint(path)
-            bs = config.block_size
-            slack = config.max_num_seqs * (-(-max(AUTO_MAX_K, config.num_speculative_tokens
-                                                  if isinstance(config.num_speculative_tokens,
-                                                                int) else 0) // bs) + 1)
-            dcfg = dataclasses.replace(
-                config, model=path, gguf_file=None,
+            bs = config.cache.block_size
+            k = config.speculative.num_tokens
+            slack = config.scheduler.max_num_seqs * (
+                -(-max(AUTO_MAX_K, k if isinstance(k, int) else 0) // bs) + 1)
+            # the target's settings but for what only the target does: its adapters, its
+            # drafting, its traces and faults, its expert split
+            dcfg = config.replace(
+                model=path, gguf_file=None,
                 max_model_len=min(max_model_len, ckpt.config.context_length),
                 max_model_len_explicit=False, kv_max_blocks=target_blocks + slack,
                 lora_modules=(), speculative_model=None, speculative_method=None,
@@ -122,7 +123,7 @@ class DraftModel:
                 scheduler_trace_jsonl=None, diagnostic_faults=())
             runner = ModelRunner(dcfg, ckpt)
         self.runner = runner
-        self.vocab = self._cut_head(config.speculative_draft_vocab)
+        self.vocab = self._cut_head(config.speculative.draft_vocab)
         self.sampler = sampler
         self.max_model_len = runner.max_model_len
         # A prefix cache of its own, as the target has: a prompt the target finds cached (a
@@ -130,7 +131,7 @@ class DraftModel:
         # either. Only blocks of target tokens are published (after catch-up), never drafts.
         self.kv = KVCacheManager(runner.plan.num_blocks, runner.block_size,
                                  enable_prefix_caching=True)
-        self.max_batched_tokens = runner.config.max_num_batched_tokens
+        self.max_batched_tokens = runner.config.scheduler.max_num_batched_tokens
         self.shadows: dict[str, Request] = {}
         # How many of a shadow's tokens were the target's at the last propose (the rest were
         # drafts): only those after it can differ from the target's now.

@@ -21,7 +21,7 @@ from kiln.engine.lora import LoRAError, LoRAManager, LoRANotFoundError
 from kiln.engine.model_runner import ModelRunner, PromptLogprobs, Sampled, SampledLogprobs
 from kiln.engine.output import OutputProcessor, ParentRequest, RequestOutput
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.spec import Speculator, spec_config
 from kiln.engine.structured import StructuredOutputs
 from kiln.errors import KilnError
@@ -78,7 +78,7 @@ class Engine:
         """`tokenizer` turns tokens into text and enables stop strings (the front-ends pass it;
         tests that drive token ids need none). `runner` reuses an already loaded model and KV
         pool (tests build several engines with different scheduler limits over one model);
-        `config.kv_max_blocks` may then use fewer blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
+        `config.cache.kv_max_blocks` may then use fewer blocks of that pool. `kv_hash_fn` replaces the prefix-cache block hash (tests force
         collisions with it). `draft_runner`: an already loaded draft model for
         --speculative-model (tests reuse one, as they reuse `runner`)."""
         self.config = config
@@ -91,35 +91,29 @@ class Engine:
         self.ckpt = runner.ckpt if runner else (ckpt or open_checkpoint(config.model,
                                                                         config.gguf_file))
         calibration = None
-        if runner is None and config.cpu_offload_experts and tokenizer is not None:
+        if runner is None and config.experts.cpu_offload and tokenizer is not None:
             from kiln.engine.expert_placement import calibration_token_ids
 
             calibration = calibration_token_ids(tokenizer)
         self.runner = runner or ModelRunner(config, self.ckpt, progress=progress,
                                             calibration_ids=calibration)
-        num_blocks = min(self.runner.plan.num_blocks, config.kv_max_blocks or 1 << 62)
+        num_blocks = min(self.runner.plan.num_blocks, config.cache.kv_max_blocks or 1 << 62)
         # A sequence must fit the pool on its own, or preemption could never make room for it
         # (the runner's plan caps its own pool; a smaller kv_max_blocks over it caps it here).
         self.max_model_len = min(self.runner.max_model_len,
                                  config.max_model_len or self.runner.max_model_len,
                                  num_blocks * self.runner.block_size)
-        sessions = config.session_cache != "off"
-        if sessions and not config.enable_prefix_caching:
+        sessions = config.cache.session_cache != "off"
+        if sessions and not config.cache.enable_prefix_caching:
             log.warning("--session-cache needs prefix caching, which is off: sessions are not "
                         "kept")
         self.kv = KVCacheManager(num_blocks, self.runner.block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
                                  hash_fn=kv_hash_fn or default_block_hash,
-                                 session_max_entries=(config.session_cache_max_entries
+                                 session_max_entries=(config.cache.session_cache_max_entries
                                                       if sessions else 0),
-                                 session_max_tokens=config.session_cache_max_tokens)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.max_model_len, config.prefix_rendezvous_max_wait_ms,
-                            prefill_step_chunk=config.scheduler_prefill_step_chunk,
-                            active_decode_prefill_chunk=config.scheduler_active_decode_prefill_chunk,
-                            prefill_first_until_active=config.scheduler_prefill_first_until_active,
-                            sequence_fit_policy=config.sequence_fit_policy), self.kv)
+                                 session_max_tokens=config.cache.session_cache_max_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         # Every id that ends generation: the model's (config / generation_config / GGUF) and
         # the tokenizer's (e.g. ChatML's <|im_end|>), merged here once for every front-end.
         self.eos_token_ids = frozenset(self.ckpt.config.eos_token_ids) | frozenset(
@@ -134,7 +128,7 @@ class Engine:
         # LoRA adapters (kiln/engine/lora.py), kept with the runner's model: engines that share
         # a runner (tests) share its adapters. None: no adapter loaded yet.
         self.lora: LoRAManager | None = None
-        for item in config.lora_modules:
+        for item in config.lora.modules:
             name, path = item.split("=", 1)
             if self.runner.lora is not None and name in self.runner.lora.adapters:
                 self.lora = self.runner.lora
@@ -163,18 +157,19 @@ class Engine:
         # Traces and faults (kiln/obs/): None when off, and the step only tests for None.
         self.profiler: StepProfiler | None = None
         self.sched_trace: SchedulerTracer | None = None
-        self.faults = Faults.of(config.diagnostic_faults)
-        if config.profile_jsonl:
+        diag = config.diagnostics
+        self.faults = Faults.of(diag.faults)
+        if diag.profile_jsonl:
             sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
             self.profiler = StepProfiler(
-                JsonlWriter(config.profile_jsonl), sample_rate=config.profile_sample_rate,
-                detail=config.profile_detail, sync=sync,
-                meta={"detail": config.profile_detail, "sample_rate": config.profile_sample_rate,
+                JsonlWriter(diag.profile_jsonl), sample_rate=diag.profile_sample_rate,
+                detail=diag.profile_detail, sync=sync,
+                meta={"detail": diag.profile_detail, "sample_rate": diag.profile_sample_rate,
                       "device": str(self.runner.device), **(trace_meta or {})})
-            if config.profile_detail == "layers":
+            if diag.profile_detail == "layers":
                 self.profiler.attach_layer_hooks(self.runner.model.model.layers)
-        if config.scheduler_trace_jsonl:
-            self.sched_trace = SchedulerTracer(JsonlWriter(config.scheduler_trace_jsonl))
+        if diag.scheduler_trace_jsonl:
+            self.sched_trace = SchedulerTracer(JsonlWriter(diag.scheduler_trace_jsonl))
         if self.faults is not None and self.faults.kv_alloc is not None:
             self.kv.allocate = self.faults.wrap_allocate(self.kv.allocate)  # type: ignore
 
@@ -233,7 +228,7 @@ class Engine:
         if self.lora is None:  # the first adapter: the runner's model gets the manager
             self.lora = self.runner.lora or LoRAManager(
                 self.runner.model, self.runner.dtype, self.runner.device,
-                max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank)
+                max_loras=self.config.lora.max_loras, max_rank=self.config.lora.max_rank)
             self.runner.lora = self.lora
         self.lora.load(name, path)
 

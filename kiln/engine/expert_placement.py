@@ -345,16 +345,16 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
     if device.type == "cuda":
         device_total = torch.cuda.get_device_properties(device).total_memory
         dense = torch.cuda.memory_allocated(device)
-    n, rule = _choose_n(config.num_gpu_experts, "asked for", str(device), num_experts,
-                        moe_layers, per, config.gpu_memory_utilization, device_total, dense)
+    n, rule = _choose_n(config.experts.num_gpu, "asked for", str(device), num_experts,
+                        moe_layers, per, config.cache.gpu_memory_utilization, device_total, dense)
     model_file = config.gguf_file or config.model
-    quant = config.quantization
-    calibrate = config.expert_calibration == "on"
+    quant = config.quant.method
+    calibrate = config.experts.calibration == "on"
     counts = load_calibration(model_file, quant, len(experts), num_experts) if calibrate \
         else None
     hot = "the hottest, from cached routing statistics"
-    pools = max(1, int(config.kt_threadpool_count or 1))
-    threads = max(1, int(config.kt_cpuinfer or 1))
+    pools = max(1, int(config.experts.kt_threadpool_count or 1))
+    threads = max(1, int(config.experts.kt_cpuinfer or 1))
     # On a CPU "device" the host pools run inline (see HostExecutor) unless a test asks for
     # the worker threads the GPU case uses.
     inline = device.type == "cpu" and not HOST_THREADS_ON_CPU
@@ -389,7 +389,8 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
     plan = make_plan(device=str(device), num_experts=num_experts, moe_layers=moe_layers,
                      bytes_per_expert=per, bytes_measured=True, n=n, rule=rule, counts=counts,
                      hot=hot, host_pools=pools, host_threads=threads,
-                     stream_threshold=config.kt_gpu_prefill_token_threshold, host_inline=inline)
+                     stream_threshold=config.experts.kt_gpu_prefill_token_threshold,
+                     host_inline=inline)
     for b, lp in zip(blocks, plan.layers):
         b.experts = SplitExperts(b.experts, lp.device_experts, lp.host_experts, device,
                                  executors, stream_threshold=plan.stream_threshold)

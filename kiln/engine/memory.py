@@ -139,33 +139,33 @@ def plan_memory(c: EngineConfig, device: torch.device, per_token: int, weight_by
     """Sizes the KV pool from --kv-cache-memory, else from the device's memory left after the
     weights and the activation peak; lowers an automatic max_model_len to what the pool holds
     (an explicit one that does not fit is refused)."""
-    block_size = c.block_size
+    block_size = c.cache.block_size
     block_bytes = per_token * block_size
     act = activation_bytes
     warnings: list[str] = []
-    if c.kv_cache_memory:
-        budget = c.kv_cache_memory
+    if c.cache.kv_cache_memory:
+        budget = c.cache.kv_cache_memory
         reason = f"--kv-cache-memory {gib(budget)}"
     elif device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         used_by_us = torch.cuda.memory_allocated(device)
-        budget = int(total * c.gpu_memory_utilization) - used_by_us - act
-        reason = (f"KV pool {gib(budget)} = {c.gpu_memory_utilization:.0%} of GPU memory "
+        budget = int(total * c.cache.gpu_memory_utilization) - used_by_us - act
+        reason = (f"KV pool {gib(budget)} = {c.cache.gpu_memory_utilization:.0%} of GPU memory "
                   f"{gib(total)} - weights {gib(used_by_us)} - activations {gib(act)}")
     else:
         avail = ram_available_bytes()
-        frac = int(avail * c.cpu_memory_utilization) - act
-        need = c.max_num_seqs * max_model_len * per_token
+        frac = int(avail * c.cache.cpu_memory_utilization) - act
+        need = c.scheduler.max_num_seqs * max_model_len * per_token
         cap = max(CPU_KV_AUTO_CAP, weight_bytes)
         budget = min(frac, need, cap)
-        reason = (f"KV pool {gib(budget)} = min({c.cpu_memory_utilization:.0%} of available "
-                  f"RAM {gib(avail)} - activations {gib(act)}, {c.max_num_seqs} full "
+        reason = (f"KV pool {gib(budget)} = min({c.cache.cpu_memory_utilization:.0%} of available "
+                  f"RAM {gib(avail)} - activations {gib(act)}, {c.scheduler.max_num_seqs} full "
                   f"contexts {gib(need)}, CPU cap {gib(cap)} = max(0.50 GiB, weights))")
     num_blocks = max(budget // block_bytes, 0)
-    if c.kv_max_blocks:
-        if c.kv_max_blocks < num_blocks:
-            reason += f"; capped at --kv-max-blocks {c.kv_max_blocks}"
-        num_blocks = min(num_blocks, c.kv_max_blocks)
+    if c.cache.kv_max_blocks:
+        if c.cache.kv_max_blocks < num_blocks:
+            reason += f"; capped at --kv-max-blocks {c.cache.kv_max_blocks}"
+        num_blocks = min(num_blocks, c.cache.kv_max_blocks)
     fits = num_blocks * block_size
     max_len = max_model_len
     if fits < max_len:
@@ -177,7 +177,7 @@ def plan_memory(c: EngineConfig, device: torch.device, per_token: int, weight_by
                 else msg("memory.kv_too_small.hint"))
         warnings.append(msg("memory.context_lowered", max_len=max_len, fits=fits))
         max_len = fits
-    if not c.kv_cache_memory:
+    if not c.cache.kv_cache_memory:
         reason += f"; activations {activation_source}"
     return MemoryPlan(int(num_blocks), block_size, int(block_bytes),
                       int(num_blocks * block_bytes), weight_bytes, act, max_len, reason, warnings)

@@ -73,10 +73,10 @@ class ModelRunner:
         # The compute threads this runner was configured with (0 off the CPU): the engine's
         # thread governor (kiln/layers/kernels/threads.py) never goes above it.
         self.num_threads = torch.get_num_threads() if self.device.type == "cpu" else 0
-        if self.device.type == "cpu" and config.cpu_kernels:
+        if self.device.type == "cpu" and config.quant.cpu_kernels:
             from kiln.layers import kernels
 
-            kernels.ensure_selected(config.cpu_isa)  # before any layer chooses its kernel
+            kernels.ensure_selected(config.quant.cpu_isa)  # before any layer chooses its kernel
         self.dtype = DTYPES[config.dtype]
         mc = ckpt.config
         self.model_config = mc
@@ -92,15 +92,15 @@ class ModelRunner:
         # (quantize_model) and feeds GGUF 4-bit blocks to them directly.
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,
                                  max_positions=max(wanted, 1), progress=progress,
-                                 quantization=config.quantization,
-                                 keep_dense=config.dense_weights,
-                                 cpu_kernels=config.cpu_kernels,
-                                 gguf_kernels=config.gguf_kernels,
+                                 quantization=config.quant.method,
+                                 keep_dense=config.quant.dense_weights,
+                                 cpu_kernels=config.quant.cpu_kernels,
+                                 gguf_kernels=config.quant.gguf_kernels,
                                  # split experts are loaded into host memory; the device's
                                  # share moves there once placed
-                                 experts_device="cpu" if config.cpu_offload_experts else None)
+                                 experts_device="cpu" if config.experts.cpu_offload else None)
         self.load_seconds = time.monotonic() - t0
-        if config.batch_invariant:
+        if config.quant.batch_invariant:
             # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
             from kiln.layers.quantize import fix_kernel_choice
             fix_kernel_choice(self.model)
@@ -116,14 +116,14 @@ class ModelRunner:
             # kept for the steps to reuse.
             memory.release_freed_memory()
             memory.keep_freed_memory()
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         kv_dtype = choose_kv_cache_dtype(config, self.device, mla=mc.is_mla)
         self.kv_dtype_name: str = kv_dtype.value
         # MoE experts split into a device pool and CPU pools (--cpu-offload-experts): placed
         # (and calibrated) before the memory plan, which counts only what is on the device.
         self.expert_executors: list = []
         self.placement: PlacementPlan | None = None
-        if config.cpu_offload_experts and mc.is_moe:
+        if config.experts.cpu_offload and mc.is_moe:
             self.placement = place_experts(self, calibration_ids)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 [*self.model.parameters(), *self.model.buffers()]
@@ -133,7 +133,7 @@ class ModelRunner:
         # Kernels are built and loaded (the profiling prefill, when it ran, ran every layer).
         stage("kernels_ready")
         # Logits and sampler temporaries for max_num_seqs rows come on top.
-        act += config.max_num_seqs * mc.vocab_size * 4 * 3
+        act += config.scheduler.max_num_seqs * mc.vocab_size * 4 * 3
         self.plan: MemoryPlan = memory.plan_memory(
             config, self.device, self.kv_bytes_per_token(), self.weight_bytes, act,
             self.max_model_len, act_source)
@@ -211,7 +211,7 @@ class ModelRunner:
     def _largest_step(self) -> None:
         """The largest step the scheduler may produce (one prefill chunk of the token budget),
         whose memory the plan measures."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         self._scratch_forward(torch.zeros(n, dtype=torch.long, device=self.device), None)
 
     def _allocate_kv_slots(self, num_slots: int, dtype: torch.dtype) -> None:
@@ -228,8 +228,8 @@ class ModelRunner:
                 if v_row:
                     vs = memory.kv_zeros((num_slots, v_row[0]), INT8_SCALE_DTYPE, self.device)
             layer.attach(KVStore(k, v, ks, vs, compute_dtype=self.dtype, v_dim=layer.v_head_dim),
-                         use_kernels=self.config.cpu_kernels,
-                         invariant=self.config.batch_invariant)
+                         use_kernels=self.config.quant.cpu_kernels,
+                         invariant=self.config.quant.batch_invariant)
 
     def _allocate_kv(self, num_blocks: int) -> None:
         # One block more than the plan: the scratch block, never handed to the block manager,

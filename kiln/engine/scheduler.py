@@ -16,13 +16,14 @@ running the most too. So `n=128` with `max_tokens` up to the context cannot make
 comes after it wait for all of it: the newcomer runs from the next step. With one sequence per
 request (the usual case) this is plain first come, first served.
 
-ferrum's scheduler knobs (each off unless set; SchedulerConfig): `prefill_step_chunk` caps the
-tokens one prefilling request gets per step; `active_decode_prefill_chunk` caps the prefill tokens
-of all requests together in a step that also decodes (decode latency); `prefill_first_until_active`
-holds decodes back while fewer than N requests decode and prompts wait (the cohort prefills
-together, then decodes as one batch); `sequence_fit_policy` "full-input-must-fit" admits a request
-only when its whole prompt's blocks are free (no admission that preemption would undo halfway),
-"immediate-only" (the default) when its first chunk's are.
+ferrum's scheduler knobs (each off unless set; SchedulerConfig, kiln/settings/engine_config.py):
+`prefill_step_chunk` caps the tokens one prefilling request gets per step;
+`active_decode_prefill_chunk` caps the prefill tokens of all requests together in a step that also
+decodes (decode latency); `prefill_first_until_active` holds decodes back while fewer than N
+requests decode and prompts wait (the cohort prefills together, then decodes as one batch);
+`sequence_fit_policy` "full-input-must-fit" admits a request only when its whole prompt's blocks are
+free (no admission that preemption would undo halfway), "immediate-only" (the default) when its
+first chunk's are.
 
 Prefix rendezvous (off unless `prefix_rendezvous_max_wait_ms` is set): a waiting request whose
 next uncached prefix block is being prefilled right now by a running request stays in the waiting
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.kv_cache import KVCacheManager
 from kiln.engine.request import Request, RequestStatus, TokenLogprob
+from kiln.settings.engine_config import SchedulerConfig
 
 
 @dataclass
@@ -67,19 +69,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    prefix_rendezvous_max_wait_ms: int | None = None  # None: off
-    # ferrum's knobs (see the module docstring); None / "immediate-only": kiln's plain rule.
-    prefill_step_chunk: int | None = None
-    active_decode_prefill_chunk: int | None = None
-    prefill_first_until_active: int | None = None
-    sequence_fit_policy: str = "immediate-only"
-
-
-@dataclass
 class SchedulerStats:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0  # tokens computed that were not the last of the sequence
@@ -89,9 +78,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`config`: EngineConfig's scheduler group as it is; `max_model_len`: the context
+        loading decided (a request that reaches it ends)."""
         self.config = config
+        self.max_model_len = max_model_len
         self.kv = kv
         self.clock = clock
         self.waiting: deque[Request] = deque()
@@ -402,7 +394,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not p.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -136,10 +136,11 @@ def spec_config(cfg: EngineConfig) -> SpecConfig | None:
     """The engine's speculative decoding from its settings; None when off. What kiln's engine
     cannot do is an error naming the flag, not a silent no-op. A draft model without a method
     is the draft-model method (vLLM's default when --speculative-model is given)."""
-    method, k, model = cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model
+    sc = cfg.speculative
+    method, k, model = sc.method, sc.num_tokens, sc.model
     if method is None and model is not None:
         method = "draft"
-    if cfg.speculative_draft_vocab and method != "draft":
+    if sc.draft_vocab and method != "draft":
         raise ConfigError("--speculative-draft-vocab cuts a draft model's head, and no draft "
                           "model is set",
                           hint="add --speculative-model DRAFT, or drop --speculative-draft-vocab",
@@ -162,14 +163,14 @@ def spec_config(cfg: EngineConfig) -> SpecConfig | None:
         raise ConfigError("--speculative-method ngram uses no draft model, and "
                           f"--speculative-model {model} was given",
                           hint="drop one of them", code="spec.ngram_with_model")
-    lo, hi = cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
+    lo, hi = sc.ngram_min, sc.ngram_max
     if lo > hi:
         raise ConfigError(f"--ngram-prompt-lookup-min {lo} is above --ngram-prompt-lookup-max "
                           f"{hi}", hint="give a min no larger than the max",
                           code="spec.ngram_range")
     return SpecConfig(method, None if k in (None, "auto") else int(k), lo, hi, model,
-                      cfg.speculative_disable_by_batch_size,
-                      cfg.speculative_prompt_lookup if method == "draft" else 0)
+                      sc.disable_by_batch_size,
+                      sc.prompt_lookup if method == "draft" else 0)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
