@@ -92,10 +92,7 @@ class ModelRunner:
         # (quantize_model) and feeds GGUF 4-bit blocks to them directly.
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,
                                  max_positions=max(wanted, 1), progress=progress,
-                                 quantization=config.quant.method,
-                                 keep_dense=config.quant.dense_weights,
-                                 cpu_kernels=config.quant.cpu_kernels,
-                                 gguf_kernels=config.quant.gguf_kernels,
+                                 quant=config.quant,
                                  # split experts are loaded into host memory; the device's
                                  # share moves there once placed
                                  experts_device="cpu" if config.experts.cpu_offload else None)

@@ -219,6 +219,7 @@ def build_embedder(ckpt: Any, *, pooling_mode: str | None, dtype: str, device: s
     """The embedder for a checkpoint (kiln.models.loader.Checkpoint): an encoder runs as
     itself; a causal LM runs as a decoder embedder. `pooling_mode` overrides the model's."""
     from kiln.models.loader import build_model, iter_tensors
+    from kiln.settings.engine_config import QuantConfig
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -243,7 +244,8 @@ def build_embedder(ckpt: Any, *, pooling_mode: str | None, dtype: str, device: s
         model.load_checkpoint_tensors(iter_tensors(ckpt))
         model = model.to(device=dev, dtype=tdtype).eval()
         return EncoderEmbedder(model, pooling, limit, cfg.pad_token_id or 0, dev)
-    model = build_model(ckpt, dtype=tdtype, device=dev, max_positions=limit, cpu_kernels=False)
+    model = build_model(ckpt, dtype=tdtype, device=dev, max_positions=limit,
+                        quant=QuantConfig(cpu_kernels=False))
     return DecoderEmbedder(model, pooling, limit, dev, tdtype)
 
 

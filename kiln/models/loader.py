@@ -6,7 +6,7 @@ to HF names first, then HF names to our packed modules); a checkpoint tensor we 
 parameter the checkpoint does not provide, is an error that names it.
 
 GGUF files are read and dequantized by `kiln/models/gguf.py`; this module only maps their names.
-When the model is going to be quantized anyway (`build_model(..., quantization=...)`), 4-bit
+When the model is going to be quantized anyway (`build_model(..., quant=...)`), 4-bit
 blocks (Q4_0/Q4_1) are not dequantized at all: they reach `kiln/layers/quant.py` as `GroupQuant`
 (codes, scale, min), which the int4 path repacks exactly. llama.cpp stores Llama's Q and K rows
 permuted for its interleaved RoPE; we undo that so the "rotate half" RoPE of the HF layout applies.
@@ -32,6 +32,7 @@ from kiln.layers.linear import TiedLMHead
 from kiln.layers.moe import Experts
 from kiln.models.config import ModelConfig
 from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
+from kiln.settings.engine_config import QuantConfig
 
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
 
@@ -342,16 +343,17 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | str,
                 max_positions: int, progress: ProgressFn | None = None,
-                quantization: str = "none", keep_dense: bool = False,
-                cpu_kernels: bool = True, gguf_kernels: bool = True,
+                quant: QuantConfig | None = None,
                 experts_device: torch.device | str | None = None) -> torch.nn.Module:
-    """The model with its weights loaded. With `quantization` ("int8" | "int4") its linear layers
-    are swapped for quantized ones (`kiln.layers.quantize.quantize_model`); GGUF 4-bit blocks then
-    go straight into them, never through a dense copy (`keep_dense` adds one afterwards, made
-    from the quantized weight, for large steps). On CPU, bf16 linear layers left dense are
-    packed for oneDNN (`kiln.layers.linear.pack_linears`). With `gguf_kernels` (and kiln's
-    GGUF-block kernels built here), Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices are not
-    re-quantized: they stay the file's blocks (`kiln.layers.kquant.KQuantLinear`)."""
+    """The model with its weights loaded, stored and run as `quant` decides (EngineConfig's
+    quantization group, one object; None: unquantized, the table's kernel defaults). With
+    `quant.method` ("int8" | "int4") its linear layers are swapped for quantized ones
+    (`kiln.layers.quantize.quantize_model`); GGUF 4-bit blocks then go straight into them, never
+    through a dense copy (`quant.dense_weights` adds one afterwards, made from the quantized weight,
+    for large steps). On CPU, bf16 linear layers left dense are packed for oneDNN
+    (`kiln.layers.linear.pack_linears`). With `quant.gguf_kernels` (and kiln's GGUF-block kernels
+    built here), Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices are not re-quantized: they stay the file's
+    blocks (`kiln.layers.kquant.KQuantLinear`)."""
     from kiln.models.architectures import model_class
 
     cls = model_class(ckpt.config.architecture)
@@ -360,7 +362,9 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     _materialize(model, device, experts_device)
     for rotary in model.rotary_embeddings():
         rotary.build(device=device)
-    keep_blocks = (quantization != "none" and gguf_kernels and cpu_kernels
+    quant = quant or QuantConfig()
+    quantization, cpu_kernels = quant.method, quant.cpu_kernels
+    keep_blocks = (quantization != "none" and quant.gguf_kernels and cpu_kernels
                    and ckpt.format == "gguf" and torch.device(device).type == "cpu")
     if keep_blocks:
         from kiln.layers import kquant
@@ -372,7 +376,8 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     if quantization != "none":
         from kiln.layers.quantize import quantize_model
 
-        quantize_model(model, quantization, keep_dense=keep_dense, use_kernels=cpu_kernels,
+        quantize_model(model, quantization, keep_dense=quant.dense_weights,
+                       use_kernels=cpu_kernels,
                        release_source=ckpt.release_pages if ckpt.format == "gguf" else None)
     if torch.device(device).type == "cpu":
         from kiln.layers.linear import pack_linears
