@@ -565,7 +565,7 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
             # What ran differs from what was resolved (compile on, but the layer kernel leaves
             # nothing to compile; a dense copy asked for, but int4 kernel layers keep none).
             s.override(setting, d["value"], f"{d['reason']} (resolved {r.value!r} from "
-                       f"{r.source})", source="engine")
+                       f"{r.source})", source="engine", code=d["code"])
     placement = engine.runner.placement
     sp.extra = {"engine": {"name": "kiln", "load_seconds": round(load_seconds, 2),
                            "decode_path": decisions["decode_path"]["value"],
@@ -576,7 +576,7 @@ def record_engine(sp: StartupPlan, engine: Any, load_seconds: float) -> None:
                            "activation_bytes": plan.activation_bytes,
                            "max_model_len": engine.max_model_len},
                 "decisions": {"kv_pool": {"chosen": plan.num_blocks, "reason": plan.reason},
-                              **{k: {"chosen": d["value"], "reason": d["reason"]}
-                                 for k, d in decisions.items()}}}
+                              **{k: {"chosen": d["value"], "reason": d["reason"],
+                                     "code": d["code"]} for k, d in decisions.items()}}}
     if placement is not None:
         parallel.record_placement(sp, placement, source="engine")

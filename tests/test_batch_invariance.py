@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kiln.models.llama import DECODE_KERNEL_ANY_ROWS
 from kiln.sampling_params import SamplingParams
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely, in plain English. " * 3
@@ -64,8 +65,10 @@ def _with_engine(llm: Any, **changes: Any) -> Any:
 def test_batch_invariance_is_on_by_default_and_says_why(llm: Any) -> None:
     decided = llm.engine.runner.decisions
     assert decided.batch_invariant.value, decided.batch_invariant.reason
+    assert decided.batch_invariant.code == "batch_invariant.on"
     assert decided.compiled.value is False and decided.cascade.value is False
-    assert ("batch-invariant" in decided.compiled.reason or "layer kernel" in decided.compiled.reason
+    assert decided.cascade.code == "cascade.batch_invariant"
+    assert (decided.compiled.code in ("compiled.batch_invariant", "compiled.layer_kernel")
             or not llm.config.compile)
 
 
@@ -77,8 +80,9 @@ def test_decode_steps_run_the_invariant_layer_kernel(llm: Any, kernel_level_modu
     assert decided.batch_invariant.value, decided.batch_invariant.reason
     assert decided.cpu_kernels.value == kernel_level_module, decided.cpu_kernels.reason
     assert decided.decode_path.value == "kernel", decided.decode_path.reason
-    assert "any row count" in decided.decode_path.reason
-    assert "one call of the same kernels" in decided.batch_invariant.reason
+    assert decided.decode_path.code == "decode_path.kernel_every_batch"
+    assert decided.decode_kernel_rows >= DECODE_KERNEL_ANY_ROWS  # any row count
+    assert decided.batch_invariant.code == "batch_invariant.on"
 
 
 @pytest.mark.parametrize("changes", [

@@ -113,7 +113,7 @@ def test_served_model_name_is_repeatable_and_defaults_to_the_name_and_canonical_
     assert s["served_model_name"]["source"] == "cli"
     s = _settings(tmp_path, "smollm2")
     assert s["served_model_name"]["value"] == ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
-    assert "registry id and HF repo" in s["served_model_name"]["reason"]
+    assert s["served_model_name"]["code"] == "served_model_name.with_aliases"
 
 
 def test_help_names_kilns_engine_as_the_default(capsys):

@@ -144,7 +144,7 @@ def test_int8_kv_falls_back_to_the_model_dtype_with_a_reason(tiny):
     _, folder, ref = tiny
     r = _runner(folder, kv_cache_dtype="int8")
     d = r.decisions.kv_cache_dtype
-    assert d.value == "fp32" and "latent" in d.reason
+    assert d.value == "fp32" and d.code == "kv_cache_dtype.mla_no_int8"
     assert r.kv_dtype_name == "fp32"
     ids = _ids(40, 3)
     diff = (r.prompt_logits(ids) - _reference_logits(ref, ids)).abs().max().item()

@@ -134,8 +134,8 @@ def test_cpu_isa_setting_reaches_the_runner_and_the_decision_trace(tmp_path, ker
                        kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=64)
     r = ModelRunner(cfg, open_checkpoint(folder))
     d = r.decisions.to_dict()["cpu_kernels"]
-    assert d["value"] == kernel_level and "asked for" in d["reason"]
-    assert "on q4" in d["reason"]
+    assert d["value"] == kernel_level and d["code"] == "cpu_kernels.chosen"
+    assert "--cpu-isa" in d["reason"] and "on q4" in d["reason"]  # asked for; the layers' kernel
 
 
 def test_decode_layer_equals_the_layer_modules(tmp_path, kernel_level):

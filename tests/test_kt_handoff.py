@@ -161,11 +161,12 @@ def test_local_qwen3_moe_folder_dry_run_prints_sglang_with_kt_flags(
     assert_kt_like_kt_cli(argv, str(folder))
     settings = eff["settings"]
     assert settings["cpu_offload_experts"]["value"] is True
-    assert "MoE model on SGLang" in settings["cpu_offload_experts"]["reason"]
+    assert settings["cpu_offload_experts"]["code"] == "cpu_offload_experts.moe_on_sglang"
     assert settings["kt_threadpool_count"]["source"] == "auto"
-    assert "NUMA node (2 found)" in settings["kt_threadpool_count"]["reason"]
-    assert "80% of the 64 physical cores of the 2 NUMA node(s)" in \
-        settings["kt_cpuinfer"]["reason"]
+    assert settings["kt_threadpool_count"]["code"] == "kt_threadpool_count.numa_nodes"
+    assert "(2 found)" in settings["kt_threadpool_count"]["reason"]
+    assert settings["kt_cpuinfer"]["code"] == "kt_cpuinfer.kt_cli_share"
+    assert "64 physical cores of the 2 NUMA node(s)" in settings["kt_cpuinfer"]["reason"]
     assert "24 GiB per GPU x TP 1" in settings["num_gpu_experts"]["reason"]
     assert "kt-cli's default" in settings["kt_weight_path"]["reason"]
     # Planned from config.json: the experts are the config's, no checkpoint was opened.
@@ -256,7 +257,7 @@ def test_kt_kernel_off_with_the_flag_and_for_dense_models(
                                     "--engine", "sglang")
     assert rc == 0, err
     assert not [a for a in argv if a.startswith("--kt-")]
-    assert eff["settings"]["cpu_offload_experts"]["reason"].startswith("a dense model")
+    assert eff["settings"]["cpu_offload_experts"]["code"] == "cpu_offload_experts.dense_on_gpu"
 
 
 def test_kt_defaults_follow_the_pools_asked_for_and_explicit_values_win(
@@ -288,7 +289,8 @@ def test_a_cpu_thread_count_turns_kt_kernel_on_for_a_model_kiln_cannot_tell_is_m
     cli = {"engine": ("sglang", "--engine"), "kt_cpuinfer": (16, "--kt-cpuinfer")}
     s = resolve_settings(cli=cli, ctx=AutoContext(is_moe=False))
     assert s["cpu_offload_experts"] is True
-    assert s.values["cpu_offload_experts"].reason == "--kt-cpuinfer given"
+    assert s.values["cpu_offload_experts"].code == "cpu_offload_experts.kt_flags_given"
+    assert "--kt-cpuinfer" in s.values["cpu_offload_experts"].reason
     assert resolve_settings(cli={"engine": ("vllm", "--engine")},
                             ctx=AutoContext(is_moe=True))["cpu_offload_experts"] is False
 
@@ -451,12 +453,14 @@ def test_preset_kt_gives_kt_clis_fixed_sglang_flags_each_overridable(
                                      "reason": "set by preset kt"}
     # kt-cli passes --trust-remote-code for every model; kiln says why it does not here.
     assert "--trust-remote-code" not in argv
-    assert "kt-cli passes --trust-remote-code" in s["trust_remote_code"]["reason"]
+    assert s["trust_remote_code"]["code"] == "trust_remote_code.engine_code"
+    assert "--trust-remote-code" in s["trust_remote_code"]["reason"]
     # A model that ships its own code gets it (config.json's auto_map), as does a remote Kimi.
     ds = model_folder(tmp_path / "my-finetune", DEEPSEEK_V3)  # no registry entry: its config
     rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(ds), "--engine", "sglang")
     assert rc == 0, err
     assert "--trust-remote-code" in argv
+    assert eff["settings"]["trust_remote_code"]["code"] == "trust_remote_code.model_code"
     assert "modeling_deepseek" in eff["settings"]["trust_remote_code"]["reason"]
     rc, argv, eff, _, err = dry_run(tmp_path, capsys, "kimi-k2", "--engine", "sglang")
     assert rc == 0, err
@@ -569,8 +573,8 @@ def test_kt_clis_own_spellings_carry_every_flag_kt_clis_line_would(
         assert not missing, (command, missing)
         assert eff["preset"]["name"] == "kt", command
         if "--trust-remote-code" not in argv:
-            assert "kt-cli passes --trust-remote-code" in \
-                eff["settings"]["trust_remote_code"]["reason"], command
+            assert eff["settings"]["trust_remote_code"]["code"] == \
+                "trust_remote_code.engine_code", command
     # kt-cli's spellings landed on kiln's settings (the last command's and the 4th's).
     assert flag(argv, "--served-model-name") == "Qwen3"
     assert flag(argv, "--mem-fraction-static") == "0.9"
@@ -703,10 +707,11 @@ def test_issue_43s_commands_as_a_kt_cli_user_types_them_give_kt_clis_sglang_line
                                                                                1)), item
         assert eff["preset"]["name"] == "kt", item
         # The simulated CPU's AMX, as check_kt sees it (not the machine the test runs on).
-        assert "on this CPU's AMX tiles" in eff["settings"]["kt_method"]["reason"], item
+        assert eff["settings"]["kt_method"]["code"] == "kt_method.amx", item
         trust = eff["settings"]["trust_remote_code"]
         if "--trust-remote-code" not in argv:  # kt-cli passes it always; kiln says why not
-            assert "kt-cli passes --trust-remote-code for every model" in trust["reason"], item
+            assert trust["code"] == "trust_remote_code.engine_code", item
+            assert "--trust-remote-code" in trust["reason"], item
         runs[item] = argv, eff
     # What each item fixed, on its own line.
     argv, eff = runs["1 SGLang's options"]

@@ -287,7 +287,8 @@ def test_cascade_decode_over_a_shared_prefix_matches_no_sharing(smollm2_runner, 
     for layer in runner.model.attention_layers():
         monkeypatch.setattr(layer.kv, "invariant", False)
     monkeypatch.setattr(runner, "decisions", dataclasses.replace(
-        runner.decisions, cascade=Decision(True, "test: --no-batch-invariant's cascade")))
+        runner.decisions,
+        cascade=Decision(True, "test: --no-batch-invariant's cascade", "cascade.on")))
 
     def run(**kw) -> dict[str, list[int]]:
         eng = build_engine(runner, gguf_path, **kw)

@@ -29,12 +29,15 @@ def test_an_fp32_runner_records_eager_decode_and_the_kv_dtype_of_its_model_dtype
     r = runner(tiny)
     d = r.decisions.to_dict()
     assert d["kv_cache_dtype"]["value"] == r.kv_dtype_name == "fp32"
-    assert "model dtype (float32)" in d["kv_cache_dtype"]["reason"]
+    assert d["kv_cache_dtype"]["code"] == "kv_cache_dtype.model_dtype"
+    assert "float32" in d["kv_cache_dtype"]["reason"]  # the dtype it follows
     assert d["decode_path"]["value"] == "eager" and r.decode_kernel_rows == 0
-    assert "--compile is off" in d["decode_path"]["reason"]
-    assert d["compiled"] == {"value": False, "reason": "--compile is off"}
+    assert d["decode_path"]["code"] == "decode_path.eager_compile_off"
+    assert "--compile" in d["decode_path"]["reason"]  # the flag that changes it
+    assert d["compiled"] == {"value": False, "reason": "--compile is off",
+                             "code": "compiled.compile_off"}
     assert d["dense_weights"]["value"] is False
-    assert "nothing is quantized" in d["dense_weights"]["reason"]
+    assert d["dense_weights"]["code"] == "dense_weights.nothing_quantized"
 
 
 def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
@@ -44,17 +47,19 @@ def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
     for cpu_bf16, kv in ((True, "bf16"), (False, "fp32")):
         s = resolve_settings(ctx=AutoContext(cpu_bf16=cpu_bf16))
         assert s["kv_cache_dtype"] == kv and s.source("kv_cache_dtype") == "auto"
-        assert f"model dtype ({s['dtype']})" in s.values["kv_cache_dtype"].reason
+        assert s.values["kv_cache_dtype"].code == "kv_cache_dtype.model_dtype"
+        assert s["dtype"] in s.values["kv_cache_dtype"].reason
     cli = resolve_settings(cli={"dtype": ("float16", "--dtype")})
     assert cli["kv_cache_dtype"] == "fp16"
     explicit = resolve_settings(cli={"kv_cache_dtype": ("int8", "--kv-cache-dtype")})
     assert explicit["kv_cache_dtype"] == "int8" and explicit.source("kv_cache_dtype") == "cli"
     vllm = resolve_settings(cli={"engine": ("vllm", "--engine")})
     assert vllm["kv_cache_dtype"] == "auto"  # the external engine keeps its own
+    assert vllm.values["kv_cache_dtype"].code == "kv_cache_dtype.external_engine"
     # quantized weights on a CPU: fp16 keys and values (llama.cpp's storage, half of fp32)
     q = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M"))
     assert (q["quantization"], q["dtype"], q["kv_cache_dtype"]) == ("int4", "float32", "fp16")
-    assert "quantized weights" in q.values["kv_cache_dtype"].reason
+    assert q.values["kv_cache_dtype"].code == "kv_cache_dtype.fp16_for_quantized_cpu"
     exact = resolve_settings(ctx=AutoContext(model_quant="Q4_K_M"),
                              cli={"quantization": ("none", "--quantization")})
     assert exact["kv_cache_dtype"] == "fp32"
@@ -63,13 +68,13 @@ def test_kv_cache_dtype_auto_resolves_in_the_settings_table_from_the_dtype():
     assert plain["kv_cache_dtype"] == "fp32"
 
 
-@pytest.mark.parametrize(("max_num_seqs", "compile_", "path", "buckets"), [
-    (4, True, "kernel", ()),
-    (256, True, "kernel+compiled", (128, 256)),
-    (256, False, "kernel+eager", ()),
+@pytest.mark.parametrize(("max_num_seqs", "compile_", "path", "code", "buckets"), [
+    (4, True, "kernel", "decode_path.kernel_every_batch", ()),
+    (256, True, "kernel+compiled", "decode_path.kernel_then_compiled", (128, 256)),
+    (256, False, "kernel+eager", "decode_path.kernel_then_eager", ()),
 ])
 def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
-        tiny, monkeypatch, max_num_seqs, compile_, path, buckets):
+        tiny, monkeypatch, max_num_seqs, compile_, path, code, buckets):
     """decide() over layers that say they run kiln's decode-layer kernel up to 64 rows (as int4
     bf16 layers on a kernel-read pool do): those batches need no graph."""
     from kiln.engine.decisions import choose_kv_cache_dtype, decide
@@ -82,12 +87,12 @@ def test_layers_that_run_the_kernel_choose_it_and_compile_only_what_it_leaves(
                        compile=compile_, batch_invariant=False)
     d = decide(cfg, r.model, r.device, choose_kv_cache_dtype(cfg, r.device))
     assert d.decode_path.value == path and d.decode_kernel_rows == 64
-    assert "up to 64 rows run kiln's one-call decode-layer kernel" in d.decode_path.reason
+    assert d.decode_path.code == code and "up to 64 rows" in d.decode_path.reason
     assert d.compile_buckets == buckets and d.compiled.value is bool(buckets)
     if compile_ and not buckets:
-        assert d.compiled.reason == ("decode steps of up to 64 rows run kiln's layer kernel: "
-                                     "nothing to compile")
+        assert d.compiled.code == "compiled.layer_kernel" and "up to 64 rows" in d.compiled.reason
     if buckets:
+        assert d.compiled.code == "compiled.buckets"
         assert "[128, 256]" in d.decode_path.reason and "[128, 256]" in d.compiled.reason
 
 
@@ -104,25 +109,26 @@ def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
     assert e.value.hint is not None and "int8" in e.value.hint
 
 
-@pytest.mark.parametrize(("dense", "value", "words"), [
-    (True, True, "9 of 9 quantized linears keep a dense copy"),  # 2 layers x 4, the head
-    (False, False, "dense_weights off: quantized weights only"),
+@pytest.mark.parametrize(("dense", "value", "code", "words"), [
+    (True, True, "dense_weights.kept", "9 of 9"),  # 2 layers x 4, the head
+    (False, False, "dense_weights.off", "dense_weights off"),  # the setting to turn on
 ])
-def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, words):
+def test_dense_copies_are_reported_as_kept_or_not(tiny, dense, value, code, words):
     # --no-batch-invariant: with it, the int8 head runs q8_linear, no copy (below)
     r = runner(tiny, quantization="int8", dense_weights=dense, batch_invariant=False)
     d = r.decisions.dense_weights
-    assert d.value is value and words in d.reason, d.reason
+    assert d.value is value and d.code == code and words in d.reason, d.reason
 
 
 def test_a_batch_invariant_int8_head_keeps_no_dense_copy_and_says_why(tiny, kernel_level):
     r = runner(tiny, quantization="int8", dense_weights=True)
     assert r.model.lm_head.q8
     d = r.decisions.dense_weights
-    assert d.value is True and "8 of 9 quantized linears keep a dense copy" in d.reason
-    assert "the int8 head runs kiln's q8_linear at every size" in d.reason
+    assert d.value is True and d.code == "dense_weights.kept" and "8 of 9" in d.reason
+    assert "--batch-invariant" in d.reason  # why the head keeps none
     k = r.decisions.cpu_kernels
-    assert k.value == kernel_level and "9 on " in k.reason, k.reason
+    assert k.value == kernel_level and k.code == "cpu_kernels.chosen"
+    assert "9 on " in k.reason, k.reason
 
 
 def test_a_moe_model_asked_to_compile_decodes_eagerly_and_says_why(tmp_path):
@@ -132,8 +138,7 @@ def test_a_moe_model_asked_to_compile_decodes_eagerly_and_says_why(tmp_path):
     r = runner(moe, compile=True)
     d = r.decisions
     assert d.compiled.value is False and d.compile_buckets == () and r.graphs is None
-    assert d.compiled.reason.startswith("MoE experts run eagerly: which of the 8 experts of "
-                                        "each of the 2 MoE layers run")
-    assert d.decode_path.value == "eager" and "MoE experts run eagerly" in d.decode_path.reason
+    assert d.compiled.code == "compiled.moe" and "8 experts" in d.compiled.reason
+    assert d.decode_path.value == "eager" and d.decode_path.code == "decode_path.eager_uncompilable"
     # Without --compile nothing is turned off: the usual reason.
-    assert runner(moe).decisions.compiled.reason == "--compile is off"
+    assert runner(moe).decisions.compiled.code == "compiled.compile_off"

@@ -72,6 +72,7 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
         # Eager decode: the preset's compile would build graphs at every server start.
         "--device", "cpu", "--dtype", "float32", "--no-compile",
         "--effective-config-json", str(tmp / f"effective-{port}.json"),
+        "--decision-trace-jsonl", str(tmp / f"trace-{port}.jsonl"),
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
         *extra,
     ]  # fmt: skip
@@ -857,6 +858,14 @@ def test_float32_serves_transformers_greedy_tokens(server: Server, client: Any,
     eff = json.loads(server.effective_config.read_text())
     q = eff["settings"]["quantization"]
     assert (q["value"], q["source"]) == ("none", "auto") and "float32" in q["reason"], q
+    assert q["code"] == "quantization.float32_asked"
+    # the runner's decisions carry their codes too, in the effective config and the trace
+    trace = server.effective_config.with_name(
+        server.effective_config.name.replace("effective-", "trace-") + "l")
+    lines = {r["decision"]: r for r in map(json.loads, trace.read_text().splitlines())}
+    for d in (eff["decisions"]["compiled"], lines["compiled"]):
+        assert (d["chosen"], d["code"]) == (False, "compiled.compile_off"), d  # --no-compile
+    assert lines["decode_path"]["code"].startswith("decode_path.")
     tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()

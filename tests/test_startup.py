@@ -44,7 +44,8 @@ def test_each_source_wins_over_the_ones_below_it(top):
 def test_auto_reason_is_recorded():
     s = resolve_settings(ctx=AutoContext(device="cpu", physical_cores=6))
     assert s["num_threads"] == 6 and s.source("num_threads") == "auto"
-    assert "6 physical core" in s.values["num_threads"].reason
+    assert s.values["num_threads"].code == "num_threads.physical_cores"
+    assert "6 physical core" in s.values["num_threads"].reason  # the number it follows
 
 
 def test_conflicting_spellings_of_one_flag_are_rejected_by_name():

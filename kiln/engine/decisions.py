@@ -25,8 +25,13 @@ log = logging.getLogger("kiln.runner")
 
 @dataclass(frozen=True)
 class Decision:
+    """What the runner decided, why in words a person acts on (they name the flag or the
+    number to change), and a stable code, `<decision>.<why>`, naming the branch that decided:
+    the decision trace carries it, and tests and tools match it instead of the words."""
+
     value: Any
     reason: str
+    code: str
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,8 @@ class RuntimeDecisions:
     compile_buckets: tuple[int, ...]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """{name: {"value": ..., "reason": ...}} for the effective-config JSON."""
-        return {f.name: {"value": d.value, "reason": d.reason} for f in fields(self)
+        """{name: {"value": ..., "reason": ..., "code": ...}} for the effective-config JSON."""
+        return {f.name: {"value": d.value, "reason": d.reason, "code": d.code} for f in fields(self)
                 if isinstance(d := getattr(self, f.name), Decision)}
 
 
@@ -60,21 +65,21 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
         from kiln.layers import kernels
 
         ctx = AutoContext(cpu_kernels=kernels.available())
-        value, reason = auto_kv_cache_dtype(ctx, {
+        value, reason, code = auto_kv_cache_dtype(ctx, {
             "dtype": config.dtype, "device": device.type, "quantization": config.quant.method})
-        name, decided = value, Decision(value, reason)
+        name, decided = value, Decision(value, reason, code)
     else:
         decided = None
     if name not in KV_DTYPES:
         raise ConfigError(msg("load.unknown_kv_dtype", name=repr(name)),
                           hint=msg("config.choose_one", choices=", ".join(["auto", *KV_DTYPES])))
     if mla and name == "int8":
-        fallback, _ = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
+        fallback, _, _ = auto_kv_cache_dtype(AutoContext(), {"dtype": config.dtype})
         log.warning("int8 KV is not supported for multi-head latent attention: using %s",
                     fallback)
         return Decision(fallback, "int8 KV is not supported for multi-head latent attention "
                                   f"(the latent rows are kept unrotated): the model dtype "
-                                  f"{config.dtype}, as {fallback}")
+                                  f"{config.dtype}, as {fallback}", "kv_cache_dtype.mla_no_int8")
     if decided is not None:
         return decided
     reason = f"kv_cache_dtype {name} as configured"
@@ -83,7 +88,7 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     elif name == "fp16" and device.type == "cpu" and config.dtype != "float16":
         log.info("fp16 KV on CPU: stored in fp16, computed in %s", config.dtype)
         reason += f"; stored in fp16, computed in {config.dtype}"
-    return Decision(name, reason)
+    return Decision(name, reason, "kv_cache_dtype.configured")
 
 
 def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
@@ -99,7 +104,7 @@ def decide(config: EngineConfig, model: torch.nn.Module, device: torch.device,
     reads = any(getattr(layer.kv, "invariant", False) for layer in model.attention_layers())
     cascade = _cascade(model, invariant.value)
     kv = Decision(kv_cache_dtype.value, kv_cache_dtype.reason + (
-        "; kiln's attend_rows reads the pool in place" if reads else ""))
+        "; kiln's attend_rows reads the pool in place" if reads else ""), kv_cache_dtype.code)
     return RuntimeDecisions(
         kv_cache_dtype=kv,
         decode_path=_decode_path(config, kernel_rows, kernel_why, buckets, device,
@@ -141,13 +146,14 @@ def _cpu_kernels(config: EngineConfig, model: torch.nn.Module, device: torch.dev
     """Which ISA level kiln's CPU kernels run at and which kernel each quantized layer took
     (kiln.layers.kernels.choose), with the reasons."""
     if device.type != "cpu":
-        return Decision(None, f"kiln's CPU kernels do not run on {device.type}")
+        return Decision(None, f"kiln's CPU kernels do not run on {device.type}",
+                        "cpu_kernels.not_cpu")
     if not config.quant.cpu_kernels:
-        return Decision(None, "--no-cpu-kernels: PyTorch's paths")
+        return Decision(None, "--no-cpu-kernels: PyTorch's paths", "cpu_kernels.off")
     from kiln.layers.kernels.choose import summary
 
     level, why = summary(model)
-    return Decision(level, why)
+    return Decision(level, why, "cpu_kernels.chosen")
 
 
 def _moe_eager(model: torch.nn.Module) -> str:
@@ -181,14 +187,20 @@ def _decode_path(config: EngineConfig, kernel_rows: int, kernel_why: str, bucket
                   "decode-layer kernel")
         if kernel_rows >= config.scheduler.max_num_seqs:
             return Decision("kernel", f"{kernel} (every batch: --max-num-seqs "
-                                      f"{config.scheduler.max_num_seqs})")
+                                      f"{config.scheduler.max_num_seqs})",
+                            "decode_path.kernel_every_batch")
         if buckets:
-            return Decision("kernel+compiled", f"{kernel}; larger ones {graphs}")
-        return Decision("kernel+eager", f"{kernel}; larger ones eager modules (--compile is off)")
+            return Decision("kernel+compiled", f"{kernel}; larger ones {graphs}",
+                            "decode_path.kernel_then_compiled")
+        return Decision("kernel+eager", f"{kernel}; larger ones eager modules (--compile is off)",
+                        "decode_path.kernel_then_eager")
     if buckets:
-        return Decision("compiled", f"decode steps run {graphs}; no layer kernel: {kernel_why}")
-    why = moe if config.compile and moe else "--compile is off"
-    return Decision("eager", f"eager modules: {why}; no layer kernel: {kernel_why}")
+        return Decision("compiled", f"decode steps run {graphs}; no layer kernel: {kernel_why}",
+                        "decode_path.compiled")
+    # `moe`: why --compile cannot apply here (MoE routing, or --batch-invariant)
+    why, code = ((moe, "decode_path.eager_uncompilable") if config.compile and moe
+                 else ("--compile is off", "decode_path.eager_compile_off"))
+    return Decision("eager", f"eager modules: {why}; no layer kernel: {kernel_why}", code)
 
 
 def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
@@ -196,22 +208,24 @@ def _batch_invariant(config: EngineConfig, model: torch.nn.Module,
     """Whether every row's arithmetic is its own (see the batch_invariant setting)."""
     if not config.quant.batch_invariant:
         return Decision(False, "--no-batch-invariant: kernels chosen by each step's row count, "
-                               "compiled decode and cascade attention allowed")
+                               "compiled decode and cascade attention allowed",
+                        "batch_invariant.off")
     layers = list(model.attention_layers()) if hasattr(model, "attention_layers") else []
     if any(getattr(layer, "softcap", None) is not None for layer in layers):
         return Decision(False, "asked, but this model soft-caps its attention scores (Gemma "
                                "2), which kiln's batch-invariant kernel (attend_rows) does not: "
-                               "its layers attend through PyTorch")
+                               "its layers attend through PyTorch", "batch_invariant.softcap")
     if not layers or not all(getattr(layer.kv, "invariant", False) for layer in layers):
         return Decision(False, "asked, but the batch-invariant attention kernel does not run "
                                "here (it needs kiln's CPU kernels, --cpu-kernels, an fp32/bf16 "
-                               "KV pool in the model dtype)")
+                               "KV pool in the model dtype)", "batch_invariant.no_kernel")
     layer_kernel = ("decode steps run each layer as one call of the same kernels"
                     if kernel_rows else "decode steps run the eager layers (no layer kernel "
                                         "for this model's layers)")
     return Decision(True, "attention row by row in one fixed order (kiln's attend_rows), one "
                           "kernel per quantized layer at every row count; "
-                          f"{layer_kernel}; decode not compiled, no cascade attention")
+                          f"{layer_kernel}; decode not compiled, no cascade attention",
+                    "batch_invariant.on")
 
 
 def _windowed_or_capped(model: torch.nn.Module) -> str:
@@ -229,34 +243,36 @@ def _cascade(model: torch.nn.Module, invariant: bool) -> Decision:
     if invariant:
         return Decision(False, "--batch-invariant: every decode row reads its whole context in "
                                "one order (a shared prefix read once for all rows would merge "
-                               "in another)")
+                               "in another)", "cascade.batch_invariant")
     special = _windowed_or_capped(model)
     if special:
         return Decision(False, f"{special}: each decode row attends over its own context "
                                "(a prefix shared by all rows may lie outside a row's window, "
-                               "and the cascade kernels neither slide nor cap)")
-    return Decision(True, "decode rows sharing a cached prefix attend to it once")
+                               "and the cascade kernels neither slide nor cap)",
+                        "cascade.window_or_softcap")
+    return Decision(True, "decode rows sharing a cached prefix attend to it once", "cascade.on")
 
 
 def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
               device: torch.device, moe: str = "", invariant: bool = False,
               cascade: bool = True) -> Decision:
     if not config.compile:
-        return Decision(False, "--compile is off")
+        return Decision(False, "--compile is off", "compiled.compile_off")
     if moe:
-        return Decision(False, moe)
+        return Decision(False, moe, "compiled.moe")
     if kernel_rows and not buckets:
         return Decision(False, f"decode steps of {_kernel_reach(kernel_rows)} run kiln's layer "
-                               "kernel: nothing to compile")
+                               "kernel: nothing to compile", "compiled.layer_kernel")
     if invariant:
         return Decision(False, "--batch-invariant: inductor's fused decode graphs round "
                                "differently from the eager steps that mix decodes with prefill "
-                               "chunks (and from one batch bucket to another)")
+                               "chunks (and from one batch bucket to another)",
+                        "compiled.batch_invariant")
     if not buckets:
-        return Decision(False, "no batch bucket to compile")
+        return Decision(False, "no batch bucket to compile", "compiled.no_bucket")
     variants = " and their cascade variants" if device.type == "cpu" and cascade else ""
     return Decision(True, f"the decode layer for batch buckets {buckets}{variants}, compiled "
-                          "at startup; prefill and mixed steps run eager")
+                          "at startup; prefill and mixed steps run eager", "compiled.buckets")
 
 
 def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
@@ -264,9 +280,10 @@ def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
 
     quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if not quantized:
-        return Decision(False, "nothing is quantized: the weights are dense already")
+        return Decision(False, "nothing is quantized: the weights are dense already",
+                        "dense_weights.nothing_quantized")
     if not config.quant.dense_weights:
-        return Decision(False, "dense_weights off: quantized weights only")
+        return Decision(False, "dense_weights off: quantized weights only", "dense_weights.off")
     kept = [m for m in quantized if m.dense is not None]
     size = gib(sum(m.dense.numel() * m.dense.element_size() for m in kept))
     skipped = sum(isinstance(m, Int4Linear) and m.kernel == "q4" for m in quantized)
@@ -277,7 +294,7 @@ def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
                  "and keeps none")
     none = "; ".join(r for r, on in ((none_int4, skipped), (none_int8, q8)) if on)
     if not kept:
-        return Decision(False, none or none_int4)
+        return Decision(False, none or none_int4, "dense_weights.kernels_keep_none")
     reason = (f"{len(kept)} of {len(quantized)} quantized linears keep a dense copy ({size}) "
               "for steps of many rows")
-    return Decision(True, reason + (f"; {none}" if none else ""))
+    return Decision(True, reason + (f"; {none}" if none else ""), "dense_weights.kept")

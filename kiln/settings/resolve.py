@@ -39,10 +39,14 @@ class Resolved:
     affects: str
     reason: str = ""
     candidates: list[Candidate] = field(default_factory=list)
+    # Which branch of an auto rule (or which engine decision) chose the value: a stable name
+    # (kiln/settings/rules.py's AutoRule), None where a person or the default set it.
+    code: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "source": self.source, "affects": self.affects,
-                "reason": self.reason}
+        out = {"value": self.value, "source": self.source, "affects": self.affects,
+               "reason": self.reason}
+        return out if self.code is None else {**out, "code": self.code}
 
 
 @dataclass
@@ -60,11 +64,13 @@ class ResolvedSettings:
     def source(self, name: str) -> str:
         return self.values[name].source
 
-    def override(self, name: str, value: Any, reason: str, source: str = "auto") -> None:
-        """A later phase (memory fit, say) changes a value; the reason tells why."""
+    def override(self, name: str, value: Any, reason: str, source: str = "auto",
+                 code: str | None = None) -> None:
+        """A later phase (memory fit, say) changes a value; the reason tells why, the code (where
+        the phase gives one) which decision it was."""
         r = self.values[name]
         r.candidates.append(Candidate(source, value, reason))
-        r.value, r.source, r.reason = value, source, reason
+        r.value, r.source, r.reason, r.code = value, source, reason, code
 
     def as_dict(self) -> dict[str, Any]:
         return {name: r.value for name, r in self.values.items()}
@@ -75,7 +81,7 @@ class ResolvedSettings:
     def trace(self) -> list[dict[str, Any]]:
         return [
             {"setting": r.name, "chosen": r.value, "source": r.source, "reason": r.reason,
-             "candidates": [asdict(c) for c in r.candidates]}
+             "code": r.code, "candidates": [asdict(c) for c in r.candidates]}
             for r in self.values.values()
         ]
 
@@ -137,9 +143,9 @@ def resolve_settings(
                                                                  for c in cands)):
             # An explicit "auto" runs the rule even where the default is a fixed value
             # (--engine auto: the default is kiln).
-            value, reason = s.auto(ctx, chosen)
+            value, reason, code = s.auto(ctx, chosen)
             cands.append(Candidate("auto", value, reason))
-            r = Resolved(s.name, value, "auto", s.affects, reason, cands)
+            r = Resolved(s.name, value, "auto", s.affects, reason, cands, code)
         else:
             cands.append(Candidate("default", s.default))
             r = Resolved(s.name, s.default, "default", s.affects, "kiln's default", cands)
