@@ -454,10 +454,17 @@ struct XTiles {
   int64_t pf = KILN_PF;
 };
 
-// Asks for the cache lines of [p + pf, p + pf + bytes) (pf < 0: nothing)
+// Asks for the cache lines of [p + pf, p + pf + bytes) (pf < 0: nothing): into L1 when pf is
+// the streaming distance (KILN_PF), into L2 when it is the next item (its tiles would evict
+// this item's and the activation rows from L1)
 inline void prefetch_at(const uint8_t* p, int64_t pf, int64_t bytes) {
   if (pf < 0) return;
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + pf + o, _MM_HINT_T0);
+  const char* q = reinterpret_cast<const char*>(p) + pf;
+  if (pf == KILN_PF) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  } else {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T1);
+  }
 }
 
 // An empty asm that takes v and gives it back "changed": the compiler keeps the sums in the
@@ -471,10 +478,13 @@ inline void pin(__m256i& v) { __asm__("" : "+v"(v)); }
 // The tiles' layout is the same: a 512-bit kernel loads the same 32 bytes of two tiles (the
 // second `stride` bytes on) into one vector. Every lane computes what the 256-bit kernel
 // computes for its row, the same integer sums and the same float operations in the same order:
-// the same bits at both widths and at every level. Why: on Zen 4 a 512-bit vpdpbusd issues
-// at the 256-bit one's rate (2 a cycle measured, /tmp microbenchmark: 9.0 G/s either way on
-// one core), so the 512-bit kernels do twice the multiply-adds per instruction, and the tile
-// kernels are bound by instructions, not by memory, beyond one activation row.
+// the same bits at both widths and at every level. Why: beyond one activation row the tile
+// kernels are bound by instructions, not memory, and half of them surround the dot products
+// (the activation broadcasts, the weight decode, the float step), which a pair does once for
+// 16 rows instead of 8. The dot products themselves run at one rate on Zen 4 (one 512-bit
+// vpdpbusd a cycle or two 256-bit ones: 3.6 vs 6.8 G/s on one core, 10 independent chains,
+// /tmp microbenchmark, ~225 G multiply-adds/s either way); CPUs with two 512-bit pipes (Intel
+// Xeon) also double those.
 template <int NT>
 struct Vec;
 
