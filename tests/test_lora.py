@@ -127,8 +127,8 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, 
     from kiln.engine import lora
 
     if form == "torch":
-        monkeypatch.setattr(lora, "_kernel_ok", lambda device, dtype: False)
-    elif not lora._kernel_ok(torch.device("cpu"), torch.float32):
+        monkeypatch.setattr(lora, "kernel_ok", lambda device, dtype: False)
+    elif not lora.kernel_ok(torch.device("cpu"), torch.float32):
         pytest.skip("kiln's CPU kernels do not run on this CPU (no x86 AVX2)")
     base_dir, paths, ref = tiny
     eng = tiny_engine(base_dir, paths)

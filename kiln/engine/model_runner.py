@@ -31,6 +31,7 @@ from kiln.engine.scheduler import ScheduledRequest
 from kiln.engine.spec import sample_with_drafts
 from kiln.errors import ConfigError, DeviceError
 from kiln.i18n import msg
+from kiln.layers import lora as lora_layer
 from kiln.layers.attention import (
     INT8_SCALE_DTYPE,
     AttentionMetadata,
@@ -356,7 +357,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             marks["prepare"] = t1 - t0
         set_context(meta)
-        lora.set_step(lora_step)
+        lora_layer.set_step(lora_step)
         try:
             if kernel:
                 hidden = self.model(input_ids, positions, layer_call=kernel_layer_call)
@@ -366,7 +367,7 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         finally:
             set_context(None)
-            lora.set_step(None)
+            lora_layer.set_step(None)
         if marks is not None:
             self._sync()
             t2 = time.perf_counter()

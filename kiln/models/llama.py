@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.engine import lora
+from kiln.layers import lora
 from kiln.layers.attention import Attention, get_context
 from kiln.layers.kernels import ops
 from kiln.layers.linear import Linear, MergedLinear, TiedLMHead
