@@ -11,7 +11,7 @@
 //                     byte j = q[j] | q[j + 16] << 4 (llama.cpp's Q4_0 order)
 //     bytes 128..143  fp16 scale of rows 0..7
 //     bytes 144..159  fp16 min of rows 0..7
-//   (rows past N are zero padding; ops.pack_q4 writes it, ops.unpack_q4 reads it back)
+//   (rows past N are zero padding; reference.pack_q4 writes it, reference.unpack_q4 reads it back)
 //
 // Activations are quantized the llama.cpp way (Q8_0): per row and group of 32, one fp32 scale
 // d = amax / 127 and int8 codes round(x / d). A group's dot product is then
@@ -88,7 +88,8 @@ struct QRows {
 // One tile (8 output rows, all G groups of its blocks at w) against MB activation rows
 // (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m.
 template <int MB>
-inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m256* out) {
+inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m256* out,
+                     int64_t pf = KILN_PF) {
   const int64_t G = xs.G;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -106,7 +107,7 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = w + g * kBlockBytes;
-    prefetch_ahead(b, kBlockBytes);
+    prefetch_at(b, pf, kBlockBytes);
     __m256i lo[4], hi[4];
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * p));
@@ -148,15 +149,18 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   for (int m = 0; m < MB; ++m) out[m] = _mm256_add_ps(acc[m], accm[m]);
 }
 
-// A tile against any number of activation rows, in register blocks of up to 4.
+// A tile against any number of activation rows, in register blocks of up to 4; next: the
+// distance to the tile the caller runs next (0: unknown), prefetched by the second block
+// (simd.h's pass_prefetch).
 inline void tile_rows(const uint8_t* w, const QRows& xs, const int64_t* rows, int64_t n,
-                      __m256* out) {
+                      __m256* out, int64_t next = 0) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) tile_dot<4>(w, xs, rows + i, out + i);
+  for (; i + 4 <= n; i += 4) tile_dot<4>(w, xs, rows + i, out + i, pass_prefetch(i / 4, next));
+  const int64_t pf = pass_prefetch(static_cast<int>(i / 4), next);
   switch (n - i) {
-    case 3: tile_dot<3>(w, xs, rows + i, out + i); break;
-    case 2: tile_dot<2>(w, xs, rows + i, out + i); break;
-    case 1: tile_dot<1>(w, xs, rows + i, out + i); break;
+    case 3: tile_dot<3>(w, xs, rows + i, out + i, pf); break;
+    case 2: tile_dot<2>(w, xs, rows + i, out + i, pf); break;
+    case 1: tile_dot<1>(w, xs, rows + i, out + i, pf); break;
     default: break;
   }
 }
@@ -197,7 +201,7 @@ inline void q4_tiles_omp(const uint8_t* w, int64_t tile_bytes, int64_t NT, const
   for (int64_t item = 0; item < NT * chunks; ++item) {
     const int64_t t = item % NT, c = item / NT;
     const int64_t r0 = c * kRowChunk, nr = std::min(kRowChunk, M - r0);
-    tile_rows(w + t * tile_bytes, xs, rows + r0, nr, out);
+    tile_rows(w + t * tile_bytes, xs, rows + r0, nr, out, tile_bytes);
     const int64_t valid = std::min(kTile, n - t * kTile), col = t * kTile;
     for (int64_t m = 0; m < nr; ++m)
       store_tile(y + (r0 + m) * n + col, out[m], valid, bias ? bias + col : nullptr,
@@ -393,8 +397,8 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
     for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
       const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
       for (int64_t m = 0; m < nr; ++m) rows[m] = pl.token_of[r0 + m];
-      tile_rows(we + j * mw.w13_tile, xs, rows, nr, g);
-      tile_rows(we + (it1 + j) * mw.w13_tile, xs, rows, nr, u);
+      tile_rows(we + j * mw.w13_tile, xs, rows, nr, g, mw.w13_tile);
+      tile_rows(we + (it1 + j) * mw.w13_tile, xs, rows, nr, u, mw.w13_tile);
       for (int64_t m = 0; m < nr; ++m)
         _mm256_storeu_ps(h + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
     }
@@ -408,7 +412,7 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
     const uint8_t* we = mw.w2 + e * mw.w2_expert + j * mw.w2_tile;
     for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
       const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
-      tile_rows(we, hs, pl.pair_rows.data() + r0, nr, g);
+      tile_rows(we, hs, pl.pair_rows.data() + r0, nr, g, mw.w2_tile);
       for (int64_t m = 0; m < nr; ++m)
         _mm256_storeu_ps(o + (r0 + m) * H + j * kTile,
                          _mm256_mul_ps(g[m], _mm256_set1_ps(pl.weight_of[r0 + m])));

@@ -449,23 +449,9 @@ struct XTiles {
   const int32_t* is;
   const int32_t* h;
   int64_t K, G;
-  // where the kernel's prefetches point, in bytes past the weights it reads (-1: none); see
-  // kq_linear_impl's passes
-  int64_t pf = KILN_PF;
+  int64_t pf = KILN_PF;  // where the kernel's prefetches point (simd.h's pass_prefetch)
 };
 
-// Asks for the cache lines of [p + pf, p + pf + bytes) (pf < 0: nothing): into L1 when pf is
-// the streaming distance (KILN_PF), into L2 when it is the next item (its tiles would evict
-// this item's and the activation rows from L1)
-inline void prefetch_at(const uint8_t* p, int64_t pf, int64_t bytes) {
-  if (pf < 0) return;
-  const char* q = reinterpret_cast<const char*>(p) + pf;
-  if (pf == KILN_PF) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
-  } else {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T1);
-  }
-}
 
 // An empty asm that takes v and gives it back "changed": the compiler keeps the sums in the
 // order written. Without it GCC moved every product of a group ahead of the first addition
@@ -1053,12 +1039,7 @@ at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntAr
         for (int64_t m = m0; m < m0 + mn; m += kTileRows) {
           const int mb = static_cast<int>(std::min<int64_t>(kTileRows, m0 + mn - m));
           const XRow x0 = xrow(p.slot, m);
-          // The first pass over the item's rows streams its tiles (prefetching KILN_PF ahead);
-          // the second, whose weights are in cache, prefetches the next item's, so that memory
-          // keeps streaming while the dot products run; later passes ask for nothing. Without
-          // it a 16-row step read each tile, then computed on it with the memory idle: Qwen2.5-
-          // 0.5B's 9728 x 896 Q5_0 at 16 rows, 2 threads, 477 us from L3 but 836 from DRAM.
-          const int64_t pf = m == m0 ? KILN_PF : (m == m0 + kTileRows ? step : -1);
+          const int64_t pf = pass_prefetch(static_cast<int>((m - m0) / kTileRows), step);
           const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G, pf};
           alignas(64) float tmp[kTile * kMaxTiles];
           auto store = [&](int i) {

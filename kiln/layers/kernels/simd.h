@@ -109,6 +109,26 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + KILN_PF + o, _MM_HINT_T0);
 }
 
+// A tile kernel's prefetches when an item runs several passes of activation rows over its
+// tiles: the first pass streams them (pf = KILN_PF ahead, into L1), the second, its tiles in
+// cache, asks for the next item's (pf = the distance to them, into L2: in L1 they would evict
+// this item's tiles and the activation rows), later passes for nothing (pf < 0). Without it an
+// item read its tiles and then computed with the memory idle: Qwen2.5-Coder-0.5B's GGUF
+// linears at 16 rows, 2 threads, 49.5-56.6 -> 33.1-37.4 ms a step (Zen 4).
+inline int64_t pass_prefetch(int pass, int64_t next) {
+  return pass == 0 ? KILN_PF : (pass == 1 && next > 0 ? next : -1);
+}
+// Asks for the cache lines of [p + pf, p + pf + bytes) as pass_prefetch chose (pf < 0: none)
+inline void prefetch_at(const void* p, int64_t pf, int64_t bytes) {
+  if (pf < 0) return;
+  const char* q = static_cast<const char*>(p) + pf;
+  if (pf == KILN_PF) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  } else {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T1);
+  }
+}
+
 // The one activation quantizer (llama.cpp's Q8_0 / Q8_K forms): x [K] -> int8 codes q [K] with
 // one d = amax / 127 per span of `span` values (32, or 256 for the K-quants' super-blocks),
 // codes round(x * 127 / amax) (half to even). Per group g of 32, each output where asked
