@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kiln.layers import kquant
+from kiln.layers import kernels, kquant
 from kiln.layers.kernels import ops, reference
 from kiln.layers.quant import quantize_int4_groups
 
@@ -90,7 +90,7 @@ def main() -> None:
     if args.model:
         whole_model(args.model, args.rounds, args.json)
         return
-    assert kquant.available(), "needs kiln's CPU kernels"
+    assert kernels.available(), "needs kiln's CPU kernels"
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     layers = []

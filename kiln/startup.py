@@ -21,7 +21,6 @@ from kiln.errors import ConfigError, KilnError, ModelNotFoundError
 from kiln.i18n import english, msg, set_lang
 from kiln.kinds import AUDIO_FORMATS
 from kiln.layers.kernels import isa as kernel_isa
-from kiln.layers.kernels.flags import flags_amx
 from kiln.paths import check_cache_dir_writable
 from kiln.resolve import ferrum, parallel, speculative
 from kiln.settings import sources as S
@@ -164,7 +163,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         is_moe=parallel.model_is_moe(entry, mc),
         model_quant=sp.source.quant or (mc.quantization if mc else None),
         numa_nodes=hw.numa_nodes,
-        cpu_amx=flags_amx(hw.cpu_flags),  # kt-kernel's AMX: the test check_kt makes
+        cpu_amx=hw.cpu_amx,  # kt-kernel's AMX: the test check_kt makes
         cpu_kernels=kernel_isa.cpu_has_avx2(),
         model_kind=model_kind,
         model_names=served_names(sp.source),

@@ -5,6 +5,7 @@ the layer kernel or the eager modules, and the cut that keeps CPU-flag reads in 
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -102,6 +103,15 @@ def test_the_chooser_names_the_level_and_says_why_not(kernel_level):
     odd = choose_linear_kernel("int4", cpu, 64, 128, group_size=64)
     assert odd.kernel == "reference" and "groups of 64" in odd.why
     assert choose_linear_kernel("gguf", cpu, 64, 256).kernel == "gguf"
+    from kiln.layers.kernels.choose import choose_cpu_kernels, choose_lora_kernel
+
+    lora = choose_lora_kernel(cpu, torch.float32)
+    assert lora.kernel == "lora_add" and lora.kiln and f"at {kernel_level}" in lora.why
+    assert choose_lora_kernel(cpu, torch.bfloat16).why.startswith("lora_add: torch.bfloat16")
+    assert not choose_lora_kernel(torch.device("meta"), torch.float32).kiln
+    whole = choose_cpu_kernels(cpu)
+    assert whole.kiln and f"at {kernel_level}" in whole.why
+    assert choose_cpu_kernels(cpu, use_kernels=False).why.startswith("--no-cpu-kernels")
 
 
 def test_cpu_isa_above_what_runs_is_refused_with_what_does():
@@ -235,25 +245,112 @@ def test_int4_engine_decodes_with_the_layer_kernel_graphs_or_eager_alike(tmp_pat
     assert same / total >= 0.8, f"{same}/{total}"
 
 
-# The cut this layer keeps: no module outside it reads CPU flags to choose a kernel or asks a
-# library whether it loaded. hardware.py is the probe's /proc reader (it lists the flags it
-# reports); everything that interprets them calls kiln.layers.kernels.isa.
-_FLAG_READ = re.compile(r"has_flag\(|cpu_flags\(\)|['\"](avx|amx)[a-z0-9_]*['\"]|"
-                        r"torch\.(ops|classes)\.kiln_|(?<!is)_available\(\)")
-_ALLOWED = {"kiln/resolve/hardware.py"}
+# The cut this layer keeps: no module outside it reads CPU flags or asks a kernel library whether
+# it loaded; they ask the choosers (kiln.layers.kernels.choose) or the probe's answers
+# (kiln.layers.kernels.isa, HardwareInfo's properties). hardware.py is the probe's /proc reader.
+_PROBE = "resolve/hardware.py"  # under the package
+_LIBRARY_CHECKS = {"available", "library", "runnable_levels"}
+# flag names as /proc/cpuinfo spells them; the bare level names ("avx512", "avx2": --cpu-isa's
+# values) are not here, a comparison with the flags themselves is caught as a flag read
+_FLAG_NAME = re.compile(r"(avx512[a-z0-9]*_?[a-z0-9_]+|amx_[a-z0-9_]+|avx_vnni[a-z0-9_]*|fma|f16c)")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def kernel_layer_leaks(root: Path, package: str = "kiln") -> list[str]:
+    """"path:line: what" for each CPU-flag read or kernel-library check in `package` outside
+    its layers/kernels/ and the hardware probe."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(f"{package}/layers/kernels/") or rel == f"{package}/{_PROBE}":
+            continue
+        tree = ast.parse(path.read_text(), filename=rel)
+        docs = _docstrings(tree)
+        from_kernels: set[str] = set()  # names this module imported from the kernel layer
+        shown: set[int] = set()  # `", ".join(hw.cpu_flags)`: the flags printed, not read
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    f"{package}.layers.kernels"):
+                from_kernels |= {a.asname or a.name for a in node.names}
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "join"):
+                shown |= {id(a) for a in node.args}
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name in _LIBRARY_CHECKS and (isinstance(f, ast.Attribute) or name in from_kernels):
+                    what = f"asks whether a kernel library loaded ({name}())"
+                elif name == "cpu_flags" or (name.startswith("flags_") and (
+                        isinstance(f, ast.Attribute) or name in from_kernels)):
+                    what = f"reads CPU flags ({name}())"
+                elif (name == "getattr" and node.args and isinstance(node.args[0], ast.Attribute)
+                      and node.args[0].attr in ("ops", "classes")):
+                    what = "looks a kernel library up in torch.ops"
+            elif isinstance(node, ast.Attribute):
+                if node.attr.startswith("kiln_") and isinstance(node.value, ast.Attribute) and \
+                        node.value.attr in ("ops", "classes"):
+                    what = f"reaches a kernel library (torch.{node.value.attr}.{node.attr})"
+                elif node.attr == "cpu_flags" and id(node) not in shown:
+                    what = "reads CPU flags (.cpu_flags)"
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and id(node) not in docs):
+                if node.value.strip("/") in ("cpuinfo", "proc/cpuinfo"):
+                    what = "reads /proc/cpuinfo"
+                elif _FLAG_NAME.fullmatch(node.value):
+                    what = f"names a CPU flag ({node.value!r})"
+            if what:
+                found.append(f"{rel}:{node.lineno}: {what}")
+    return found
 
 
 def test_no_cpu_flag_read_or_library_check_outside_the_kernel_layer():
-    offenders = []
-    for path in sorted((ROOT / "kiln").rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("kiln/layers/kernels/") or rel in _ALLOWED:
-            continue
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0]
-            if _FLAG_READ.search(code) and "--cpu-isa" not in code and "choices=" not in code:
-                offenders.append(f"{rel}:{i}: {line.strip()}")
-    assert offenders == []
+    assert kernel_layer_leaks(ROOT) == []
+
+
+def test_a_flag_read_or_library_check_outside_the_kernel_layer_is_named(tmp_path):
+    """The check above finds each form, by file and line, and lets the kernel layer, the
+    probe, docstrings and printed flags be."""
+    files = {
+        "pkg/layers/kernels/isa.py": "def f(hw):\n    return 'avx512f' in hw.cpu_flags\n",
+        "pkg/resolve/hardware.py": "P = 'proc/cpuinfo'\n",
+        "pkg/ok.py": ('"""reads avx512_vnni from /proc/cpuinfo"""\n'
+                      "def show(hw):\n    return ' '.join(hw.cpu_flags), 'avx512', 'avx2'\n"),
+        "pkg/a.py": ("from pkg.layers import kernels\n"
+                     "from pkg.layers.kernels.build import library\n"
+                     "from pkg.layers.kernels.flags import flags_amx\n"
+                     "import torch\n"
+                     "def f(hw):\n"
+                     "    x = kernels.available()\n"
+                     "    y = library('avx2')\n"
+                     "    z = flags_amx(hw.flags)\n"
+                     "    return torch.ops.kiln_avx2, getattr(torch.ops, 'k'), 'amx_tile'\n"),
+        "pkg/b.py": "def g(hw):\n    return 'avx2' in hw.cpu_flags or open('/proc/cpuinfo')\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    got = sorted(kernel_layer_leaks(tmp_path, "pkg"))
+    assert got == sorted([
+        "pkg/a.py:6: asks whether a kernel library loaded (available())",
+        "pkg/a.py:7: asks whether a kernel library loaded (library())",
+        "pkg/a.py:8: reads CPU flags (flags_amx())",
+        "pkg/a.py:9: reaches a kernel library (torch.ops.kiln_avx2)",
+        "pkg/a.py:9: looks a kernel library up in torch.ops",
+        "pkg/a.py:9: names a CPU flag ('amx_tile')",
+        "pkg/b.py:2: reads CPU flags (.cpu_flags)",
+        "pkg/b.py:2: reads /proc/cpuinfo",
+    ])
 
 
 def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_level):

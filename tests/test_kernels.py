@@ -366,9 +366,9 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind,
     the tile stores); the o projection has a bias. `chunk`: rows 1 and 2 are two tokens of one
     prefill chunk (one table row, consecutive positions: row 2 attends to the key row 1 writes
     in this call). `pool_dtype`: the K/V pool's (fp16: written rounded, read converted)."""
-    from kiln.layers import kquant
+    from kiln.layers import kernels, kquant
 
-    if not kquant.available():
+    if not kernels.available():
         pytest.skip("no GGUF-block kernels here")
     g = torch.Generator().manual_seed(1)
     b, h, hq, hk, d, inter, s, ctx = 3, 128, 4, 2, 32, 96, 64, 20
@@ -422,9 +422,9 @@ def test_decode_stack_is_decode_layer_layer_after_layer():
     decode_layer called once per layer: the same output and pools, bit for bit. Layer 0 is all
     q4 with a qkv bias (the one-region path), layer 1 has a GGUF Q8_0 down projection (the
     general path); each layer writes its own pools."""
-    from kiln.layers import kquant
+    from kiln.layers import kernels, kquant
 
-    if not kquant.available():
+    if not kernels.available():
         pytest.skip("no GGUF-block kernels here")
     g = torch.Generator().manual_seed(3)
     b, h, hq, hk, d, inter, s, ctx = 2, 128, 4, 2, 32, 96, 48, 11

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
+from kiln.layers.kernels.choose import Choice
 from kiln.sampling_params import SamplingParams
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -127,8 +128,9 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft_logits(tiny, form, 
     from kiln.engine import lora
 
     if form == "torch":
-        monkeypatch.setattr(lora, "kernel_ok", lambda device, dtype: False)
-    elif not lora.kernel_ok(torch.device("cpu"), torch.float32):
+        monkeypatch.setattr(lora, "choose_lora_kernel",
+                            lambda device, dtype: Choice("torch", ("the test's torch form",)))
+    elif not lora.choose_lora_kernel(torch.device("cpu"), torch.float32).kiln:
         pytest.skip("kiln's CPU kernels do not run on this CPU (no x86 AVX2)")
     base_dir, paths, ref = tiny
     eng = tiny_engine(base_dir, paths)

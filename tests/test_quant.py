@@ -235,16 +235,15 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     kinds = {type(m) for m in quantized_layers}
     # the tied Q8_0 embedding: where kiln's GGUF-block kernels are built the head runs on the
     # file's blocks (kiln.layers.kquant, nothing re-rounded), else on int8 rows
-    from kiln.layers import kquant
+    from kiln.layers import kernels, kquant
     head = model.lm_head
-    if kquant.available():
+    if kernels.available():
         assert isinstance(head, kquant.KQuantLinear) and head.type_names == ["Q8_0"]
         assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear})
     else:
         assert isinstance(head, Int8Linear)
         assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear, Int8Linear})
     # Where kiln's kernels run every int4 layer runs q4_linear.
-    from kiln.layers import kernels
     assert all(m.kernel == "q4" for m in quantized_layers
                if isinstance(m, Int4Linear)) == kernels.available()
     fp32_bytes = smollm2_runner.weight_bytes

@@ -190,7 +190,7 @@ def test_head_rows_give_the_whole_heads_first_logits():
     """kiln.layers.quantize.head_rows on each head layout: the cut head's logits are the
     whole head's first n (the same storage, the same kernel); a cut inside a tile of rows is
     refused (None)."""
-    from kiln.layers import kquant
+    from kiln.layers import kernels, kquant
     from kiln.layers.kernels import reference
     from kiln.layers.linear import Linear
     from kiln.layers.quant import Int8Linear
@@ -202,7 +202,7 @@ def test_head_rows_give_the_whole_heads_first_logits():
     lin = Linear(256, 96)
     lin.weight.data.copy_(w)
     heads.append(lin)
-    if kquant.available():
+    if kernels.available():
         heads.append(kquant.KQuantLinear([reference.random_blocks(96, 256, "Q8_0", g)], None,
                                          torch.float32))
     x = torch.randn(3, 256, generator=g)
@@ -211,7 +211,7 @@ def test_head_rows_give_the_whole_heads_first_logits():
         assert cut is not None, type(head).__name__
         torch.testing.assert_close(cut(x), head(x)[:, :48], rtol=1e-6, atol=1e-5)
         assert head_rows(head, 96) is None
-    if kquant.available():
+    if kernels.available():
         assert head_rows(heads[-1], 44) is None  # inside a tile of 8 rows
 
 

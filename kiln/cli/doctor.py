@@ -80,9 +80,7 @@ def _hardware_checks(hw: Any) -> list[Check]:
     if hw.usable_cores < hw.logical_cores:
         cores = join([cores, msg("doctor.cores_usable", usable=hw.usable_cores)])
     detail = join([hw.cpu_model, ": ", cores, "; ", flags])
-    from kiln.layers.kernels.flags import flags_avx2
-
-    no_avx2 = hw.machine in ("x86_64", "AMD64") and not flags_avx2(hw.cpu_flags)
+    no_avx2 = hw.machine in ("x86_64", "AMD64") and not hw.cpu_avx2
     out.append(_check("cpu", no_avx2, detail, msg("doctor.cpu_no_avx2", detail=detail),
                       msg("doctor.cpu_no_avx2.fix")))
     dtypes = supported_dtypes("cpu", hw)

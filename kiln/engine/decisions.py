@@ -62,9 +62,11 @@ def choose_kv_cache_dtype(config: EngineConfig, device: torch.device,
     MLA's values are the keys' first columns): it falls back to the model dtype, saying so."""
     name = config.cache.kv_cache_dtype
     if name == "auto":
-        from kiln.layers import kernels
+        from kiln.layers.kernels.choose import choose_cpu_kernels
 
-        ctx = AutoContext(cpu_kernels=kernels.available())
+        # the rule reads cpu_kernels on a CPU only; there, as before, whether kiln's kernels
+        # run at all (--no-cpu-kernels is not asked: the KV dtype does not follow it)
+        ctx = AutoContext(cpu_kernels=choose_cpu_kernels(device).kiln)
         value, reason, code = auto_kv_cache_dtype(ctx, {
             "dtype": config.dtype, "device": device.type, "quantization": config.quant.method})
         name, decided = value, Decision(value, reason, code)

@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from kiln.errors import KilnError
-from kiln.layers.lora import LoRAStep, TargetHook, kernel_ok
+from kiln.layers.kernels.choose import choose_lora_kernel
+from kiln.layers.lora import LoRAStep, TargetHook
 
 # Checkpoint module names an adapter may target (the Llama family's linears, which every dense
 # decoder kiln runs shares). Others (embeddings, lm_head, MoE experts) are refused by name.
@@ -192,7 +193,7 @@ class LoRAManager:
         self._next_id = 1
         self._slot_of: dict[int, int] = {}  # adapter id -> slot
         # whether the adapters are added by lora_add (so the layer kernel can add them)
-        self.kernel = kernel_ok(device, dtype)
+        self.kernel = choose_lora_kernel(device, dtype).kiln
 
     def id_of(self, name: str) -> int:
         a = self.adapters.get(name)

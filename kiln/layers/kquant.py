@@ -36,10 +36,6 @@ from kiln.layers.quant import QuantizedLinear
 EMBED_TYPES = {"Q4_0", "Q4_1", *KQUANT_TYPES}
 
 
-def available() -> bool:
-    return kernels.available()
-
-
 def _lib():
     return kernels.lib()
 

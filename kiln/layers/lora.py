@@ -55,17 +55,6 @@ def set_step(step: LoRAStep | None) -> None:
     _STEP = step
 
 
-def kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the target linears add their adapters with kiln's CPU kernel (lora_add in
-    kiln/layers/kernels/kernels.cpp): fp32 activations where kiln's kernels run; else PyTorch's
-    matmuls, two per group of rows."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return False
-    from kiln.layers import kernels
-
-    return kernels.available()
-
-
 @dataclass
 class Stacked:
     """A target linear's adapters laid out for lora_add (see kiln/layers/kernels/kernels.cpp)."""

@@ -367,9 +367,11 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     keep_blocks = (quantization != "none" and quant.gguf_kernels and cpu_kernels
                    and ckpt.format == "gguf" and torch.device(device).type == "cpu")
     if keep_blocks:
-        from kiln.layers import kquant
+        from kiln.layers.kernels.choose import choose_linear_kernel
 
-        keep_blocks = kquant.available()
+        # the shape does not matter: kq_linear takes every GGUF matrix where it runs at all
+        keep_blocks = choose_linear_kernel("gguf", torch.device(device), 0, 0,
+                                           use_kernels=cpu_kernels).kiln
     load_weights(model, ckpt, progress=progress, keep_4bit=quantization != "none",
                  keep_blocks=keep_blocks,
                  quantize_experts=(quantization, cpu_kernels) if quantization != "none" else None)

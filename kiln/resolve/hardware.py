@@ -112,6 +112,21 @@ class HardwareInfo:
 
         return flags_native_bf16(self.cpu_flags)
 
+    @property
+    def cpu_amx(self) -> bool:
+        """The CPU says it has AMX tiles (kt-kernel's AMX methods; whether the OS grants them
+        is kiln.layers.kernels.isa.amx_granted's question, asked of this machine only)."""
+        from kiln.layers.kernels.flags import flags_amx
+
+        return flags_amx(self.cpu_flags)
+
+    @property
+    def cpu_avx2(self) -> bool:
+        """The CPU has the instructions of kiln's lowest kernel level (AVX2 + FMA + F16C)."""
+        from kiln.layers.kernels.flags import flags_avx2
+
+        return flags_avx2(self.cpu_flags)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["gpus"] = [g.to_dict() for g in self.gpus]

@@ -10,7 +10,7 @@ from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.i18n import msg
-from kiln.layers.kernels.flags import AMX_FLAGS, flags_amx
+from kiln.layers.kernels.flags import AMX_FLAGS
 from kiln.settings.resolve import ResolvedSettings
 from kiln.settings.rules import GiB
 
@@ -90,7 +90,7 @@ def check_kt(s: ResolvedSettings, sp: Any, hw: Any) -> None:
                    "kt-cli's default: no converted weights given, so kt-kernel reads the "
                    "experts from the model folder")
     method = str(s.get("kt_method") or "").upper()
-    if method.startswith("AMX") and not flags_amx(hw.cpu_flags):
+    if method.startswith("AMX") and not hw.cpu_amx:
         how = (msg("startup.kt_default_method") if s.source("kt_method") == "auto"
                else s.source("kt_method"))
         raise ConfigError(

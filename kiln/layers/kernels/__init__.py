@@ -10,7 +10,8 @@ here, whether a kernel runs.
                 each checked against reference.py before use
     ops.py      q4_linear, moe_q4, attend_rows, q8_linear, lora_add, rms_norm, rope_write,
                 silu_mul, decode_layer, decode_stack (+ kiln/layers/kquant.py: kq_linear)
-    choose.py   choose_linear_kernel / choose_attention_kernel -> (kernel, reasons)
+    choose.py   choose_linear_kernel / choose_attention_kernel / choose_lora_kernel /
+                choose_cpu_kernels -> (kernel, reasons)
     threads.py  the thread governor: fewer compute threads while other processes hold CPUs
 
 The process runs one level at a time (`select`, from --cpu-isa at startup; `auto`: the best

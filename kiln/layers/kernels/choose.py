@@ -1,7 +1,9 @@
 """One chooser per layer kind: which kernel runs it, and why (vLLM's choose_mp_linear_kernel:
 an ordered list of candidates, each saying whether it can run this layer and, if not, why).
 The modules call these at construction; `summary` gathers a model's choices for the decision
-trace (RuntimeDecisions.cpu_kernels).
+trace (RuntimeDecisions.cpu_kernels). Outside kiln/layers/kernels/ nothing else asks whether a
+kernel library loaded (tests/test_kernel_layer.py holds the rest of kiln to that): the loader
+(GGUF blocks kept or not), the LoRA registry and the KV-dtype rule's context ask here.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from kiln.layers import kernels
 
 # The names of kiln's own kernels (at the selected ISA level); every other Choice.kernel is a
 # fallback (PyTorch's ops, the reference form).
-OWN_KERNEL_NAMES = ("q4", "gguf", "q8", "attend_rows")
+OWN_KERNEL_NAMES = ("q4", "gguf", "q8", "attend_rows", "lora_add", "kiln")
 
 
 @dataclass(frozen=True)
 class Choice:
-    kernel: str  # "q4" | "gguf" | "q8" | "attend_rows" | "torch-int4" | "torch-int8" | "torch" | "reference"
+    # "q4" | "gguf" | "q8" | "attend_rows" | "lora_add" | "kiln" (choose_cpu_kernels: the set as
+    # a whole) | "torch-int4" | "torch-int8" | "torch" | "reference"
+    kernel: str
     reasons: tuple[str, ...]  # why this one, after why not each better candidate
 
     @property
@@ -103,6 +107,31 @@ def choose_attention_kernel(*, invariant: bool, use_kernels: bool, device: torch
         if not ok:
             return Choice("torch", (f"attend_rows: {why}",))
     return Choice("attend_rows", (_ran("attend_rows (batch-invariant)"),))
+
+
+def choose_cpu_kernels(device: torch.device, use_kernels: bool = True) -> Choice:
+    """Whether kiln's kernels run a model on `device` here at all ("kiln", naming the ISA level
+    and why it was chosen) or PyTorch's paths do ("torch", saying why): the auto rules'
+    `cpu_kernels` context (the KV dtype rule) reads this."""
+    why = _kiln_why_not(device, use_kernels)
+    if why is None:
+        return Choice("kiln", (f"kiln's kernels at {kernels.level()}: {kernels.reason()}",))
+    return Choice("torch", (why, "PyTorch's paths"))
+
+
+def choose_lora_kernel(device: torch.device, dtype: torch.dtype) -> Choice:
+    """How the LoRA target linears add their adapters: lora_add (kiln/layers/kernels/kernels.cpp,
+    one call per linear) for fp32 activations where kiln's kernels run, else PyTorch's matmuls,
+    two per group of rows."""
+    # the dtype first: asking whether the kernels run chooses (and may build) a level, which a
+    # bf16 engine never needs (_kiln_why_not refuses a GPU before it asks)
+    if device.type == "cpu" and dtype != torch.float32:
+        why = f"{dtype} activations (it reads fp32)"
+    else:
+        why = _kiln_why_not(device, True)
+    if why is None:
+        return Choice("lora_add", (_ran("lora_add"),))
+    return Choice("torch", (f"lora_add: {why}", "PyTorch's matmuls, two per group of rows"))
 
 
 def summary(model: torch.nn.Module) -> tuple[str, str]:
