@@ -25,6 +25,16 @@ sessions' work meanwhile (load average 2-5), which moved the plain rule's own th
     sequence-fit-policy full-input-must-fit
                                          1.09  0.92  1.06   0.48  0.51  1.83   2.29  2.59  0.37
 
+Measured again on the quiet machine (2026-12-06 11:21, nothing else running, same load, 48
+requests per arm, absolute values):
+
+    knob (--...)                              TTFT p50  p99     short p50 / p99   long p50 / p99   tok/s
+    plain rule                                1.31 s  3.39 s    1.15 / 3.39       1.74 / 3.23      121.5
+    scheduler-prefill-step-chunk 128          0.57    3.06      0.34 / 2.97       2.44 / 3.12      121.4
+    scheduler-active-decode-prefill-chunk 64  1.82    4.45      1.81 / 1.96       1.89 / 4.81      100.3
+    scheduler-prefill-first-until-active 8    1.30    3.12      1.25 / 3.13       1.51 / 3.00      122.1
+    sequence-fit-policy full-input-must-fit   1.24    3.49      1.24 / 1.80       1.45 / 3.77      113.4
+
 What holds in every pass: a per-request prefill chunk halves the short prompts' TTFT (p50 0.4-0.9 s
 against 0.9-2.7 s) and lengthens the long ones' (1.6-1.8x), throughput within 10%; capping the
 prefill of decoding steps at 64 tokens raises TTFT 1.4-1.8x and never raises throughput;
