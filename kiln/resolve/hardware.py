@@ -46,6 +46,14 @@ _GIB = 1024**3
 _MIB = 1024**2
 
 
+def _flags() -> Any:
+    """What the CPU flags mean (kiln/layers/kernels/flags.py), imported when asked: importing it
+    runs kiln.layers.kernels' package, whose ISA probe imports this module."""
+    from kiln.layers.kernels import flags
+
+    return flags
+
+
 @dataclass
 class GPUInfo:
     index: int
@@ -108,24 +116,18 @@ class HardwareInfo:
     @property
     def cpu_native_bf16(self) -> bool:
         """bf16 matmuls run in hardware (AVX512-BF16, AMX, or ARMv8.6 BF16), not by conversion."""
-        from kiln.layers.kernels.flags import flags_native_bf16
-
-        return flags_native_bf16(self.cpu_flags)
+        return _flags().flags_native_bf16(self.cpu_flags)
 
     @property
     def cpu_amx(self) -> bool:
         """The CPU says it has AMX tiles (kt-kernel's AMX methods; whether the OS grants them
         is kiln.layers.kernels.isa.amx_granted's question, asked of this machine only)."""
-        from kiln.layers.kernels.flags import flags_amx
-
-        return flags_amx(self.cpu_flags)
+        return _flags().flags_amx(self.cpu_flags)
 
     @property
     def cpu_avx2(self) -> bool:
         """The CPU has the instructions of kiln's lowest kernel level (AVX2 + FMA + F16C)."""
-        from kiln.layers.kernels.flags import flags_avx2
-
-        return flags_avx2(self.cpu_flags)
+        return _flags().flags_avx2(self.cpu_flags)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -510,9 +512,7 @@ def _cpu_bf16_reasonable(hw: HardwareInfo | None) -> bool:
     # slower than plain fp32; with AVX512F oneDNN has fast bf16 paths, with AVX512-BF16/AMX native.
     if hw is None:
         return True
-    from kiln.layers.kernels.flags import flags_fast_bf16
-
-    return flags_fast_bf16(hw.cpu_flags)
+    return _flags().flags_fast_bf16(hw.cpu_flags)
 
 
 def supported_dtypes(device: str, hw: HardwareInfo | None = None) -> list[str]:

@@ -634,14 +634,6 @@ inline void pv_n(int nq, const float* const* e, const T* const* vp, int64_t jb, 
 
 // The body, run by every thread of an enclosing parallel region of `nt` threads (an orphaned
 // `omp for`, implicit barrier at its end); attend_rows_impl opens the region.
-// Asks for one pool row's n elements (T: float or Half) into the cache level kHint names
-template <int kHint, typename T>
-inline void prefetch_row(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 64)
-    _mm_prefetch(c + o, static_cast<_mm_hint>(kHint));
-}
-
 template <typename T>
 void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* table,
                      const int64_t* row_of, const int64_t* lens, float* out, int64_t Tn,
@@ -699,8 +691,9 @@ void attend_rows_omp(const float* q, const T* k, const T* v, const int64_t* tabl
         if (r == 0)  // a tile's rows share their keys: once
           for (int kk = 0; kk < kScoreKeys; ++kk) {
             if (j + kAttnAhead + kk < n)
-              prefetch_row<_MM_HINT_T0>(k + (slots[j + kAttnAhead + kk] * Hk + kh) * D, D);
-            if (j + kk < n) prefetch_row<_MM_HINT_T1>(v + slots[j + kk] * vrow + kh * Dv, Dv);
+              prefetch_lines<_MM_HINT_T0>(k + (slots[j + kAttnAhead + kk] * Hk + kh) * D, D * sizeof(T));
+            if (j + kk < n)
+              prefetch_lines<_MM_HINT_T1>(v + slots[j + kk] * vrow + kh * Dv, Dv * sizeof(T));
           }
         for (int64_t h = 0; h < ng; h += kHeadChunk) {
           const int nq = static_cast<int>(std::min<int64_t>(kHeadChunk, ng - h));

@@ -634,6 +634,13 @@ inline I scaled32(I S, I sc32, I scv16) {
 #endif
 }
 
+// The prefetches of one block of each of the NT tiles (the second `st` bytes on)
+template <int NT>
+inline void prefetch_tiles(const uint8_t* w, int64_t st, int64_t pf, int64_t bytes) {
+  prefetch_at(w, pf, bytes);
+  if (NT == 2) prefetch_at(w + st, pf, bytes);
+}
+
 // the rows' fp16 scales at p (8 per tile) as floats
 template <int NT>
 inline typename Vec<NT>::F f16s(const uint8_t* p, int64_t st) {
@@ -664,8 +671,7 @@ void tile_q8_0(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
   typename V::F acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = V::fzero();
   for (int64_t b = 0; b < nb; ++b, w += 272) {
-    prefetch_at(w, x.pf, 272);
-    if (NT == 2) prefetch_at(w + st, x.pf, 272);
+    prefetch_tiles<NT>(w, st, x.pf, 272);
     I S[MB];
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {  // vector k: values 4k..4k+3 of the 8 rows
@@ -729,8 +735,7 @@ void tile_q5(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
   typename V::F acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = V::fzero();
   for (int64_t b = 0; b < nb; ++b, w += kBytes) {
-    prefetch_at(w, x.pf, kBytes);
-    if (NT == 2) prefetch_at(w + st, x.pf, kBytes);
+    prefetch_tiles<NT>(w, st, x.pf, kBytes);
     typename V::I S[MB], S2[MB];
     q5_sums<MB, NT>(w, st, x.q + 32 * b, x.K, S, S2);
     const auto d = f16s<NT>(w + 160, st);
@@ -759,8 +764,7 @@ void tile_qk(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
     I Iacc[MB];  // sum over j of sc[j] x the sub-block's code products: < 8 x 63 x 61K
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sw = w + kSub * j;
-      prefetch_at(sw, x.pf, kSub);
-      if (NT == 2) prefetch_at(sw + st, x.pf, kSub);
+      prefetch_tiles<NT>(sw, st, x.pf, kSub);
       const int64_t g = 8 * b + j;
       I S[MB], S2[MB];
       if (kQ5) {
@@ -832,8 +836,7 @@ void tile_q6_k(const uint8_t* w, int64_t st, int64_t nb, const XTiles& x,
     I Iacc[MB];
     for (int j = 0; j < 8; ++j) {
       const uint8_t* gw = w + 208 * j;
-      prefetch_at(gw, x.pf, 208);
-      if (NT == 2) prefetch_at(gw + st, x.pf, 208);
+      prefetch_tiles<NT>(gw, st, x.pf, 208);
       const int64_t g = 8 * b + j;
       // T: int16 (sc[2g], sc[2g + 1]) of row r in 32-bit lane r
       const I T = V::each([&](int64_t o) {

@@ -103,10 +103,16 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 #ifndef KILN_PF
 #define KILN_PF 1024
 #endif
+// Asks for the cache lines of [p, p + bytes) into the level kHint names (_MM_HINT_T0: L1,
+// _MM_HINT_T1: L2).
+template <int kHint = _MM_HINT_T0>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(static_cast<const char*>(p) + o, static_cast<_mm_hint>(kHint));
+}
 // Asks for the cache lines of [p + KILN_PF, p + KILN_PF + bytes) ahead of use.
 inline void prefetch_ahead(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(static_cast<const char*>(p) + KILN_PF + o, _MM_HINT_T0);
+  prefetch_lines(static_cast<const char*>(p) + KILN_PF, bytes);
 }
 
 // A tile kernel's prefetches when an item runs several passes of activation rows over its
@@ -122,11 +128,10 @@ inline int64_t pass_prefetch(int pass, int64_t next) {
 inline void prefetch_at(const void* p, int64_t pf, int64_t bytes) {
   if (pf < 0) return;
   const char* q = static_cast<const char*>(p) + pf;
-  if (pf == KILN_PF) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
-  } else {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T1);
-  }
+  if (pf == KILN_PF)
+    prefetch_lines<_MM_HINT_T0>(q, bytes);
+  else
+    prefetch_lines<_MM_HINT_T1>(q, bytes);
 }
 
 // The one activation quantizer (llama.cpp's Q8_0 / Q8_K forms): x [K] -> int8 codes q [K] with
