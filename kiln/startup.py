@@ -61,6 +61,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     that catches a failure knows the phase it happened in."""
     from kiln.models.loader import read_hf_config
     from kiln.resolve import hardware, presets, sources
+    from kiln.resolve.device import check_device
 
     sp = sp or StartupPlan(args)
     sp.phase = "config"
@@ -91,7 +92,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         # download): `--device cuda` without a GPU fails at once. `auto` is checked below.
         sp.phase = "device"
         try:
-            hardware.check_device(early["device"], sp.hardware)
+            check_device(early["device"], sp.hardware)
         except KilnError:
             sp.settings = early  # the effective config records what was asked (device, lang)
             raise
@@ -213,7 +214,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         parallel.check_kt(s, sp, hw)
 
     sp.phase = "device"
-    device = hardware.check_device(s["device"], hw)  # fails closed before any model work
+    device = check_device(s["device"], hw)  # fails closed before any model work
     if device != s["device"]:
         s.override("device", device, s.values["device"].reason or "resolved",
                    source=s.source("device"))

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import DeviceError
+from kiln.resolve.device import check_device, supported_dtypes, supported_kv_dtypes
 from kiln.resolve.hardware import (
     GPUInfo,
     HardwareInfo,
-    check_device,
     count_numa_nodes,
     count_physical_cores_sysfs,
     cpu_flags,
@@ -27,8 +27,6 @@ from kiln.resolve.hardware import (
     ram_available_bytes,
     rss_bytes,
     rss_peak_bytes,
-    supported_dtypes,
-    supported_kv_dtypes,
 )
 
 XEON_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 amx_int8 ht"

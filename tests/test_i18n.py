@@ -59,6 +59,20 @@ def test_every_key_the_code_looks_up_is_in_the_catalogue() -> None:
     assert used - set(M.CATALOGUE) == set()
 
 
+def test_every_catalogue_entry_is_used() -> None:
+    """A key the code no longer names is dead text that translators still keep. Used: its name
+    appears as a string in kiln/, or it belongs to a family an f-string builds
+    (`f"pull.origin.{src.origin}"` names every `pull.origin.*`)."""
+    root = Path(M.__file__).parents[1]  # kiln/
+    code = [p.read_text() for p in root.rglob("*.py") if p.name != "catalogue.py"]
+    strings = {s for text in code for s in re.findall(r"""["']([\w.-]+)["']""", text)}
+    families = {f for text in code for f in re.findall(r"""\bf["']([\w.]+\.)\{""", text)}
+    assert "pull.origin." in families, families  # the f-string family the docstring names
+    unused = sorted(k for k in M.CATALOGUE
+                    if k not in strings and not any(k.startswith(f) for f in families))
+    assert unused == [], f"catalogue keys nothing in kiln/ names (delete them): {unused}"
+
+
 def test_a_message_prints_in_the_language_and_keeps_its_english() -> None:
     M.set_lang("zh")
     m = M.msg("device.no_cuda", requested="cuda")

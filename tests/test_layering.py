@@ -220,15 +220,17 @@ def test_a_longer_circle_is_named_arrow_by_arrow(tmp_path: Path) -> None:
 # The allowed package order, bottom floor first: a module may import modules of its own floor
 # and of the floors below it, never of a floor above (deferred and TYPE_CHECKING imports count,
 # as for circles). Each floor names modules or packages; a package covers its submodules, and the
-# longest name that matches places a module (kiln.resolve.hardware is platform, the rest of
-# kiln.resolve sits higher). "kiln" alone is the package's own __init__ (it exports LLM). Derived
-# from the import graph as it is; a new top-level module or package must be placed here.
+# longest name that matches places a module (kiln.resolve.hardware and .device are platform, the
+# rest of kiln.resolve sits higher). "kiln" alone is the package's own __init__ (it exports LLM).
+# Derived from the import graph as it is; a new top-level module or package must be placed here.
 PACKAGE_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what every floor may use: errors, the text catalogue, paths and pid files, and the probes of
-    # this machine (the hardware probe; the CPU flag table and the ISA probe, which live beside
-    # the kernels they describe but read only flags, the OS and the cache dir)
+    # this machine (the hardware probe and what kiln can run on what it found: device, dtypes;
+    # the CPU flag table and the ISA probe, which live beside the kernels they describe but read
+    # only flags, the OS and the cache dir)
     ("platform", ("kiln.errors", "kiln.i18n", "kiln.paths", "kiln.pidfile",
-                  "kiln.resolve.hardware", "kiln.layers.kernels.flags", "kiln.layers.kernels.isa")),
+                  "kiln.resolve.hardware", "kiln.resolve.device", "kiln.layers.kernels.flags",
+                  "kiln.layers.kernels.isa")),
     # the recorders the engine writes to and the faults it injects (a settings row parses faults)
     ("diagnostics", ("kiln.obs", "kiln.obs.faults", "kiln.obs.trace")),
     # every setting, resolved; what one request asks for
@@ -310,3 +312,91 @@ def test_an_upward_import_is_named_with_its_floors(tmp_path: Path) -> None:
     order = (("low", ("pkg.low", "pkg.stray", "pkg")), ("high", ("pkg.high",)))
     assert upward_imports(graph, modules, tmp_path, order, package="pkg",
                           known={("pkg.low", "pkg.high"): "why"}) == []
+
+
+# No module in kiln/ over MAX_LINES lines (issue 42): past that a module holds more than one
+# concern and a reader loses its thread. Declarative tables may grow past it, since a table's
+# rows are read one at a time, but only where tests keep the table consistent. Each entry names
+# the table's variable (the module without it must still fit under the mark, so code does not
+# grow beside the table on its allowance) and the tests that keep it consistent.
+MAX_LINES = 600
+LONG_TABLES: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "kiln/settings/table.py": ("SETTINGS", {
+        # names, flags and env vars unique; defaults parse and are among the choices; every row
+        # says what it affects and which engines honour it
+        "tests/test_settings_table.py": (
+            "test_names_env_vars_and_flags_are_each_declared_once",
+            "test_each_fixed_default_is_a_value_its_own_parser_accepts_and_a_listed_choice",
+            "test_each_row_says_what_it_affects_and_which_engines_honour_it"),
+        # docs/flags.md is what the table generates
+        "tests/test_docs.py": ("test_docs_flags_md_is_generated_from_the_current_settings_table",),
+    }),
+    "kiln/i18n/catalogue.py": ("CATALOGUE", {
+        "tests/test_i18n.py": ("test_every_message_has_both_languages_with_the_same_fields",
+                               "test_every_key_the_code_looks_up_is_in_the_catalogue",
+                               "test_every_catalogue_entry_is_used"),
+    }),
+}
+
+
+def long_modules(root: Path, package: str, limit: int) -> dict[str, int]:
+    """{path relative to root: lines} of every .py under root/package longer than limit."""
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out[str(path.relative_to(root))] = n
+    return out
+
+
+def table_lines(path: Path, name: str) -> int:
+    """Lines of the module-level assignment to `name` (0 where there is none)."""
+    for node in ast.parse(path.read_text()).body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return (node.end_lineno or node.lineno) - node.lineno + 1
+    return 0
+
+
+def test_no_module_in_kiln_is_over_600_lines_but_the_declarative_tables() -> None:
+    long = long_modules(ROOT, "kiln", MAX_LINES)
+    assert long, "no table is over the mark: the listing was not read"  # the two tables are
+    over = [f"{path}: {n} lines" for path, n in long.items() if path not in LONG_TABLES]
+    assert not over, (
+        "\n".join(over) + f"\nOver {MAX_LINES} lines: split the module along a seam (one concern "
+        "per module, as kiln/resolve/device.py left kiln/resolve/hardware.py), or, for a "
+        "declarative table that tests keep consistent, list it in LONG_TABLES with those tests.")
+    stale = sorted(set(LONG_TABLES) - set(long))
+    assert not stale, f"LONG_TABLES names modules under {MAX_LINES} lines (delete them): {stale}"
+    for path, (table, _) in LONG_TABLES.items():
+        rows = table_lines(ROOT / path, table)
+        assert rows, f"{path} has no module-level {table}"
+        rest = long[path] - rows
+        assert rest <= MAX_LINES, (f"{path}: {rest} lines beside its table {table}: the code, not "
+                                   "the table, is over the mark; move it out")
+
+
+def test_each_long_table_names_tests_that_exist() -> None:
+    """The allowance of a long table rests on its consistency tests: each must exist (a rename
+    or deletion fails here rather than leaving the table unchecked)."""
+    for path, (_, tests) in LONG_TABLES.items():
+        assert tests, path
+        for file, names in tests.items():
+            defined = {n.name for n in ast.parse((ROOT / file).read_text()).body
+                       if isinstance(n, ast.FunctionDef)}
+            missing = [f"{file}::{name}" for name in names if name not in defined]
+            assert names and not missing, f"{path}: its consistency tests are gone: {missing}"
+
+
+def test_a_long_module_is_found_and_a_table_measured(tmp_path: Path) -> None:
+    """The checkers on scratch files: a module over the limit is listed with its length, one at
+    the limit is not; a table's lines are those of its assignment, annotated or not."""
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/long.py": "x = 1\n" * 11,
+                      "pkg/short.py": "x = 1\n" * 10,
+                      "pkg/table.py": "import os\n\nT: dict[str, int] = {\n    'a': 1,\n}\n"
+                                      "U = [\n]\n"})
+    assert long_modules(tmp_path, "pkg", 10) == {"pkg/long.py": 11}
+    assert table_lines(tmp_path / "pkg/table.py", "T") == 3
+    assert table_lines(tmp_path / "pkg/table.py", "U") == 2
+    assert table_lines(tmp_path / "pkg/table.py", "V") == 0

@@ -72,7 +72,8 @@ def _check(name: str, problem: bool, ok: str, warn: str, fix: str) -> Check:
 
 
 def _hardware_checks(hw: Any) -> list[Check]:
-    from kiln.resolve.hardware import format_bytes, supported_dtypes
+    from kiln.resolve.device import supported_dtypes
+    from kiln.resolve.hardware import format_bytes
 
     out: list[Check] = []
     flags = " ".join(hw.cpu_flags) or msg("doctor.no_simd")
@@ -100,7 +101,8 @@ def _hardware_checks(hw: Any) -> list[Check]:
 
 
 def _torch_checks(hw: Any) -> list[Check]:
-    from kiln.resolve.hardware import format_bytes, supported_dtypes
+    from kiln.resolve.device import supported_dtypes
+    from kiln.resolve.hardware import format_bytes
 
     out: list[Check] = []
     build = (msg("doctor.torch_build_cuda", version=hw.cuda_version) if hw.cuda_version

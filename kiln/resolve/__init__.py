@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from kiln.resolve.hardware import (
-    GPUInfo,
-    HardwareInfo,
-    check_device,
-    probe_hardware,
-    supported_dtypes,
-    supported_kv_dtypes,
-)
+from kiln.resolve.device import check_device, supported_dtypes, supported_kv_dtypes
+from kiln.resolve.hardware import GPUInfo, HardwareInfo, probe_hardware
 from kiln.resolve.hf_cache import hf_cache_dir
 from kiln.resolve.presets import PRESETS, Preset, get_preset, infer_preset, moe_hybrid_settings
 from kiln.resolve.registry import (

@@ -2,7 +2,8 @@
 
 Every parser here is a pure function of text (or of a root folder holding a fake /proc and /sys),
 so tests feed it sample files instead of mocking the machine. `probe_hardware()` glues them to
-the real files once per process and caches the result.
+the real files once per process and caches the result. What kiln makes of the result (which
+device a request names, which dtypes are worth using there) is kiln/resolve/device.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from kiln.errors import DeviceError
-from kiln.i18n import msg
 
 # Flags that change which kernels or dtypes are worth using. x86 names come from /proc/cpuinfo
 # "flags"; the ARM ones ("asimd", "sve", "bf16") from its "Features" line.
@@ -117,6 +115,12 @@ class HardwareInfo:
     def cpu_native_bf16(self) -> bool:
         """bf16 matmuls run in hardware (AVX512-BF16, AMX, or ARMv8.6 BF16), not by conversion."""
         return _flags().flags_native_bf16(self.cpu_flags)
+
+    @property
+    def cpu_fast_bf16(self) -> bool:
+        """bf16 is worth using on this CPU: AVX512F's fast oneDNN paths or native bf16 (without
+        them each bf16 op converts through fp32 and is slower than fp32)."""
+        return _flags().flags_fast_bf16(self.cpu_flags)
 
     @property
     def cpu_amx(self) -> bool:
@@ -486,112 +490,6 @@ def reset_rss_peak() -> int:
 
 def _status_bytes(pid: int | str, key: str) -> int:
     return parse_status_bytes(_read(Path("/proc") / str(pid) / "status") or "", key) or 0
-
-
-# ---------------------------------------------------------------------------------------------
-# What the device can run
-
-
-def _gpus_for(device: str, hw: HardwareInfo) -> list[GPUInfo]:
-    if ":" in device:
-        idx = int(device.split(":", 1)[1])
-        return [g for g in hw.gpus if g.index == idx]
-    return hw.gpus
-
-
-def _cuda_bf16(device: str, hw: HardwareInfo | None) -> bool:
-    # Without a probe we cannot know; bf16 needs Ampere (8.0) or newer.
-    if hw is None:
-        return False
-    gpus = _gpus_for(device, hw)
-    return bool(gpus) and all(g.compute_capability and g.compute_capability >= (8, 0) for g in gpus)
-
-
-def _cpu_bf16_reasonable(hw: HardwareInfo | None) -> bool:
-    # bf16 runs everywhere in torch, but without AVX512 each op converts through fp32 and is
-    # slower than plain fp32; with AVX512F oneDNN has fast bf16 paths, with AVX512-BF16/AMX native.
-    if hw is None:
-        return True
-    return _flags().flags_fast_bf16(hw.cpu_flags)
-
-
-def supported_dtypes(device: str, hw: HardwareInfo | None = None) -> list[str]:
-    """Weight/activation dtypes for `device` ("cpu", "cuda", "cuda:N"); first = recommended."""
-    if device.startswith("cuda"):
-        return (
-            ["bfloat16", "float16", "float32"]
-            if _cuda_bf16(device, hw)
-            else [
-                "float16",
-                "float32",
-            ]
-        )
-    if device != "cpu":
-        raise DeviceError(f"unknown device {device!r}", hint="use cpu, cuda or cuda:N")
-    dtypes = ["float32"]
-    if _cpu_bf16_reasonable(hw):
-        dtypes.append("bfloat16")
-    dtypes.append("float16")
-    if hw is not None and hw.cpu_native_bf16:
-        # Native bf16 halves memory traffic at full speed, so it beats fp32 for decoding.
-        dtypes.remove("bfloat16")
-        dtypes.insert(0, "bfloat16")
-    return dtypes
-
-
-def supported_kv_dtypes(device: str, hw: HardwareInfo | None = None) -> list[str]:
-    """Values accepted for kv_cache_dtype on `device`; "auto" follows the model dtype."""
-    if device.startswith("cuda"):
-        kinds = ["auto", "fp16"]
-        if _cuda_bf16(device, hw):
-            kinds.append("bf16")
-        kinds += ["fp32", "int8"]
-        gpus = _gpus_for(device, hw) if hw else []
-        # FP8 tensor cores arrive with Ada/Hopper (8.9).
-        if gpus and all(g.compute_capability and g.compute_capability >= (8, 9) for g in gpus):
-            kinds.append("fp8")
-        return kinds
-    if device != "cpu":
-        raise DeviceError(f"unknown device {device!r}", hint="use cpu, cuda or cuda:N")
-    kinds = ["auto", "fp32"]
-    if _cpu_bf16_reasonable(hw):
-        kinds.append("bf16")
-    return kinds + ["fp16", "int8"]
-
-
-def check_device(requested: str, hw: HardwareInfo) -> str:
-    """Resolve auto|cpu|cuda|cuda:N to "cpu", "cuda" or "cuda:N"; fail closed if unusable."""
-    req = (requested or "auto").strip().lower()
-    if req == "auto":
-        return "cuda" if hw.has_usable_cuda else "cpu"
-    if req == "cpu":
-        return "cpu"
-    m = re.fullmatch(r"cuda(?::(\d+))?", req)
-    if m is None:
-        raise DeviceError(msg("device.unknown", device=repr(requested)),
-                          hint=msg("device.unknown.hint"))
-    if not hw.has_usable_cuda:
-        if hw.gpus:  # nvidia-smi sees them, torch does not
-            build = (f"torch {hw.torch_version}" if hw.torch_version
-                     else msg("device.torch_missing"))
-            cuda = f"CUDA {hw.cuda_version}" if hw.cuda_version else msg("device.cpu_only_build")
-            raise DeviceError(
-                msg("device.gpus_unusable", requested=requested, count=len(hw.gpus),
-                    build=build, cuda=cuda),
-                hint=msg("device.cuda_fix"),
-            )
-        raise DeviceError(msg("device.no_cuda", requested=requested),
-                          hint=msg("device.cuda_fix"))
-    if m.group(1) is not None:
-        idx = int(m.group(1))
-        if idx >= hw.gpu_count:
-            raise DeviceError(
-                msg("device.bad_index", requested=requested, count=hw.gpu_count,
-                    last=hw.gpu_count - 1),
-                hint=msg("device.bad_index.hint"),
-            )
-        return f"cuda:{idx}"
-    return "cuda"
 
 
 def format_bytes(n: int | None) -> str:
