@@ -54,6 +54,8 @@ def test_kiln_config_docs_writes_the_page_and_check_finds_it_stale(tmp_path: Pat
     assert "stale" in printed and "`kiln config docs`" in printed, printed
     assert kiln_main(["config", "docs", "--output", str(out)]) == 0
     assert kiln_main(["config", "docs", "--check", "--output", str(out)]) == 0
+
+
 def _links(path: Path) -> list[tuple[str, str]]:
     """(file, anchor) of each relative link in a Markdown file ([text](target), images too);
     file "" is the page itself."""
@@ -84,3 +86,13 @@ def test_readme_is_short_and_every_link_in_the_docs_leads_somewhere() -> None:
     linked = {(readme.parent / t).resolve() for t, _ in _links(readme) if t}
     unlinked = [p.name for p in pages[1:] if p.resolve() not in linked]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_every_code_block_in_the_docs_is_closed() -> None:
+    # An unclosed ``` turns the rest of the page into code: its headings (and the anchors the
+    # README links to) vanish from the rendered page, which the link check above cannot see.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    unclosed = [p.name for p in pages
+                if sum(1 for line in p.read_text().splitlines()
+                       if line.lstrip().startswith("```")) % 2]
+    assert not unclosed, f"a ``` code block is left open in {unclosed}"
