@@ -50,6 +50,12 @@ def plan(engine: str, settings: Any, model: BackendModel = MODEL, **kw: Any):
     return build_plan(engine, settings, model, **kw)
 
 
+def keys(texts: list[Any]) -> list[str | None]:
+    """The catalogue keys of warnings (None for one in plain text): what tests match, in any
+    language, instead of the wording."""
+    return [getattr(t, "key", None) for t in texts]
+
+
 def contains(argv: list[str], tokens: tuple[str, ...]) -> bool:
     n = len(tokens)
     return any(tuple(argv[i:i + n]) == tokens for i in range(len(argv) - n + 1))
@@ -192,7 +198,8 @@ def test_config_args_then_passthrough_land_at_the_end_in_order() -> None:
     assert p.argv[-6:] == ["--trust-remote-code", "--swap-space", "4", "--max-model-len",
                            "8192", "--enforce-eager"]
     assert p.env == {"VLLM_X": "1"}
-    assert any("--max-model-len given after" in w for w in p.warnings)
+    assert [w.fields for w in p.warnings if getattr(w, "key", None) == "handoff.later_wins"] \
+        == [{"flag": "--max-model-len"}]
 
 
 @pytest.mark.parametrize("cfg", [{"args": 5}, {"env": ["A=1"]}, {"bogus": 1}, {"command": 3}])
@@ -239,6 +246,7 @@ def test_untranslatable_setting_fails(engine: str, settings: dict[str, Any], mat
 def test_all_errors_are_reported_together() -> None:
     with pytest.raises(ConfigError) as e:
         plan("vllm", {"kv_cache_dtype": "int8", "quantization": "int4"})
+    assert e.value.code == "handoff.cannot_run"
     assert "--kv-cache-dtype" in str(e.value) and "--quantization" in str(e.value)
 
 
@@ -260,11 +268,12 @@ def test_unsupported_setting_warns_and_emits_nothing(engine: str, settings: dict
 def test_sglang_serves_one_name_and_warns_about_aliases() -> None:
     p = plan("sglang", {"served_model_name": ["a", "b"]})
     assert contains(p.argv, ("--served-model-name", "a")) and "b" not in p.argv
-    assert any("aliases b dropped" in w for w in p.warnings)
+    (w,) = [w for w in p.warnings if getattr(w, "key", None) == "handoff.sglang_one_name"]
+    assert w.fields == {"name": "'a'", "aliases": "b"}
 
 
 def test_vllm_multi_node_tells_to_start_ray() -> None:
-    assert any("ray start --head" in w for w in plan("vllm", {"nnodes": 2}).warnings)
+    assert "handoff.vllm_ray" in keys(plan("vllm", {"nnodes": 2}).warnings)
 
 
 # --------------------------------------------------------------------------- hybrid MoE (kt-kernel)
@@ -290,10 +299,10 @@ def test_kt_native_method_reads_the_model_weights_and_dense_models_skip_kt() -> 
     # kt-cli's default without converted weights: the model itself, with a word on converting.
     amx = plan("sglang", {"cpu_offload_experts": True, "kt_method": "AMXINT4"}, MOE)
     assert contains(amx.argv, ("--kt-weight-path", "org/tiny-moe", "--kt-method", "AMXINT4"))
-    assert any("--kt-weight-path not given" in w and "converter" in w for w in amx.warnings)
+    assert "handoff.kt_weights_default" in keys(amx.warnings)
     dense = plan("sglang", KT, MODEL)
     assert not [a for a in dense.argv if a.startswith("--kt-")]
-    assert any("dense" in w for w in dense.warnings)
+    assert "handoff.kt_dense" in keys(dense.warnings)
 
 
 # --------------------------------------------------------------------------- dry run
@@ -322,7 +331,7 @@ def test_settings_kiln_alone_honours_are_neither_passed_nor_warned_about() -> No
     for engine in ("vllm", "sglang"):
         p = plan(engine, {**kiln_only, "session_cache": "memory"})
         assert not any("cpu-kernels" in a or "dense" in a or "session" in a for a in p.argv)
-        assert not any("equivalent" in w for w in p.warnings), p.warnings
+        assert "handoff.no_equivalent" not in keys(p.warnings), p.warnings
 
 
 # --------------------------------------------------------------------------- engine choice
@@ -368,9 +377,12 @@ def test_missing_engine_names_the_install_command(isolated_path: Path, engine: s
         pytest.skip(f"{engine} is installed in kiln's venv")
     with pytest.raises(EngineNotFoundError) as e:
         find_engine(engine)
-    assert install in str(e.value) and e.value.exit_code == 1
-    with pytest.raises(EngineNotFoundError, match="does not exist"):
+    assert e.value.code == "engine.not_installed" and e.value.exit_code == 1
+    assert install in e.value.hint.fields["install"]
+    with pytest.raises(EngineNotFoundError) as e:
         find_engine(engine, engine_command="/nowhere/python")
+    assert e.value.code == "engine.command_missing"
+    assert e.value.message.fields["command"] == "'/nowhere/python'"
 
 
 def test_engine_found_on_path_and_python_interpreter_uses_api_server(isolated_path: Path
@@ -418,18 +430,23 @@ def test_engine_that_does_not_run_is_not_found(isolated_path: Path) -> None:
     broken = isolated_path / "vllm"
     broken.write_text("#!/bin/sh\necho 'ImportError: libcudart.so.12' >&2\nexit 1\n")
     broken.chmod(0o755)
-    with pytest.raises(EngineNotFoundError, match="libcudart") as e:
+    with pytest.raises(EngineNotFoundError) as e:
         probe_engine(find_engine("vllm", engine_command=str(broken)))
-    assert "pip install vllm" in str(e.value)
+    assert e.value.code == "engine.does_not_run"
+    assert "libcudart" in e.value.message.fields["tail"]  # the engine's own words, shown
+    assert e.value.hint.key == "engine.reinstall_it"
+    assert "pip install vllm" in e.value.hint.fields["install"]
 
 
 def test_version_without_a_flag_is_refused_with_the_upgrade_command(
         isolated_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = install_fake(isolated_path)
     monkeypatch.setenv("FAKE_HELP_DROP", "--speculative-config")
-    with pytest.raises(EngineNotFoundError, match="--speculative-config") as e:
+    with pytest.raises(EngineNotFoundError) as e:
         prepare_launch("vllm", {**SPEC, "engine_command": str(fake)}, MODEL)
-    assert "pip install -U vllm" in str(e.value)
+    assert e.value.code == "engine.too_old" and "--speculative-config" in str(e.value)
+    assert e.value.hint.key == "engine.upgrade_it"
+    assert "pip install -U vllm" in e.value.hint.fields["upgrade"]
     # A vLLM that predates bfloat16 KV: the plan is refused, with the way that still works...
     monkeypatch.setenv("FAKE_HELP_DROP", "")
     monkeypatch.setenv("FAKE_KV_CHOICES", "auto,fp8")
@@ -439,8 +456,9 @@ def test_version_without_a_flag_is_refused_with_the_upgrade_command(
     # ...and a plan built without its --help (a dry run) is caught by the choices check.
     static = plan("vllm", {"kv_cache_dtype": "bf16"}, command=find_engine(
         "vllm", engine_command=str(fake)))
-    with pytest.raises(EngineNotFoundError, match="--kv-cache-dtype bfloat16"):
+    with pytest.raises(EngineNotFoundError) as e:
         check_plan(static, probe_engine(static.command, cache=isolated_path / "c2"))
+    assert e.value.code == "engine.too_old" and "--kv-cache-dtype bfloat16" in str(e.value)
 
 
 def test_sglang_without_kt_flags_points_at_kt_kernel(isolated_path: Path,
@@ -449,9 +467,10 @@ def test_sglang_without_kt_flags_points_at_kt_kernel(isolated_path: Path,
                        "--kt-threadpool-count,--kt-num-gpu-experts,"
                        "--kt-gpu-prefill-token-threshold")
     cfg = {"command": [sys.executable, str(FAKE)]}
-    with pytest.raises(EngineNotFoundError, match="--kt-weight-path") as e:
+    with pytest.raises(EngineNotFoundError) as e:
         prepare_launch("sglang", KT, MOE, engine_cfg=cfg)
-    assert "pip install kt-kernel sglang-kt" in str(e.value)
+    assert e.value.code == "engine.too_old" and "--kt-weight-path" in str(e.value)
+    assert "pip install kt-kernel sglang-kt" in e.value.hint  # the flag's own install hint
     monkeypatch.setenv("FAKE_HELP_DROP", "")
     ok = prepare_launch("sglang", KT, MOE, engine_cfg=cfg, cache=isolated_path / "c2")
     check_plan(ok, probe_engine(ok.command, cache=isolated_path / "c2"))

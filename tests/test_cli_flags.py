@@ -161,7 +161,7 @@ def test_ferrums_greedy_argmax_and_tts_slots_are_settings_kiln_says_what_it_does
                  "--effective-config-json", str(eff)]) == 0
     got = json.loads(eff.read_text())
     assert got["settings"]["greedy_argmax"]["value"] is True
-    assert "one greedy path" in got["settings"]["greedy_argmax"]["reason"]
+    assert got["settings"]["greedy_argmax"]["code"] == "greedy_argmax.one_greedy_path"
     assert any("--disable-greedy-argmax (cli)" in w for w in got["warnings"])
     monkeypatch.setenv("KILN_TTS_SLOTS", "3")
     assert main(["serve", "smollm2", "--dry-run", "--effective-config-json", str(eff)]) == 0

@@ -213,7 +213,8 @@ def test_kilns_own_engine_still_refuses_an_architecture_it_does_not_run(
     folder = model_folder(tmp_path / "GLM-4.5-Air", GLM_45_AIR)
     rc, _, eff, _, err = dry_run(tmp_path, capsys, str(folder))
     assert rc == 1
-    assert "Glm4MoeForCausalLM" in err and "--engine vllm or --engine sglang" in err
+    assert eff["error"]["code"] == "model.arch_unsupported" and "Glm4MoeForCausalLM" in err
+    assert "--engine sglang" in err  # the hint's way out
     assert eff["status"] == "failed" and eff["phase"] == "model"
 
 
@@ -235,7 +236,8 @@ def test_engine_auto_plans_from_config_json_and_hands_several_gpus_to_vllm(
     # One GPU: auto picks kiln's own engine, which then judges the architecture.
     machine["hw"] = two_socket_machine()
     rc, _, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "auto")
-    assert rc == 1 and "Glm4MoeForCausalLM" in err and eff["phase"] == "model"
+    assert rc == 1 and eff["error"]["code"] == "model.arch_unsupported"
+    assert "Glm4MoeForCausalLM" in err and eff["phase"] == "model"
 
 
 # --------------------------------------------------------------------------- kt-cli's defaults
@@ -301,8 +303,8 @@ def test_amx_method_on_a_cpu_without_amx_is_an_error_that_says_what_to_do(
     machine["hw"] = two_socket_machine(flags=["avx2", "avx512f"])
     folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
     rc, _, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang")
-    assert rc == 1
-    assert "--kt-method AMXINT4 (kt-cli's default)" in err and "Intel AMX" in err
+    assert rc == 1 and eff["error"]["code"] == "startup.kt_no_amx"
+    assert "AMXINT4" in err  # the method asked for, then the ways out
     assert "--kt-method LLAMAFILE" in err and "--no-cpu-offload-experts" in err
     assert eff["status"] == "failed"
     # A method that needs no AMX goes through.
@@ -319,9 +321,8 @@ def test_missing_kt_weight_path_is_an_error_with_a_hint(
     missing = tmp_path / "no-such-weights"
     rc, _, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
                                  "--kt-weight-path", str(missing))
-    assert rc == 1
-    assert f"--kt-weight-path {missing}" in err and "not found" in err
-    assert "hint:" in err and "weight converter" in err
+    assert rc == 1 and eff["error"]["code"] == "startup.kt_weights_missing"
+    assert str(missing) in err
     assert eff["status"] == "failed" and eff["phase"] == "settings"
 
 
@@ -335,7 +336,7 @@ def test_tp_above_the_models_maximum_is_reduced_with_a_warning(
     assert rc == 0, err
     assert flag(argv, "--tp-size") == "4"
     tp = eff["settings"]["tensor_parallel_size"]
-    assert tp["value"] == 4 and "cli asked 8" in tp["reason"] and "reduced to 4" in tp["reason"]
+    assert tp["value"] == 4 and tp["code"] == "tensor_parallel_size.model_max"
     assert any("tensor parallel size 8 (cli) reduced to 4" in w for w in eff["warnings"])
     row = next(r for r in rows if r.get("setting") == "tensor_parallel_size")
     assert [c["value"] for c in row["candidates"]] == [8, 4]
@@ -407,9 +408,10 @@ def test_unknown_options_after_model_go_to_sglang_and_kt_clis_own_are_settings(
     # ... and options kiln does not know reach SGLang as given, at the end of the line.
     assert argv[-3:] == ["--enable-dp-attention", "--dp-size", "2"]
     # kiln's own flags are still checked before anything is handed over.
-    rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
-                                  "--max-num-seqs", "lots", "--enable-dp-attention")
-    assert rc != 0 and "'lots'" in err and "--max-num-seqs" in err and not argv
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                    "--max-num-seqs", "lots", "--enable-dp-attention")
+    assert rc != 0 and eff["error"]["code"] == "config.invalid_value" and not argv
+    assert "'lots'" in err and "--max-num-seqs" in err
 
 
 def test_an_unknown_option_on_kilns_engine_names_the_nearest_flag_with_serves_usage(
@@ -526,8 +528,9 @@ def test_model_path_short_names_and_a_choice_among_registry_matches(
     assert eff["model"]["registry_entry"] == "qwen3-30b-a3b"
     assert "MODEL 'qwen3-30' is qwen3-30b-a3b" in err
     # Several: listed when nobody can answer ...
-    rc, _, _, _, err = dry_run(tmp_path, capsys, "deepseek-v", "--engine", "sglang")
-    assert rc != 0 and "deepseek-v2-lite, deepseek-v3" in err
+    rc, _, eff, _, err = dry_run(tmp_path, capsys, "deepseek-v", "--engine", "sglang")
+    assert rc != 0 and eff["error"]["code"] == "model.search_several"
+    assert "deepseek-v2-lite, deepseek-v3" in err
 
     # ... and a choice at a terminal.
     class Terminal(io.StringIO):
@@ -629,9 +632,9 @@ def test_a_registry_model_that_is_not_here_is_not_answered_with_other_models(
         machine: dict[str, HardwareInfo], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     for spec in ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "m2"):  # m2: kt-cli's short name
-        rc, _, _, _, err = dry_run(tmp_path, capsys, spec)
-        assert rc != 0
-        assert f"'{spec}' is not in the HF cache" in err and "did you mean" not in err
+        rc, _, eff, _, err = dry_run(tmp_path, capsys, spec)
+        assert rc != 0 and eff["error"]["code"] == "model.not_cached"
+        assert "did you mean" not in err
         assert f"kiln pull {spec}" in err
     # A name kiln does not know still gets suggestions.
     rc, _, _, _, err = dry_run(tmp_path, capsys, "Qwen/Qwen3-0.7B")
@@ -781,14 +784,14 @@ def test_a_ferrum_size_tag_names_that_size_or_fails_never_another_size(
     rc, argv, _, _, err = dry_run(tmp_path, capsys, "qwen3:4b", "--engine", "sglang")
     assert rc == 0, err
     assert flag(argv, "--model-path") == "Qwen/Qwen3-4B"
-    rc, _, _, _, err = dry_run(tmp_path, capsys, "qwen3:14b", "--engine", "sglang")
-    assert rc != 0 and "'qwen3:14b' is a size of qwen3" in err
+    rc, _, eff, _, err = dry_run(tmp_path, capsys, "qwen3:14b", "--engine", "sglang")
+    assert rc != 0 and eff["error"]["code"] == "model.unknown_size"
     assert "qwen3:0.6b, qwen3:4b, qwen3:8b" in err and "Qwen3-8B" not in err
     folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
     rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
                                   "--spec-draft", "qwen3:0.6b", "--spec-tokens", "3")
     assert rc == 0, err
     assert flag(argv, "--speculative-draft-model-path") == "Qwen/Qwen3-0.6B"
-    rc, argv, _, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
-                                  "--spec-draft", "qwen3:14b", "--spec-tokens", "3")
-    assert rc != 0 and "'qwen3:14b' is a size of qwen3" in err
+    rc, argv, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "sglang",
+                                    "--spec-draft", "qwen3:14b", "--spec-tokens", "3")
+    assert rc != 0 and eff["error"]["code"] == "model.unknown_size" and "qwen3:14b" in err

@@ -20,7 +20,8 @@ def answer_flags(s: ResolvedSettings) -> None:
     if r is not None and r.value is False:
         why = (f"--disable-greedy-argmax ({r.source}): kiln's sampler has one greedy path, the "
                "argmax on the logits' device (no softmax); nothing to turn off")
-        s.override("greedy_argmax", True, why, source=r.source)
+        s.override("greedy_argmax", True, why, source=r.source,
+                   code="greedy_argmax.one_greedy_path")
         s.warnings.append(why)
     slots = s.values.get("tts_slots")
     if slots is not None and slots.source in PERSON and s.get("kind") != "speech":

@@ -71,7 +71,7 @@ def reduce_tp_to_model_max(s: ResolvedSettings, max_tp: int | None) -> None:
         return
     reason = (f"{source} asked {asked}; this model splits over at most {max_tp} GPUs (whole "
               f"attention and KV heads per GPU), so reduced to {max_tp}")
-    s.override("tensor_parallel_size", max_tp, reason)
+    s.override("tensor_parallel_size", max_tp, reason, code="tensor_parallel_size.model_max")
     s.warnings.append(msg("startup.tp_reduced", asked=asked, source=source, max_tp=max_tp))
 
 
