@@ -10,15 +10,19 @@ class KilnError(Exception):
     message and hint come from the catalogue (kiln/i18n/); `english()` is the same text for
     what machines read (effective config, API error bodies). `code` is what a program (and a
     test) matches instead of the wording: the one given, else the catalogue key of the message
-    (`config.invalid_value`), the same in every language; None for a message in plain text."""
+    (`config.invalid_value`), the same in every language; None for a message in plain text.
+    `causes` are the codes of the problems an error gathers into one message (the settings an
+    engine cannot run, each a line of `handoff.cannot_run`), so a program sees each of them."""
 
     exit_code = 1
 
-    def __init__(self, message: str, *, hint: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, code: str | None = None,
+                 causes: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         self._code = code
+        self.causes = causes
 
     @property
     def code(self) -> str | None:

@@ -213,8 +213,10 @@ def test_bad_engine_table_is_a_config_error(cfg: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_int8_kv_cache_fails_on_engines_without_it(engine: str) -> None:
-    with pytest.raises(ConfigError, match="int8"):
+    with pytest.raises(ConfigError) as e:
         plan(engine, {"kv_cache_dtype": "int8"})
+    assert e.value.code == "handoff.cannot_run"
+    assert e.value.causes == ("handoff.kv_cache_dtype_missing",)
 
 
 def test_int8_kv_cache_passes_when_the_installed_vllm_lists_it() -> None:
@@ -225,28 +227,33 @@ def test_int8_kv_cache_passes_when_the_installed_vllm_lists_it() -> None:
 
 
 def test_fp16_kv_cache_needs_a_matching_model_dtype() -> None:
-    with pytest.raises(ConfigError, match="--dtype float16"):
+    with pytest.raises(ConfigError) as e:
         plan("vllm", {"kv_cache_dtype": "fp16"})
+    assert e.value.causes == ("handoff.kv_cache_follows_dtype",)
+    assert "--dtype float16" in str(e.value)  # the setting that does it
     argv = plan("vllm", {"kv_cache_dtype": "fp16", "dtype": "float16"}).argv
     assert "--kv-cache-dtype" not in argv and contains(argv, ("--dtype", "float16"))
 
 
-@pytest.mark.parametrize("engine,settings,match", [
-    ("vllm", {"quantization": "int8"}, "pre-quantized"),
-    ("vllm", {"nnodes": 2, "node_rank": 1}, "ray start"),
-    ("sglang", {"nnodes": 2}, "--dist-init-addr"),
-    ("vllm", {"num_speculative_tokens": 4}, "--speculative-model"),
-    ("sglang", {"speculative_model": "org/draft"}, "--num-speculative-tokens"),
+@pytest.mark.parametrize("engine,settings,cause", [
+    ("vllm", {"quantization": "int8"}, "handoff.vllm_no_load_time_quantization"),
+    ("vllm", {"nnodes": 2, "node_rank": 1}, "handoff.vllm_head_node_only"),
+    ("sglang", {"nnodes": 2}, "handoff.sglang_needs_dist_init_addr"),
+    ("vllm", {"num_speculative_tokens": 4}, "handoff.speculative_needs_model"),
+    ("sglang", {"speculative_model": "org/draft"}, "handoff.speculative_needs_tokens"),
 ])
-def test_untranslatable_setting_fails(engine: str, settings: dict[str, Any], match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
+def test_untranslatable_setting_fails(engine: str, settings: dict[str, Any], cause: str) -> None:
+    with pytest.raises(ConfigError) as e:
         plan(engine, settings, MOE)
+    assert e.value.code == "handoff.cannot_run" and e.value.causes == (cause,)
 
 
 def test_all_errors_are_reported_together() -> None:
     with pytest.raises(ConfigError) as e:
         plan("vllm", {"kv_cache_dtype": "int8", "quantization": "int4"})
     assert e.value.code == "handoff.cannot_run"
+    assert sorted(e.value.causes) == ["handoff.kv_cache_dtype_missing",
+                                      "handoff.vllm_no_load_time_quantization"]
     assert "--kv-cache-dtype" in str(e.value) and "--quantization" in str(e.value)
 
 
@@ -450,9 +457,11 @@ def test_version_without_a_flag_is_refused_with_the_upgrade_command(
     # A vLLM that predates bfloat16 KV: the plan is refused, with the way that still works...
     monkeypatch.setenv("FAKE_HELP_DROP", "")
     monkeypatch.setenv("FAKE_KV_CHOICES", "auto,fp8")
-    with pytest.raises(ConfigError, match="set --dtype bfloat16"):
+    with pytest.raises(ConfigError) as e:
         prepare_launch("vllm", {"kv_cache_dtype": "bf16"}, MODEL,
                        engine_cfg={"command": str(fake)}, cache=isolated_path / "c2")
+    assert e.value.causes == ("handoff.kv_cache_follows_dtype",)
+    assert "--dtype bfloat16" in str(e.value)
     # ...and a plan built without its --help (a dry run) is caught by the choices check.
     static = plan("vllm", {"kv_cache_dtype": "bf16"}, command=find_engine(
         "vllm", engine_command=str(fake)))

@@ -75,6 +75,7 @@ def build_plan(
 
     env: dict[str, str] = {}
     errors: list[str] = []
+    causes: list[str] = []  # each error's code, in the same order
     # Settings this engine does not honour need no row and are not warned about (kiln's own
     # features: it has its own prefix cache, sessions are kiln's scheduling policy).
     covered = {s.name for s in SETTINGS if backend.name not in s.engines}
@@ -89,6 +90,7 @@ def build_plan(
             text = f"{_flag_name(row.setting)}={_show(value)}: {row.note}"
             if row.unsupported == "error":
                 errors.append(text)
+                causes.append(f"handoff.{row.setting}_unsupported")
             else:
                 warnings.append(msg("handoff.ignores", engine=backend.label, text=text))
             continue
@@ -97,6 +99,7 @@ def build_plan(
         except T.Untranslatable as u:
             if u.severity == "error":
                 errors.append(f"{_flag_name(row.setting)}={_show(value)}: {u.message}")
+                causes.append(u.code or f"handoff.{row.setting}_untranslatable")
             else:
                 warnings.append(u.message)
             continue
@@ -129,7 +132,7 @@ def build_plan(
     if errors:
         raise ConfigError(
             msg("handoff.cannot_run", engine=backend.label, errors="\n  - ".join(errors)),
-            hint=msg("handoff.cannot_run.hint"),
+            hint=msg("handoff.cannot_run.hint"), causes=tuple(causes),
         )
 
     extra_args = cfg["args"]

@@ -106,7 +106,8 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
     addr = ctx.value("dist_init_addr")
     if not addr:
         raise Untranslatable("error", "SGLang on several nodes needs --dist-init-addr HOST:PORT "
-                             "(the rank-0 node's address, the same on every node)")
+                             "(the rank-0 node's address, the same on every node)",
+                             "handoff.sglang_needs_dist_init_addr")
     return [Arg("--nnodes", nnodes), Arg("--node-rank", ctx.value("node_rank") or 0, "node_rank"),
             Arg("--dist-init-addr", addr, "dist_init_addr")]
 
@@ -123,7 +124,8 @@ def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
     method = ctx.value("speculative_method")
     algo = SPEC_ALGORITHMS.get(method)
     if algo is None:
-        raise Untranslatable("error", f"SGLang has no speculative method {method!r}")
+        raise Untranslatable("error", f"SGLang has no speculative method {method!r}",
+                             "handoff.sglang_speculative_method")
     src = "speculative_method" if method is not None else "speculative_model"
     outs: list[Out] = [Arg("--speculative-algorithm", algo, src)]
     if model is not None:

@@ -117,12 +117,16 @@ Out = Arg | Env
 
 
 class Untranslatable(Exception):
-    """Raised by a row's convert/emit: this value cannot be handed to the engine."""
+    """Raised by a row's convert/emit: this value cannot be handed to the engine. An "error"
+    names its branch with a code (`handoff.<what>`), which the plan's ConfigError lists in its
+    causes; a "warn" only says what is ignored."""
 
-    def __init__(self, severity: Literal["warn", "error"], message: str) -> None:
+    def __init__(self, severity: Literal["warn", "error"], message: str,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.severity = severity
         self.message = message
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -256,10 +260,11 @@ def kv_cache_dtype(value: str, ctx: PlanContext, *, flag: str, literals: Mapping
             return None
         raise Untranslatable("error", f"{label} has no {value} KV cache type (it accepts "
                              f"{', '.join(accepted)}); its KV cache follows the model dtype, "
-                             f"so set --dtype {same} with --kv-cache-dtype auto")
+                             f"so set --dtype {same} with --kv-cache-dtype auto",
+                             "handoff.kv_cache_follows_dtype")
     raise Untranslatable("error", f"{label} has no {value} KV cache (it accepts "
                          f"{', '.join(accepted)}); use --kv-cache-dtype auto, or pass an "
-                         f"fp8 type after `--`")
+                         f"fp8 type after `--`", "handoff.kv_cache_dtype_missing")
 
 
 def lora_pairs(value: Any, ctx: PlanContext) -> list[str]:
@@ -276,7 +281,7 @@ def lora_pairs(value: Any, ctx: PlanContext) -> list[str]:
         try:
             name, path = lora_module(str(item))
         except ValueError as e:
-            raise Untranslatable("error", str(e)) from None
+            raise Untranslatable("error", str(e), "handoff.lora_module_invalid") from None
         pairs.append(f"{template.replace('<base>', base).replace('<name>', name)}={path}")
     return pairs
 
@@ -299,10 +304,12 @@ def speculative_tokens(model: str | None, ctx: PlanContext) -> int | None:
     if model is None and method != "ngram":
         if k is not None or method is not None:
             raise Untranslatable("error", "speculative decoding needs --speculative-model "
-                                 "(or --speculative-method ngram)")
+                                 "(or --speculative-method ngram)",
+                                 "handoff.speculative_needs_model")
         return None
     if k is None:
-        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens")
+        raise Untranslatable("error", "speculative decoding needs --num-speculative-tokens",
+                             "handoff.speculative_needs_tokens")
     return int(k)
 
 

@@ -105,7 +105,8 @@ def _quant(value: str, _: PlanContext) -> str | None:
     if value in (None, "none"):
         return None
     raise Untranslatable("error", "vLLM has no load-time weight-only int8/int4 quantization; "
-                         "serve a pre-quantized checkpoint (AWQ, GPTQ, fp8) instead")
+                         "serve a pre-quantized checkpoint (AWQ, GPTQ, fp8) instead",
+                         "handoff.vllm_no_load_time_quantization")
 
 
 def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
@@ -113,7 +114,8 @@ def _nodes(nnodes: int | None, ctx: PlanContext) -> list[Out]:
         return []
     if ctx.value("node_rank"):
         raise Untranslatable("error", "with vLLM only the head node runs `kiln serve`; on the "
-                             "other nodes run `ray start --address=<head>:6379`")
+                             "other nodes run `ray start --address=<head>:6379`",
+                             "handoff.vllm_head_node_only")
     ctx.warn(msg("handoff.vllm_ray", nnodes=nnodes))
     out: list[Out] = [Arg("--distributed-executor-backend", "ray")]
     addr = ctx.value("dist_init_addr")
