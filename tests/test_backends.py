@@ -345,12 +345,14 @@ def test_settings_kiln_alone_honours_are_neither_passed_nor_warned_about() -> No
 
 
 def test_choose_engine() -> None:
-    engine, reason = choose_engine("auto", 2, 1, 1, True)
-    assert engine == "vllm" and "2 GPUs" in reason
-    assert choose_engine("auto", 1, 1, 1, True)[0] == "kiln"
-    engine, reason = choose_engine("auto", 2, 2, 1, False)
-    assert engine == "kiln" and "pip install vllm" in reason
-    assert choose_engine("sglang", 4, 1, 1, True)[0] == "sglang"
+    engine, reason, code = choose_engine("auto", 2, 1, 1, True)
+    assert (engine, code) == ("vllm", "engine.gpus_to_vllm") and "2 GPUs" in reason
+    assert choose_engine("auto", 1, 1, 1, True)[::2] == ("kiln", "engine.one_device")
+    engine, reason, code = choose_engine("auto", 2, 2, 1, False)
+    assert (engine, code) == ("kiln", "engine.gpus_without_vllm")
+    assert "pip install vllm" in reason  # what would take it to vLLM
+    assert choose_engine("auto", 1, 1, 2, True)[::2] == ("vllm", "engine.nodes_to_vllm")
+    assert choose_engine("sglang", 4, 1, 1, True)[::2] == ("sglang", "engine.asked")
     with pytest.raises(EngineNotFoundError):
         choose_engine("auto", 1, 1, 2, False)
 

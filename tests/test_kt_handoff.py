@@ -232,7 +232,7 @@ def test_engine_auto_plans_from_config_json_and_hands_several_gpus_to_vllm(
     assert argv[:3] == ["vllm", "serve", str(folder)]
     assert flag(argv, "--tensor-parallel-size") == "2"
     assert eff["settings"]["engine"]["value"] == "vllm"
-    assert "hands off to vLLM" in eff["settings"]["engine"]["reason"]
+    assert eff["settings"]["engine"]["code"] == "engine.gpus_to_vllm"
     # One GPU: auto picks kiln's own engine, which then judges the architecture.
     machine["hw"] = two_socket_machine()
     rc, _, eff, _, err = dry_run(tmp_path, capsys, str(folder), "--engine", "auto")

@@ -21,27 +21,29 @@ from kiln.i18n import msg
 
 
 def choose_engine(requested: str, tp: int, pp: int, nnodes: int,
-                  vllm_available: bool) -> tuple[str, str]:
+                  vllm_available: bool) -> tuple[str, str, str]:
     """`--engine auto`: kiln's own engine runs one device; more than one GPU (TP x PP > 1) or
-    more than one node goes to vLLM when it is installed. Returns (engine, reason)."""
+    more than one node goes to vLLM when it is installed. Returns (engine, reason, code), the
+    code `engine.<why>` as the settings table's decisions have one."""
     if requested != "auto":
-        return requested, f"--engine {requested}"
+        return requested, f"--engine {requested}", "engine.asked"
     gpus = max(1, tp) * max(1, pp)
     if nnodes > 1:
         if vllm_available:
             return "vllm", (f"{nnodes} nodes: kiln's own engine runs on one machine, so auto "
-                            f"hands the model to vLLM (Ray)")
+                            f"hands the model to vLLM (Ray)"), "engine.nodes_to_vllm"
         raise EngineNotFoundError(
             msg("engine.nodes_need_vllm", nnodes=nnodes), hint=msg("engine.nodes_need_vllm.hint"),
         )
     if gpus > 1:
         if vllm_available:
             return "vllm", (f"tensor parallel {tp} x pipeline parallel {pp} needs {gpus} GPUs: "
-                            f"kiln's own engine runs on one device, so auto hands off to vLLM")
+                            f"kiln's own engine runs on one device, so auto hands off to vLLM"
+                            ), "engine.gpus_to_vllm"
         return "kiln", (f"tensor parallel {tp} x pipeline parallel {pp} would need vLLM, which "
                         f"is not installed (pip install vllm); kiln's own engine uses one "
-                        f"device")
-    return "kiln", "one device: kiln's own engine"
+                        f"device"), "engine.gpus_without_vllm"
+    return "kiln", "one device: kiln's own engine", "engine.one_device"
 
 
 # --------------------------------------------------------------------------- running block

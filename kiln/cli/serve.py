@@ -205,11 +205,10 @@ def _choose_engine(sp: startup.StartupPlan) -> str:
 
     s = sp.settings
     assert s is not None
-    engine, reason = choose_engine("auto", s["tensor_parallel_size"], s["pipeline_parallel_size"],
-                                   s["nnodes"], is_engine_available("vllm",
-                                                                    engine_cfg=sp.engines_cfg.get(
-                                                                        "vllm")))
-    s.override("engine", engine, reason)
+    engine, reason, code = choose_engine(
+        "auto", s["tensor_parallel_size"], s["pipeline_parallel_size"], s["nnodes"],
+        is_engine_available("vllm", engine_cfg=sp.engines_cfg.get("vllm")))
+    s.override("engine", engine, reason, code=code)
     print(msg("serve.engine_chosen", engine=engine, reason=reason), file=sys.stderr)
     return engine
 
