@@ -166,6 +166,28 @@ def test_int8_weights_run_close_to_fp32(tiny):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9
 
 
+def test_int4_runs_the_latent_up_projections_on_per_head_tiles(tmp_path):
+    """With int4 weights on kiln's kernels, kv_b_proj becomes W_uk^T / W_uv per-head tiles
+    (heads_q4, the dense weight dropped) where its dims allow (nope 32 here). The same runner
+    with those tiles dequantized back into the batched matmuls gives the same logits up to the
+    activations' int8 rounding (int4 itself moves this random tiny model's logits by ~30%)."""
+    folder = make_tiny_model("deepseek_v2", tmp_path / "ds", qk_nope_head_dim=32)
+    r = _runner(folder, quantization="int4")
+    ups = [layer.self_attn.kv_b_proj for layer in r.model.model.layers]
+    assert all(u.uk_q4 is not None and u.uv_q4 is not None and u.weight.numel() == 0
+               for u in ups)
+    ids = _ids(40, 5)
+    tiles = r.prompt_logits(ids)
+    for u in ups:  # back to the dense form, the same (dequantized) weights
+        uk, uv = u.parts()
+        u.uk_q4 = u.uv_q4 = None
+        u.weight = torch.nn.Parameter(torch.cat([uk, uv], 1).reshape(-1, u.rank),
+                                      requires_grad=False)
+    dense = r.prompt_logits(ids)
+    assert (tiles - dense).abs().max().item() < 0.1 * dense.abs().max().item()
+    assert (tiles.argmax(-1) == dense.argmax(-1)).float().mean().item() > 0.85
+
+
 # --------------------------------------------------------------------------- GGUF
 
 

@@ -61,6 +61,22 @@ def test_q4_linear_matches_reference(m, n, dtype):
     assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("t", [1, 5, 70])
+def test_heads_q4_is_q4_linear_per_head(t):
+    """heads_q4 (MLA's per-head up-projections) gives each head exactly q4_linear of that
+    head's rows against that head's tiles (a cut-short last tile included), and a row's
+    result alone equals its result in the batch."""
+    heads, n, k = 3, 21, 64
+    gqs = [_groups(n, k, 40 + h, q4_0=True) for h in range(heads)]
+    w = torch.stack([reference.pack_q4(gq.q, gq.scale, gq.min) for gq in gqs])
+    x = torch.randn(t, heads, k, generator=torch.Generator().manual_seed(t))
+    got = ck.heads_q4(x, w, n)
+    assert got.shape == (t, heads, n)
+    for h in range(heads):
+        assert torch.equal(got[:, h], ck.q4_linear(x[:, h].contiguous(), w[h], n))
+    assert torch.equal(ck.heads_q4(x[-1:], w, n), got[-1:])
+
+
 def test_int4_linear_runs_the_q4_kernel(kernel_level):
     """Int4Linear where kiln's kernels run picks q4_linear (the chooser says so, naming the
     level), keeps dequantize() exact, and agrees with the dense product; use_kernels=False keeps

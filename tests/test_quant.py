@@ -209,6 +209,27 @@ def test_q4_1_blocks_become_int4_without_requantizing(gguf_path):
     assert err <= 0.01 * dense.abs().max()
 
 
+def test_q4_0_form_gives_a_q4_0_tensor_its_own_blocks_back():
+    """quantize_q4_0_groups of a tensor dequantized from Q4_0 blocks (gguf-py's quantizer)
+    returns those blocks' codes and scales exactly: MLA's joined kv_b_proj re-packs losslessly."""
+    import gguf
+
+    from kiln.layers.kernels.formats import dequantize_blocks
+    from kiln.layers.quant import quantize_q4_0_groups
+
+    w = np.random.default_rng(1).standard_normal((12, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)  # [12, 4 blocks * 18 B]
+    dense = dequantize_blocks(torch.from_numpy(raw.reshape(-1).copy()), "Q4_0").reshape(12, 128)
+    gq = quantize_q4_0_groups(dense)
+    blocks = raw.reshape(12, 4, 18)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    qs = torch.from_numpy(blocks[..., 2:].copy())  # [12, 4, 16]: q[j] low, q[j + 16] high
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(12, 128)
+    assert torch.equal(gq.scale, d) and torch.equal(gq.min, -8 * d)
+    assert torch.equal(gq.q, q)
+    assert torch.equal(gq.dequantize(), dense)
+
+
 # --------------------------------------------------------------------------- SmolLM2 quality
 
 

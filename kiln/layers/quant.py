@@ -121,6 +121,21 @@ def quantize_int4_groups(w: torch.Tensor, group_size: int = INT4_GROUP) -> Group
     return GroupQuant(q.reshape(n, k), scale, mn, group_size)
 
 
+def quantize_q4_0_groups(w: torch.Tensor, group_size: int = INT4_GROUP) -> GroupQuant:
+    """Symmetric 4-bit groups along K in GGUF Q4_0's form (ggml's quantizer: d = the group's
+    largest-magnitude value / -8, q = round(w / d) + 8 in 0..15, min = -8 d): w [N, K] ->
+    GroupQuant. A weight dequantized from Q4_0 blocks comes back to the same codes and scales
+    (its largest-magnitude value is -8 d exactly), so re-packing a joined or reshaped Q4_0
+    tensor this way loses nothing; any other weight gets Q4_0's rounding."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    d = (g.gather(-1, idx).squeeze(-1) / -8.0).to(torch.float16).float()  # fp16, as stored
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(g * inv.unsqueeze(-1) + 8.0).clamp(0, 15).to(torch.uint8)
+    return GroupQuant(q.reshape(n, k), d, -8.0 * d, group_size)
+
+
 # --------------------------------------------------------------------------- capability probes
 
 

@@ -134,6 +134,9 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
                 parent.quantize(mode, use_kernels)
             n += 2 * parent.num_experts
             continue
+        if hasattr(parent, "quantize_weights"):  # a weight holder that packs itself (MLA's
+            parent.quantize_weights(mode, use_kernels)  # per-head up-projections)
+            continue
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and name != "lm_head":
                 q = quantize_linear(child, mode, use_kernels)

@@ -22,9 +22,10 @@ its first r columns: the KV pool stores that one row per token and layer, and V 
 (`Attention(v_in_k=True)`). The softmax scale is HF's: (n + p) ** -0.5, times yarn's
 mscale(factor, mscale_all_dim) ** 2 under yarn scaling.
 
-`kv_b_proj` is only ever used through its per-head blocks, so it is a plain weight holder (not a
-`Linear`): the quantization pass leaves it dense, like the router. Everything else quantizes
-as in the Llama family.
+`kv_b_proj` is only ever used through its per-head blocks, so it is not a `Linear`: on kiln's
+int4 kernels the quantization pass stores W_uk^T and W_uv as per-head 4-bit tiles (`heads_q4`,
+lossless for a GGUF's Q4_0 attn_k_b / attn_v_b), elsewhere it stays dense for batched matmuls.
+Everything else quantizes as in the Llama family.
 
 Routing (`kiln.layers.moe.grouped_topk`): V2 softmax scores with `greedy` or
 `group_limited_greedy` top-k; V3 sigmoid scores with `e_score_correction_bias` shifting the
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from kiln.layers.attention import Attention
+from kiln.layers.kernels import ops
 from kiln.layers.linear import Linear
 from kiln.layers.moe import Experts, Router, grouped_topk
 from kiln.layers.norm import RMSNorm
@@ -84,21 +86,68 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor,
 
 class LatentUpProj(nn.Module):
     """kv_b_proj's weight [H * (n + v), r], read per head as W_uk [H, n, r] and W_uv [H, v, r]
-    (views, no copies)."""
+    (views, no copies); after `quantize_weights` on kiln's int4 kernels, W_uk^T and W_uv as
+    per-head 4-bit tiles instead (`heads_q4`), the dense weight dropped."""
 
     def __init__(self, num_heads: int, nope_dim: int, v_dim: int, rank: int) -> None:
         super().__init__()
         self.num_heads, self.nope_dim, self.v_dim, self.rank = num_heads, nope_dim, v_dim, rank
         self.weight = nn.Parameter(torch.empty(num_heads * (nope_dim + v_dim), rank),
                                    requires_grad=False)
+        # heads_q4's stacked tiles: W_uk^T [H, r, n] and W_uv [H, v, r] (None: dense)
+        self.uk_q4: torch.Tensor | None = None
+        self.uv_q4: torch.Tensor | None = None
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.uk_q4 is not None:  # dequantized (tests, inspection)
+            return self._dequantized()
         w = self.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
+    def quantize_weights(self, mode: str, use_kernels: bool = True) -> None:
+        """int4 where kiln's q4 kernel runs (else the weight stays dense for the batched
+        matmuls): per head, W_uk^T [r, n] and W_uv [v, r] in Q4_0's form, packed for heads_q4,
+        their groups along the dimension each product sums over, the dense fp32 weight dropped
+        (a batched fp32 matmul read 8x the bytes). Q4_0's form because llama.cpp's GGUFs store
+        exactly these two (attn_k_b, attn_v_b) as Q4_0 blocks along the same dimensions: the
+        loader's dequantized, joined kv_b_proj comes back to the file's codes and scales."""
+        from kiln.layers.kernels import reference
+        from kiln.layers.kernels.choose import choose_linear_kernel
+        from kiln.layers.quant import quantize_q4_0_groups
+
+        if mode != "int4" or self.uk_q4 is not None or self.nope_dim % 32 or self.rank % 32:
+            return
+        if choose_linear_kernel("int4", self.weight.device, self.rank, self.nope_dim,
+                                use_kernels=use_kernels).kernel != "q4":
+            return
+        w_uk, w_uv = self.parts()
+
+        def stacked(w: torch.Tensor) -> torch.Tensor:  # [H, rows, K] -> [H, rows/8, K/32, 160]
+            tiles = []
+            for h in range(self.num_heads):
+                gq = quantize_q4_0_groups(w[h])
+                tiles.append(reference.pack_q4(gq.q, gq.scale, gq.min))
+            return torch.stack(tiles)
+
+        with torch.no_grad():
+            self.uk_q4 = stacked(w_uk.transpose(1, 2).float())
+            self.uv_q4 = stacked(w_uv.float())
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from kiln.layers.kernels import reference
+        from kiln.layers.kernels.formats import GroupQuant
+
+        assert self.uk_q4 is not None and self.uv_q4 is not None
+        uk = torch.stack([GroupQuant(*reference.unpack_q4(t, self.rank)).dequantize()
+                          for t in self.uk_q4])
+        uv = torch.stack([GroupQuant(*reference.unpack_q4(t, self.v_dim)).dequantize()
+                          for t in self.uv_q4])
+        return uk.transpose(1, 2), uv
+
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, nope={self.nope_dim}, v={self.v_dim}, "
-                f"rank={self.rank}")
+                f"rank={self.rank}{', int4 tiles' if self.uk_q4 is not None else ''}")
 
 
 class MLAttention(nn.Module):
@@ -136,13 +185,22 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(ckv[:, :self.rank])
         k_pe = self.rope(ckv[:, self.rank:].view(t, 1, self.rope_dim), cos, sin)
         q_pe = self.rope(q[..., n:], cos, sin)
-        w_uk, w_uv = self.kv_b_proj.parts()
-        q_lat = torch.bmm(q[..., :n].transpose(0, 1), w_uk.to(q.dtype))  # [H, T, r]
-        q_full = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, r + p]
+        up = self.kv_b_proj
+        tiles = up.uk_q4 is not None and q.dtype == torch.float32  # per-head int4 tiles
+        if tiles:
+            q_lat = ops.heads_q4(q[..., :n], up.uk_q4, self.rank)  # [T, H, r]
+        else:
+            w_uk, w_uv = up.parts()
+            q_lat = torch.bmm(q[..., :n].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)
+        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, r + p]
         latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + p]
         o_lat = self.attn(q_full, latent, None).view(t, h, self.rank)
-        o = torch.bmm(o_lat.transpose(0, 1), w_uv.to(o_lat.dtype).transpose(1, 2))  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(t, h * self.v_dim))
+        if tiles:
+            o = ops.heads_q4(o_lat.float(), up.uv_q4, self.v_dim)  # [T, H, v]
+        else:
+            o = torch.bmm(o_lat.transpose(0, 1), w_uv.to(o_lat.dtype).transpose(1, 2))
+            o = o.transpose(0, 1)
+        return self.o_proj(o.reshape(t, h * self.v_dim))
 
 
 class DeepseekMoE(nn.Module):

@@ -284,6 +284,49 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// One linear per head in one call: y [T, Hn, n] with y[t, h] = W_h x[t, h], for x [T, Hn, K]
+// and w [Hn, N/8, K/32, 160] (each head's weight in the tiles above, stacked). MLA's absorbed
+// up-projections (kiln/models/deepseek.py: q_nope -> latent through W_uk^T, latent -> v through
+// W_uv) are this: a batched matmul read them in fp32 (8x the bytes of these tiles) and paid
+// ATen's batched-GEMM setup for one row (the DeepSeek-shaped benchmark model, 1 row: 81 us a
+// call, 2 calls a layer). Items (head, tile) split statically, so each thread streams its
+// heads' tiles in order; every (t, h) row is quantized and computed alone (batch-invariant).
+at::Tensor heads_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "heads_q4: x must be fp32 [T, H, K]");
+  check_packed("heads_q4", w, 4);
+  const int64_t T = x.size(0), Hn = x.size(1), K = x.size(2), NT = w.size(1);
+  TORCH_CHECK(w.size(0) == Hn && w.size(2) * kGroup == K && NT * kTile >= n &&
+                  (NT - 1) * kTile < n,
+              "heads_q4: w holds ", w.size(0), " heads of [", NT * kTile, ", ",
+              w.size(2) * kGroup, "], x is [", T, ", ", Hn, ", ", K, "] and n = ", n);
+  auto y = at::empty({T, Hn, n}, x.options());
+  if (T == 0) return y;
+  const auto xc = x.contiguous();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t tile_bytes = w.size(2) * kBlockBytes, head_bytes = NT * tile_bytes;
+  float* yp = y.data_ptr<float>();
+  QRows xs;
+  xs.resize(T * Hn, K);
+#pragma omp parallel num_threads(threads())
+  {
+    quantize_rows_omp(xc.data_ptr<float>(), T * Hn, K, xs);
+    constexpr int64_t kRowChunk = 64;
+    int64_t rows[kRowChunk];
+    __m256 out[kRowChunk];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < Hn * NT; ++item) {
+      const int64_t h = item / NT, j = item % NT, valid = std::min(kTile, n - j * kTile);
+      for (int64_t r0 = 0; r0 < T; r0 += kRowChunk) {
+        const int64_t nr = std::min(kRowChunk, T - r0);
+        for (int64_t m = 0; m < nr; ++m) rows[m] = (r0 + m) * Hn + h;
+        tile_rows(wp + h * head_bytes + j * tile_bytes, xs, rows, nr, out, tile_bytes);
+        for (int64_t m = 0; m < nr; ++m) store_tile(yp + rows[m] * n + j * kTile, out[m], valid);
+      }
+    }
+  }
+  return y;
+}
+
 // moe_q4's work split: items (active expert a, tile j) expert-major, `per` tiles an expert, cut
 // into nt contiguous ranges of about equal cost, an item costing its expert's rows plus
 // kTileCost (reading the tile's weights: about what 2 rows of compute take at T = 1). Why not
@@ -1782,6 +1825,7 @@ KILN_LIBRARY(m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor table, Tensor row_of, Tensor lens, "
         "float scale) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("heads_q4(Tensor x, Tensor w, int n) -> Tensor");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor pieces, Tensor ranks, "
         "Tensor seg, Tensor local) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -1820,6 +1864,7 @@ KILN_LIBRARY(m) {
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);
   m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
+  m.impl("heads_q4", c10::DispatchKey::CPU, &heads_q4);
 }
 
 }  // namespace KILN_NS

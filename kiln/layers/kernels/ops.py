@@ -3,7 +3,7 @@ at the level kiln.layers.kernels selected (`lib()`: torch.ops.kiln_<level>).
 
 `q4_linear`: int4 weights in pack_q4's tiles x activations quantized to int8 per group of 32
 (llama.cpp's Q4_0 x Q8_0 scheme); `moe_q4`: a whole MoE layer's routed experts in one call;
-`lora_add`: a linear's LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py);
+`heads_q4`: one linear per attention head (MLA); `lora_add`: a linear's LoRA adapters for all of a step's rows in one call (kiln/engine/lora.py);
 `attend_rows`: attention row by row in one fixed order (batch-invariant); `q8_linear`: the int8
 head; `rms_norm`, `silu_mul`, `rope_write`: the fp32 row kernels; `decode_layer`: a whole Llama
 decoder layer of any step (decode rows, prefill chunks, speculative verify rows) in one call,
@@ -44,6 +44,13 @@ def moe_q4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch
     [T, H] in x's dtype. An id of -1 skips its pair (its expert runs in another pool).
     `threads`: OpenMP threads for this call (0: torch's count)."""
     return lib().moe_q4(x, ids, weights, w13, w2, threads)
+
+
+def heads_q4(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """One linear per head: x [T, H, K] fp32, w [H, N/8, K/32, 160] (pack_q4 of each head's
+    [n, K] weight, stacked) -> fp32 [T, H, n], y[t, h] = W_h x[t, h] (MLA's absorbed
+    up-projections; x quantized per group of 32 as in q4_linear)."""
+    return lib().heads_q4(x, w, n)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,

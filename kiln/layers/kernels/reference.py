@@ -154,6 +154,10 @@ def register_fakes(ns: str) -> None:
     def _(x, w, scale):
         return x.new_empty((x.shape[0], w.shape[0]))
 
+    @torch.library.register_fake(f"{ns}::heads_q4")
+    def _(x, w, n):
+        return x.new_empty((*x.shape[:2], n))
+
     @torch.library.register_fake(f"{ns}::moe_q4")
     def _(x, ids, weights, w13, w2, threads=0):
         return torch.empty_like(x)
