@@ -149,9 +149,8 @@ def _kt(offload: bool | None, ctx: PlanContext) -> list[Out]:
     if not offload:
         given = [n for n in T.KT_SETTINGS if ctx.explicit(n)]
         if given:
-            raise Untranslatable("warn", f"{', '.join('--' + n.replace('_', '-') for n in given)}"
-                                 " apply only with --cpu-offload-experts (kt-kernel); "
-                                 "ignored")
+            raise Untranslatable("warn", msg("handoff.kt_needs_offload", flags=", ".join(
+                "--" + n.replace("_", "-") for n in given)))
         return []
     if not ctx.model.is_moe:
         raise Untranslatable("warn", msg("handoff.kt_dense"))
@@ -194,8 +193,7 @@ def _number(value: float) -> int | float:
 def _threads(_: Any, ctx: PlanContext) -> list[Out]:
     if _offload_active(ctx):
         return []  # became --kt-cpuinfer
-    raise Untranslatable("warn", "SGLang picks its own CPU threads; --threads is ignored (with "
-                         "--cpu-offload-experts it sets --kt-cpuinfer)")
+    raise Untranslatable("warn", msg("handoff.sglang_threads"))
 
 
 TABLE: tuple[Map, ...] = (

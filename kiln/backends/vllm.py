@@ -152,9 +152,7 @@ def _speculative(model: str | None, ctx: PlanContext) -> list[Out]:
 
 def _offload(_: Any, ctx: PlanContext) -> list[Out]:
     if ctx.value("cpu_offload_experts") or any(ctx.explicit(n) for n in T.KT_SETTINGS):
-        raise Untranslatable("warn", "vLLM keeps every expert on the GPU: --cpu-offload-experts "
-                             "and the kt-* settings are ignored (hybrid CPU/GPU MoE needs "
-                             "--engine sglang with kt-kernel)")
+        raise Untranslatable("warn", msg("handoff.vllm_experts_on_gpu"))
     return []
 
 
@@ -165,9 +163,7 @@ def _log(value: str, _: PlanContext) -> list[Out]:
 def _fit_policy(value: str, _: PlanContext) -> list[Out]:
     if value == "immediate-only":
         return []  # vLLM's own rule: a request is admitted when its first chunk's blocks are
-    raise Untranslatable("warn", "vLLM admits a request when its first chunk's KV blocks are "
-                         "free (immediate-only); --sequence-fit-policy full-input-must-fit is "
-                         "ignored")
+    raise Untranslatable("warn", msg("handoff.vllm_fit_policy"))
 
 
 def _nothing(_: Any, __: PlanContext) -> list[Out]:

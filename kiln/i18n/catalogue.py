@@ -492,6 +492,24 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "--head` on this node, `ray start --address=<this host>:6379` on each other)",
         "zh": "vLLM 通过 Ray 跨 {nnodes} 个节点运行：请先启动集群（本节点运行 `ray start "
               "--head`，其他每个节点运行 `ray start --address=<本机地址>:6379`）"},
+    "handoff.vllm_experts_on_gpu": {
+        "en": "vLLM keeps every expert on the GPU: --cpu-offload-experts and the kt-* settings "
+              "are ignored (hybrid CPU/GPU MoE needs --engine sglang with kt-kernel)",
+        "zh": "vLLM 把所有专家都放在 GPU 上：--cpu-offload-experts 和 kt-* 设置会被忽略"
+              "（CPU/GPU 混合 MoE 需要 --engine sglang 配合 kt-kernel）"},
+    "handoff.vllm_fit_policy": {
+        "en": "vLLM admits a request when its first chunk's KV blocks are free (immediate-only); "
+              "--sequence-fit-policy full-input-must-fit is ignored",
+        "zh": "vLLM 在请求第一段的 KV 块空闲时即接纳它（immediate-only）；"
+              "--sequence-fit-policy full-input-must-fit 会被忽略"},
+    "handoff.kt_needs_offload": {
+        "en": "{flags} apply only with --cpu-offload-experts (kt-kernel); ignored",
+        "zh": "{flags} 仅在 --cpu-offload-experts（kt-kernel）下生效；已忽略"},
+    "handoff.sglang_threads": {
+        "en": "SGLang picks its own CPU threads; --threads is ignored (with "
+              "--cpu-offload-experts it sets --kt-cpuinfer)",
+        "zh": "SGLang 自行决定 CPU 线程数；--threads 会被忽略（配合 --cpu-offload-experts 时"
+              "它设置 --kt-cpuinfer）"},
     # -- finding and starting the external engine
     "engine.command_missing": {"en": "{engine} command {command} (from {source}) does not exist",
                                "zh": "{engine} 命令 {command}（来自 {source}）不存在"},
