@@ -188,6 +188,30 @@ def test_int4_runs_the_latent_up_projections_on_per_head_tiles(tmp_path):
     assert (tiles.argmax(-1) == dense.argmax(-1)).float().mean().item() > 0.85
 
 
+def test_shared_experts_absorbed_into_the_experts_keep_the_outputs(tiny, monkeypatch):
+    """On kiln's int4 kernels DeepSeek's shared experts run inside the stacked routed experts
+    (one virtual expert here, weight 1), as the runner arranges at load: each MoE block's
+    output equals the separate shared MLP's up to fp32 reassociation."""
+    import copy
+
+    import kiln.engine.model_runner as mr
+
+    _, folder, _ = tiny
+
+    def moes(r):
+        return [m for m in r.model.modules() if hasattr(m, "shared_experts")]
+
+    assert all(m.shared_experts is None and m.experts.num_shared == 1
+               for m in moes(_runner(folder, quantization="int4")))
+    monkeypatch.setattr(mr, "fuse_shared_experts", lambda model: 0)
+    for moe in moes(_runner(folder, quantization="int4")):
+        one = copy.deepcopy(moe)
+        assert moe.shared_experts is not None and one.fuse_shared_expert()
+        x = torch.randn(7, moe.experts.hidden_size, generator=torch.Generator().manual_seed(2))
+        want = moe(x)
+        torch.testing.assert_close(one(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 # --------------------------------------------------------------------------- GGUF
 
 

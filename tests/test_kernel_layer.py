@@ -387,9 +387,10 @@ def test_a_quantized_gemma3_gguf_runs_with_the_cpu_defaults(tmp_path, kernel_lev
         assert run_to_completion(eng)[f"alone{i}"] == together[str(i)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_level, family):
-    """An int4 MoE model (Qwen3-MoE: q/k norms; Mixtral): every step runs each layer as one
+    """An int4 MoE model (Qwen3-MoE: q/k norms; Mixtral; Qwen2-MoE: a gated shared expert,
+    absorbed into the stacked experts as two virtual ones): every step runs each layer as one
     moe_layer call, and greedy tokens and logprobs equal those of the eager layers (the layer
     kernel off) bit for bit, for four requests batched and each alone; the routing counters
     see the same tokens either way."""
@@ -400,12 +401,17 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
     from kiln.sampling_params import SamplingParams
     from kiln.settings.engine_config import EngineConfig
 
+    shared = {"shared_expert_intermediate_size": 128} if family == "qwen2_moe" else {}
     folder = make_tiny_model(family, tmp_path / family, hidden_size=128,
-                             moe_intermediate_size=64, intermediate_size=64)
+                             moe_intermediate_size=64, intermediate_size=64, **shared)
     eng = Engine(EngineConfig.of(model=str(folder), quantization="int4", kv_cache_memory=8 << 20,
                               max_num_seqs=4, max_num_batched_tokens=64))
     runner = eng.runner
     assert runner.decode_kernel_rows > 0, runner.decisions.decode_path.reason
+    if family == "qwen2_moe":
+        blocks = [m for m in runner.model.modules() if hasattr(m, "shared_gate_in_router")]
+        assert blocks and all(b.experts.num_shared == 2 and b.shared_expert is None
+                              and b.shared_gate_in_router for b in blocks)
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30, 9)]

@@ -140,6 +140,33 @@ def test_q4_0_experts_are_repacked_not_requantized(tiny, family):
     assert sum(agree) / len(agree) > 0.85, agree
 
 
+def test_shared_expert_absorbed_into_the_experts_keeps_the_outputs(tiny, monkeypatch):
+    """On kiln's int4 kernels Qwen2-MoE's gated shared expert (96 wide) runs inside the stacked
+    experts as three virtual experts of the routed width (its tiles sliced, not re-quantized;
+    its gate a row of the router), which the runner does at load: each block's output equals
+    the separate shared expert's up to fp32 reassociation (its down product summed in three
+    parts)."""
+    import copy
+
+    import kiln.engine.model_runner as mr
+
+    _, _, q4 = tiny["qwen2_moe"]
+    fused = _runner(q4, quantization="int4")
+    assert all(b.shared_expert is None and b.experts.num_shared == 3 and
+               b.gate.weight.shape[0] == 9 for b in _blocks(fused))
+    monkeypatch.setattr(mr, "fuse_shared_experts", lambda model: 0)
+    for block in _blocks(_runner(q4, quantization="int4")):
+        one = copy.deepcopy(block)
+        assert block.shared_expert is not None and one.fuse_shared_expert()
+        x = torch.randn(7, block.experts.hidden_size, generator=torch.Generator().manual_seed(1))
+        want = block(x)
+        torch.testing.assert_close(one(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def _blocks(runner: ModelRunner) -> list:
+    return [m for m in runner.model.modules() if hasattr(m, "shared_gate_in_router")]
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_experts_from_safetensors(tiny, mode):
     """Dense checkpoints quantize their experts too, and stay close to the fp32 model."""

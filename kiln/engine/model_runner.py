@@ -39,6 +39,7 @@ from kiln.layers.attention import (
     PrefillChunk,
     set_context,
 )
+from kiln.layers.moe import fuse_shared_experts
 from kiln.models.llama import DECODE_KERNEL_ANY_ROWS, kernel_layer_call
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 from kiln.obs.trace import stage
@@ -102,6 +103,9 @@ class ModelRunner:
             # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
             from kiln.layers.quantize import fix_kernel_choice
             fix_kernel_choice(self.model)
+        if not config.experts.cpu_offload:
+            # (not where the experts get split into pools: the split takes routed experts)
+            fuse_shared_experts(self.model)
         stage("weights_loaded")
         ckpt.release()
         if self.device.type == "cpu":

@@ -146,6 +146,9 @@ class Experts(nn.Module):
         self.tokens_per_expert = torch.zeros(e, dtype=torch.int64, device="cpu")
         # False for a pool of a SplitExperts, which counts for the whole layer in global ids.
         self.counts_routing = True
+        # Shared experts absorbed into the stack (`absorb_shared`): w13_q4 / w2_q4 hold them
+        # as this many virtual experts after the E routed ones, run by every token.
+        self.num_shared = 0
         # OpenMP threads of the moe_q4 call; 0: torch's count. A SplitExperts pool on the CPU
         # takes its share, so two pools running at once do not oversubscribe the cores (their
         # teams spin at barriers: 3 threads on 2 cores cost more than they give).
@@ -284,6 +287,38 @@ class Experts(nn.Module):
         self.w2_q4 = torch.stack(w2)
         self._drop_dense()
 
+    def absorb_shared(self, gate_up: nn.Module, down: nn.Module) -> bool:
+        """Takes a shared expert (a SwiGLU every token runs: Qwen2-MoE's `shared_expert`,
+        DeepSeek's `shared_experts`) into the stack as S = I_s / I virtual experts of the
+        routed ones' width, so that one moe_q4 call runs routed and shared rows together: one
+        parallel region instead of three more ops, the shared weights streamed beside the
+        routed ones. Virtual expert c is the shared gate/up rows [cI, (c+1)I) and the down
+        columns [cI, (c+1)I): its outputs add up to the shared expert's (a sum split in S
+        parts; the tiles are sliced, not re-quantized). Only where both are kiln's int4 tiles
+        without bias and I divides I_s; returns whether it did."""
+        from kiln.layers.quant import Int4Linear
+
+        i, h = self.intermediate_size, self.hidden_size
+        ok = (self.w13_q4 is not None and self.num_shared == 0
+              and all(isinstance(m, Int4Linear) and m.kernel == "q4" and m.bias is None
+                      for m in (gate_up, down))
+              and gate_up.in_features == h and down.out_features == h
+              and gate_up.out_features == 2 * down.in_features
+              and down.in_features % i == 0)
+        if not ok:
+            return False
+        n_s = down.in_features // i
+        tiles, groups = i // 8, i // 32  # one expert's gate rows in tiles, down cols in groups
+        gu, dn = gate_up.packed, down.packed  # [2 I_s / 8, H/32, 160], [H/8, I_s/32, 160]
+        up0 = n_s * tiles
+        w13 = [torch.cat([gu[c * tiles:(c + 1) * tiles],
+                          gu[up0 + c * tiles:up0 + (c + 1) * tiles]]) for c in range(n_s)]
+        w2 = [dn[:, c * groups:(c + 1) * groups] for c in range(n_s)]
+        self.w13_q4 = torch.cat([self.w13_q4, torch.stack(w13)]).contiguous()
+        self.w2_q4 = torch.cat([self.w2_q4, torch.stack(w2)]).contiguous()
+        self.num_shared = n_s
+        return True
+
     def expert_weights(self, e: int, dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) weights, dense, whatever the form they run
@@ -329,6 +364,7 @@ class Experts(nn.Module):
         from kiln.layers.kernels.formats import GroupQuant
         from kiln.layers.quant import Int4Linear
 
+        assert not self.num_shared, "experts with an absorbed shared expert are not split"
         device = torch.device(device)
         dtype = self.gate_up_proj.dtype
         with torch.device("meta"):
@@ -383,12 +419,18 @@ class Experts(nn.Module):
             self.tokens_per_expert += torch.bincount(ids.reshape(-1),
                                                      minlength=self.num_experts).cpu()
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k] from a router. Returns sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]) for every token t, [T, H] in x's dtype. An id of -1 skips its
-        pair: SplitExperts hands each pool the ids of its own experts only."""
+        pair: SplitExperts hands each pool the ids of its own experts only. With shared experts
+        absorbed, every token also runs them, scaled by `shared_weight` [T, 1] (None: 1): the
+        pairs (t, E + c) follow the routed ones (what moe_layer appends too)."""
         if self.w13_q4 is not None:
             self.count(ids)
+            if self.num_shared:
+                ids, weights = with_shared_pairs(ids, weights, self.num_experts,
+                                                 self.num_shared, shared_weight)
             return _moe_q4(x, weights, ids, self.w13_q4, self.w2_q4, self.threads)
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -434,8 +476,28 @@ class Experts(nn.Module):
     def extra_repr(self) -> str:
         form = ("int4 stacked (moe_q4)" if self.w13_q4 is not None
                 else "quantized" if self.quantized is not None else "dense")
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+        shared = f" + {self.num_shared} shared" if self.num_shared else ""
+        return (f"experts={self.num_experts}{shared}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, {form}")
+
+
+def with_shared_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, shared: int,
+                      shared_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's routed pairs, then its `shared` virtual shared-expert pairs (ids E..E+S-1,
+    weight `shared_weight` [T, 1] or 1): [T, k + S] ids and weights, as moe_layer forms them."""
+    t = ids.shape[0]
+    sid = torch.arange(num_experts, num_experts + shared, device=ids.device).expand(t, shared)
+    sw = (shared_weight.float() if shared_weight is not None
+          else torch.ones(t, 1, device=weights.device)).expand(t, shared)
+    return torch.cat([ids, sid], dim=1), torch.cat([weights.float(), sw], dim=1)
+
+
+def fuse_shared_experts(model: nn.Module) -> int:
+    """Every MoE block that can takes its shared expert into its stacked experts
+    (`fuse_shared_expert`); the number of blocks that did. The runner calls it once after
+    loading, where the experts are not split between pools."""
+    return sum(bool(m.fuse_shared_expert()) for m in model.modules()
+               if hasattr(m, "fuse_shared_expert"))
 
 
 def _grouped_mm_ok(xs: torch.Tensor) -> bool:

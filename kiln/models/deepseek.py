@@ -215,13 +215,23 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
                                if cfg.shared_expert_intermediate_size else None)
 
+    def fuse_shared_expert(self) -> bool:
+        """The shared experts into the stacked experts (Experts.absorb_shared: one moe_q4 call
+        runs routed and shared rows); where they cannot take them, nothing changes."""
+        if self.shared_experts is None or type(self.experts) is not Experts or \
+                not self.experts.absorb_shared(self.shared_experts.gate_up_proj,
+                                               self.shared_experts.down_proj):
+            return False
+        self.shared_experts = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         weights, ids = grouped_topk(
             self.gate(x), self.top_k, n_group=c.n_group, topk_group=c.topk_group,
             scoring=c.scoring_func, bias=self.gate.e_score_correction_bias,
             renormalize=c.norm_topk_prob, scale=c.routed_scaling_factor, method=c.topk_method)
-        y = self.experts(x, weights.to(x.dtype), ids)
+        y = self.experts(x, weights.to(x.dtype), ids)  # (+ the shared experts, once absorbed)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

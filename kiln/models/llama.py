@@ -250,15 +250,15 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.eps, *args, *norms, attn.attn.kv.k, attn.attn.kv.v,
             meta.slot_mapping, *meta.step_rows, attn.num_heads, attn.attn.scale,
             mlp.gate.weight, mlp.top_k, mlp.renormalize, mlp.experts.w13_q4,
-            mlp.experts.w2_q4)
+            mlp.experts.w2_q4, mlp.experts.num_shared, mlp.shared_gate_in_router)
         mlp.experts.count(ids)
         return out
 
     def _moe_args(self) -> tuple | None:
         """ops.moe_layer's (weights, kinds, rows, counts, biases) of the attention's two
         linears, or None where the layer's eager forward does not run exactly the kernels
-        moe_layer chains: a SparseMoeBlock (its `moe_layer_kernel` mark) without a shared
-        expert, all experts stacked for moe_q4, an fp32 router, Llama-form norms and linears on
+        moe_layer chains: a SparseMoeBlock (its `moe_layer_kernel` mark) whose shared expert,
+        if any, its experts absorbed, all experts stacked for moe_q4, an fp32 router, Llama-form norms and linears on
         kiln's tiles."""
         if self._moe_args_cache is not None:
             return self._moe_args_cache or None
@@ -432,7 +432,8 @@ class LlamaModel(nn.Module):
             else:
                 mlp = layer.mlp
                 stack.add_moe(*common, mlp.gate.weight, mlp.top_k, mlp.renormalize,
-                              experts.w13_q4, experts.w2_q4, experts.tokens_per_expert)
+                              experts.w13_q4, experts.w2_q4, experts.tokens_per_expert,
+                              experts.num_shared, mlp.shared_gate_in_router)
         return stack
 
 

@@ -22,9 +22,9 @@ from kiln.models.llama import LlamaForCausalLM, LlamaMLP
 
 class SparseMoeBlock(nn.Module):
     # Its forward is what kernels.cpp's moe_layer chains after the attention (Router's fp32
-    # logits, softmax_topk, the stacked experts; a shared expert it does not run): the layer
-    # kernels ask for this mark (LlamaDecoderLayer._moe_args), not for the class, which sits
-    # above models/llama.py. A subclass whose forward differs sets it False.
+    # logits, softmax_topk, the stacked experts, the shared expert once absorbed into them):
+    # the layer kernels ask for this mark (LlamaDecoderLayer._moe_args), not for the class,
+    # which sits above models/llama.py. A subclass whose forward differs sets it False.
     moe_layer_kernel = True
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
@@ -40,9 +40,35 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = Router(cfg.hidden_size, 1)
+        # After fuse_shared_expert with a gate: the gate's row is the router's last (one
+        # logits call gives both; moe_layer reads it the same way).
+        self.shared_gate_in_router = False
+
+    def fuse_shared_expert(self) -> bool:
+        """The shared expert into the stacked experts (Experts.absorb_shared), its sigmoid
+        gate into the router as row E: then one moe_q4 call (or the one-call moe_layer) runs
+        the whole block. Where the experts cannot take it, nothing changes."""
+        if self.shared_expert is None or type(self.experts) is not Experts or \
+                not self.experts.absorb_shared(self.shared_expert.gate_up_proj,
+                                               self.shared_expert.down_proj):
+            return False
+        self.shared_expert = None
+        if self.shared_expert_gate is not None:
+            w = torch.cat([self.gate.weight.data, self.shared_expert_gate.weight.data.to(
+                self.gate.weight.dtype)])
+            self.gate.weight = nn.Parameter(w, requires_grad=False)
+            self.shared_expert_gate = None
+            self.shared_gate_in_router = True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if getattr(self.experts, "num_shared", 0):  # the shared expert absorbed
+            e = self.experts.num_experts
+            weights, ids = softmax_topk(logits[:, :e], self.top_k, self.renormalize)
+            gate = torch.sigmoid(logits[:, e:]) if self.shared_gate_in_router else None
+            return self.experts(x, weights.to(x.dtype), ids, shared_weight=gate)
+        weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
         # transformers casts the weights to the activation dtype before scaling
         y = self.experts(x, weights.to(x.dtype), ids)
         if self.shared_expert is not None:

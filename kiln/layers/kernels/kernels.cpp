@@ -1569,6 +1569,22 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
 }
 
+// A token's moe_q4 pairs: its top-k (ids [T, k], weights), then, with `shared` virtual experts
+// (a shared expert absorbed after the E routed: kiln/layers/moe.py Experts.absorb_shared), the
+// pairs (t, E + c) weighted sigmoid(logits[t, E]) (a gated shared expert: Qwen2-MoE) or 1;
+// the same ATen ops as moe.py's with_shared_pairs, so the same bits.
+std::pair<at::Tensor, at::Tensor> shared_pairs(const at::Tensor& ids, const at::Tensor& w,
+                                               const at::Tensor& logits, int64_t E,
+                                               int64_t shared, bool gate) {
+  if (shared == 0) return {ids.contiguous(), w.contiguous()};
+  const int64_t T = ids.size(0);
+  const auto sid = at::arange(E, E + shared, ids.options()).expand({T, shared});
+  const auto sw = (gate ? at::sigmoid(logits.slice(1, E, E + 1)).to(at::kFloat)
+                        : at::ones({T, 1}, w.options().dtype(at::kFloat)))
+                      .expand({T, shared});
+  return {at::cat({ids, sid}, 1).contiguous(), at::cat({w.to(at::kFloat), sw}, 1).contiguous()};
+}
+
 // moe_layer where both attention linears are kiln's q4 tiles (a Q4_0 / int4 model) and the
 // pools fp32 or fp16: the whole layer in one parallel region, as decode_layer_q4 does for a
 // dense layer. The same row functions in the same order as moe_layer's op by op chain (rms_row,
@@ -1583,22 +1599,27 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
     const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k, at::Tensor v,
     const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row_of,
     const at::Tensor& lens, int64_t num_heads, double scale, const at::Tensor& router,
-    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2) {
+    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2,
+    int64_t shared, bool shared_gate) {
   const AttnQ4Args<KT> args("moe_layer", x, cos, sin, ln1, w, n, biases, q_norm, k_norm, k, v,
                             slots, table, row_of, lens, num_heads);
   const int64_t T = args.T, H = args.H;
-  const int64_t E = w13.size(0), I = w13.size(1) * kTile / 2;
+  // w13 / w2: E routed experts, then `shared` virtual ones (a shared expert absorbed, see
+  // shared_pairs); the router's rows: the E routed, then the shared gate's (shared_gate)
+  const int64_t EA = w13.size(0), E = EA - shared, R = E + (shared_gate ? 1 : 0);
+  const int64_t I = w13.size(1) * kTile / 2, K = top_k + shared;  // K: pairs a token
   check_packed("moe_layer (w13)", w13, 4);
   check_packed("moe_layer (w2)", w2, 4);
-  TORCH_CHECK(w13.size(2) * kGroup == H && w2.size(0) == E && w2.size(1) * kTile == H &&
+  TORCH_CHECK(w13.size(2) * kGroup == H && w2.size(0) == EA && w2.size(1) * kTile == H &&
                   w2.size(2) * kGroup == I && I % kTile == 0 && router.dim() == 2 &&
-                  router.size(0) == E && router.size(1) == H &&
+                  router.size(0) == R && router.size(1) == H && shared >= 0 && E > 0 &&
+                  (shared > 0 || !shared_gate) &&
                   router.scalar_type() == at::kFloat && ln2.numel() == H,
               "moe_layer: the experts' and router's shapes do not make a MoE layer of this x");
   const auto l2 = ln2.contiguous();
   const auto rc = router.contiguous();
   at::Tensor out = at::empty({T, H}, args.xc.options());
-  at::Tensor logits = at::empty({T, E}, args.xc.options());
+  at::Tensor logits = at::empty({T, R}, args.xc.options());
   at::Tensor ids = at::empty({T, top_k}, args.xc.options().dtype(at::kLong));
   if (T == 0) return {out, ids};  // (else: topk's, below)
   // (one workspace per calling thread, kept between calls: see decode_layer_q4)
@@ -1606,13 +1627,13 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
   static thread_local QRows tl_xh, tl_xc, tl_xs, tl_hs;
   QRows& xs = tl_xs;
   QRows& hs = tl_hs;
-  const int64_t need = args.floats() + T * H + T * top_k * (I + H);
+  const int64_t need = args.floats() + T * H + T * K * (I + H);
   if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
   const AttnQ4<KT> attn = args.bind(ws.data(), tl_xh, tl_xc, eps, qk_eps, scale, w, k, v);
   float* x1 = attn.x1;
   float* h2 = ws.data() + args.floats();
   float* eh = h2 + T * H;          // the experts' [pairs, I]
-  float* eo = eh + T * top_k * I;  // and [pairs, H]
+  float* eo = eh + T * K * I;      // and [pairs, H]
   xs.resize(T, H);
   const float* rp = rc.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -1631,20 +1652,20 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
       xs.quantize(t, h2 + t * H);
     }
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < T * E; ++r)
-      lp[r] = router_logit(h2 + (r / E) * H, rp + (r % E) * H, H);
+    for (int64_t r = 0; r < T * R; ++r)
+      lp[r] = router_logit(h2 + (r / R) * H, rp + (r % R) * H, H);
     // kiln/layers/moe.py's softmax_topk, the same ATen ops (serial here: inside a region), on
     // the calling thread: ATen's thread-local state (inference mode) is that thread's. An
     // exception must not leave the region (std::terminate): it is rethrown after.
 #pragma omp master
     {
       try {
-        const at::Tensor probs = at::softmax(logits, -1);
+        const at::Tensor probs = at::softmax(shared ? logits.slice(1, 0, E) : logits, -1);
         auto [wt, id] = at::topk(probs, top_k, -1);
         if (renormalize) wt = wt / wt.sum(-1, /*keepdim=*/true);
         ids = id.contiguous();
-        const at::Tensor wc = wt.contiguous();
-        pl = moe_plan(ids.data_ptr<int64_t>(), wc.data_ptr<float>(), T, top_k, E, I / kTile,
+        auto [pi, pw] = shared_pairs(ids, wt, logits, E, shared, shared_gate);
+        pl = moe_plan(pi.data_ptr<int64_t>(), pw.data_ptr<float>(), T, K, EA, I / kTile,
                       H / kTile, omp_get_num_threads());
         hs.resize(pl.Pv, I);
       } catch (...) {
@@ -1671,7 +1692,8 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
     const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k, at::Tensor v,
     const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row_of,
     const at::Tensor& lens, int64_t num_heads, double scale, const at::Tensor& router,
-    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2) {
+    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2,
+    int64_t shared, bool shared_gate) {
   TORCH_CHECK(counts.size() == 2 && biases.size() == 2,
               "moe_layer: two linears (qkv, o)");
   TORCH_CHECK(weights.size() == kinds.size() && kinds.size() == rows.size() &&
@@ -1690,7 +1712,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
                                                      : &moe_layer_q4<at::Half>;
     return layer(x, cos, sin, ln1, ln2, eps, weights, rows, biases, q_norm, k_norm, qk_eps, k,
                  v, slots, table, row_of, lens, num_heads, scale, router, top_k, renormalize,
-                 w13, w2);
+                 w13, w2, shared, shared_gate);
   }
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = i == 0 ? 0 : counts[0], n = counts[i];
@@ -1705,10 +1727,13 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
   const auto x1 = x + lin(1, ctx.view({B, -1}));
   const auto h = rms_norm(x1, ln2, eps);
   // kiln/layers/moe.py: Router (router_logits) then softmax_topk, the same ops
-  const auto probs = at::softmax(router_logits(h, router), -1);
+  const int64_t E = w13.size(0) - shared;
+  const auto logits = router_logits(h, router);
+  const auto probs = at::softmax(shared ? logits.slice(1, 0, E) : logits, -1);
   auto [w, ids] = at::topk(probs, top_k, -1);
   if (renormalize) w = w / w.sum(-1, /*keepdim=*/true);
-  return {x1 + moe_q4(h, ids, w, w13, w2, 0), ids};
+  auto [pi, pw] = shared_pairs(ids, w, logits, E, shared, shared_gate);
+  return {x1 + moe_q4(h, pi, pw, w13, w2, 0), ids};
 }
 
 // A model's decoder layers as the layer kernels take them, gathered once (LlamaModel's
@@ -1733,8 +1758,8 @@ struct LayerStack : torch::CustomClassHolder {
     double qk_eps;
     // a sparse MoE block where `router` is defined
     at::Tensor router, w13, w2, routed;
-    int64_t top_k = 0;
-    bool renormalize = false;
+    int64_t top_k = 0, shared = 0;
+    bool renormalize = false, shared_gate = false;
   };
   std::vector<Layer> layers;
 
@@ -1768,10 +1793,11 @@ struct LayerStack : torch::CustomClassHolder {
                std::vector<int64_t> counts, std::vector<at::Tensor> biases, at::Tensor k,
                at::Tensor v, int64_t num_heads, double scale, at::Tensor q_norm,
                at::Tensor k_norm, double qk_eps, at::Tensor router, int64_t top_k,
-               bool renormalize, at::Tensor w13, at::Tensor w2, at::Tensor routed) {
+               bool renormalize, at::Tensor w13, at::Tensor w2, at::Tensor routed,
+               int64_t shared, bool shared_gate) {
     TORCH_CHECK(biases.size() == 2, "LayerStack.add_moe: two biases (qkv, o; empty: none)");
     TORCH_CHECK(routed.dim() == 1 && routed.scalar_type() == at::kLong &&
-                    routed.is_contiguous() && routed.size(0) == w13.size(0),
+                    routed.is_contiguous() && routed.size(0) == w13.size(0) - shared,
                 "LayerStack.add_moe: routed is the layer's int64 counters [E]");
     Layer l = make(std::move(ln1), std::move(ln2), eps, std::move(weights), std::move(kinds),
                    std::move(rows), std::move(counts), biases, std::move(k), std::move(v),
@@ -1782,6 +1808,8 @@ struct LayerStack : torch::CustomClassHolder {
     l.w13 = std::move(w13);
     l.w2 = std::move(w2);
     l.routed = std::move(routed);
+    l.shared = shared;
+    l.shared_gate = shared_gate;
     layers.push_back(std::move(l));
   }
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
@@ -1806,7 +1834,7 @@ at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& cos, const at::Te
     auto [y, ids] = moe_layer(h, cos, sin, l.ln1, l.ln2, l.eps, l.weights, l.kinds, l.rows,
                               l.counts, l.biases, l.q_norm, l.k_norm, l.qk_eps, l.k, l.v, slots,
                               table, row_of, lens, l.num_heads, l.scale, l.router, l.top_k,
-                              l.renormalize, l.w13, l.w2);
+                              l.renormalize, l.w13, l.w2, l.shared, l.shared_gate);
     const int64_t* ip = ids.data_ptr<int64_t>();
     int64_t* cp = l.routed.data_ptr<int64_t>();
     for (int64_t i = 0; i < ids.numel(); ++i) ++cp[ip[i]];
@@ -1842,7 +1870,8 @@ KILN_LIBRARY(m) {
         "Tensor[] weights, int[] kinds, int[] rows, int[] counts, Tensor?[] biases, "
         "Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor(a!) k, Tensor(b!) v, Tensor slots, "
         "Tensor table, Tensor row_of, Tensor lens, int num_heads, float scale, Tensor router, "
-        "int top_k, bool renormalize, Tensor w13, Tensor w2) -> (Tensor, Tensor)");
+        "int top_k, bool renormalize, Tensor w13, Tensor w2, int shared=0, "
+        "bool shared_gate=False) -> (Tensor, Tensor)");
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<>())
       .def("add", &LayerStack::add)

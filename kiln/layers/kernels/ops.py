@@ -126,22 +126,26 @@ def moe_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.
               k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
               row_of: torch.Tensor, lens: torch.Tensor, num_heads: int, scale: float,
               router: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
-              w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              w2: torch.Tensor, shared: int = 0, shared_gate: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture-of-experts decoder layer of a whole step in one call (kernels.cpp
     moe_layer): decode_layer's attention (two linears: qkv, o; Qwen3's per-head q/k norms
     where given), then the router's fp32 logits (router [E, H]), softmax + top-k
-    (renormalized), and moe_q4 over the stacked experts w13 / w2. Returns (x out [T, H], ids
+    (renormalized), and moe_q4 over the stacked experts w13 / w2; with `shared` virtual
+    experts after the E routed ones (an absorbed shared expert), every token runs them too,
+    weighted sigmoid of the router's row E (`shared_gate`, router [E + 1, H]) or 1. Returns (x out [T, H], ids
     [T, top_k]: the routing, for the experts' counters). The same kernels in the same order as
     the layer's eager forward."""
     return lib().moe_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases,
                            q_norm, k_norm, qk_eps, k, v, slots, table, row_of, lens, num_heads,
-                           scale, router, top_k, renormalize, w13, w2)
+                           scale, router, top_k, renormalize, w13, w2, shared, shared_gate)
 
 
 def layer_stack() -> torch.ScriptObject:
     """An empty LayerStack (kernels.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
     counts, biases, k, v, num_heads, scale, q_norm, k_norm, qk_eps)` appends a layer as
-    decode_layer takes it, `add_moe(<the same>, router, top_k, renormalize, w13, w2, routed)`
+    decode_layer takes it, `add_moe(<the same>, router, top_k, renormalize, w13, w2, routed,
+    shared, shared_gate)`
     one as moe_layer does, whose routing decode_stack adds to `routed` [E] int64 (biases, q/k
     norms: an empty tensor where none)."""
     from kiln.layers.kernels import level

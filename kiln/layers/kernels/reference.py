@@ -143,7 +143,7 @@ def register_fakes(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::moe_layer")
     def _(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, q_norm, k_norm,
           qk_eps, k, v, slots, table, row_of, lens, num_heads, scale, router, top_k,
-          renormalize, w13, w2):
+          renormalize, w13, w2, shared=0, shared_gate=False):
         return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.long)
 
     @torch.library.register_fake(f"{ns}::router_logits")
