@@ -56,14 +56,16 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "cpu-large",
-            "larger dense model on CPU: few sequences (decode is DRAM-bound), bf16 KV cache",
+            "larger dense model on CPU: few sequences (decode is DRAM-bound), 16-bit KV cache",
             {
                 "device": "cpu",
                 "max_num_seqs": 4,
                 "max_num_batched_tokens": 256,
                 "max_model_len": 4096,
                 "block_size": 16,
-                "kv_cache_dtype": "bf16",
+                # auto: fp16 for quantized weights (what kiln's layer kernels read and write),
+                # else the model dtype (bf16 on CPU): 16 bits either way
+                "kv_cache_dtype": "auto",
                 "enable_prefix_caching": True,
                 "compile": False,
             },
