@@ -153,5 +153,31 @@ def test_offline_bench_reports_routing_per_moe_layer(tiny_moe, tmp_path):
         assert r["imbalance"] == pytest.approx(r["max"] / r["mean"])
     text = format_offline(result)
     assert "MoE routing" in text and "imbalance" in text
+    # the roofline counts the experts a 2-row step reads, not all of them
+    roof = result.decode[0].roofline
+    assert 0 < roof["expert_bytes"] < roof["expert_total_bytes"] < roof["weight_bytes"] + \
+        roof["expert_total_bytes"]
+    assert "of them experts MB" in text
     data = json.loads(write_json(tmp_path / "b.json", result.to_json()).read_text())
     assert data["moe_routing"][0]["layer"] == 0
+
+
+def test_roofline_counts_the_experts_a_step_selects():
+    """kiln.bench.roofline.expert_bytes: one row reads its k experts (k * p summed is k), many
+    rows approach all of them; a skewed routing reads fewer distinct experts at a batch."""
+    import torch
+    from torch import nn
+
+    from kiln.bench.roofline import expert_bytes
+    from kiln.layers.moe import Experts
+
+    model = nn.Module()
+    model.config = type("C", (), {"num_experts_per_tok": 2})()
+    model.experts = Experts(8, 32, 32)
+    per = model.experts.storage_bytes() / 8
+    read, total = expert_bytes(model, 1)
+    assert total == model.experts.storage_bytes() and read == pytest.approx(2 * per, rel=1e-6)
+    assert expert_bytes(model, 256)[0] == pytest.approx(8 * per, rel=1e-3)
+    uniform = expert_bytes(model, 4)[0]
+    model.experts.tokens_per_expert = torch.tensor([100, 100, 1, 1, 1, 1, 1, 1])
+    assert expert_bytes(model, 4)[0] < uniform

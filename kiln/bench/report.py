@@ -114,9 +114,16 @@ def format_offline(result: OfflineResult) -> str:
         read = roofs[0][1]["read_gbs"]
         lines = [[f"decode b={b}", fmt(r["weight_bytes"] / 1e6), fmt(r["kv_bytes"] / 1e6),
                   fmt(r["achieved_gbs"]), f"{100 * r['fraction']:.0f}%"] for b, r in roofs]
+        moe = any(r.get("expert_total_bytes") for _, r in roofs)
+        if moe:
+            for line, (_, r) in zip(lines, roofs):
+                line.insert(2, fmt(r["expert_bytes"] / 1e6))
         out += (f"\n\nmemory roofline (read bandwidth measured here: {read:.1f} GB/s; a step reads "
-                "its weights once and each row's KV):\n"
-                + table(["phase", "weights MB", "KV MB", "GB/s", "of read bw"], lines, left=2))
+                "its weights once and each row's KV"
+                + ("; of the experts, the shared ones and the distinct routed ones the rows "
+                   "select, expected from the routing measured" if moe else "") + "):\n"
+                + table(["phase", "weights MB", *(["of them experts MB"] if moe else []),
+                         "KV MB", "GB/s", "of read bw"], lines, left=2))
     if result.moe_routing:
         routing = [[str(r["layer"]), str(r["tokens"]), fmt(r["min"], 0), fmt(r["mean"]),
                     fmt(r["max"], 0), fmt(r["imbalance"], 2), f"{r['idle']:.0f}/{r['experts']}"]

@@ -6,7 +6,10 @@ the read bandwidth measured here, in the same process and with the engine's thre
 
 What counts as read per step:
   weights   every parameter and buffer of the model on its device, except the tables a step
-            only looks rows up in: an input embedding the head does not share, RoPE's cos/sin
+            only looks rows up in: an input embedding the head does not share, RoPE's cos/sin;
+            of a MoE layer's experts only those a step of B rows reads: its shared experts and
+            the expected number of distinct routed ones, sum_e 1 - (1 - p_e)^B with p_e the
+            share of tokens the layer sent to expert e so far (its routing counters; k at B=1)
   KV        each row's context (prompt + generated so far, averaged over the measured tokens)
             x the pool's bytes per token (all layers)
 Activations, the sampler and logits are left out (they stay in cache at these sizes), so the
@@ -29,11 +32,13 @@ _PROBE_RUNS = 5
 @dataclass
 class Roofline:
     bytes_per_step: int  # weights + KV read by one decode step
-    weight_bytes: int
+    weight_bytes: int  # of which the experts': expert_bytes
     kv_bytes: int
     achieved_gbs: float  # bytes_per_step x steps per second
     read_gbs: float  # the machine's read bandwidth, measured
     fraction: float  # achieved / read
+    expert_bytes: int = 0  # the MoE experts' weights a step reads (of expert_total_bytes)
+    expert_total_bytes: int = 0
 
 
 def measure_read_bandwidth(threads: int | None = None) -> float:
@@ -76,14 +81,44 @@ def decode_weight_bytes(model: torch.nn.Module, device_type: str = "cpu") -> int
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def expert_bytes(model: torch.nn.Module, batch: int) -> tuple[int, int]:
+    """(bytes a decode step of `batch` rows reads of the MoE experts, bytes of all of them): per
+    layer, its shared (absorbed) experts plus the expected distinct routed ones under the
+    routing its counters saw (uniform where they saw nothing). (0, 0) for a dense model."""
+    from kiln.layers.moe import Experts
+
+    read = total = 0
+    for ex in model.modules():
+        if not isinstance(ex, Experts) or not ex.counts_routing:
+            continue
+        size = ex.storage_bytes()
+        e, s = ex.num_experts, ex.num_shared
+        per = size / (e + s)
+        counts = ex.tokens_per_expert.double()
+        p = counts / counts.sum() if counts.sum() > 0 else torch.ones(e, dtype=torch.float64) / e
+        k = _top_k(model)
+        # a token picks k distinct experts: expert e with probability k * p_e
+        distinct = float((1 - (1 - (k * p).clamp(max=1.0)) ** batch).sum())
+        read += int(per * (distinct + s))
+        total += size
+    return read, total
+
+
+def _top_k(model: torch.nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "num_experts_per_tok", 0) or 1)
+
+
 def roofline(runner: Any, batch: int, context: float, tok_s: float, read_gbs: float
              ) -> Roofline:
     """The roofline figures of a decode step of `batch` rows at mean `context` tokens that ran
     at `tok_s` (whole batch) on `runner` (a ModelRunner)."""
-    weights = decode_weight_bytes(runner.model, runner.device.type)
+    read, total_experts = expert_bytes(runner.model, batch)
+    weights = decode_weight_bytes(runner.model, runner.device.type) - total_experts + read
     kv = int(batch * context * runner.kv_bytes_per_token())
     total = weights + kv
     achieved = total * (tok_s / batch) / 1e9
     return Roofline(bytes_per_step=total, weight_bytes=weights, kv_bytes=kv,
                     achieved_gbs=achieved, read_gbs=read_gbs,
-                    fraction=achieved / read_gbs if read_gbs > 0 else 0.0)
+                    fraction=achieved / read_gbs if read_gbs > 0 else 0.0,
+                    expert_bytes=read, expert_total_bytes=total_experts)
