@@ -153,7 +153,7 @@ def auto_cpu_isa(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str, str]:
 
     for lv in LEVELS:
         if (why := cpu_runs(lv)) is None:
-            return ("auto", f"{lv.name}: the best level this CPU and OS run ({lv.about})",
+            return ("auto", f"{lv.name}, the best level this CPU and OS run: {lv.about}",
                     "cpu_isa.best_level")
     return "auto", f"no level runs here ({why}): PyTorch's paths", "cpu_isa.no_level"
 

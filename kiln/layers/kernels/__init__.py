@@ -56,7 +56,7 @@ def select(requested: str = "auto") -> tuple[str | None, str]:
         # best first; the first that builds wins (a start builds only the level it runs)
         runs = next(([lv.name] for lv in LEVELS if library(lv.name)), [])
         if runs:
-            _level, _reason = runs[0], f"the best level this CPU and OS run ({BY_NAME[runs[0]].about})"
+            _level, _reason = runs[0], f"the best level this CPU and OS run: {BY_NAME[runs[0]].about}"
         else:
             whys = "; ".join(f"{lv.name}: {cpu_runs(lv) or 'the library did not build'}"
                              for lv in LEVELS)

@@ -65,7 +65,7 @@ LEVELS: tuple[Level, ...] = (
                                "avx512_vnni"}), XCR0_AVX512,
           ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
            "-mavx512dq", "-mavx512vnni"),
-          "int8 dot products with AVX512-VNNI (vpdpbusd)"),
+          "int8 dot products with AVX512-VNNI's vpdpbusd"),
     Level("avx2", AVX2_FLAGS, XCR0_AVX, ("-mavx2", "-mfma", "-mf16c"),
           "int8 dot products with vpmaddubsw + vpmaddwd"),
 )
