@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not (args.model / "config.json").exists():
-        print(f"{args.model} is not a model folder (tests/test_embeddings.py caches MiniLM "
+        print(f"{args.model} is not a model folder (tests/server/test_embeddings.py caches MiniLM "
               "there)", file=sys.stderr)
         return 2
     texts = make_sentences(args.sentences)

@@ -1,7 +1,7 @@
 """The plan `kiln/startup.py` fills phase by phase and `kiln/startup_report.py` shows and
 records. A module of its own so that the report reads the plan without importing the planner,
 which itself calls the report (the effective config's hash): no import circle between the two
-(tests/test_layering.py)."""
+(tests/unit/test_layering.py)."""
 
 from __future__ import annotations
 

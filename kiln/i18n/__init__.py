@@ -15,7 +15,7 @@ what people read (errors, hints, warnings, --dry-run, doctor) prints it as it is
 `english(text)`, so it stays the same whatever the language.
 
 Technical terms (GPU, KV cache, GGUF, flags, setting names) stay untranslated in Chinese, as in
-kt-cli. Every key has both languages with the same {fields} (tests/test_i18n.py checks).
+kt-cli. Every key has both languages with the same {fields} (tests/unit/test_i18n.py checks).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Data only; the lookup (`msg`, `english`, the language) is kiln/i18n/__init__.py. A key is
 `area.what` (`.fix` / `.hint` for the advice that follows a message). Every key has both
-languages with the same {fields}, and every key the code looks up is here: tests/test_i18n.py
+languages with the same {fields}, and every key the code looks up is here: tests/unit/test_i18n.py
 checks both, so this table may grow past the 600-line mark of a module without losing its
 consistency.
 """

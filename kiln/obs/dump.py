@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # What a bundle reads of the server's engine requests (kiln.server.serving's PromptSpec has
 # these fields), spelled out here so that this lower floor does not import the server that
-# writes through it (tests/test_layering.py keeps kiln/ free of import cycles).
+# writes through it (tests/unit/test_layering.py keeps kiln/ free of import cycles).
 class PromptSpec(Protocol):
     request_id: str
     prompt_ids: list[int]

@@ -2,7 +2,7 @@
 flags `kiln serve` adds around it, by `kiln config docs`.
 
 The page is generated so that it cannot drift from the flags argparse builds from the same rows;
-tests/test_docs.py regenerates it in memory and fails when the file in the tree differs.
+tests/unit/test_docs.py regenerates it in memory and fails when the file in the tree differs.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def flags_markdown() -> str:
         "# Settings and flags",
         "",
         (f"Generated from the settings table (`SETTINGS` in `kiln/settings/table.py`) by `{COMMAND}`: "
-         "edit the table, then run that command (`tests/test_docs.py` fails while this page is "
+         "edit the table, then run that command (`tests/unit/test_docs.py` fails while this page is "
          "stale). `kiln serve --help` prints the same flags."),
         "",
         ("Every setting is one row: its name is the config-file key (`~/.config/kiln/config.toml`"

@@ -6,9 +6,9 @@ config-file key (the name), what it affects and which engines honour it. The CLI
 `--dry-run`, the effective-config JSON, the decision trace and docs/flags.md are all generated
 from this table, so they cannot disagree. This module is the table (and the one parser that reads
 it, `--models`); resolving it with provenance is kiln/settings/resolve.py, the engine's frozen view
-kiln/settings/engine_config.py. It stays one declarative table past 600 lines: tests/test_settings_table.py
+kiln/settings/engine_config.py. It stays one declarative table past 600 lines: tests/unit/test_settings_table.py
 keeps its rows consistent (names, flags and env vars unique, defaults parse and are among the
-choices), and tests/test_docs.py keeps docs/flags.md what the table generates.
+choices), and tests/unit/test_docs.py keeps docs/flags.md what the table generates.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ token ids through /v1/chat/completions and /v1/responses (read from --request-du
 tool_choice is constrained to the model's own call format (the wrapper, then the arguments), and
 a streamed Responses tool call comes as function_call_arguments events, not as message text.
 
-`heavy` (a real model's load): `pytest -m heavy tests/test_agent_frameworks.py`. The frameworks
+`heavy` (a real model's load): `pytest -m heavy tests/heavy/test_agent_frameworks.py`. The frameworks
 are in the test extras except instructor, whose jiter<0.15 pin conflicts with the openai client's
 jiter>=0.16 (pip would downgrade openai): `pip install --no-deps instructor docstring-parser`,
 else its cases skip. KILN_AGENTS_MODELS=0.5b,1.5b runs the module on the 1.5B as well.

@@ -370,7 +370,7 @@ def test_rerank_puts_the_relevant_document_first(embed_server: tuple[str, Path])
 @pytest.mark.slow
 def test_embedding_endpoints_answer_as_their_schema_says(embed_server: tuple[str, Path]
                                                          ) -> None:
-    """schemathesis over the embed server's own endpoints (tests/test_api_fuzz.py fuzzes a
+    """schemathesis over the embed server's own endpoints (tests/server/test_api_fuzz.py fuzzes a
     generating one): no 5xx, documented statuses, bodies matching EmbeddingResponse /
     RerankResponse / ErrorResponse."""
     import schemathesis

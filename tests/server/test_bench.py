@@ -38,7 +38,7 @@ from kiln.bench.workloads import (
 )
 from kiln.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------------------------------------
 # stats

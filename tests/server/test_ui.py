@@ -10,7 +10,7 @@ stopping a long answer (the server frees the request), the model picker, the das
 moving under load with the config's sources, and the page's own pure functions (markdown,
 percentiles). With KILN_UI_SCREENSHOTS=DIR the picker and dashboard tests also write
 ui-chat.png and ui-dashboard.png there (the README's screenshots:
-`KILN_UI_SCREENSHOTS=docs pytest tests/test_ui.py`).
+`KILN_UI_SCREENSHOTS=docs pytest tests/server/test_ui.py`).
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from test_server import API_KEY, NAMES, Server, _serve
 
 from kiln.server.errors import APIError
 from kiln.server.routes.responses import ResponseStore, StoredResponse
 from kiln.server.serving import Serving
 from kiln.tokenizer import Tokenizer, coalesce_system_messages
-from tests.test_server import API_KEY, NAMES, Server, _serve
 
 QUESTION = "What is the capital of France?"
 SECOND = "And of Italy?"

@@ -591,7 +591,7 @@ def test_a_real_hand_off_prints_the_summary_and_the_command_it_launches(
     printing what the dry run shows and the command line."""
     import sys
 
-    fake = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"
+    fake = Path(__file__).resolve().parents[1] / "fixtures" / "fake_engine.py"
     folder = model_folder(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
     monkeypatch.setenv("FAKE_EXIT_BEFORE_READY", "3")
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))

@@ -39,8 +39,8 @@ from kiln.settings.resolve import resolve_settings
 from kiln.settings.rules import AutoContext
 from kiln.settings.table import SETTINGS
 
-REPO = Path(__file__).resolve().parent.parent
-FAKE = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"
+REPO = Path(__file__).resolve().parents[2]
+FAKE = Path(__file__).resolve().parents[1] / "fixtures" / "fake_engine.py"
 MODEL = BackendModel("org/tiny-model", served_names=["tiny"])
 MOE = BackendModel("org/tiny-moe", served_names=["tiny-moe"], is_moe=True)
 

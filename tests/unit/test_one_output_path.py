@@ -9,7 +9,7 @@ import ast
 import functools
 from pathlib import Path
 
-KILN = Path(__file__).resolve().parent.parent / "kiln"
+KILN = Path(__file__).resolve().parents[2] / "kiln"
 OUTPUT = KILN / "engine" / "output.py"
 # What runs a sequence: a call to one of these inside a loop over `n` is a fan-out.
 SUBMITS = {"add_request", "generate", "for_choice"}

@@ -68,7 +68,7 @@ def _serve(tmp: Path, gguf: Path, *extra: str, api_key: bool = True) -> Iterator
         *(["--api-key", API_KEY] if api_key else []),
         # fp32, which also resolves quantization to none (the int4/int8 kernels compute in bf16):
         # the exact engine, whose batched tokens equal solo ones (the CPU default, int4 kernels,
-        # is not batch-invariant yet; tests/test_bench.py serves that).
+        # is not batch-invariant yet; tests/server/test_bench.py serves that).
         # Eager decode: the preset's compile would build graphs at every server start.
         "--device", "cpu", "--dtype", "float32", "--no-compile",
         "--effective-config-json", str(tmp / f"effective-{port}.json"),
@@ -735,7 +735,7 @@ def test_metrics_carry_vllm_names_types_and_request_histograms(
             in after["vllm:request_prompt_tokens"])
 
 
-# -- the web pages (the browser tests: tests/test_ui.py) -------------------------------------------
+# -- the web pages (the browser tests: tests/server/test_ui.py) -------------------------------------------
 
 
 def test_pages_are_html_that_loads_nothing_from_elsewhere(server: Server) -> None:

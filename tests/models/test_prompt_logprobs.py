@@ -4,9 +4,9 @@ whole-prompt forward pass, through chunked prefill and past a warm prefix cache.
 from __future__ import annotations
 
 import torch
+from conftest import run_to_completion
 
 from kiln.sampling_params import SamplingParams
-from tests.conftest import run_to_completion
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor "
           "jugs, and then the sphinx of black quartz judges my vow.")

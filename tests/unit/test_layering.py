@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
     """Dotted module name -> file, for every .py under root/package."""
@@ -170,7 +170,7 @@ def test_kiln_has_no_import_circle() -> None:
     assert not problems, (
         "\n".join(problems) + "\nCut it: move the piece both modules need below both (a type, a "
         "constant, an error class), or pass it in; a deferred or TYPE_CHECKING import does not "
-        "cut it (tests/test_layering.py says why).")
+        "cut it (tests/unit/test_layering.py says why).")
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -324,15 +324,15 @@ LONG_TABLES: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "kiln/settings/table.py": ("SETTINGS", {
         # names, flags and env vars unique; defaults parse and are among the choices; every row
         # says what it affects and which engines honour it
-        "tests/test_settings_table.py": (
+        "tests/unit/test_settings_table.py": (
             "test_names_env_vars_and_flags_are_each_declared_once",
             "test_each_fixed_default_is_a_value_its_own_parser_accepts_and_a_listed_choice",
             "test_each_row_says_what_it_affects_and_which_engines_honour_it"),
         # docs/flags.md is what the table generates
-        "tests/test_docs.py": ("test_docs_flags_md_is_generated_from_the_current_settings_table",),
+        "tests/unit/test_docs.py": ("test_docs_flags_md_is_generated_from_the_current_settings_table",),
     }),
     "kiln/i18n/catalogue.py": ("CATALOGUE", {
-        "tests/test_i18n.py": ("test_every_message_has_both_languages_with_the_same_fields",
+        "tests/unit/test_i18n.py": ("test_every_message_has_both_languages_with_the_same_fields",
                                "test_every_key_the_code_looks_up_is_in_the_catalogue",
                                "test_every_catalogue_entry_is_used"),
     }),

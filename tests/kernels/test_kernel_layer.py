@@ -17,7 +17,7 @@ from kiln.layers import kernels
 from kiln.layers.kernels import isa
 from kiln.layers.kernels.flags import flags_amx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_probe_reconciles_flags_and_the_os():

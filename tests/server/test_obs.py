@@ -1,7 +1,7 @@
 """Traces, request dumps with `kiln replay`, and diagnostic faults (kiln/obs/).
 
 Engine-level checks run on the session's shared SmolLM2 runner; the server-level ones start real
-`kiln serve` processes (tests/test_server.py's `_serve`) and drive them with the openai client:
+`kiln serve` processes (tests/server/test_server.py's `_serve`) and drive them with the openai client:
 one with every trace and a request dump under 16 concurrent clients, a fresh one to replay the
 dump against, one with faults, and one whose startup fails on purpose.
 """

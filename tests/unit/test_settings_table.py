@@ -1,6 +1,6 @@
 """The settings table (kiln/settings/table.py) stays consistent as rows are added: it is one declarative
 table, allowed past the 600-line mark of a module because this file checks its rows (and
-tests/test_docs.py checks docs/flags.md is what it generates). No model is loaded."""
+tests/unit/test_docs.py checks docs/flags.md is what it generates). No model is loaded."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Hostile input against a real `kiln serve` configured with small HTTP limits and CORS for one
 origin: each refusal is a clear 4xx and nothing else is affected; a request that asks for as much
 as it may (n sequences up to the context) cannot make a later one wait for it; GET /debug/kv shows
-no block leaked afterwards. (The default limits are checked in tests/test_server.py.)"""
+no block leaked afterwards. (The default limits are checked in tests/server/test_server.py.)"""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from kiln.cli.main import main as kiln_main
 from kiln.settings import docs as setting_docs
 from kiln.settings import table as C
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS_MD = ROOT / "docs" / "flags.md"
 
 

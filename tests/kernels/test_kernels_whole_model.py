@@ -1,5 +1,5 @@
 """kiln's batch-invariant CPU kernels checked inside the whole model, not only on made-up
-tensors (tests/test_kernels.py does that): SmolLM2 with the default settings except
+tensors (tests/kernels/test_kernels.py does that): SmolLM2 with the default settings except
 int8 weights (re-quantized from the GGUF's blocks: --no-gguf-kernels) runs 3 chat requests, a
 batched prefill then 4 batched decode steps, once with the kernels (ops.attend_rows
 for every attention row, q8_linear for the int8 head) and once with their PyTorch references
