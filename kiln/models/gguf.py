@@ -14,6 +14,7 @@ Names stay GGUF's here: mapping them to a model's parameters is `kiln/models/loa
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 import warnings
@@ -232,11 +233,13 @@ def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
     come as one GroupQuant of E * out rows), or, when its type is in `keep_blocks` (the types
     kiln/layers/kernels/kquant.cpp reads, or those an embedding dequantizes per lookup), a 2-D
     tensor as `GGUFBlocks`: its raw rows, a view of the memory map (no copy and no decoding at
-    load; the pages are the file's, shared with the page cache)."""
+    load; the pages are the file's, shared with the page cache); stacked experts [E, out, in]
+    as E * out rows, as for `keep_4bit`."""
     shape = t.torch_shape
     raw = gf.raw(t)
-    if t.type_name in keep_blocks and len(shape) == 2:
-        return GGUFBlocks(raw.view(shape[0], -1), t.type_name, shape[1])
+    if t.type_name in keep_blocks and len(shape) in (2, 3):
+        # (stacked experts [E, out, in] as E * out rows, as GroupQuant stacks them)
+        return GGUFBlocks(raw.view(math.prod(shape[:-1]), -1), t.type_name, shape[-1])
     if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) in (2, 3):
         g = q4_groups(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
         k = shape[-1]

@@ -10,6 +10,7 @@ ops (ops.py, kiln/layers/kquant.py) call the chosen one; so this module sits bel
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -21,30 +22,88 @@ Q4_TILE = 8  # output rows per tile of pack_q4's layout
 Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 fp16 mins
 
 
-def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """4-bit groups of 32 (codes q [N, K] in 0..15, scale and min [N, K/32]; w = scale * q +
-    min) -> the kernels' layout, uint8 [ceil(N/8), K/32, 160] (see kernels.cpp):
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit groups of 32 (codes q [..., N, K] in 0..15, scale and min [..., N, K/32]; w = scale
+    * q + min) -> the kernels' layout, uint8 [..., ceil(N/8), K/32, 160] (see kernels.cpp):
     per tile of 8 rows and group, the codes of row pairs (p, p+4) in 32 bytes each (byte j of
     a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales, then their fp16 mins. Rows
-    past N are zeros."""
-    n, k = q.shape
+    past N are zeros. Leading dimensions (a layer's stacked experts) are packed in the same
+    call; `out` (that shape, any strides with contiguous 160-byte blocks: a slice of a larger
+    buffer) is written in place and returned."""
+    *lead, n, k = q.shape
     g = k // 32
-    nt = (n + Q4_TILE - 1) // Q4_TILE
-    pad = nt * Q4_TILE - n
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        scale = torch.cat([scale, scale.new_zeros(pad, g)])
-        mn = torch.cat([mn, mn.new_zeros(pad, g)])
-    c = q.to(torch.uint8).reshape(nt, Q4_TILE, g, 2, 16)
-    codes = c[..., 0, :] | (c[..., 1, :] << 4)  # [NT, 8 rows, G, 16]
-    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
-    codes = codes[:, order].permute(0, 2, 1, 3).reshape(nt, g, 128)
+    if out is None:
+        out = torch.empty(*lead, -(-n // Q4_TILE), g, Q4_BLOCK, dtype=torch.uint8)
+    if lead:  # one matrix at a time: the joined codes below stay one matrix's size
+        for idx in itertools.product(*map(range, lead)):
+            pack_q4(q[idx], scale[idx], mn[idx], out[idx])
+        return out
+    c = q.to(torch.uint8).reshape(n, g, 2, 16)
+    byte = c[..., 0, :] | (c[..., 1, :] << 4)  # [N, G, 16]
+    return _tiles(byte, scale.reshape(n, g), mn.reshape(n, g), out)
 
-    def f16(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [NT, G, 16 bytes]
-        return t.to(torch.float16).reshape(nt, Q4_TILE, g).transpose(1, 2).contiguous() \
-            .view(torch.uint8)
 
-    return torch.cat([codes, f16(scale), f16(mn)], dim=-1).contiguous()
+# GGUF block bytes (d [, m], 16 bytes of codes) of the 4-bit types pack_q4_blocks takes
+_Q4_BLOCKS = {"Q4_0": 18, "Q4_1": 20}
+
+
+def pack_q4_blocks(raw: torch.Tensor, type_name: str, k: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 rows (raw uint8 [..., N, K/32 * block bytes], e.g. a view of the file's
+    memory map) -> pack_q4's tiles, equal byte for byte to pack_q4 of the blocks' codes, scales
+    and mins. A block's 16 code bytes are already pack_q4's (byte j = q[j] | q[j+16] << 4) and
+    its fp16 scale (and Q4_1's min) are stored as they are, so nothing is unpacked: the bytes are
+    moved once (a 14 B-parameter model's experts in seconds, where unpacking every code to a byte
+    and packing it again touched twice the model's size in fresh memory). Q4_0's min, -8 d, is
+    exact in fp16 (a power of two times an fp16)."""
+    bb = _Q4_BLOCKS[type_name]
+    *lead, n, _ = raw.shape
+    g = k // 32
+    b = raw.reshape(*lead, n, g, bb)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, G]
+    if type_name == "Q4_1":
+        mn, codes = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1), b[..., 4:20]
+    else:
+        mn, codes = d * -8.0, b[..., 2:18]
+    return _tiles(codes, d, mn, out)
+
+
+def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """byte [..., N, G, 16] (a row's group of 32 codes, byte j = q[j] | q[j+16] << 4) and
+    scale, mn [..., N, G] (stored as fp16) -> tiles [..., ceil(N/8), G, 160], written by strided
+    copies straight into `out` (no concatenated temporaries)."""
+    *lead, n, g, _ = byte.shape
+    nt = -(-n // Q4_TILE)
+    full = n // Q4_TILE
+    if out is None:
+        out = torch.empty(*lead, nt, g, Q4_BLOCK, dtype=torch.uint8)
+    # One strided copy for all the leading matrices (a layer's experts) at once: on a busy
+    # machine each parallel region waits for its threads to be scheduled, and a loop over
+    # experts made 60 times as many (60 x [2816, 2048] Q4_0 gate_up at load average 3.5 on 2
+    # cores: 0.49 s at once, 0.86 s one expert at a time).
+    if full:
+        f = full * Q4_TILE
+        # Slot s of a tile holds row (s % 2) * 4 + s // 2 (rows 0,4,1,5,2,6,3,7): row h*4+p
+        # goes to slot 2p+h, so the reordering is a permutation of views, not a gather.
+        dst = out[..., :full, :, :128].unflatten(-1, (4, 2, 16))  # [..., T, G, p, h, 16]
+        src = byte[..., :f, :, :].unflatten(-3, (full, 2, 4))  # [..., T, h, p, G, 16]
+        nd = src.dim()
+        dst.copy_(src.permute(*range(nd - 5), nd - 5, nd - 2, nd - 3, nd - 4, nd - 1))
+        for off, v in ((128, scale), (144, mn)):
+            half = out[..., :full, :, off:off + 16].view(torch.float16)  # [..., T, G, 8 rows]
+            half.copy_(v[..., :f, :].unflatten(-2, (full, Q4_TILE)).transpose(-1, -2))
+    if nt > full:  # the last, partial tile: rows past N are zeros
+        f, r = full * Q4_TILE, n - full * Q4_TILE
+        pb = byte.new_zeros(*lead, Q4_TILE, g, 16)
+        pb[..., :r, :, :] = byte[..., f:, :, :]
+        ps = scale.new_zeros(*lead, Q4_TILE, g)
+        ps[..., :r, :] = scale[..., f:, :]
+        pm = mn.new_zeros(*lead, Q4_TILE, g)
+        pm[..., :r, :] = mn[..., f:, :]
+        _tiles(pb, ps, pm, out[..., full:, :, :])
+    return out
 
 
 def unpack_q4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

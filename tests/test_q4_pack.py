@@ -1,0 +1,118 @@
+"""The int4 tiles' packing (kiln/layers/kernels/reference.py): pack_q4 over stacked experts in one
+call, into slices of a larger buffer, and pack_q4_blocks straight from GGUF Q4_0/Q4_1 blocks,
+each byte for byte what packing one matrix at a time from unpacked codes gave; and the loader
+handing a GGUF's expert tensors over as those blocks. No kernels run here: the layout is data."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kiln.layers.kernels import reference
+from kiln.layers.kernels.formats import GGUFBlocks, q4_groups
+
+
+def _pack_one_matrix(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """pack_q4 as it was written before it took stacked matrices (one [N, K] matrix: padding
+    rows concatenated, the row order gathered, the three parts concatenated): the reference
+    whose bytes the faster forms must keep."""
+    n, k = q.shape
+    g = k // 32
+    nt = (n + 7) // 8
+    pad = nt * 8 - n
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, g)])
+        mn = torch.cat([mn, mn.new_zeros(pad, g)])
+    c = q.to(torch.uint8).reshape(nt, 8, g, 2, 16)
+    codes = c[..., 0, :] | (c[..., 1, :] << 4)
+    codes = codes[:, torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])].permute(0, 2, 1, 3).reshape(nt, g, 128)
+
+    def f16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float16).reshape(nt, 8, g).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([codes, f16(scale), f16(mn)], dim=-1).contiguous()
+
+
+def _random_groups(shape: tuple[int, ...], k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (*shape, k), generator=g, dtype=torch.uint8)
+    s = torch.rand(*shape, k // 32, generator=g) * 0.02 + 1e-3
+    mn = -8 * s + torch.randn(*shape, k // 32, generator=g) * 0.01
+    return q, s, mn
+
+
+@pytest.mark.parametrize("n", [1, 8, 21, 40])
+def test_pack_q4_of_stacked_experts_equals_one_expert_at_a_time(n):
+    """Three experts packed in one call (n rows each: a partial last tile where n % 8 != 0)
+    give the bytes of packing each alone the way it was done before."""
+    q, s, mn = _random_groups((3, n), 96, n)
+    got = reference.pack_q4(q, s, mn)
+    want = torch.stack([_pack_one_matrix(q[e], s[e], mn[e]) for e in range(3)])
+    assert got.shape == want.shape == (3, (n + 7) // 8, 3, 160)
+    assert torch.equal(got, want)
+    assert torch.equal(reference.pack_q4(q[1], s[1], mn[1]), want[1])
+
+
+def test_pack_q4_writes_gate_and_up_into_slices_of_one_buffer():
+    """Gate rows then up rows, packed separately into the two halves of the experts' w13 buffer
+    (`out`, a strided slice), equal the pack of the joined rows."""
+    i = 16  # rows per part: whole tiles
+    gate, up = _random_groups((2, i), 64, 1), _random_groups((2, i), 64, 2)
+    w13 = torch.full((2, 2 * i // 8, 2, 160), 0xAA, dtype=torch.uint8)
+    reference.pack_q4(*gate, out=w13[:, :i // 8])
+    reference.pack_q4(*up, out=w13[:, i // 8:])
+    for e in range(2):
+        joined = [torch.cat([a[e], b[e]]) for a, b in zip(gate, up, strict=True)]
+        assert torch.equal(w13[e], _pack_one_matrix(*joined))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n", [8, 13])
+def test_pack_q4_blocks_equals_pack_q4_of_the_unpacked_codes(type_name, n):
+    """gguf-py's Q4_0 / Q4_1 blocks of two experts' weights, packed from their bytes, equal
+    pack_q4 of the codes, scales and mins q4_groups unpacks from them (GGUF's code bytes are
+    the tiles', and the fp16 scales and mins are kept bit for bit)."""
+    k, e = 128, 2
+    w = torch.randn(e * n, k, generator=torch.Generator().manual_seed(n)).numpy()
+    raw = torch.from_numpy(np.ascontiguousarray(
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])))
+    got = reference.pack_q4_blocks(raw.view(e, n, -1), type_name, k)
+    gq = q4_groups(raw.reshape(-1, raw.shape[1] * 32 // k), type_name)
+    want = torch.stack([_pack_one_matrix(gq.q.reshape(e, n, k)[x],
+                                         gq.scale.reshape(e, n, k // 32)[x],
+                                         gq.min.reshape(e, n, k // 32)[x]) for x in range(e)])
+    assert torch.equal(got, want)
+    q, s, mn = reference.unpack_q4(got[1], n)  # and they read back as the file's values
+    dq = (q.float().view(n, k // 32, 32) * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(n, k)
+    file_values = gguf.quants.dequantize(raw[n:].numpy(), gguf.GGMLQuantizationType[type_name])
+    torch.testing.assert_close(dq, torch.from_numpy(file_values), rtol=0, atol=1e-6)
+
+
+def test_gguf_experts_come_as_their_blocks(tmp_path):
+    """With `expert_blocks`, a Q4_0 GGUF's stacked expert tensors come from the loader as views
+    of the file's blocks (E * rows), whose tiles equal those of the unpacked GroupQuant the
+    loader gives otherwise; other tensors are unchanged."""
+    from conftest import make_tiny_model
+
+    from kiln.models.gguf_writer import write_gguf
+    from kiln.models.loader import iter_tensors, open_checkpoint
+
+    folder = make_tiny_model("qwen3_moe", tmp_path / "st")
+    ck = open_checkpoint(folder)
+    path = write_gguf(tmp_path / "q4.gguf", ck.config, iter_tensors(ck), qtype="Q4_0")
+    gg = open_checkpoint(path)
+    plain = dict(iter_tensors(gg, keep_4bit=True))
+    blocks = dict(iter_tensors(gg, keep_4bit=True, expert_blocks=True))
+    assert plain.keys() == blocks.keys()
+    experts = [name for name in blocks if ".experts." in name]
+    assert experts and all(isinstance(blocks[n], GGUFBlocks) for n in experts)
+    for name in experts:
+        b, gq = blocks[name], plain[name]
+        assert b.type_name == "Q4_0" and tuple(b.shape) == tuple(gq.shape)
+        assert torch.equal(reference.pack_q4_blocks(b.raw, "Q4_0", b.in_features),
+                           reference.pack_q4(gq.q, gq.scale, gq.min))
+    others = [name for name in blocks if ".experts." not in name]
+    assert all(type(blocks[n]) is type(plain[n]) for n in others)
