@@ -2,7 +2,7 @@
 an ordered list of candidates, each saying whether it can run this layer and, if not, why).
 The modules call these at construction; `summary` gathers a model's choices for the decision
 trace (RuntimeDecisions.cpu_kernels). Outside kiln/layers/kernels/ nothing else asks whether a
-kernel library loaded (tests/test_kernel_layer.py holds the rest of kiln to that): the loader
+kernel library loaded (tests/kernels/test_kernel_layer.py holds the rest of kiln to that): the loader
 (GGUF blocks kept or not), the LoRA registry and the KV-dtype rule's context ask here.
 """
 
