@@ -338,34 +338,26 @@ def _from_entry(
     """A registry model's files. Not found, the error carries the entry (`registry_entry`):
     an external engine is then handed its repo id to fetch."""
     try:
-        return _entry_source(entry, quant, spec, dirs, offline, download)
+        if entry.embedded and (quant is None
+                               or quant.upper() == (entry.gguf_quant or "").upper()):
+            return default_source(spec, "alias")
+        if entry.package:
+            return package_source(entry, spec)
+        if quant is None:
+            repo = entry.hf_repo
+        elif entry.gguf_repo:
+            repo = entry.gguf_repo
+        else:
+            raise ModelNotFoundError(
+                f"{entry.name} has no GGUF repo in kiln's registry, so {spec!r} cannot pick a "
+                "quant",
+                hint=f"use `{entry.name}` (safetensors) or an explicit owner/repo:QUANT",
+            )
+        src = resolve_repo(repo, quant, spec=spec, model_dirs=dirs, offline=offline,
+                           download=download)
     except ModelNotFoundError as e:
         e.registry_entry = entry  # type: ignore[attr-defined]
         raise
-
-
-def _entry_source(
-    entry: RegistryEntry,
-    quant: str | None,
-    spec: str,
-    dirs: Sequence[Path],
-    offline: bool,
-    download: bool,
-) -> ModelSource:
-    if entry.embedded and (quant is None or quant.upper() == (entry.gguf_quant or "").upper()):
-        return default_source(spec, "alias")
-    if entry.package:
-        return package_source(entry, spec)
-    if quant is None:
-        repo = entry.hf_repo
-    elif entry.gguf_repo:
-        repo = entry.gguf_repo
-    else:
-        raise ModelNotFoundError(
-            f"{entry.name} has no GGUF repo in kiln's registry, so {spec!r} cannot pick a quant",
-            hint=f"use `{entry.name}` (safetensors) or an explicit owner/repo:QUANT",
-        )
-    src = resolve_repo(repo, quant, spec=spec, model_dirs=dirs, offline=offline, download=download)
     src.kind = "alias"
     src.registry_entry = entry
     return src
