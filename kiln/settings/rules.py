@@ -170,11 +170,20 @@ def auto_max_model_len(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str, s
     return 4096, "the model does not say; 4096", "max_model_len.unknown"
 
 
-def auto_max_num_seqs(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str, str]:
-    if v.get("device") == "cuda":
-        return 256, "GPU: vLLM's default", "max_num_seqs.gpu"
-    return (32, "CPU: batches past ~32 sequences stop raising throughput on few cores",
-            "max_num_seqs.cpu")
+def _gpu_or_cpu(gpu: tuple[Any, str, str], cpu: tuple[Any, str, str]) -> AutoRule:
+    """The rule of a setting whose default depends on the device alone: the GPU's
+    (value, reason, code) on CUDA, else the CPU's."""
+
+    def rule(_: AutoContext, v: dict[str, Any]) -> tuple[Any, str, str]:
+        return gpu if v.get("device") == "cuda" else cpu
+
+    return rule
+
+
+auto_max_num_seqs = _gpu_or_cpu(
+    (256, "GPU: vLLM's default", "max_num_seqs.gpu"),
+    (32, "CPU: batches past ~32 sequences stop raising throughput on few cores",
+     "max_num_seqs.cpu"))
 
 
 def auto_num_speculative_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str, str]:
@@ -200,11 +209,10 @@ def auto_spec_disable_by_batch_size(ctx: AutoContext, v: dict[str, Any]) -> tupl
             "speculative_disable_by_batch_size.single_stream")
 
 
-def auto_batched_tokens(ctx: AutoContext, v: dict[str, Any]) -> tuple[Any, str, str]:
-    if v.get("device") == "cuda":
-        return 8192, "GPU: large prefill chunks keep the GPU busy", "max_num_batched_tokens.gpu"
-    return (512, "CPU: 512-token chunks keep decode latency low while prefilling",
-            "max_num_batched_tokens.cpu")
+auto_batched_tokens = _gpu_or_cpu(
+    (8192, "GPU: large prefill chunks keep the GPU busy", "max_num_batched_tokens.gpu"),
+    (512, "CPU: 512-token chunks keep decode latency low while prefilling",
+     "max_num_batched_tokens.cpu"))
 
 
 def auto_tp(ctx: AutoContext, _: dict[str, Any]) -> tuple[Any, str, str]:
