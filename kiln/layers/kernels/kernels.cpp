@@ -1387,6 +1387,22 @@ struct AttnQ4Args {
   }
 };
 
+// Whether a layer runs in one parallel region (decode_layer_q4, moe_layer_q4): fp32 rows, the
+// pools as the kernels read them, and each of its linears (one per bias) one part of kiln's q4
+// tiles with an fp32 bias or none.
+bool one_region_layer(const at::Tensor& x, const at::Tensor& k, const at::Tensor& v,
+                      at::IntArrayRef kinds, at::IntArrayRef counts,
+                      const c10::List<std::optional<at::Tensor>>& biases) {
+  if (x.scalar_type() != at::kFloat || x.dim() != 2 || !kernel_pool(k, v)) return false;
+  for (size_t i = 0; i < biases.size(); ++i) {
+    const auto b = biases.get(i);
+    if (kinds[i] != kKindQ4 || counts[i] != 1 ||
+        (b.has_value() && b->scalar_type() != at::kFloat))
+      return false;
+  }
+  return true;
+}
+
 // decode_layer when its four linears are kiln's q4 tiles and no LoRA adapter runs: the same
 // kernels in the same order (so the same bits), in ONE parallel region, the stages separated by
 // the implicit barriers of their `omp for` loops instead of a region, an allocation and a
@@ -1534,15 +1550,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   TORCH_CHECK(off[4] == static_cast<int64_t>(weights.size()),
               "decode_layer: counts must add up to the weight parts");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_layer: q and k norms together");
-  bool fused = lora.empty() && !q_norm.has_value() && weights.size() == 4 &&
-               x.scalar_type() == at::kFloat &&
-               x.dim() == 2 && kernel_pool(k, v);
-  for (int i = 0; i < 4 && fused; ++i) {
-    const auto b = biases.get(i);
-    fused = kinds[i] == kKindQ4 && counts[i] == 1 &&
-            (!b.has_value() || b->scalar_type() == at::kFloat);
-  }
-  if (fused) {
+  if (lora.empty() && !q_norm.has_value() && weights.size() == 4 &&
+      one_region_layer(x, k, v, kinds, counts, biases)) {
     const auto layer_q4 = k.scalar_type() == at::kFloat ? &decode_layer_q4<float>
                                                         : &decode_layer_q4<at::Half>;
     return layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
@@ -1700,14 +1709,8 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
                   counts[0] + counts[1] == static_cast<int64_t>(weights.size()),
               "moe_layer: one kind and row count per weight part, counts adding up to them");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "moe_layer: q and k norms together");
-  bool fused = weights.size() == 2 && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-               kernel_pool(k, v) && w13.scalar_type() == at::kByte;
-  for (int i = 0; i < 2 && fused; ++i) {
-    const auto b = biases.get(i);
-    fused = kinds[i] == kKindQ4 && counts[i] == 1 &&
-            (!b.has_value() || b->scalar_type() == at::kFloat);
-  }
-  if (fused) {
+  if (weights.size() == 2 && w13.scalar_type() == at::kByte &&
+      one_region_layer(x, k, v, kinds, counts, biases)) {
     const auto layer = k.scalar_type() == at::kFloat ? &moe_layer_q4<float>
                                                      : &moe_layer_q4<at::Half>;
     return layer(x, cos, sin, ln1, ln2, eps, weights, rows, biases, q_norm, k_norm, qk_eps, k,
