@@ -30,9 +30,10 @@ Choices made here, documented for users:
 from __future__ import annotations
 
 import json
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -55,17 +56,28 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+def type_among(what: str, allowed: tuple[str, ...], hint: str) -> Any:
+    """The type of a request object's `type` field that takes only `allowed`: any other value
+    fails validation (a 400) as "<what> 'x' is not supported; <hint>"."""
+
+    def check(v: str) -> str:
+        if v not in allowed:
+            raise ValueError(f"{what} {v!r} is not supported; {hint}")
+        return v
+
+    return Annotated[str, AfterValidator(check)]
+
+
+# Module-level names: pydantic reads the string annotations (from __future__) in this namespace.
+_ContentPartType = type_among("content part type", ("text", "input_text"), "only 'text' parts are")
+_ResponseFormatType = type_among("response_format type", ("text", "json_object", "json_schema"),
+                                 "use 'text', 'json_object' or 'json_schema'")
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: _ContentPartType
     text: str | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, v: str) -> str:
-        if v not in ("text", "input_text"):
-            raise ValueError(f"content part type {v!r} is not supported; only 'text' parts are")
-        return v
 
 
 class ChatMessage(BaseModel):
@@ -147,16 +159,8 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: _ResponseFormatType
     json_schema: JsonSchemaFormat | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, v: str) -> str:
-        if v not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"response_format type {v!r} is not supported; use 'text', "
-                             "'json_object' or 'json_schema'")
-        return v
 
 
 class StructuredOutputsField(BaseModel):

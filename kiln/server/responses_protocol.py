@@ -20,21 +20,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kiln.server.protocol import _Request
+from kiln.server.protocol import _Request, type_among
+
+# Module-level names: pydantic reads the string annotations (from __future__) in this namespace.
+_InputPartType = type_among("content part type", ("input_text", "output_text", "text"),
+                            "only input_text and output_text parts are")
+_ToolType = type_among("tool type", ("function",), "kiln runs no hosted tools, only function tools")
 
 
 class InputTextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    type: _InputPartType
     text: str = ""
-
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, v: str) -> str:
-        if v not in ("input_text", "output_text", "text"):
-            raise ValueError(f"content part type {v!r} is not supported; only input_text and "
-                             "output_text parts are")
-        return v
 
 
 class InputMessageItem(BaseModel):
@@ -77,19 +74,11 @@ InputItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem
 
 class FunctionToolParam(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    type: _ToolType
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _only_functions(cls, v: str) -> str:
-        if v != "function":
-            raise ValueError(f"tool type {v!r} is not supported; kiln runs no hosted tools, "
-                             "only function tools")
-        return v
 
     def chat_tool(self) -> dict[str, Any]:
         """The chat completions' nested shape, which chat templates expect: the same function a
