@@ -123,6 +123,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts of one layer, stacked; `forward(x, weights, ids)` runs the routed rows."""
 
+    # The loader may stash GGUF Q4_0/Q4_1 expert tensors as their raw blocks (GGUFBlocks),
+    # which _quantize_stacked_q4 packs into the tiles without unpacking a code.
+    takes_q4_blocks = True
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  layer: int = 0) -> None:
         super().__init__()
@@ -149,6 +153,11 @@ class Experts(nn.Module):
         # Shared experts absorbed into the stack (`absorb_shared`): w13_q4 / w2_q4 hold them
         # as this many virtual experts after the E routed ones, run by every token.
         self.num_shared = 0
+        # Slots the stacked layout keeps after the E routed experts for a shared expert the
+        # block may hand over (its MoE block sets it): absorbed in place, not by a copy of the
+        # whole stack (8.6 GB on the full-size benchmark model). Unused where none comes.
+        self.reserve_shared = 0
+        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
         # OpenMP threads of the moe_q4 call; 0: torch's count. A SplitExperts pool on the CPU
         # takes its share, so two pools running at once do not oversubscribe the cores (their
         # teams spin at barriers: 3 threads on 2 cores cost more than they give).
@@ -188,9 +197,9 @@ class Experts(nn.Module):
         dst.copy_(tensor.to(dst.dtype))
 
     def stash_quantized(self, part: str, expert: int | None, gq: Any) -> None:
-        """Keeps 4-bit GGUF blocks (a GroupQuant of [E * rows, in] or one expert's [rows, in];
-        part "gate", "up" or "down": GGUF has no fused gate_up) for `quantize`, which repacks
-        them as they are."""
+        """Keeps 4-bit GGUF blocks (a GroupQuant, or Q4_0/Q4_1 GGUFBlocks, of [E * rows, in] or
+        one expert's [rows, in]; part "gate", "up" or "down": GGUF has no fused gate_up) for
+        `quantize`, which repacks them as they are."""
         _, _, size = self._rows(part)
         n = size * (self.num_experts if expert is None else 1)
         in_features = self.down_proj.shape[2] if part == "down" else self.hidden_size
@@ -203,15 +212,20 @@ class Experts(nn.Module):
 
     def _expert_groups(self, part: str, e: int) -> Any:
         """Expert e's stashed blocks for `part`, or None where they were loaded dense."""
-        from kiln.layers.kernels.formats import GroupQuant
+        from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant, q4_groups
 
         _, _, size = self._rows(part)
         if (part, e) in self.stash:
-            return self.stash[(part, e)]
-        whole = self.stash.get((part, None))
+            whole, sl = self.stash[(part, e)], slice(None)
+        else:
+            whole, sl = self.stash.get((part, None)), slice(e * size, (e + 1) * size)
         if whole is None:
             return None
-        sl = slice(e * size, (e + 1) * size)
+        if isinstance(whole, GGUFBlocks):  # the file's Q4_0/Q4_1 rows: codes unpacked here
+            raw, k = whole.raw[sl], whole.in_features
+            g = q4_groups(raw.reshape(-1, raw.shape[1] * 32 // k), whole.type_name)
+            return GroupQuant(g.q.reshape(-1, k), g.scale.reshape(-1, k // 32),
+                              g.min.reshape(-1, k // 32), 32)
         return GroupQuant(whole.q[sl], whole.scale[sl], whole.min[sl], whole.group_size)
 
     def materialize_stash(self) -> None:
@@ -273,19 +287,45 @@ class Experts(nn.Module):
                           torch.cat([p.min for p in pieces]), 32)
 
     def _quantize_stacked_q4(self) -> None:
-        """All experts into the kernels' stacked layout (see w13_q4), one expert at a time
-        (a whole layer's codes are never held unpacked)."""
+        """All experts into the kernels' stacked layout (see w13_q4), written in place. A part
+        whose GGUF Q4_0/Q4_1 blocks came whole (`*_exps`) is packed in one call from the
+        file's bytes (reference.pack_q4_blocks: no code unpacked); otherwise one expert at a
+        time (a whole layer's codes are never held unpacked)."""
         from kiln.layers.kernels import reference
+        from kiln.layers.kernels.formats import GGUFBlocks
+        from kiln.layers.quant import quantize_int4_groups
 
-        w13, w2 = [], []
-        for e in range(self.num_experts):
-            gq = self._expert_int4(e, "gate_up")
-            w13.append(reference.pack_q4(gq.q, gq.scale, gq.min))
-            gq = self._expert_int4(e, "down")
-            w2.append(reference.pack_q4(gq.q, gq.scale, gq.min))
-        self.w13_q4 = torch.stack(w13)
-        self.w2_q4 = torch.stack(w2)
+        n, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        tile = reference.Q4_TILE
+        r = n + self.reserve_shared
+        w13 = torch.empty((r, 2 * i // tile, h // 32, reference.Q4_BLOCK), dtype=torch.uint8)
+        w2 = torch.empty((r, -(-h // tile), i // 32, reference.Q4_BLOCK), dtype=torch.uint8)
+        # gate rows, then up rows: I % 32 == 0 here, so each part fills whole tiles
+        with torch.no_grad():
+            for part, out in (("gate", w13[:n, :i // tile]), ("up", w13[:n, i // tile:]),
+                              ("down", w2[:n])):
+                whole = self.stash.get((part, None))
+                if isinstance(whole, GGUFBlocks):
+                    reference.pack_q4_blocks(whole.raw.view(n, -1, whole.raw.shape[1]),
+                                             whole.type_name, whole.in_features, out=out)
+                    continue
+                param, start, size = self._rows(part)
+                for e in range(n):
+                    gq = self._expert_groups(part, e)
+                    if gq is None:
+                        gq = quantize_int4_groups(param.data[e, start:start + size])
+                    reference.pack_q4(gq.q, gq.scale, gq.min, out=out[e])
+        # w13_q4 / w2_q4 are the first n of the stack; the reserved rows stay untouched (not
+        # resident) until absorb_shared fills them
+        self._spare = (w13, w2) if self.reserve_shared else None
+        self.w13_q4, self.w2_q4 = w13[:n], w2[:n]
         self._drop_dense()
+
+    def keep_slots_for_shared(self, width: int) -> None:
+        """A shared expert `width` wide comes later (absorb_shared): keep its virtual experts'
+        rows free in the stacked layout, where the routed width divides its own."""
+        i = self.intermediate_size
+        self.reserve_shared = width // i if i and width % i == 0 else 0
 
     def absorb_shared(self, gate_up: nn.Module, down: nn.Module) -> bool:
         """Takes a shared expert (a SwiGLU every token runs: Qwen2-MoE's `shared_expert`,
@@ -311,11 +351,20 @@ class Experts(nn.Module):
         tiles, groups = i // 8, i // 32  # one expert's gate rows in tiles, down cols in groups
         gu, dn = gate_up.packed, down.packed  # [2 I_s / 8, H/32, 160], [H/8, I_s/32, 160]
         up0 = n_s * tiles
-        w13 = [torch.cat([gu[c * tiles:(c + 1) * tiles],
-                          gu[up0 + c * tiles:up0 + (c + 1) * tiles]]) for c in range(n_s)]
-        w2 = [dn[:, c * groups:(c + 1) * groups] for c in range(n_s)]
-        self.w13_q4 = torch.cat([self.w13_q4, torch.stack(w13)]).contiguous()
-        self.w2_q4 = torch.cat([self.w2_q4, torch.stack(w2)]).contiguous()
+        e = self.num_experts
+        spare = getattr(self, "_spare", None)
+        if spare is not None and spare[0].shape[0] >= e + n_s and \
+                spare[0].data_ptr() == self.w13_q4.data_ptr():  # the rows kept for it
+            w13, w2 = spare[0][:e + n_s], spare[1][:e + n_s]
+        else:  # none kept (or the stack moved since): a copy of the stack
+            w13 = torch.cat([self.w13_q4, self.w13_q4.new_empty((n_s, *self.w13_q4.shape[1:]))])
+            w2 = torch.cat([self.w2_q4, self.w2_q4.new_empty((n_s, *self.w2_q4.shape[1:]))])
+        with torch.no_grad():
+            for c in range(n_s):
+                w13[e + c, :tiles] = gu[c * tiles:(c + 1) * tiles]
+                w13[e + c, tiles:] = gu[up0 + c * tiles:up0 + (c + 1) * tiles]
+                w2[e + c] = dn[:, c * groups:(c + 1) * groups]
+        self.w13_q4, self.w2_q4, self._spare = w13, w2, None
         self.num_shared = n_s
         return True
 

@@ -214,6 +214,8 @@ class DeepseekMoE(nn.Module):
                                layer)
         self.shared_experts = (LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
                                if cfg.shared_expert_intermediate_size else None)
+        if self.shared_experts is not None:
+            self.experts.keep_slots_for_shared(cfg.shared_expert_intermediate_size)
 
     def fuse_shared_expert(self) -> bool:
         """The shared experts into the stacked experts (Experts.absorb_shared: one moe_q4 call

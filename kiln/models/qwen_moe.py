@@ -38,6 +38,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: Router | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
+            self.experts.keep_slots_for_shared(cfg.shared_expert_intermediate_size)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = Router(cfg.hidden_size, 1)
         # After fuse_shared_expert with a gate: the gate's row is the router's last (one
