@@ -369,3 +369,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.heavy)
         if item.path.name in FAST_FILES and not fixtures & MODEL_FIXTURES:
             item.add_marker(pytest.mark.fast)
+
+
+def assert_fused_block_matches(block, seed: int) -> None:
+    """A MoE block with its shared expert apart gives, on random rows, the outputs of a copy that
+    absorbed it (fuse_shared_expert), up to fp32 reassociation."""
+    import copy
+
+    one = copy.deepcopy(block)
+    assert one.fuse_shared_expert()
+    x = torch.randn(7, block.experts.hidden_size, generator=torch.Generator().manual_seed(seed))
+    want = block(x)
+    torch.testing.assert_close(one(x), want, rtol=0, atol=1e-5 * want.abs().max().item())

@@ -352,7 +352,7 @@ class Experts(nn.Module):
         gu, dn = gate_up.packed, down.packed  # [2 I_s / 8, H/32, 160], [H/8, I_s/32, 160]
         up0 = n_s * tiles
         e = self.num_experts
-        spare = getattr(self, "_spare", None)
+        spare = self._spare
         if spare is not None and spare[0].shape[0] >= e + n_s and \
                 spare[0].data_ptr() == self.w13_q4.data_ptr():  # the rows kept for it
             w13, w2 = spare[0][:e + n_s], spare[1][:e + n_s]

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import assert_fused_block_matches, make_tiny_model
 
 from kiln.engine.model_runner import ModelRunner
 from kiln.layers.moe import Experts, grouped_topk, softmax_topk
@@ -146,8 +146,6 @@ def test_shared_expert_absorbed_into_the_experts_keeps_the_outputs(tiny, monkeyp
     its gate a row of the router), which the runner does at load: each block's output equals
     the separate shared expert's up to fp32 reassociation (its down product summed in three
     parts)."""
-    import copy
-
     import kiln.engine.model_runner as mr
 
     _, _, q4 = tiny["qwen2_moe"]
@@ -156,11 +154,8 @@ def test_shared_expert_absorbed_into_the_experts_keeps_the_outputs(tiny, monkeyp
                b.gate.weight.shape[0] == 9 for b in _blocks(fused))
     monkeypatch.setattr(mr, "fuse_shared_experts", lambda model: 0)
     for block in _blocks(_runner(q4, quantization="int4")):
-        one = copy.deepcopy(block)
-        assert block.shared_expert is not None and one.fuse_shared_expert()
-        x = torch.randn(7, block.experts.hidden_size, generator=torch.Generator().manual_seed(1))
-        want = block(x)
-        torch.testing.assert_close(one(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+        assert block.shared_expert is not None
+        assert_fused_block_matches(block, seed=1)
 
 
 def _blocks(runner: ModelRunner) -> list:
