@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, KilnError
-from kiln.i18n import english, msg
+from kiln.i18n import coded, english, msg
 from kiln.settings.rules import GiB
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
     out["settings"] = sp.settings.to_json() if sp.settings else {}
     if sp.settings and "api_key" in out["settings"] and out["settings"]["api_key"]["value"]:
         out["settings"]["api_key"]["value"] = "***"
-    out["warnings"] = [english(w) for w in sp.settings.warnings] if sp.settings else []
+    out["warnings"] = [coded(w) for w in sp.settings.warnings] if sp.settings else []
     out["preset"] = {"name": sp.preset, "reason": sp.preset_reason}
     out["hardware"] = sp.hardware.to_dict() if sp.hardware is not None else None
     model: dict[str, Any] | None = sp.source.to_dict() if sp.source is not None else None

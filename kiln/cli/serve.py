@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import pidfile, startup, startup_report
-from kiln.i18n import english, msg
+from kiln.i18n import coded, msg
 from kiln.resolve import parallel
 from kiln.settings.sources import add_common_arguments
 
@@ -488,7 +488,7 @@ def _serve_external(sp: startup.StartupPlan, engine: str) -> int:
         print(msg("serve.engine_command", engine=engine))
         print(plan_to_dry_run(plan, include_warnings=True))
         sp.extra = {"engine": {"name": engine, "argv": plan.argv, "env": plan.env,
-                               "warnings": [english(w) for w in plan.warnings]}}
+                               "warnings": [coded(w) for w in plan.warnings]}}
         startup_report.write_artifacts(sp, "dry-run")
         return 0
     plan = prepare_launch(engine, s, bm, passthrough=passthrough, engine_cfg=ecfg)

@@ -128,6 +128,13 @@ def join(parts: Sequence[Any], sep: str = "") -> Self:
     return Joined(parts, sep)
 
 
+def coded(text: Any) -> dict[str, Any]:
+    """What machines read of a warning: `{"code", "message"}`, the code the catalogue key (what
+    a program or a test matches, the same in every language; None for plain text), the message
+    English. The same pair an effective config's error carries."""
+    return {"code": getattr(text, "key", None), "message": english(text)}
+
+
 def english(text: Any) -> str:
     """What machines read: a CatalogueText's English rendering, a KilnError's `english()`,
     anything else as str()."""

@@ -174,6 +174,20 @@ CATALOGUE: dict[str, dict[str, str]] = {
     "startup.gpu_experts_unsized": {
         "en": "num_gpu_experts left to the engine: no registry rule or no GPU to size it for",
         "zh": "num_gpu_experts 交由引擎决定：注册表中没有该模型的规则，或没有可据以估算的 GPU"},
+    "startup.offload_dense": {
+        "en": "--cpu-offload-experts ({source}): {model} is a dense model, it has no experts to "
+              "split",
+        "zh": "--cpu-offload-experts（{source}）：{model} 是稠密模型，没有可拆分的专家"},
+    "startup.greedy_argmax_kept": {
+        "en": "--disable-greedy-argmax ({source}): kiln's sampler has one greedy path, the argmax "
+              "on the logits' device (no softmax); nothing to turn off",
+        "zh": "--disable-greedy-argmax（{source}）：kiln 的采样器只有一条贪心路径，即在 logits "
+              "所在设备上取 argmax（不做 softmax），没有可关闭的部分"},
+    "startup.tts_slots_not_speech": {
+        "en": "--tts-slots {slots} ({source}) applies to a speech model (a Piper voice); this one "
+              "serves {kind}: ignored",
+        "zh": "--tts-slots {slots}（{source}）只用于语音模型（Piper 声音）；该模型提供的是 "
+              "{kind}：已忽略"},
     "startup.max_len_capped": {
         "en": "max_model_len {asked} from {source} capped at the model's {model_len}",
         "zh": "来自 {source} 的 max_model_len {asked} 超出模型上限，已限制为 {model_len}"},

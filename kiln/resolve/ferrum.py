@@ -10,6 +10,7 @@ The flags ferrum and kiln share in meaning (the scheduler knobs, served names) n
 
 from __future__ import annotations
 
+from kiln.i18n import english, msg
 from kiln.settings.resolve import ResolvedSettings
 
 PERSON = ("cli", "env", "file")
@@ -18,12 +19,11 @@ PERSON = ("cli", "env", "file")
 def answer_flags(s: ResolvedSettings) -> None:
     r = s.values.get("greedy_argmax")
     if r is not None and r.value is False:
-        why = (f"--disable-greedy-argmax ({r.source}): kiln's sampler has one greedy path, the "
-               "argmax on the logits' device (no softmax); nothing to turn off")
-        s.override("greedy_argmax", True, why, source=r.source,
+        why = msg("startup.greedy_argmax_kept", source=r.source)
+        s.override("greedy_argmax", True, english(why), source=r.source,
                    code="greedy_argmax.one_greedy_path")
         s.warnings.append(why)
     slots = s.values.get("tts_slots")
     if slots is not None and slots.source in PERSON and s.get("kind") != "speech":
-        s.warnings.append(f"--tts-slots {slots.value} ({slots.source}) applies to a speech "
-                          f"model (a Piper voice); this one serves {s.get('kind')}: ignored")
+        s.warnings.append(msg("startup.tts_slots_not_speech", slots=slots.value,
+                              source=slots.source, kind=s.get("kind")))

@@ -26,8 +26,8 @@ def plan_expert_placement(sp: Any) -> None:
     if not s.get("cpu_offload_experts") or mc is None or src is None:
         return
     if not mc.is_moe:
-        s.warnings.append(f"--cpu-offload-experts ({s.source('cpu_offload_experts')}): "
-                          f"{src.name} is a dense model, it has no experts to split")
+        s.warnings.append(msg("startup.offload_dense", source=s.source("cpu_offload_experts"),
+                              model=src.name))
         return
     placement = plan_from_config(mc, s, sp.hardware, str(src.gguf_file or src.path))
     record_placement(sp, placement, source="auto")

@@ -162,12 +162,15 @@ def test_ferrums_greedy_argmax_and_tts_slots_are_settings_kiln_says_what_it_does
     got = json.loads(eff.read_text())
     assert got["settings"]["greedy_argmax"]["value"] is True
     assert got["settings"]["greedy_argmax"]["code"] == "greedy_argmax.one_greedy_path"
-    assert any("--disable-greedy-argmax (cli)" in w for w in got["warnings"])
+    (w,) = [w for w in got["warnings"] if w["code"] == "startup.greedy_argmax_kept"]
+    assert "--disable-greedy-argmax (cli)" in w["message"]  # the flag and where it came from
     monkeypatch.setenv("KILN_TTS_SLOTS", "3")
     assert main(["serve", "smollm2", "--dry-run", "--effective-config-json", str(eff)]) == 0
     got = json.loads(eff.read_text())
     assert got["settings"]["tts_slots"] == {"value": 3, "source": "env",
                                             "affects": "performance",
                                             "reason": "set by KILN_TTS_SLOTS"}
-    assert any("--tts-slots 3 (env) applies to a speech model" in w for w in got["warnings"])
+    (w,) = [w for w in got["warnings"] if w["code"] == "startup.tts_slots_not_speech"]
+    assert "--tts-slots 3 (env)" in w["message"]
+    assert all(w["code"] for w in got["warnings"])  # every warning comes with its code
 

@@ -34,7 +34,8 @@ def test_auto_max_model_len_is_lowered_to_what_the_pool_holds(tiny):
     r = runner(tiny, kv_cache_memory=POOL)
     assert r.kv_bytes_per_token() == 512 and r.plan.num_blocks == 10
     assert r.plan.token_capacity == FITS and r.max_model_len == FITS
-    assert any("lowered from 512 to 160" in w for w in r.plan.warnings)
+    assert [w.fields for w in r.plan.warnings if w.key == "memory.context_lowered"] == [
+        {"max_len": 512, "fits": FITS}]
     eng = Engine(EngineConfig.of(model=tiny, dtype="float32", max_num_batched_tokens=32),
                  runner=r)
     assert eng.max_model_len == FITS

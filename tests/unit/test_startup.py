@@ -192,25 +192,32 @@ def test_preset_is_inferred_and_yields_to_cli(tmp_path):
     assert data["settings"]["max_num_batched_tokens"]["source"] == "preset"
 
 
-def test_kiln_engine_rejects_multi_gpu_settings(capsys):
-    assert main(["serve", "--dry-run", "--tensor-parallel-size", "2"]) != 0
-    assert "--engine vllm" in capsys.readouterr().err
+def _dry_run(tmp_path, capsys, *argv: str) -> tuple[int, dict, str]:
+    """`kiln serve --dry-run ...`: exit code, effective config, stderr."""
+    eff = tmp_path / "eff.json"
+    rc = main(["serve", "--dry-run", *argv, "--effective-config-json", str(eff)])
+    return rc, json.loads(eff.read_text()), capsys.readouterr().err
 
 
-def test_kiln_engine_rejects_settings_only_external_engines_honour(capsys):
-    assert main(["serve", "--dry-run", "--dist-init-addr", "10.0.0.1:5000"]) != 0
-    err = capsys.readouterr().err
-    assert "--dist-init-addr is not supported by kiln's own engine" in err
-    assert "--engine vllm or --engine sglang" in err
+def test_kiln_engine_rejects_multi_gpu_settings(tmp_path, capsys):
+    rc, eff, err = _dry_run(tmp_path, capsys, "--tensor-parallel-size", "2")
+    assert rc != 0 and eff["error"]["code"] == "startup.one_device"
+    assert "--engine vllm" in err  # the way out, printed
+
+
+def test_kiln_engine_rejects_settings_only_external_engines_honour(tmp_path, capsys):
+    rc, eff, err = _dry_run(tmp_path, capsys, "--dist-init-addr", "10.0.0.1:5000")
+    assert rc != 0 and eff["error"]["code"] == "startup.not_on_kiln"
+    assert "--dist-init-addr" in err and "--engine vllm" in err and "--engine sglang" in err
     # LoRA adapters are kiln's too now: the folder is checked instead
-    assert main(["serve", "--dry-run", "--lora-modules", "a=/nonexistent/a"]) != 0
-    assert "LoRA adapter 'a' (/nonexistent/a): adapter_config.json not found" in \
-        capsys.readouterr().err
+    rc, eff, err = _dry_run(tmp_path, capsys, "--lora-modules", "a=/nonexistent/a")
+    assert rc != 0 and eff["error"]["code"] == "lora.file_missing"
+    assert "/nonexistent/a" in err
     # kiln's engine splits experts too; on a dense model there is nothing to split: a warning.
-    assert main(["serve", "--dry-run", "--cpu-offload-experts"]) == 0
-    out = capsys.readouterr().out
-    assert "--cpu-offload-experts (cli): smollm2 is a dense model, it has no experts to split" \
-        in out
+    rc, eff, _ = _dry_run(tmp_path, capsys, "--cpu-offload-experts")
+    assert rc == 0
+    (w,) = [w for w in eff["warnings"] if w["code"] == "startup.offload_dense"]
+    assert "--cpu-offload-experts (cli)" in w["message"] and "smollm2" in w["message"]
 
 
 def test_dry_run_of_a_moe_shows_its_experts_and_the_active_params_preset(tmp_path, capsys):
