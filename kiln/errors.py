@@ -36,6 +36,13 @@ class KilnError(Exception):
         return f"{message}\n  hint: {english(self.hint)}" if self.hint else message
 
 
+def error_record(error: BaseException) -> dict[str, str | None]:
+    """What machines read of a failure (an effective config's `error`, `kiln pull --json`):
+    its type, its code (None for an error kiln did not word) and its English message."""
+    return {"type": type(error).__name__, "code": getattr(error, "code", None),
+            "message": english(error)}
+
+
 class ConfigError(KilnError):
     """A setting has a bad value, or two settings conflict."""
 

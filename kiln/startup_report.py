@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError, KilnError, error_record
 from kiln.i18n import coded, english, msg
 from kiln.settings.rules import GiB
 
@@ -74,10 +74,7 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
                      ) -> dict[str, Any]:
     out: dict[str, Any] = {"status": status, "phase": sp.phase}
     if error is not None:
-        # code: what a program matches (a KilnError's catalogue key or given code; None for an
-        # error kiln did not word), the same in every language; message: English
-        out["error"] = {"type": type(error).__name__, "code": getattr(error, "code", None),
-                        "message": english(error)}
+        out["error"] = error_record(error)
     out["settings"] = sp.settings.to_json() if sp.settings else {}
     if sp.settings and "api_key" in out["settings"] and out["settings"]["api_key"]["value"]:
         out["settings"]["api_key"]["value"] = "***"

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from kiln.cli import add_json_flag, add_lang_flag, add_model_dir_flag
-from kiln.errors import KilnError
+from kiln.errors import KilnError, error_record
 from kiln.i18n import msg
 from kiln.i18n.catalogue import CATALOGUE
 
@@ -23,7 +23,8 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("model", metavar="MODEL", help="alias, owner/repo or owner/repo:QUANT")
     add_model_dir_flag(p, "also look for MODEL in DIR before downloading (repeatable)")
-    add_json_flag(p, "print the resolved source as JSON")
+    add_json_flag(p, "print the resolved source as JSON (a failure as {\"error\": {type, code, "
+                  "message}})")
     add_lang_flag(p)
     p.set_defaults(func=main)
 
@@ -43,6 +44,8 @@ def main(args: argparse.Namespace) -> int:
         )
     except KilnError as e:
         print(msg("pull.error", error=e), file=sys.stderr)
+        if getattr(args, "json", False):  # the failure too, for a program: its code and text
+            print(json.dumps({"error": error_record(e)}, indent=2))
         return e.exit_code
     if getattr(args, "json", False):
         print(json.dumps(src.to_dict(), indent=2))

@@ -367,6 +367,10 @@ CATALOGUE: dict[str, dict[str, str]] = {
               "HF_TOKEN), then run `kiln pull {repo}`",
         "zh": "在 https://huggingface.co/{repo} 同意协议，用 `hf auth login` 登录（或设置 "
               "HF_TOKEN），然后运行 `kiln pull {repo}`"},
+    "download.no_repo": {"en": "no Hugging Face repo {repo} (or it is private)",
+                         "zh": "Hugging Face 上没有仓库 {repo}（或它是私有仓库）"},
+    "download.no_repo.hint": {"en": "private repos need `hf auth login` or HF_TOKEN",
+                              "zh": "私有仓库需要先 `hf auth login` 登录或设置 HF_TOKEN"},
     "download.failed": {"en": "downloading {repo} failed: {error}",
                         "zh": "下载 {repo} 失败：{error}"},
     "download.failed.hint": {

@@ -66,8 +66,8 @@ def _hub_error(repo_id: str, e: Exception) -> KilnError:
     if isinstance(e, RepositoryNotFoundError):
         return not_found(
             repo_id,
-            f"no Hugging Face repo {repo_id!r} (or it is private)",
-            extra="private repos need `hf auth login` or HF_TOKEN",
+            msg("download.no_repo", repo=repr(repo_id)),
+            extra=msg("download.no_repo.hint"),
         )
     disk = _disk_error(e)
     if disk is not None:

@@ -57,7 +57,9 @@ def _free_port() -> int:
 
 
 def _pull(endpoint: str, tmp: Path, max_file_bytes: int | None = None
-          ) -> tuple[int, str, float]:
+          ) -> tuple[int, str, float, str | None]:
+    """`kiln pull --json` in a process of its own: exit code, stderr + stdout, seconds, and the
+    code of the error it printed as JSON (None when it did not fail)."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp), "HF_ENDPOINT": endpoint,
            "HF_HOME": str(tmp / "hf"), "KILN_CACHE_DIR": str(tmp / "kiln"),
            "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
@@ -67,37 +69,42 @@ def _pull(endpoint: str, tmp: Path, max_file_bytes: int | None = None
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "kiln", "pull", "someone/some-model"], env=env,
+    p = subprocess.run([sys.executable, "-m", "kiln", "pull", "someone/some-model", "--json"],
+                       env=env,
                        capture_output=True, text=True, timeout=120, check=False,
                        preexec_fn=limit_file_size if max_file_bytes else None)
-    return p.returncode, p.stderr + p.stdout, time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    code = json.loads(p.stdout)["error"]["code"] if p.returncode else None
+    return p.returncode, p.stderr + p.stdout, seconds, code
 
 
 def _one_error(out: str) -> list[str]:
     assert "Traceback" not in out, out
     lines = [ln for ln in out.splitlines()
-             if ln.startswith("kiln") and not ln.startswith("kiln: downloading")]
+             if ln.startswith("kiln") and not ln.startswith("kiln: downloading")
+             and not ln.startswith('  "')]  # --json's lines
     assert len(lines) == 1, out
     return lines
 
 
 def test_no_network_is_one_line_in_seconds(tmp_path: Path) -> None:
-    rc, out, seconds = _pull(f"http://127.0.0.1:{_free_port()}", tmp_path)  # nothing listens
-    assert rc != 0 and seconds < 30
+    rc, out, seconds, code = _pull(f"http://127.0.0.1:{_free_port()}", tmp_path)  # no one there
+    assert rc != 0 and seconds < 30 and code == "download.unreachable"
     (line,) = _one_error(out)
-    assert "cannot reach the Hugging Face hub" in line and "someone/some-model" in line
+    assert "someone/some-model" in line
     assert "--offline" in out and "KILN_MODEL_DIRS" in out
 
 
 # (429 is retried by the hub client as 5xx is, ~24 s of backoff: its message is checked below
 # without the wait.)
-@pytest.mark.parametrize(("status", "says"), [
-    (401, "HF_TOKEN"), (404, "no Hugging Face repo"), (503, "again later")])
+@pytest.mark.parametrize(("status", "code", "says"), [
+    (401, "download.http", "HF_TOKEN"), (404, "download.no_repo", "HF_TOKEN"),
+    (503, "download.http", "kiln pull someone/some-model")])  # the command to run again
 def test_hub_http_errors_are_one_line_with_what_to_do(hub, tmp_path: Path, status: int,
-                                                      says: str) -> None:
+                                                      code: str, says: str) -> None:
     hub.status = status
-    rc, out, _ = _pull(f"http://127.0.0.1:{hub.server_address[1]}", tmp_path)
-    assert rc != 0
+    rc, out, _, got = _pull(f"http://127.0.0.1:{hub.server_address[1]}", tmp_path)
+    assert rc != 0 and got == code
     _one_error(out)
     assert says in out, out
 
@@ -116,8 +123,8 @@ def test_rate_limit_says_wait_and_token() -> None:
     http = importlib.import_module(module.split(".")[0])
     resp = http.Response(429, request=http.Request("GET", "http://127.0.0.1/api/models/a/b"))
     err = _hub_error("a/b", HfHubHTTPError("429 Client Error: Too Many Requests", response=resp))
-    assert "answered 429 for a/b" in str(err)
-    assert "rate limited" in str(err.hint) and "HF_TOKEN" in str(err.hint)
+    assert err.code == "download.http" and err.message.fields["status"] == 429
+    assert err.hint.key == "download.http.429" and "HF_TOKEN" in err.hint  # wait, or a token
 
 
 def test_truncated_gguf_is_named_as_such(tmp_path: Path, gguf_path: Path,
@@ -133,34 +140,40 @@ def test_truncated_gguf_is_named_as_such(tmp_path: Path, gguf_path: Path,
     assert f"{cut} is truncated: its tensors need" in err and "fetch it again" in err
 
 
-def test_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+def _failed(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str
+            ) -> tuple[str | None, str]:
+    """Runs the kiln command `argv`, which must fail: the code of its effective config's error
+    (what a program matches) and its stderr (what a person reads)."""
     from kiln.cli.main import main
 
+    eff = tmp_path / "eff.json"
+    assert main([*argv, "--effective-config-json", str(eff)]) != 0
+    return json.loads(eff.read_text())["error"]["code"], capsys.readouterr().err
+
+
+def test_port_in_use_fails_before_the_model_loads(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         t0 = time.monotonic()
-        assert main(["serve", "--port", str(port), "--no-compile"]) != 0
+        code, err = _failed(tmp_path, capsys, "serve", "--port", str(port), "--no-compile")
         seconds = time.monotonic() - t0
-    err = capsys.readouterr().err
-    assert f"error (port): cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert code == "serve.port_in_use" and f"127.0.0.1:{port}" in err and "--port" in err
     assert "loading" not in err and seconds < 30
 
 
 def test_unwritable_cache_dir_is_one_line_naming_it(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from kiln.cli.main import main
-
     # a path under a file: not writable even for root, who ignores permission bits
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     monkeypatch.setenv("KILN_CACHE_DIR", str(blocker / "kiln"))
-    assert main(["run", "Hello", "--max-tokens", "2"]) != 0
-    err = capsys.readouterr().err
+    code, err = _failed(tmp_path, capsys, "run", "Hello", "--max-tokens", "2")
     assert "Traceback" not in err
-    assert f"kiln's cache folder {blocker / 'kiln'} cannot be written" in err
+    assert code == "paths.cache_unwritable" and str(blocker / "kiln") in err
     assert "KILN_CACHE_DIR" in err
 
 
@@ -246,7 +259,7 @@ def _hub_files(tmp: Path) -> list[Path]:
 
 def test_a_download_cut_half_way_resumes_and_is_complete(repo_hub, tmp_path: Path) -> None:
     repo_hub.cuts = 1
-    rc, out, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path)
+    rc, out, _, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path)
     assert rc == 0, out
     assert "Traceback" not in out
     first, resumed = repo_hub.ranges  # the whole file, then from where it was cut
@@ -260,10 +273,10 @@ def test_a_download_cut_half_way_resumes_and_is_complete(repo_hub, tmp_path: Pat
 def test_a_download_that_keeps_dropping_is_one_line_and_leaves_nothing(repo_hub,
                                                                        tmp_path: Path) -> None:
     repo_hub.cuts = 100
-    rc, out, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path)
-    assert rc != 0
+    rc, out, _, code = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path)
+    assert rc != 0 and code == "download.cut"
     (line,) = _one_error(out)
-    assert "the connection kept dropping mid-file" in line and REPO in line
+    assert REPO in line
     assert "kiln pull someone/some-model" in out and "KILN_MODEL_DIRS" in out
     assert len(repo_hub.ranges) > 2  # it did resume before giving up
     left = [p.name for p in _hub_files(tmp_path)]
@@ -271,12 +284,11 @@ def test_a_download_that_keeps_dropping_is_one_line_and_leaves_nothing(repo_hub,
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(repo_hub, tmp_path: Path) -> None:
-    rc, out, _ = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path,
-                       max_file_bytes=4 << 20)
-    assert rc != 0
+    rc, out, _, code = _pull(f"http://127.0.0.1:{repo_hub.server_address[1]}", tmp_path,
+                             max_file_bytes=4 << 20)
+    assert rc != 0 and code == "download.disk_full"
     (line,) = _one_error(out)
-    assert "the disk is full" in line and REPO in line
-    assert "free some space" in out and "HF_HOME" in out
+    assert REPO in line and "HF_HOME" in out
     left = [p.name for p in _hub_files(tmp_path)]
     assert "model.gguf" not in left and not [n for n in left if n.endswith(".incomplete")]
 
@@ -323,8 +335,6 @@ def test_a_corrupt_safetensors_file_is_one_line_naming_it(
         tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
     from conftest import add_word_tokenizer, make_tiny_model
 
-    from kiln.cli.main import main
-
     folder = make_tiny_model("llama", tmp_path / "tiny")
     add_word_tokenizer(folder)
     st = folder / "model.safetensors"
@@ -342,9 +352,9 @@ def test_a_corrupt_safetensors_file_is_one_line_naming_it(
     else:
         raw = raw[:8] + b"{" * n + raw[8 + n:]
     st.write_bytes(raw)
-    assert main(["run", str(folder), "hello", "--max-tokens", "1", "--no-compile"]) != 0
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    code, err = _failed(tmp_path, capsys, "run", str(folder), "hello", "--max-tokens", "1",
+                        "--no-compile")
+    assert "Traceback" not in err and code == "load.bad_safetensors"
     lines = [ln for ln in err.splitlines() if ln.startswith("kiln")]
-    assert len(lines) == 1 and f"{st} is not a valid safetensors file" in lines[0], err
-    assert "fetch it again" in err
+    assert len(lines) == 1 and str(st) in lines[0], err
+    assert "kiln pull" in err  # the hint's way out: fetch it again
