@@ -37,7 +37,8 @@ def model_spec(args: argparse.Namespace) -> str | None:
     positional, option = getattr(args, "model", None), getattr(args, "model_option", None)
     if positional and option and positional != option:
         raise ConfigError(f"two models given: {positional!r} (MODEL) and {option!r} (--model)",
-                          hint="give the model once, as MODEL or as --model")
+                          hint="give the model once, as MODEL or as --model",
+                          code="config.two_models")
     return positional or option
 
 
@@ -49,7 +50,8 @@ def namespace_for(model: str | None, settings: dict[str, Any], config: Path | No
     unknown = sorted(set(settings) - set(C.BY_NAME))
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(unknown)}",
-                          hint=f"known settings: {', '.join(sorted(C.BY_NAME))}")
+                          hint=f"known settings: {', '.join(sorted(C.BY_NAME))}",
+                          code="config.unknown_setting")
     seen = {name: [(value, f"LLM({name}={value!r})")] for name, value in settings.items()}
     return argparse.Namespace(model=model, config=config, dry_run=False,
                               effective_config_json=None, decision_trace_jsonl=None,

@@ -675,4 +675,4 @@ def setting(name: str) -> Setting:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise ConfigError(f"unknown setting {name!r}") from None
+        raise ConfigError(f"unknown setting {name!r}", code="config.unknown_setting") from None

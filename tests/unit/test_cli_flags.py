@@ -9,6 +9,7 @@ import json
 import pytest
 
 from kiln.cli.main import build_parser, main
+from kiln.i18n import msg
 
 
 def _settings(tmp_path, *argv: str) -> dict:
@@ -38,10 +39,17 @@ def test_every_parser_refuses_abbreviations():
                          and action.choices.values() or [])
 
 
-def test_model_option_is_the_model_and_an_unknown_one_is_named(capsys):
-    assert main(["serve", "--model", "foo", "--dry-run"]) != 0
-    err = capsys.readouterr().err
-    assert "model not found" in err and "'foo'" in err
+def _failed(tmp_path, capsys, *argv: str) -> tuple[str | None, str]:
+    """`kiln serve --dry-run ...`, which must fail: its effective config's error code and its
+    stderr."""
+    eff = tmp_path / "eff.json"
+    assert main(["serve", *argv, "--dry-run", "--effective-config-json", str(eff)]) != 0
+    return json.loads(eff.read_text())["error"]["code"], capsys.readouterr().err
+
+
+def test_model_option_is_the_model_and_an_unknown_one_is_named(tmp_path, capsys):
+    code, err = _failed(tmp_path, capsys, "--model", "foo")
+    assert code == "model.unknown" and "'foo'" in err
     assert "--model-dir" not in err
 
 
@@ -50,9 +58,8 @@ def test_model_option_and_positional_must_agree(tmp_path, capsys, gguf_path):
     assert s["port"]["value"] == 8000
     assert main(["serve", str(gguf_path), "--model", str(gguf_path), "--dry-run"]) == 0
     capsys.readouterr()
-    assert main(["serve", str(gguf_path), "--model", "other", "--dry-run"]) != 0
-    err = capsys.readouterr().err
-    assert "two models given" in err and "other" in err
+    code, err = _failed(tmp_path, capsys, str(gguf_path), "--model", "other")
+    assert code == "config.two_models" and "other" in err
 
 
 def test_short_p_is_the_port_and_pp_stays_pipeline_parallel(tmp_path, gguf_path):
@@ -103,7 +110,7 @@ def test_an_unwritable_artifact_is_a_warning_line_after_the_real_error(tmp_path,
     assert rc != 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(lines)
-    assert "model not found" in lines[0]
+    assert "'foo'" in lines[0]  # the real error (the model not found) comes first
     assert lines[-1].startswith("kiln: warning: --effective-config-json") and str(eff) in lines[-1]
 
 
@@ -132,7 +139,7 @@ def test_an_unwritable_artifact_in_a_dry_run_is_one_error_line_that_names_the_fl
     assert rc != 0
     err = capsys.readouterr().err
     assert "unexpected" not in err and "Traceback" not in err
-    assert err.startswith(f"kiln: error (artifacts): cannot write --effective-config-json {eff}")
+    assert err.startswith("kiln: error (artifacts): ") and f"--effective-config-json {eff}" in err
 
 
 def test_kiln_run_on_a_base_model_runs_the_prompt_as_a_completion(tmp_path, capsys):
@@ -144,7 +151,7 @@ def test_kiln_run_on_a_base_model_runs_the_prompt_as_a_completion(tmp_path, caps
                "--kv-cache-memory", "8MiB", "the cat sat"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "no chat template (a base model)" in err and "Traceback" not in err
+    assert msg("run.no_template", name="base") in err and "Traceback" not in err
     assert out.strip()  # the completion's tokens
 
 
