@@ -140,4 +140,5 @@ def auto_gpu_experts(s: ResolvedSettings, entry: Any, hw: Any, noted: bool = Fal
     tp = s["tensor_parallel_size"] or 1
     n = gpu_experts_per_layer(entry, vram, tp)
     s.override("num_gpu_experts", n, f"{n} experts per layer fit in {vram / GiB:.0f} GiB per "
-               f"GPU x TP {tp} after the dense weights ({entry.name} rule)")
+               f"GPU x TP {tp} after the dense weights ({entry.name} rule)",
+               code="num_gpu_experts.registry_rule")

@@ -35,6 +35,7 @@ from kiln.backends import (
     probe_engine,
 )
 from kiln.errors import ConfigError, EngineNotFoundError
+from kiln.i18n import msg
 from kiln.settings.resolve import resolve_settings
 from kiln.settings.rules import AutoContext
 from kiln.settings.table import SETTINGS
@@ -368,7 +369,7 @@ def test_running_block_lists_the_endpoints() -> None:
     for url in ("http://127.0.0.1:8123/v1", "/v1/chat/completions", "/v1/completions",
                 "/v1/models", "/health"):
         assert url in block
-    assert "all interfaces" in block and "gpus" in block and "tiny" in block
+    assert "0.0.0.0:8123" in block and "gpus" in block and "tiny" in block
 
 
 # --------------------------------------------------------------------------- discovery, --help
@@ -561,8 +562,9 @@ def test_child_dying_before_ready_returns_its_code_and_last_lines(
                   on_ready=lambda: ready.append(True)) == 3
     assert not ready
     out = "\n".join(printed)
-    assert "exited with code 3 before it was ready" in out
-    assert "CUDA out of memory (pretend)" in out.split("before it was ready")[1]
+    said = msg("launch.exited_early", engine="vllm", code=3)  # the catalogue's words, any lang
+    assert said in out
+    assert "CUDA out of memory (pretend)" in out.split(said)[1]  # the engine's last lines
 
 
 def test_child_never_healthy_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -574,5 +576,5 @@ def test_child_never_healthy_is_stopped(tmp_path: Path, monkeypatch: pytest.Monk
     printed: list[str] = []
     assert launch(p, health_timeout_s=0.5, drain_timeout_s=5, print_fn=printed.append,
                   poll_s=0.05) == 1
-    assert any("did not answer" in x for x in printed)
+    assert "launch.no_health" in keys(printed)
     assert (tmp_path / "rec.json.signals").read_text().split() == ["SIGTERM"]
