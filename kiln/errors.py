@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kiln.i18n import english, msg
 
 
@@ -36,11 +38,26 @@ class KilnError(Exception):
         return f"{message}\n  hint: {english(self.hint)}" if self.hint else message
 
 
-def error_record(error: BaseException) -> dict[str, str | None]:
+class BadValue(ValueError):
+    """A setting's parser refusing a value, with the code of its reason (`fault.unknown_kind`):
+    settings resolution wraps it in config.invalid_value and lists the code in `causes`, so a
+    program sees which rule refused, as it does for the hand-off's problems."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error_record(error: BaseException) -> dict[str, Any]:
     """What machines read of a failure (an effective config's `error`, `kiln pull --json`):
-    its type, its code (None for an error kiln did not word) and its English message."""
-    return {"type": type(error).__name__, "code": getattr(error, "code", None),
-            "message": english(error)}
+    its type, its code (None for an error kiln did not word), its English message, and the
+    codes of the problems it gathers (`causes`) where it has any."""
+    out: dict[str, Any] = {"type": type(error).__name__, "code": getattr(error, "code", None),
+                           "message": english(error)}
+    causes = getattr(error, "causes", ())
+    if causes:
+        out["causes"] = list(causes)
+    return out
 
 
 class ConfigError(KilnError):

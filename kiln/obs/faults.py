@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.errors import DiagnosticFault
+from kiln.errors import BadValue, DiagnosticFault
 
 KINDS = ("startup", "step_raise", "step_delay_ms", "kv_alloc", "drop_stream")
 
@@ -38,19 +38,23 @@ def parse_fault(text: str) -> Fault:
 
     kind, _, arg = str(text).strip().partition(":")
     if kind not in KINDS:
-        raise ValueError(f"unknown fault {kind!r}; kinds: {', '.join(KINDS)}")
+        raise BadValue(f"unknown fault {kind!r}; kinds: {', '.join(KINDS)}",
+                       code="fault.unknown_kind")
     if kind == "startup":
         if arg not in STAGES[1:]:
-            raise ValueError(f"startup:STAGE needs one of {', '.join(STAGES[1:])}, got {arg!r}")
+            raise BadValue(f"startup:STAGE needs one of {', '.join(STAGES[1:])}, got {arg!r}",
+                           code="fault.unknown_stage")
         return Fault(kind, arg)
     if kind == "kv_alloc" and not arg:
         return Fault(kind, 1)
     try:
         n = int(arg)
     except ValueError:
-        raise ValueError(f"{kind}:N needs an integer N, got {arg!r}") from None
+        raise BadValue(f"{kind}:N needs an integer N, got {arg!r}",
+                       code="fault.not_an_integer") from None
     if n < (1 if kind == "kv_alloc" else 0):
-        raise ValueError(f"{kind}:N needs N >= {1 if kind == 'kv_alloc' else 0}, got {n}")
+        raise BadValue(f"{kind}:N needs N >= {1 if kind == 'kv_alloc' else 0}, got {n}",
+                       code="fault.too_small")
     return Fault(kind, n)
 
 
@@ -61,7 +65,7 @@ def parse_faults(value: Any) -> tuple[Fault, ...]:
     kinds = [f.kind for f in faults]
     dup = next((k for k in kinds if kinds.count(k) > 1), None)
     if dup:
-        raise ValueError(f"fault {dup!r} given twice")
+        raise BadValue(f"fault {dup!r} given twice", code="fault.given_twice")
     return faults
 
 
@@ -90,7 +94,7 @@ class Faults:
         if self.raise_after is not None and steps_done >= self.raise_after:
             self.raise_after = None
             raise DiagnosticFault(f"model step {steps_done + 1} failed by --diagnostic-fault "
-                                  f"step_raise:{steps_done}")
+                                  f"step_raise:{steps_done}", code="fault.step_raise")
 
     def wrap_allocate(self, allocate: Callable[..., bool]) -> Callable[..., bool]:
         """The KV manager's allocate, failing (returning False, as when no block is free) on

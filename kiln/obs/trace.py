@@ -188,7 +188,8 @@ class StartupStages:
         if self.fail_at == name:
             raise DiagnosticFault(f"startup stage {name!r} failed by --diagnostic-fault "
                                   f"startup:{name}",
-                                  hint="a drill: drop the --diagnostic-fault flag to start")
+                                  hint="a drill: drop the --diagnostic-fault flag to start",
+                                  code="fault.startup")
 
     def close(self) -> None:
         if self.writer is not None:

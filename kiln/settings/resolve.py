@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ConfigError
+from kiln.errors import BadValue, ConfigError
 from kiln.i18n import msg
 from kiln.settings.rules import AutoContext
 from kiln.settings.table import SETTINGS, Setting
@@ -95,7 +95,8 @@ def _parse(s: Setting, raw: Any, where: str) -> Any:
     except (ValueError, TypeError) as e:
         flag = s.flags[0] if s.flags else s.name
         raise ConfigError(msg("config.invalid_value", raw=repr(raw), flag=flag, where=where,
-                              error=e)) from None
+                              error=e), causes=(e.code,) if isinstance(e, BadValue) else ()
+                          ) from None
     if s.choices is not None and value not in s.choices:
         raise ConfigError(
             msg("config.invalid_choice", raw=repr(raw), flag=s.flags[0] if s.flags else s.name,
