@@ -289,9 +289,9 @@ class Experts(nn.Module):
     def _quantize_stacked_q4(self) -> None:
         """All experts into the kernels' stacked layout (see w13_q4), written in place. A part
         whose GGUF Q4_0/Q4_1 blocks came whole (`*_exps`) is packed in one call from the
-        file's bytes (reference.pack_q4_blocks: no code unpacked); otherwise one expert at a
+        file's bytes (ops.pack_q4_blocks: no code unpacked); otherwise one expert at a
         time (a whole layer's codes are never held unpacked)."""
-        from kiln.layers.kernels import reference
+        from kiln.layers.kernels import ops, reference
         from kiln.layers.kernels.formats import GGUFBlocks
         from kiln.layers.quant import quantize_int4_groups
 
@@ -306,8 +306,8 @@ class Experts(nn.Module):
                               ("down", w2[:n])):
                 whole = self.stash.get((part, None))
                 if isinstance(whole, GGUFBlocks):
-                    reference.pack_q4_blocks(whole.raw.view(n, -1, whole.raw.shape[1]),
-                                             whole.type_name, whole.in_features, out=out)
+                    ops.pack_q4_blocks(whole.raw.view(n, -1, whole.raw.shape[1]),
+                                       whole.type_name, whole.in_features, out=out)
                     continue
                 param, start, size = self._rows(part)
                 for e in range(n):

@@ -116,3 +116,29 @@ def test_gguf_experts_come_as_their_blocks(tmp_path):
                            reference.pack_q4(gq.q, gq.scale, gq.min))
     others = [name for name in blocks if ".experts." not in name]
     assert all(type(blocks[n]) is type(plain[n]) for n in others)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_the_kernels_pack_of_gguf_blocks_equals_the_reference(kernel_level, type_name):
+    """kernels.cpp's pack_q4_blocks (what a load runs) gives reference.pack_q4_blocks' bytes
+    at every ISA level: three experts of 21 rows (a partial tile), packed into a strided slice
+    of a larger stack whose other bytes stay as they were, with fp16 scales at the edges (a
+    subnormal, one whose Q4_0 min -8 d overflows to -inf, a negative zero)."""
+    from kiln.layers.kernels import ops
+
+    bb = {"Q4_0": 18, "Q4_1": 20}[type_name]
+    e, n, k = 3, 21, 96
+    g = torch.Generator().manual_seed(bb)
+    raw = torch.randint(0, 256, (e, n, k // 32 * bb), generator=g, dtype=torch.uint8)
+    edge = torch.tensor([1e-7, 9000.0, -0.0, 0.01], dtype=torch.float16).view(torch.uint8)
+    for j in range(3):  # the scales of row 0's three groups, and of one in the partial tile
+        raw[0, 0, j * bb:j * bb + 2] = edge[2 * j:2 * j + 2]
+    raw[2, 20, 0:2] = edge[6:8]
+    stack = torch.full((e, 6, k // 32, 160), 0x5A, dtype=torch.uint8)
+    out = stack[:, 1:4]  # ceil(21 / 8) = 3 tiles, between untouched ones
+    got = ops.pack_q4_blocks(raw, type_name, k, out=out)
+    want = reference.pack_q4_blocks(raw, type_name, k)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(stack[:, 1:4], want)
+    assert bool((stack[:, 0] == 0x5A).all()) and bool((stack[:, 4:] == 0x5A).all())
+    assert torch.equal(ops.pack_q4_blocks(raw[1], type_name, k), want[1])  # one matrix, no out

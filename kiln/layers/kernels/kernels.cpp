@@ -327,6 +327,61 @@ at::Tensor heads_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return y;
 }
 
+// GGUF Q4_0 / Q4_1 rows -> the tiles above (reference.pack_q4_blocks, byte for byte). A block's
+// 16 code bytes are already a tile row's (byte j = q[j] | q[j + 16] << 4) and its fp16 scale
+// (Q4_1: and min) move as they are; Q4_0's min is -8 d, exact in fp16 short of overflow, which
+// rounds to inf as PyTorch's fp16 multiply does. raw [M, N, G * block_bytes] (rows of M
+// matrices: a layer's experts, a view of the file's memory map), out [M, ceil(N/8), G, 160]
+// (any matrix and tile strides: a slice of a stack). One pass over both, threads over (matrix,
+// tile) so each writes its tiles in order: a 14 B model's 8.6 GB of experts in seconds, where
+// PyTorch's strided copy of 16-byte pieces took 38 s of a 54 s start.
+void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor& out) {
+  TORCH_CHECK(block_bytes == 18 || block_bytes == 20,
+              "pack_q4_blocks: block_bytes must be 18 (Q4_0) or 20 (Q4_1), got ", block_bytes);
+  TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.stride(2) == 1,
+              "pack_q4_blocks: raw must be uint8 [M, N, row bytes] with contiguous rows");
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kByte && out.size(3) == kBlockBytes &&
+                  out.stride(3) == 1 && out.stride(2) == kBlockBytes,
+              "pack_q4_blocks: out must be uint8 [M, tiles, groups, 160] with contiguous blocks");
+  const int64_t M = raw.size(0), N = raw.size(1), NT = out.size(1), G = out.size(2);
+  TORCH_CHECK(out.size(0) == M && raw.size(2) == G * block_bytes && NT == (N + kTile - 1) / kTile,
+              "pack_q4_blocks: raw [", M, ", ", N, ", ", raw.size(2), "] does not fit out [",
+              out.size(0), ", ", NT, ", ", G, ", 160]");
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const int64_t rs0 = raw.stride(0), rs1 = raw.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const bool has_min = block_bytes == 20;
+  const int64_t codes_at = has_min ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(threads())
+  for (int64_t item = 0; item < M * NT; ++item) {
+    const int64_t mi = item / NT, t = item % NT;
+    const uint8_t* rows[kTile];
+    for (int64_t r = 0; r < kTile; ++r)
+      rows[r] = t * kTile + r < N ? rp + mi * rs0 + (t * kTile + r) * rs1 : nullptr;
+    uint8_t* dst = op + mi * os0 + t * os1;
+    for (int64_t g = 0; g < G; ++g, dst += kBlockBytes) {
+      uint16_t scale[kTile], mn[kTile];
+      for (int64_t r = 0; r < kTile; ++r) {
+        uint8_t* slot = dst + 32 * (r % 4) + 16 * (r / 4);  // row p: bytes 32p, row p+4: 32p+16
+        if (rows[r] == nullptr) {  // padding past N: zero codes, scale and min
+          std::memset(slot, 0, 16);
+          scale[r] = mn[r] = 0;
+          continue;
+        }
+        const uint8_t* b = rows[r] + g * block_bytes;
+        std::memcpy(slot, b + codes_at, 16);
+        std::memcpy(&scale[r], b, 2);
+        if (has_min)
+          std::memcpy(&mn[r], b + 2, 2);
+        else
+          mn[r] = _cvtss_sh(_cvtsh_ss(scale[r]) * -8.0f, _MM_FROUND_TO_NEAREST_INT);
+      }
+      std::memcpy(dst + 128, scale, sizeof(scale));
+      std::memcpy(dst + 144, mn, sizeof(mn));
+    }
+  }
+}
+
 // moe_q4's work split: items (active expert a, tile j) expert-major, `per` tiles an expert, cut
 // into nt contiguous ranges of about equal cost, an item costing its expert's rows plus
 // kTileCost (reading the tile's weights: about what 2 rows of compute take at T = 1). Why not
@@ -1857,6 +1912,7 @@ KILN_LIBRARY(m) {
         "float scale) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("heads_q4(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("pack_q4_blocks(Tensor raw, int block_bytes, Tensor(a!) out) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor pieces, Tensor ranks, "
         "Tensor seg, Tensor local) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -1897,6 +1953,7 @@ KILN_LIBRARY(m) {
   m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
   m.impl("heads_q4", c10::DispatchKey::CPU, &heads_q4);
+  m.impl("pack_q4_blocks", c10::DispatchKey::CPU, &pack_q4_blocks);
 }
 
 }  // namespace KILN_NS
