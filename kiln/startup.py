@@ -277,14 +277,17 @@ def _check_kind(s: ResolvedSettings, mc: Any, fmt: str) -> None:
                 "config.json), e.g. whisper-tiny.en" if needs == "ctranslate2" else
                 "a Piper voice (.onnx with its .onnx.json), e.g. piper-joe")
         raise ConfigError(f"--kind {r.value} ({r.source}) serves {what}; this model is "
-                          f"{fmt}", hint="pass such a model, or --kind auto")
+                          f"{fmt}", hint="pass such a model, or --kind auto",
+                          code="kind.needs_audio_model")
     if needs is None and fmt in AUDIO_FORMATS:
         raise ConfigError(f"this is an audio model ({fmt}): it cannot be served as --kind "
-                          f"{r.value} ({r.source})", hint="drop --kind, or pass --kind auto")
+                          f"{r.value} ({r.source})", hint="drop --kind, or pass --kind auto",
+                          code="kind.audio_model")
     if r.value == "generate" and mc is not None and mc.is_encoder:
         raise ConfigError(f"{mc.architecture} is an encoder: it has no LM head to generate "
                           f"with ({r.source} asked --kind generate)",
-                          hint="serve it with --kind embed (or --kind auto)")
+                          hint="serve it with --kind embed (or --kind auto)",
+                          code="kind.encoder_cannot_generate")
 
 
 def _install_stages(s: ResolvedSettings) -> None:

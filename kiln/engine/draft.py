@@ -92,7 +92,7 @@ def check_same_vocab(target: str, target_gguf: str | None, draft: str,
         f"{len(a)} tokens; first difference at id {first}: {by_id_b.get(first)!r} vs "
         f"{by_id_a.get(first)!r})",
         hint="a draft model must use the served model's tokenizer (a smaller model of the "
-        "same family)")
+        "same family)", code="spec.draft_vocab_mismatch")
 
 
 class DraftModel:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import BadValue
+
 
 def parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
@@ -99,7 +101,7 @@ def parse_lora_modules(value: Any) -> list[str]:
     for item in items(value):
         name, path = lora_module(item)
         if name in out:
-            raise ValueError(f"LoRA adapter name {name!r} given twice")
+            raise BadValue(f"LoRA adapter name {name!r} given twice", code="lora.name_given_twice")
         out[name] = path
     return [f"{n}={p}" for n, p in out.items()]
 

@@ -321,8 +321,9 @@ def test_lora_flags_take_vllm_forms_and_repeat():
     assert (s["max_loras"], s["max_lora_rank"], s["enable_lora_runtime_updates"]) == (8, 16, False)
     env = resolve_settings(env={"lora_modules": ("a=/x,b=/y", "KILN_LORA_MODULES")})
     assert env["lora_modules"] == ["a=/x", "b=/y"]
-    with pytest.raises(ConfigError, match="'a' given twice"):
+    with pytest.raises(ConfigError) as e:
         resolve_settings(cli=S.cli_values(p.parse_args(["--lora", "a=/x", "--lora", "a=/y"])))
+    assert e.value.causes == ("lora.name_given_twice",) and "'a'" in str(e.value)
 
 
 # --------------------------------------------------------------------------- SmolLM2 (Q4_1 GGUF)

@@ -248,13 +248,16 @@ def test_kind_is_detected_from_the_models_files(minilm_dir: Path, tmp_path: Path
     assert detect_kind(None, "WhisperForConditionalGeneration")[0] == "transcribe"
 
 
-def test_an_encoder_cannot_be_served_to_generate(minilm_dir: Path,
+def test_an_encoder_cannot_be_served_to_generate(minilm_dir: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from kiln.cli.main import main
 
-    assert main(["serve", str(minilm_dir), "--dry-run", "--kind", "generate"]) != 0
+    eff = tmp_path / "eff.json"
+    assert main(["serve", str(minilm_dir), "--dry-run", "--kind", "generate",
+                 "--effective-config-json", str(eff)]) != 0
     err = capsys.readouterr().err
-    assert "BertModel is an encoder" in err and "--kind embed" in err
+    assert json.loads(eff.read_text())["error"]["code"] == "kind.encoder_cannot_generate"
+    assert "BertModel" in err and "--kind embed" in err  # the architecture, the way out
 
 
 def test_kind_embed_on_a_causal_lm_is_recorded_with_the_embed_preset(
