@@ -339,7 +339,8 @@ def _serve_audio(sp: startup.StartupPlan, names: list[str]) -> int:
         # threads would fight over the cores (recorded, so the effective config says so).
         share = max(1, s["num_threads"] // slots)
         s.override("num_threads", share, f"{s['num_threads']} ({s.source('num_threads')}) "
-                   f"shared by {slots} speech slots (--tts-slots)", source=s.source("num_threads"))
+                   f"shared by {slots} speech slots (--tts-slots)", source=s.source("num_threads"),
+                   code="num_threads.tts_slots_share")
     worker = AudioWorker(lambda: startup.build_audio(sp), max_queue=s["max_queue"],
                          name=f"kiln-{kind}", slots=slots)
     model = worker.start(wait=False).wait_built()

@@ -335,7 +335,7 @@ def test_tts_slots_speak_two_requests_at_once(servers: tuple[Any, Any]) -> None:
     eff = json.loads(servers[1].effective_config.read_text())
     assert eff["settings"]["tts_slots"]["value"] == 2
     assert eff["settings"]["tts_slots"]["source"] == "cli"
-    assert "shared by 2 speech slots" in eff["settings"]["num_threads"]["reason"]
+    assert eff["settings"]["num_threads"]["code"] == "num_threads.tts_slots_share"
 
 
 def test_bad_audio_requests_are_openai_errors(servers: tuple[Any, Any],

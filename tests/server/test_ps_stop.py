@@ -14,6 +14,7 @@ import pytest
 from test_server import _serve
 
 from kiln import pidfile
+from kiln.i18n import msg
 
 
 def _kiln(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -100,10 +101,12 @@ def test_stop_says_what_is_left_when_a_server_outlives_the_timeout(
                                            model="stuck"))
         assert main(["stop", "--timeout", "0.5"]) == 1  # the only one running: it is the target
         err = capsys.readouterr().err
-        assert f"port 1 (pid {stubborn.pid}) still running after 0.5 s" in err
-        assert f"kill {stubborn.pid}" in err
+        # what the catalogue says for that key and these fields (its /metrics: none, so "?")
+        assert msg("stop.still_running", port=1, pid=stubborn.pid, timeout=0.5, running="?") \
+            in err
         assert pidfile.path_for(1).exists()  # still its server's
-        assert main(["stop", "2"]) == 1 and "no kiln server on port 2" in capsys.readouterr().err
+        assert main(["stop", "2"]) == 1
+        assert msg("stop.no_server", port=2) in capsys.readouterr().err
     finally:
         stubborn.kill()
         stubborn.wait()

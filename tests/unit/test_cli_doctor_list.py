@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.cli import doctor, list_models, pull
+from kiln.i18n import msg
 from kiln.resolve.sources import default_model_path
 
 
@@ -132,7 +133,7 @@ def test_list_registry(capsys: pytest.CaptureFixture[str]) -> None:
 def test_pull_embedded_prints_where_it_is(capsys: pytest.CaptureFixture[str]) -> None:
     assert run("pull", "smollm2") == 0
     out = capsys.readouterr().out
-    assert "nothing to download" in out and str(default_model_path()) in out
+    assert msg("pull.origin.embedded") in out and str(default_model_path()) in out
 
 
 def test_pull_cached_repo_does_not_download(

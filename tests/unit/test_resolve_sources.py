@@ -298,8 +298,9 @@ def test_hf_id_found_in_model_dirs_up_to_three_levels(
 def test_unknown_name_lists_close_matches_and_the_pull_command(hf_cache: Path) -> None:
     with pytest.raises(ModelNotFoundError) as err:
         resolve_model("smolm2")
-    text = str(err.value)
-    assert "did you mean smollm2" in text and "kiln pull MODEL" in text
+    hint = err.value.hint
+    assert hint.key == "model.did_you_mean" and "smollm2" in hint.fields["matches"].split(", ")
+    assert "kiln pull MODEL" in hint  # the way to get it
 
 
 def test_offline_with_nothing_cached_does_not_touch_the_network(
