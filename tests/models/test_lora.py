@@ -552,9 +552,11 @@ def test_server_answers_each_adapter_as_offline_and_loads_unloads(lora_server, s
                                                          skip_special_tokens=True)
     bad = post("load_lora_adapter", {"lora_name": "t4", "lora_path": "/nonexistent/t4"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
-    assert "adapter_config.json not found" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["code"] == "lora.file_missing"
+    assert "/nonexistent/t4" in bad.json()["error"]["message"]
     assert post("unload_lora_adapter", {"lora_name": "t3"}).status_code == 200
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError) as gone_model:
         ask(f"{base}:t3")
+    assert gone_model.value.code == "model_not_found"
     gone = post("unload_lora_adapter", {"lora_name": "t3"})
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"

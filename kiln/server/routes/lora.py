@@ -68,8 +68,10 @@ def router(sv: Serving, opts: LoRAOptions) -> APIRouter:
             await sv.engine.call(lambda eng: eng.load_lora(req.lora_name, req.lora_path))
         except LoRAError as e:
             hint = f" ({e.hint})" if e.hint else ""
+            # the adapter's problem by its code (lora.file_missing, ...), as a KilnError
+            # raised by add_request is (server/errors.py)
             raise APIError(400, f"{e.message}{hint}", param=f"lora_{e.field}",
-                           code="invalid_value") from e
+                           code=e.code or "invalid_value") from e
         sv.add_adapter(req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
