@@ -87,6 +87,10 @@ class PlacementPlan:
     stream_threshold: int | None
     layers: list[LayerPlacement] = field(default_factory=list)
     host_inline: bool = False  # host pools run on the engine's thread (a CPU "device")
+    # What a program matches instead of `rule` and `hot`: num_gpu_experts.<why N> (the code the
+    # setting's override carries) and expert_ranking.<how the N were chosen>.
+    rule_code: str = ""
+    hot_code: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -243,14 +247,16 @@ def numa_cpus(node: int, sys_root: Path = Path("/sys")) -> set[int] | None:
 
 
 def make_plan(*, device: str, num_experts: int, moe_layers: list[int], bytes_per_expert: int,
-              bytes_measured: bool, n: int, rule: str, counts: list[list[int]] | None,
-              hot: str, host_pools: int, host_threads: int,
-              stream_threshold: int | None, host_inline: bool = False) -> PlacementPlan:
+              bytes_measured: bool, n: int, rule: tuple[str, str],
+              counts: list[list[int]] | None, hot: tuple[str, str], host_pools: int,
+              host_threads: int, stream_threshold: int | None,
+              host_inline: bool = False) -> PlacementPlan:
+    """`rule` and `hot` are (reason, code) pairs."""
     plan = PlacementPlan(device=device, num_experts=num_experts, num_device_experts=n,
-                         rule=rule, hot=hot, bytes_per_expert=bytes_per_expert,
+                         rule=rule[0], hot=hot[0], bytes_per_expert=bytes_per_expert,
                          bytes_measured=bytes_measured, host_pools=host_pools,
                          host_threads=host_threads, stream_threshold=stream_threshold,
-                         host_inline=host_inline)
+                         host_inline=host_inline, rule_code=rule[1], hot_code=hot[1])
     for i, layer in enumerate(moe_layers):
         row = counts[i] if counts is not None else None
         dev, host = place_layer(layer, row, num_experts, n, host_pools)
@@ -264,6 +270,14 @@ def make_plan(*, device: str, num_experts: int, moe_layers: list[int], bytes_per
     return plan
 
 
+# How the N device experts were picked, (reason, code), where the words never vary.
+OFF = ("the first N: calibration is off (--expert-calibration off)",
+       "expert_ranking.calibration_off")
+CACHED = ("the hottest, from cached routing statistics", "expert_ranking.cached")
+AT_LOAD = (("the first N for now: the engine calibrates the ranking when it loads (built-in "
+            "prompts, then cached)"), "expert_ranking.at_load")
+
+
 def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan:
     """The plan before any weight is loaded (dry run, effective config): expert bytes estimated
     from the config and the quantization, the ranking from a cached calibration if any."""
@@ -273,22 +287,20 @@ def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan
     per = estimate_expert_bytes(mc.hidden_size, mc.moe_intermediate_size, quant, dtype_bytes)
     device = s.get("device") or "cpu"
     gpus = getattr(hw, "gpus", None) or []
-    n, rule = _choose_n(s.get("num_gpu_experts"), s.source("num_gpu_experts"), device,
-                        mc.num_experts, moe_layers, per,
-                        float(s.get("gpu_memory_utilization") or 0.9),
-                        min((g.total_memory_bytes for g in gpus), default=0),
-                        _dense_bytes_estimate(mc, per, moe_layers))
+    n, rule, rule_code = _choose_n(
+        s.get("num_gpu_experts"), s.source("num_gpu_experts"), device, mc.num_experts,
+        moe_layers, per, float(s.get("gpu_memory_utilization") or 0.9),
+        min((g.total_memory_bytes for g in gpus), default=0),
+        _dense_bytes_estimate(mc, per, moe_layers))
     counts = None
     if s.get("expert_calibration") == "off":
-        hot = "the first N: calibration is off (--expert-calibration off)"
+        hot = OFF
     else:
         counts = load_calibration(model_file, quant, len(moe_layers), mc.num_experts)
-        hot = ("the hottest, from cached routing statistics" if counts is not None else
-               "the first N for now: the engine calibrates the ranking when it loads "
-               "(built-in prompts, then cached)")
+        hot = CACHED if counts is not None else AT_LOAD
     return make_plan(device=device, num_experts=mc.num_experts, moe_layers=moe_layers,
-                     bytes_per_expert=per, bytes_measured=False, n=n, rule=rule, counts=counts,
-                     hot=hot, host_pools=int(s.get("kt_threadpool_count") or 1),
+                     bytes_per_expert=per, bytes_measured=False, n=n, rule=(rule, rule_code),
+                     counts=counts, hot=hot, host_pools=int(s.get("kt_threadpool_count") or 1),
                      host_threads=int(s.get("kt_cpuinfer") or 1),
                      stream_threshold=s.get("kt_gpu_prefill_token_threshold"),
                      host_inline=not str(device).startswith("cuda") and not HOST_THREADS_ON_CPU)
@@ -309,17 +321,19 @@ def _dense_bytes_estimate(mc: Any, per_expert: int, moe_layers: list[int]) -> in
 
 def _choose_n(asked: int | None, asked_how: str, device: str, num_experts: int,
               moe_layers: list[int], per_expert: int, utilization: float, device_total: int,
-              dense_bytes: int) -> tuple[int, str]:
-    """N and why: asked for (capped at the layer's experts), half on a CPU "device", else what
-    the device memory holds (auto_device_experts)."""
+              dense_bytes: int) -> tuple[int, str, str]:
+    """N, why and the code of why: asked for (capped at the layer's experts), half on a CPU
+    "device", else what the device memory holds (auto_device_experts)."""
     if asked is not None:
         n = min(int(asked), num_experts)
-        return n, (f"--num-gpu-experts {asked} ({asked_how})"
-                   + (f", capped at the layer's {num_experts}" if n < int(asked) else ""))
+        if n < int(asked):
+            why = f"--num-gpu-experts {asked} ({asked_how}), capped at the layer's {num_experts}"
+            return n, why, "num_gpu_experts.capped"
+        return n, f"--num-gpu-experts {asked} ({asked_how})", "num_gpu_experts.asked"
     if not str(device).startswith("cuda"):
-        return cpu_device_experts(num_experts)
-    return auto_device_experts(num_experts, len(moe_layers), per_expert, device_total,
-                               utilization, dense_bytes)
+        return (*cpu_device_experts(num_experts), "num_gpu_experts.cpu_half")
+    return (*auto_device_experts(num_experts, len(moe_layers), per_expert, device_total,
+                                 utilization, dense_bytes), "num_gpu_experts.device_memory")
 
 
 # --------------------------------------------------------------------------- applying it
@@ -345,14 +359,15 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
     if device.type == "cuda":
         device_total = torch.cuda.get_device_properties(device).total_memory
         dense = torch.cuda.memory_allocated(device)
-    n, rule = _choose_n(config.experts.num_gpu, "asked for", str(device), num_experts,
-                        moe_layers, per, config.cache.gpu_memory_utilization, device_total, dense)
+    n, rule, rule_code = _choose_n(
+        config.experts.num_gpu, "asked for", str(device), num_experts, moe_layers, per,
+        config.cache.gpu_memory_utilization, device_total, dense)
     model_file = config.gguf_file or config.model
     quant = config.quant.method
     calibrate = config.experts.calibration == "on"
     counts = load_calibration(model_file, quant, len(experts), num_experts) if calibrate \
         else None
-    hot = "the hottest, from cached routing statistics"
+    hot = CACHED
     pools = max(1, int(config.experts.kt_threadpool_count or 1))
     threads = max(1, int(config.experts.kt_cpuinfer or 1))
     # On a CPU "device" the host pools run inline (see HostExecutor) unless a test asks for
@@ -377,18 +392,18 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
         reset_routing_counts(counters)
         where = save_calibration(model_file, quant, counts, tokens)
         hot = (f"the hottest, from a calibration pass over {tokens} tokens of built-in prompts"
-               + (f" (cached at {where})" if where else ""))
+               + (f" (cached at {where})" if where else ""), "expert_ranking.calibrated")
         if device.type == "cuda":
             experts = [b.experts.host_pools[0] for b in blocks]
             for b, e in zip(blocks, experts):
                 e.counts_routing = True
                 b.experts = e
     elif counts is None:
-        hot = ("the first N: " + ("calibration is off (--expert-calibration off)"
-                                   if not calibrate else "no tokenizer to calibrate with"))
+        hot = OFF if not calibrate else ("the first N: no tokenizer to calibrate with",
+                                         "expert_ranking.no_tokenizer")
     plan = make_plan(device=str(device), num_experts=num_experts, moe_layers=moe_layers,
-                     bytes_per_expert=per, bytes_measured=True, n=n, rule=rule, counts=counts,
-                     hot=hot, host_pools=pools, host_threads=threads,
+                     bytes_per_expert=per, bytes_measured=True, n=n, rule=(rule, rule_code),
+                     counts=counts, hot=hot, host_pools=pools, host_threads=threads,
                      stream_threshold=config.experts.kt_gpu_prefill_token_threshold,
                      host_inline=inline)
     for b, lp in zip(blocks, plan.layers):

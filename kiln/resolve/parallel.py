@@ -38,7 +38,7 @@ def record_placement(sp: Any, placement: Any, source: str) -> None:
     assert s is not None
     if s.source("num_gpu_experts") not in ("cli", "env", "file"):  # the plan's N, and why
         s.override("num_gpu_experts", placement.num_device_experts, placement.rule,
-                   source=source)
+                   source=source, code=placement.rule_code or None)
     sp.extra["moe_placement"] = placement.to_dict()
     sp.extra.setdefault("decisions", {})["moe_placement"] = {
         "chosen": placement.summary(), "reason": f"N: {placement.rule}; which: {placement.hot}"}

@@ -20,6 +20,7 @@ from kiln.engine import expert_placement
 from kiln.engine.engine import Engine
 from kiln.engine.expert_placement import CALIBRATION_PROMPTS, place_layer, rank
 from kiln.engine.model_runner import ModelRunner
+from kiln.i18n import msg
 from kiln.layers.moe import experts_of, reset_routing_counts
 from kiln.layers.moe_pools import SplitExperts
 from kiln.models.gguf_writer import write_gguf
@@ -104,7 +105,7 @@ def test_device_experts_are_the_calibrated_hottest(tiny):
     split = ModelRunner(_config(path, "none", **_split()), open_checkpoint(path),
                         calibration_ids=CALIBRATION)
     plan = split.placement
-    assert "calibration pass over 40 tokens" in plan.hot
+    assert plan.hot_code == "expert_ranking.calibrated" and "40" in plan.hot  # its tokens
     for lp, c in zip(plan.layers, counts):
         assert lp.device_experts == sorted(rank(c)[:2])
         assert lp.device_share == pytest.approx(sum(c[e] for e in lp.device_experts) / sum(c),
@@ -119,12 +120,12 @@ def test_calibration_is_cached_then_reused_and_can_be_turned_off(tiny, tmp_path)
     assert len(cached) == 1 and json.loads(cached[0].read_text())["tokens"] == 40
     again = ModelRunner(_config(path, "none", **_split()), open_checkpoint(path),
                         calibration_ids=None).placement
-    assert again.hot == "the hottest, from cached routing statistics"
+    assert again.hot_code == "expert_ranking.cached"
     assert [lp.device_experts for lp in again.layers] == [lp.device_experts
                                                           for lp in first.layers]
     off = ModelRunner(_config(path, "none", **_split(expert_calibration="off")),
                       open_checkpoint(path), calibration_ids=CALIBRATION).placement
-    assert off.hot.startswith("the first N") and "off" in off.hot
+    assert off.hot_code == "expert_ranking.calibration_off"
     # off means off: the cached ranking is not used either
     assert all(lp.device_experts == [0, 1] for lp in off.layers)
 
@@ -201,7 +202,7 @@ def test_llm_with_split_experts_records_the_measured_plan(tiny):
     assert len(plan["layers"]) == 2 and all(len(lp["device_experts"]) == 3
                                             for lp in plan["layers"])
     tokens = sum(len(llm.tokenizer.encode(p)) for p in CALIBRATION_PROMPTS)
-    assert f"calibration pass over {tokens} tokens" in plan["hot"]
+    assert plan["hot_code"] == "expert_ranking.calibrated" and str(tokens) in plan["hot"]
     assert eff["settings"]["num_gpu_experts"]["value"] == 3
     assert eff["settings"]["num_gpu_experts"]["source"] == "cli"
     assert "moe_placement" in eff["decisions"]
@@ -218,15 +219,16 @@ def test_dry_run_prints_the_placement_plan(tiny, tmp_path, capsys):
                "--effective-config-json", str(eff), "--decision-trace-jsonl", str(trace)])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "moe placement:" in out and "4 of 8 experts per layer on cpu" in out
+    assert msg("dry.moe_placement") in out
     assert "layer   0: device [0, 1, 2, 3]" in out and "layer   2:" in out
     data = json.loads(eff.read_text())
     plan = data["moe_placement"]
     assert plan["num_device_experts"] == 4 and not plan["bytes_measured"]
-    assert "two CPU pools" in plan["rule"]
+    assert plan["rule_code"] == "num_gpu_experts.cpu_half"
     assert plan["layers"][0]["device_bytes"] == 4 * plan["bytes_per_expert"]
     s = data["settings"]
-    assert s["num_gpu_experts"]["value"] == 4 and "two CPU pools" in s["num_gpu_experts"]["reason"]
+    assert s["num_gpu_experts"]["value"] == 4
+    assert s["num_gpu_experts"]["code"] == "num_gpu_experts.cpu_half"
     assert s["kt_cpuinfer"]["value"] >= 1 and s["kt_threadpool_count"]["value"] >= 1
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert any(r["decision"] == "moe_placement" and "4 of 8" in r["chosen"] for r in rows)
