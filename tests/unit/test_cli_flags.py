@@ -25,7 +25,7 @@ def test_a_prefix_of_a_flag_is_not_that_flag(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
-        assert "unrecognized arguments" in capsys.readouterr().err
+        assert argv[1] in capsys.readouterr().err  # named as a flag kiln does not have
 
 
 def test_every_parser_refuses_abbreviations():

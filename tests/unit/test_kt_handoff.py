@@ -432,8 +432,8 @@ def test_an_unknown_option_on_kilns_engine_names_the_nearest_flag_with_serves_us
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("usage: kiln serve") and "kiln serve: error" in err
-        assert "unrecognized arguments" in err and f"did you mean {nearest}?" in err
-        assert "--engine vllm or sglang" in err
+        assert msg("serve.unknown_args", args=" ".join(argv),
+                   nearest=str(msg("serve.did_you_mean", flag=nearest))) in err
 
 
 def test_preset_kt_gives_kt_clis_fixed_sglang_flags_each_overridable(

@@ -10,6 +10,7 @@ import pytest
 
 from kiln.cli.main import main
 from kiln.errors import ConfigError
+from kiln.i18n import msg
 from kiln.settings import sources as S
 from kiln.settings.resolve import resolve_settings
 from kiln.settings.rules import AutoContext
@@ -232,7 +233,7 @@ def test_dry_run_of_a_moe_shows_its_experts_and_the_active_params_preset(tmp_pat
     assert main(["serve", "--dry-run", str(moe), "--device", "cpu",
                  "--effective-config-json", str(eff_path)]) == 0
     text = capsys.readouterr().out
-    assert "experts  8 per MoE layer (2 of 3 layers), 2 active per token" in text
+    assert msg("dry.experts", experts=8, moe_layers=2, layers=3, active=2, shared="") in text
     eff = json.loads(eff_path.read_text())
     assert eff["preset"]["name"] in ("cpu-small", "gpu-single")
     assert "B total (" in eff["preset"]["reason"]
