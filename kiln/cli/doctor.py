@@ -34,8 +34,10 @@ class Check:
     fix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        # code: the detail's catalogue key, what a program matches (None for plain text)
         return {**asdict(self), "detail": english(self.detail),
-                "fix": None if self.fix is None else english(self.fix)}
+                "fix": None if self.fix is None else english(self.fix),
+                "code": getattr(self.detail, "key", None)}
 
 
 def add_parser(subparsers: Any) -> None:

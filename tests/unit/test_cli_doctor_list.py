@@ -86,6 +86,7 @@ def test_doctor_json_warns_with_a_fix(tmp_path: Path, capsys: pytest.CaptureFixt
     assert all(c["fix"] for c in data["checks"] if c["status"] == "WARN")
     bad = [c for c in data["checks"] if str(missing) in c["detail"]]
     assert bad and bad[0]["status"] == "WARN" and f"mkdir -p {missing}" in bad[0]["fix"]
+    assert bad[0]["code"] == "doctor.model_dir_missing"
     assert {"path": str(missing), "origin": "flag", "exists": False, "models": 0} in data[
         "model_dirs"
     ]
