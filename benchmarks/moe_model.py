@@ -367,7 +367,8 @@ def unfitted_router(rng: np.random.Generator, num_experts: int, hidden: int, log
 
 def _moe_blocks(model: Any) -> list[Any]:
     """The model's MoE blocks (a `gate` router and stacked `experts`), in layer order."""
-    from kiln.layers.moe import Experts, Router
+    from kiln.layers.moe import Experts
+    from kiln.layers.router import Router
 
     blocks = [m for m in model.modules()
               if isinstance(getattr(m, "gate", None), Router)

@@ -39,7 +39,7 @@ from kiln.layers.attention import (
     PrefillChunk,
     set_context,
 )
-from kiln.layers.moe import fuse_shared_experts
+from kiln.layers.moe import Experts, fuse_shared_experts
 from kiln.models.llama import DECODE_KERNEL_ANY_ROWS, kernel_layer_call
 from kiln.models.loader import Checkpoint, ProgressFn, build_model
 from kiln.obs.trace import stage
@@ -90,6 +90,14 @@ class ModelRunner:
                 hint=msg("load.context_too_long.hint", model_len=model_len))
         self.max_model_len = wanted
         t0 = time.monotonic()
+        # A Q4_0/Q4_1 GGUF's MoE experts repacked at an earlier start are mapped from kiln's
+        # cache (--tile-cache); not where they get split into pools, which move them.
+        self.tiles = None
+        if (config.quant.tile_cache and ckpt.format == "gguf" and mc.is_moe
+                and self.device.type == "cpu" and not config.experts.cpu_offload):
+            from kiln.layers.tile_cache import TileCache
+
+            self.tiles = TileCache.for_file(ckpt.path)
         # With --quantization, build_model swaps in kiln.layers.quant's modules
         # (quantize_model) and feeds GGUF 4-bit blocks to them directly.
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,
@@ -97,7 +105,8 @@ class ModelRunner:
                                  quant=config.quant,
                                  # split experts are loaded into host memory; the device's
                                  # share moves there once placed
-                                 experts_device="cpu" if config.experts.cpu_offload else None)
+                                 experts_device="cpu" if config.experts.cpu_offload else None,
+                                 tiles=self.tiles)
         self.load_seconds = time.monotonic() - t0
         if config.quant.batch_invariant:
             # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
@@ -118,6 +127,14 @@ class ModelRunner:
             # kept for the steps to reuse.
             memory.release_freed_memory()
             memory.keep_freed_memory()
+            if self.tiles is not None:
+                # (after the move to huge pages: the writer reads the stacks where they stay)
+                if self.tiles.hits:
+                    log.info("tile cache: %d MoE layers mapped from %s", self.tiles.hits,
+                             self.tiles.folder)
+                self.tiles.save_in_background(
+                    (m.layer, *st) for m in self.model.modules() if isinstance(m, Experts)
+                    and not m.from_tile_cache and (st := m.tile_stacks()) is not None)
         self.block_size = config.cache.block_size
         kv_dtype = choose_kv_cache_dtype(config, self.device, mla=mc.is_mla)
         self.kv_dtype_name: str = kv_dtype.value

@@ -1,7 +1,7 @@
 """Mixture of experts: a router picks each token's experts, then each active expert runs once.
 
     route:   logits = x @ W_gate^T           (fp32: near-ties between experts decide routing)
-             weights, ids = softmax_topk(...) | grouped_topk(...)      one function per scheme
+             weights, ids = softmax_topk(...) | grouped_topk(...)     kiln/layers/router.py
     experts: the step's (token, expert) pairs are sorted by expert, and each expert that got rows
              runs one SwiGLU over all of them (vLLM's fused_moe and llama.cpp's mul_mat_id do the
              same); the outputs, scaled by their weights, are added back to their tokens.
@@ -32,90 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.layers.eager import eager_only
-
-# --------------------------------------------------------------------------- routing
-
-
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2/3-MoE and Mixtral: softmax over all experts, keep the top k, optionally
-    renormalised to sum to 1 (which equals Mixtral's softmax over the selected logits).
-    Returns (weights fp32 [T, k], ids int64 [T, k])."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def grouped_topk(logits: torch.Tensor, k: int, *, n_group: int, topk_group: int,
-                 scoring: str = "sigmoid", bias: torch.Tensor | None = None,
-                 renormalize: bool = True, scale: float = 1.0, method: str = "noaux_tc"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's routing. Experts are split into `n_group` groups; only the best `topk_group`
-    groups may be chosen from, then the top k experts of those. V3 (`noaux_tc`): sigmoid scores,
-    the selection (not the weights) shifted by `e_score_correction_bias`, a group scored by the
-    sum of its two best. V2 (`group_limited_greedy`): softmax scores, a group scored by its best.
-    `greedy` (V2-Lite): plain top k. The chosen weights are optionally renormalised, then scaled
-    by `routed_scaling_factor`."""
-    logits = logits.float()
-    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-    choice = scores if bias is None else scores + bias.float()
-    t, e = choice.shape
-    if method != "greedy" and n_group > 1:
-        grouped = choice.view(t, n_group, e // n_group)
-        if method == "noaux_tc":
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        else:
-            group_scores = grouped.amax(dim=-1)
-        keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
-    ids = torch.topk(choice, k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
-
-
-class Router(nn.Module):
-    """The gate: `weight` [E, H]; logits in fp32 whatever the model's dtype (kept dense by the
-    quantization pass, which only swaps kiln's `Linear` modules). DeepSeek-V3's selection bias,
-    where present, is `e_score_correction_bias` [E]."""
-
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False,
-                 keep_fp32: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self.e_score_correction_bias = (
-            nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias
-            else None)
-        # DeepSeek: the weight and bias stay fp32 in a bf16 model, as HF keeps them
-        # (`_keep_in_fp32_modules`) and vLLM keeps the bias: the bias separates experts whose
-        # sigmoid scores differ by less than bf16's step, and routing flips change a token's
-        # whole MoE output.
-        self.keep_fp32 = keep_fp32
-        # Eager fp32 CPU steps run kiln's router_logits (row-invariant: see ops.router_logits),
-        # set by ops.use_elementwise_kernels as for the norms.
-        self.elementwise_kernel = False
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Router:
-        super()._apply(fn, recurse)
-        if self.keep_fp32:  # undo the model-wide dtype cast (.to(bf16)) for our parameters
-            for name, p in self._parameters.items():
-                if p is not None and p.is_floating_point() and p.dtype != torch.float32:
-                    self._parameters[name] = nn.Parameter(p.data.float(), requires_grad=False)
-        return self
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.elementwise_kernel and x.dim() == 2 and x.dtype == torch.float32
-                and self.weight.dtype == torch.float32 and x.shape[1] % 8 == 0
-                and not torch.compiler.is_compiling()):
-            from kiln.layers.kernels import ops
-
-            return ops.router_logits(x, self.weight)
-        return F.linear(x.float(), self.weight.float())
-
 
 # --------------------------------------------------------------------------- experts
 
@@ -158,6 +74,10 @@ class Experts(nn.Module):
         # whole stack (8.6 GB on the full-size benchmark model). Unused where none comes.
         self.reserve_shared = 0
         self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Where the stacked tiles are kept between runs (kiln/layers/tile_cache.py; set by the
+        # loader, None: packed at every start), and whether this run's came from there.
+        self.tile_cache: Any = None
+        self.from_tile_cache = False
         # OpenMP threads of the moe_q4 call; 0: torch's count. A SplitExperts pool on the CPU
         # takes its share, so two pools running at once do not oversubscribe the cores (their
         # teams spin at barriers: 3 threads on 2 cores cost more than they give).
@@ -298,12 +218,15 @@ class Experts(nn.Module):
         n, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         tile = reference.Q4_TILE
         r = n + self.reserve_shared
-        w13 = torch.empty((r, 2 * i // tile, h // 32, reference.Q4_BLOCK), dtype=torch.uint8)
-        w2 = torch.empty((r, -(-h // tile), i // 32, reference.Q4_BLOCK), dtype=torch.uint8)
+        shapes = ((r, 2 * i // tile, h // 32, reference.Q4_BLOCK),
+                  (r, -(-h // tile), i // 32, reference.Q4_BLOCK))
+        cached = self.tile_cache.load(self.layer, *shapes) if self.tile_cache else None
+        w13, w2 = cached or (torch.empty(shapes[0], dtype=torch.uint8),
+                             torch.empty(shapes[1], dtype=torch.uint8))
         # gate rows, then up rows: I % 32 == 0 here, so each part fills whole tiles
         with torch.no_grad():
-            for part, out in (("gate", w13[:n, :i // tile]), ("up", w13[:n, i // tile:]),
-                              ("down", w2[:n])):
+            for part, out in () if cached else (
+                    ("gate", w13[:n, :i // tile]), ("up", w13[:n, i // tile:]), ("down", w2[:n])):
                 whole = self.stash.get((part, None))
                 if isinstance(whole, GGUFBlocks):
                     ops.pack_q4_blocks(whole.raw.view(n, -1, whole.raw.shape[1]),
@@ -316,7 +239,8 @@ class Experts(nn.Module):
                         gq = quantize_int4_groups(param.data[e, start:start + size])
                     reference.pack_q4(gq.q, gq.scale, gq.min, out=out[e])
         # w13_q4 / w2_q4 are the first n of the stack; the reserved rows stay untouched (not
-        # resident) until absorb_shared fills them
+        # resident) until absorb_shared fills them (a cached stack has them filled already)
+        self.from_tile_cache = cached is not None
         self._spare = (w13, w2) if self.reserve_shared else None
         self.w13_q4, self.w2_q4 = w13[:n], w2[:n]
         self._drop_dense()
@@ -361,12 +285,24 @@ class Experts(nn.Module):
             w2 = torch.cat([self.w2_q4, self.w2_q4.new_empty((n_s, *self.w2_q4.shape[1:]))])
         with torch.no_grad():
             for c in range(n_s):
-                w13[e + c, :tiles] = gu[c * tiles:(c + 1) * tiles]
-                w13[e + c, tiles:] = gu[up0 + c * tiles:up0 + (c + 1) * tiles]
-                w2[e + c] = dn[:, c * groups:(c + 1) * groups]
+                for dst, src in ((w13[e + c, :tiles], gu[c * tiles:(c + 1) * tiles]),
+                                 (w13[e + c, tiles:], gu[up0 + c * tiles:up0 + (c + 1) * tiles]),
+                                 (w2[e + c], dn[:, c * groups:(c + 1) * groups])):
+                    # a stack mapped from the tile cache has these rows already: a write
+                    # would copy its pages out of the page cache for nothing
+                    if not (self.from_tile_cache and torch.equal(dst, src)):
+                        dst.copy_(src)
         self.w13_q4, self.w2_q4, self._spare = w13, w2, None
         self.num_shared = n_s
         return True
+
+    def tile_stacks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole stacked layout (w13, w2 with the rows kept for a shared expert), as the
+        tile cache stores it; None where the experts are not stacked int4 tiles."""
+        if self.w13_q4 is None:
+            return None
+        w13, w2 = self._spare or (self.w13_q4, self.w2_q4)
+        return (w13, w2) if w13.shape[0] == self.num_experts + self.reserve_shared else None
 
     def expert_weights(self, e: int, dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ int4 kernels the quantization pass stores W_uk^T and W_uv as per-head 4-bit tile
 lossless for a GGUF's Q4_0 attn_k_b / attn_v_b), elsewhere it stays dense for batched matmuls.
 Everything else quantizes as in the Llama family.
 
-Routing (`kiln.layers.moe.grouped_topk`): V2 softmax scores with `greedy` or
+Routing (`kiln.layers.router.grouped_topk`): V2 softmax scores with `greedy` or
 `group_limited_greedy` top-k; V3 sigmoid scores with `e_score_correction_bias` shifting the
 selection (`noaux_tc`), renormalised (`norm_topk_prob`); both scaled by `routed_scaling_factor`.
 The shared experts (`mlp.shared_experts`, n_shared * moe_intermediate_size wide) are one SwiGLU
@@ -45,9 +45,10 @@ from torch import nn
 from kiln.layers.attention import Attention
 from kiln.layers.kernels import ops
 from kiln.layers.linear import Linear
-from kiln.layers.moe import Experts, Router, grouped_topk
+from kiln.layers.moe import Experts
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
+from kiln.layers.router import Router, grouped_topk
 from kiln.models.config import ModelConfig
 from kiln.models.llama import PACKED, LlamaForCausalLM, LlamaMLP
 

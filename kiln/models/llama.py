@@ -262,7 +262,8 @@ class LlamaDecoderLayer(nn.Module):
         kiln's tiles."""
         if self._moe_args_cache is not None:
             return self._moe_args_cache or None
-        from kiln.layers.moe import Experts, Router
+        from kiln.layers.moe import Experts
+        from kiln.layers.router import Router
 
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)

@@ -351,7 +351,8 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | str,
                 max_positions: int, progress: ProgressFn | None = None,
                 quant: QuantConfig | None = None,
-                experts_device: torch.device | str | None = None) -> torch.nn.Module:
+                experts_device: torch.device | str | None = None,
+                tiles: Any = None) -> torch.nn.Module:
     """The model with its weights loaded, stored and run as `quant` decides (EngineConfig's
     quantization group, one object; None: unquantized, the table's kernel defaults). With
     `quant.method` ("int8" | "int4") its linear layers are swapped for quantized ones
@@ -360,7 +361,8 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     for large steps). On CPU, bf16 linear layers left dense are packed for oneDNN
     (`kiln.layers.linear.pack_linears`). With `quant.gguf_kernels` (and kiln's GGUF-block kernels
     built here), Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices are not re-quantized: they stay the file's
-    blocks (`kiln.layers.kquant.KQuantLinear`)."""
+    blocks (`kiln.layers.kquant.KQuantLinear`). `tiles`: a kiln.layers.tile_cache.TileCache
+    whose stacks the MoE experts map instead of packing, where it has them."""
     from kiln.models.architectures import model_class
 
     cls = model_class(ckpt.config.architecture)
@@ -380,7 +382,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
         keep_blocks = choose_linear_kernel("gguf", torch.device(device), 0, 0,
                                            use_kernels=cpu_kernels).kiln
     load_weights(model, ckpt, progress=progress, keep_4bit=quantization != "none",
-                 keep_blocks=keep_blocks,
+                 keep_blocks=keep_blocks, tiles=tiles,
                  quantize_experts=(quantization, cpu_kernels) if quantization != "none" else None)
     if quantization != "none":
         from kiln.layers.quantize import quantize_model
@@ -421,15 +423,19 @@ def _materialize(model: torch.nn.Module, device: torch.device | str,
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint,
                  progress: ProgressFn | None = None, keep_4bit: bool = False,
                  quantize_experts: tuple[str, bool] | None = None,
-                 keep_blocks: bool = False) -> None:
+                 keep_blocks: bool = False, tiles: Any = None) -> None:
     """Fills every parameter from the checkpoint. With `keep_4bit`, GGUF 4-bit matrices are
     handed to their module's `stash_quantized` (a quantization pass must follow: see
     `kiln.layers.linear.Linear`). With `quantize_experts` (mode, use CPU kernels), each layer's
     experts are quantized as soon as all their tensors are in: the experts are most of a MoE
     model, and holding every layer's stashed blocks (one byte per 4-bit code) or dense weights
-    until the end would need several times the quantized model's memory."""
+    until the end would need several times the quantized model's memory. `tiles`: the tile
+    cache the experts map their packed stacks from (build_model)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    for module in modules.values():
+        if isinstance(module, Experts):
+            module.tile_cache = tiles
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     expected: set[tuple[str, str | None]] = set()
     for pname in params:

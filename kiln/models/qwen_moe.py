@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.layers.moe import Experts, Router, softmax_topk
+from kiln.layers.moe import Experts
+from kiln.layers.router import Router, softmax_topk
 from kiln.models.config import ModelConfig
 from kiln.models.llama import LlamaForCausalLM, LlamaMLP
 

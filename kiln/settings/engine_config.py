@@ -35,7 +35,7 @@ def setting(name: str, default: Any = _TABLE) -> Any:
 class QuantConfig:
     """How the weights are stored and which kernels run them, decided together: the method, the
     bf16 copies kept beside quantized weights, kiln's CPU kernels (and their ISA level), the
-    GGUF-block kernels and the batch-invariant kernels."""
+    GGUF-block kernels, the batch-invariant kernels and the repacked tiles' cache."""
 
     method: str = setting("quantization", "none")
     dense_weights: bool = setting("dense_weights", False)  # bf16 copies for large steps
@@ -43,6 +43,7 @@ class QuantConfig:
     cpu_isa: str = setting("cpu_isa")
     gguf_kernels: bool = setting("gguf_kernels")
     batch_invariant: bool = setting("batch_invariant")
+    tile_cache: bool = setting("tile_cache")  # repacked MoE tiles kept between runs
 
 
 @dataclass(frozen=True)

@@ -436,6 +436,12 @@ SETTINGS: list[Setting] = [
             "--quantization's int4/int8",
             ("--gguf-kernels",), neg_flags=("--no-gguf-kernels",), affects="correctness",
             engines=("kiln",)),
+    Setting("tile_cache", parse_bool, True,
+            "keep a Q4_0/Q4_1 GGUF's MoE experts, once repacked into kiln's int4 tiles, in "
+            "kiln's cache folder (tiles/, about the experts' size) and map them at later starts "
+            "instead of repacking (kiln/layers/tile_cache.py)",
+            ("--tile-cache",), neg_flags=("--no-tile-cache",), affects="performance",
+            engines=("kiln",)),
     Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",
             ("--tensor-parallel-size", "-tp", "--tp"), affects="performance", auto=auto_tp),
     Setting("pipeline_parallel_size", positive_int, 1, "pipeline stages (external engines)",

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from kiln.layers.kernels import ops as ck
 from kiln.layers.kernels import reference
 from kiln.layers.kernels.formats import GroupQuant
-from kiln.layers.moe import Experts, softmax_topk
+from kiln.layers.moe import Experts
 from kiln.layers.quant import Int4Linear, quantize_int4_groups
+from kiln.layers.router import softmax_topk
 
 pytestmark = pytest.mark.usefixtures("kernel_level")
 

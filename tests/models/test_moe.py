@@ -12,7 +12,8 @@ import torch
 from conftest import assert_fused_block_matches, make_tiny_model
 
 from kiln.engine.model_runner import ModelRunner
-from kiln.layers.moe import Experts, grouped_topk, softmax_topk
+from kiln.layers.moe import Experts
+from kiln.layers.router import grouped_topk, softmax_topk
 from kiln.models.gguf_writer import write_gguf
 from kiln.models.loader import iter_tensors, open_checkpoint
 from kiln.settings.engine_config import EngineConfig
@@ -228,3 +229,43 @@ def test_moe_gguf_served_through_the_openai_client(moe_server):
     assert set(per_layer) == {"0", "2"}
     assert per_layer["0"] == per_layer["2"] > 0 and per_layer["0"] % 2 == 0
 
+
+
+def test_repacked_experts_are_mapped_from_the_tile_cache_at_the_next_start(tiny, tmp_path,
+                                                                           monkeypatch):
+    """--tile-cache (kiln/layers/tile_cache.py): the first start of a Q4_0 GGUF writes each MoE
+    layer's packed stack, the absorbed shared expert's rows included, to kiln's cache folder;
+    the next maps them instead of packing, with the same bytes and the same logits. A file
+    changed since (another mtime) is not read from the old tiles, whose folder the new write
+    replaces; --no-tile-cache neither reads nor writes."""
+    import os
+    import shutil
+
+    from kiln.layers import tile_cache
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tile_cache, "MIN_LAYER_BYTES", 0)  # the tiny stacks are a few KB
+    q4 = shutil.copy(tiny["qwen2_moe"][2], tmp_path / "m.gguf")
+    first = _runner(q4, quantization="int4")
+    first.tiles.wait()
+    layers = first.model_config.num_hidden_layers
+    assert len(list(first.tiles.folder.glob("layer*.bin"))) == layers
+    assert first.tiles.hits == 0
+    second = _runner(q4, quantization="int4")
+    assert second.tiles.hits == layers and second.tiles.folder == first.tiles.folder
+    a, b = _blocks(first), _blocks(second)
+    assert all(blk.experts.from_tile_cache and blk.experts.num_shared == 3 for blk in b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.experts.w13_q4, y.experts.w13_q4)
+        assert torch.equal(x.experts.w2_q4, y.experts.w2_q4)
+    ids = _prompt()
+    assert torch.equal(first.prompt_logits(ids), second.prompt_logits(ids))
+
+    st = os.stat(q4)
+    os.utime(q4, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    third = _runner(q4, quantization="int4")
+    assert third.tiles.hits == 0 and third.tiles.folder != first.tiles.folder
+    third.tiles.wait()
+    assert not first.tiles.folder.exists()  # the stale folder went with the new write
+    assert torch.equal(third.prompt_logits(ids), second.prompt_logits(ids))
+    assert _runner(q4, quantization="int4", tile_cache=False).tiles is None
