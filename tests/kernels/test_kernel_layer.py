@@ -392,8 +392,8 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
     """An int4 MoE model (Qwen3-MoE: q/k norms; Mixtral; Qwen2-MoE: a gated shared expert,
     absorbed into the stacked experts as two virtual ones): every step runs each layer as one
     moe_layer call, and greedy tokens and logprobs equal those of the eager layers (the layer
-    kernel off) bit for bit, for four requests batched and each alone; the routing counters
-    see the same tokens either way."""
+    kernel off) bit for bit, for sixteen requests batched (issue 41's "16 concurrent greedy MoE
+    requests") and each alone; the routing counters see the same tokens either way."""
     from conftest import make_tiny_model
 
     from kiln.engine.engine import Engine
@@ -405,7 +405,7 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
     folder = make_tiny_model(family, tmp_path / family, hidden_size=128,
                              moe_intermediate_size=64, intermediate_size=64, **shared)
     eng = Engine(EngineConfig.of(model=str(folder), quantization="int4", kv_cache_memory=8 << 20,
-                              max_num_seqs=4, max_num_batched_tokens=64))
+                              max_num_seqs=16, max_num_batched_tokens=64))
     runner = eng.runner
     assert runner.decode_kernel_rows > 0, runner.decisions.decode_path.reason
     if family == "qwen2_moe":
@@ -414,7 +414,8 @@ def test_moe_layers_run_as_one_call_with_the_eager_layers_bits(tmp_path, kernel_
                               and b.shared_gate_in_router for b in blocks)
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=1)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30, 9)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist()
+               for n in (5, 17, 30, 9, 3, 12, 26, 7, 21, 14, 6, 33, 10, 18, 4, 25)]
 
     def run(batched: bool) -> dict[str, tuple[list[int], list[float]]]:
         out: dict[str, tuple[list[int], list[float]]] = {}
