@@ -98,6 +98,7 @@ class ModelRunner:
             from kiln.layers.tile_cache import TileCache
 
             self.tiles = TileCache.for_file(ckpt.path)
+            self.tiles.prefetch()
         # With --quantization, build_model swaps in kiln.layers.quant's modules
         # (quantize_model) and feeds GGUF 4-bit blocks to them directly.
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,

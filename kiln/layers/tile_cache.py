@@ -64,6 +64,31 @@ class TileCache:
         key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
         return cls(cache_dir("tiles", key), source)
 
+    def prefetch(self) -> None:
+        """Asks the kernel to read every layer file the cache has into the page cache, from a
+        daemon thread, while the model is built: where a start finds them evicted (another
+        large model ran since), the disk reads overlap the load instead of each layer's map
+        faulting its file in 2 MiB at a time (cold: 15.4 s to ready instead of 7.3 warm on the
+        full-size model; the reads queued ahead bring that down)."""
+        files = sorted(self.folder.glob("layer*.bin")) if self.folder.is_dir() else []
+        if not files or not hasattr(os, "posix_fadvise"):
+            return
+
+        def read_ahead() -> None:
+            for f in files:
+                try:
+                    fd = os.open(f, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+
+        threading.Thread(target=read_ahead, name="kiln-tile-prefetch", daemon=True).start()
+
     def _file(self, layer: int) -> Path:
         return self.folder / f"layer{layer}.bin"
 
