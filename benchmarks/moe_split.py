@@ -9,9 +9,11 @@ rep 2, ...), so they share the same stretch of a noisy machine:
   even    split, the first N experts of each layer on the "device" pool, the rest on the host
           pool (--expert-calibration off): both pools get real work
   hot     split, the N hottest experts (calibration pass) on the device pool
-On a machine without a GPU the "device" pool is the CPU too (the engine's threads) and the host
-pool a worker thread: there is nothing to gain, and the point is the split path's overhead
-(goal: under 10%). Each rep times one generate call per figure and mode, back to back (prefill:
+On a machine without a GPU the "device" pool is the CPU too: by default both pools then run as
+one (kiln/engine/expert_placement.py POOLS_ON_CPU), and the point is that a split costs nothing
+there (issue 41: batch-1 decode >= 0.97x of one pool); with --pools they run as the two pools a
+GPU machine runs (the device pool on the engine's threads, the host pool inline or a worker
+thread), which measures the split path's own overhead. Each rep times one generate call per figure and mode, back to back (prefill:
 one prompt; decode: batch 1 and 16, short prompts); a ratio is the median of the per-rep
 ratios, which a drifting machine moves little. The GIL switch interval is set
 as `kiln serve` sets it. Also printed: the calibration's routing load per layer (the share of
@@ -47,7 +49,13 @@ def main() -> int:
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--kt-cpuinfer", type=int, default=None, help="host pool threads")
+    p.add_argument("--pools", action="store_true",
+                   help="on a CPU, run the split as two pools (the GPU path) instead of one")
     args = p.parse_args()
+    if args.pools:
+        from kiln.engine import expert_placement
+
+        expert_placement.POOLS_ON_CPU = True
     model = args.model or _bench_model()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     base = {"kv_cache_memory": 256 << 20}

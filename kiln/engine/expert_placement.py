@@ -57,6 +57,14 @@ CALIBRATION_VERSION = 1
 # default: nothing to overlap with). Tests set it to run the threaded path the GPU case takes.
 HOST_THREADS_ON_CPU = False
 
+# Pools at all when the "device" is the CPU. By default there they are one: both pools would
+# share the same cores, with nothing to overlap, so the layer's experts stay one stack, run by
+# one call (the one-call MoE layer where it runs); the plan is still made, reported and traced.
+# As two pools (a SplitExperts: two moe_q4 calls and the eager layer around them) the
+# Qwen3-MoE-shaped benchmark model decoded one row at 0.51x of one pool (32/32, Zen 4,
+# benchmarks/moe_split.py, Dec 6). Tests set it to run the split path the GPU case takes.
+POOLS_ON_CPU = False
+
 # A KV cache and activations need room on the device besides the weights: at least this much
 # of it stays free of experts when N is chosen automatically.
 DEVICE_RESERVE_FRACTION = 0.10
@@ -87,6 +95,7 @@ class PlacementPlan:
     stream_threshold: int | None
     layers: list[LayerPlacement] = field(default_factory=list)
     host_inline: bool = False  # host pools run on the engine's thread (a CPU "device")
+    one_pool: bool = False  # a CPU "device": the pools run as one (see POOLS_ON_CPU)
     # What a program matches instead of `rule` and `hot`: num_gpu_experts.<why N> (the code the
     # setting's override carries) and expert_ranking.<how the N were chosen>.
     rule_code: str = ""
@@ -99,7 +108,8 @@ class PlacementPlan:
         how = "measured" if self.bytes_measured else "estimated"
         return (f"{self.num_device_experts} of {self.num_experts} experts per layer on "
                 f"{self.device}, the rest in {self.host_pools} CPU pool(s) "
-                + ("taking turns with it on the engine's threads" if self.host_inline else
+                + ("run with it as one pool: both are this CPU" if self.one_pool else
+                   "taking turns with it on the engine's threads" if self.host_inline else
                    f"of {self.host_threads} thread(s)")
                 + f"; {self.bytes_per_expert / 2**20:.2f} MiB per expert ({how})")
 
@@ -250,13 +260,14 @@ def make_plan(*, device: str, num_experts: int, moe_layers: list[int], bytes_per
               bytes_measured: bool, n: int, rule: tuple[str, str],
               counts: list[list[int]] | None, hot: tuple[str, str], host_pools: int,
               host_threads: int, stream_threshold: int | None,
-              host_inline: bool = False) -> PlacementPlan:
+              host_inline: bool = False, one_pool: bool = False) -> PlacementPlan:
     """`rule` and `hot` are (reason, code) pairs."""
     plan = PlacementPlan(device=device, num_experts=num_experts, num_device_experts=n,
                          rule=rule[0], hot=hot[0], bytes_per_expert=bytes_per_expert,
                          bytes_measured=bytes_measured, host_pools=host_pools,
                          host_threads=host_threads, stream_threshold=stream_threshold,
-                         host_inline=host_inline, rule_code=rule[1], hot_code=hot[1])
+                         host_inline=host_inline, one_pool=one_pool, rule_code=rule[1],
+                         hot_code=hot[1])
     for i, layer in enumerate(moe_layers):
         row = counts[i] if counts is not None else None
         dev, host = place_layer(layer, row, num_experts, n, host_pools)
@@ -303,7 +314,8 @@ def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan
                      counts=counts, hot=hot, host_pools=int(s.get("kt_threadpool_count") or 1),
                      host_threads=int(s.get("kt_cpuinfer") or 1),
                      stream_threshold=s.get("kt_gpu_prefill_token_threshold"),
-                     host_inline=not str(device).startswith("cuda") and not HOST_THREADS_ON_CPU)
+                     host_inline=not str(device).startswith("cuda") and not HOST_THREADS_ON_CPU,
+                     one_pool=not str(device).startswith("cuda") and not POOLS_ON_CPU)
 
 
 def _dense_bytes_estimate(mc: Any, per_expert: int, moe_layers: list[int]) -> int:
@@ -342,7 +354,8 @@ def _choose_n(asked: int | None, asked_how: str, device: str, num_experts: int,
 def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> PlacementPlan | None:
     """Splits the loaded model's experts as planned (ModelRunner calls it after loading, before
     the memory plan): measures the bytes per expert, calibrates (or reads the cached ranking),
-    chooses N, and swaps every layer's Experts for a SplitExperts. None for a dense model."""
+    chooses N, and swaps every layer's Experts for a SplitExperts (not on a CPU "device", where
+    the pools are one: POOLS_ON_CPU). None for a dense model."""
     from kiln.layers.moe import Experts, reset_routing_counts, routing_counts
     from kiln.layers.moe_pools import HostExecutor, SplitExperts
 
@@ -405,10 +418,14 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
                      bytes_per_expert=per, bytes_measured=True, n=n, rule=(rule, rule_code),
                      counts=counts, hot=hot, host_pools=pools, host_threads=threads,
                      stream_threshold=config.experts.kt_gpu_prefill_token_threshold,
-                     host_inline=inline)
+                     host_inline=inline, one_pool=device.type == "cpu" and not POOLS_ON_CPU)
+    log.info("experts: %s", plan.summary())
+    if plan.one_pool:
+        for e in executors:
+            e.shutdown()
+        return plan
     for b, lp in zip(blocks, plan.layers):
         b.experts = SplitExperts(b.experts, lp.device_experts, lp.host_experts, device,
                                  executors, stream_threshold=plan.stream_threshold)
     runner.expert_executors = executors
-    log.info("experts: %s", plan.summary())
     return plan

@@ -45,6 +45,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))  # calibration cache per test
+    # The pools as a GPU runs them: on a CPU "device" they are one pool by default (the last
+    # test), which would leave the split path these tests cover unrun.
+    monkeypatch.setattr(expert_placement, "POOLS_ON_CPU", True)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -232,3 +235,25 @@ def test_dry_run_prints_the_placement_plan(tiny, tmp_path, capsys):
     assert s["kt_cpuinfer"]["value"] >= 1 and s["kt_threadpool_count"]["value"] >= 1
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert any(r["decision"] == "moe_placement" and "4 of 8" in r["chosen"] for r in rows)
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_on_a_cpu_device_the_pools_run_as_one(tiny, quant, monkeypatch):
+    """By default a CPU "device" keeps the layer's experts one pool (issue 41's "two pools without
+    a tax: one call for both pools"): the plan is made and reported as for a GPU, no layer gets a
+    SplitExperts, int4 decode steps run the one-call MoE layers, and the greedy tokens are those
+    of no split at all."""
+    from kiln.layers.moe import Experts
+
+    monkeypatch.setattr(expert_placement, "POOLS_ON_CPU", False)
+    path = tiny["f32" if quant == "none" else "q4"]
+    prompts = [_prompt(n, 20 + n) for n in (5, 23, 9)]
+    want = _greedy(Engine(_config(path, quant)), prompts)
+    engine = Engine(_config(path, quant, **_split()))
+    plan = engine.runner.placement
+    assert plan is not None and plan.one_pool and plan.num_device_experts == 2
+    assert len(plan.layers) == 2
+    assert all(type(m) is Experts for m in experts_of(engine.runner.model))
+    if quant == "int4":
+        assert engine.runner.decode_kernel_rows > 0
+    assert _greedy(engine, prompts) == want
