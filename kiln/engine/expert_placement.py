@@ -65,6 +65,12 @@ HOST_THREADS_ON_CPU = False
 # benchmarks/moe_split.py, Dec 6). Tests set it to run the split path the GPU case takes.
 POOLS_ON_CPU = False
 
+
+def pools_run_as_one(device: torch.device) -> bool:
+    """Whether a split onto `device` keeps one pool (a CPU "device": see POOLS_ON_CPU). Then
+    the experts are loaded, fused with a shared expert and cached as without a split."""
+    return device.type == "cpu" and not POOLS_ON_CPU
+
 # A KV cache and activations need room on the device besides the weights: at least this much
 # of it stays free of experts when N is chosen automatically.
 DEVICE_RESERVE_FRACTION = 0.10
@@ -315,7 +321,8 @@ def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan
                      host_threads=int(s.get("kt_cpuinfer") or 1),
                      stream_threshold=s.get("kt_gpu_prefill_token_threshold"),
                      host_inline=not str(device).startswith("cuda") and not HOST_THREADS_ON_CPU,
-                     one_pool=not str(device).startswith("cuda") and not POOLS_ON_CPU)
+                     one_pool=pools_run_as_one(torch.device("cuda" if str(device).startswith(
+                         "cuda") else "cpu")))
 
 
 def _dense_bytes_estimate(mc: Any, per_expert: int, moe_layers: list[int]) -> int:
@@ -418,7 +425,7 @@ def place_experts(runner: Any, calibration_ids: list[list[int]] | None) -> Place
                      bytes_per_expert=per, bytes_measured=True, n=n, rule=(rule, rule_code),
                      counts=counts, hot=hot, host_pools=pools, host_threads=threads,
                      stream_threshold=config.experts.kt_gpu_prefill_token_threshold,
-                     host_inline=inline, one_pool=device.type == "cpu" and not POOLS_ON_CPU)
+                     host_inline=inline, one_pool=pools_run_as_one(device))
     log.info("experts: %s", plan.summary())
     if plan.one_pool:
         for e in executors:

@@ -23,7 +23,7 @@ import torch
 from kiln.engine import lora, memory
 from kiln.engine.compile import CASCADE_MIN_BLOCKS, CASCADE_MIN_ROWS, DecodeGraphs
 from kiln.engine.decisions import RuntimeDecisions, choose_kv_cache_dtype, decide
-from kiln.engine.expert_placement import PlacementPlan, place_experts
+from kiln.engine.expert_placement import PlacementPlan, place_experts, pools_run_as_one
 from kiln.engine.memory import KV_DTYPES, MemoryPlan
 from kiln.engine.request import Request, TokenLogprob
 from kiln.engine.sampler import Sampler, score_tokens
@@ -90,11 +90,14 @@ class ModelRunner:
                 hint=msg("load.context_too_long.hint", model_len=model_len))
         self.max_model_len = wanted
         t0 = time.monotonic()
+        # Experts split into pools (--cpu-offload-experts), unless the pools run as one (a CPU
+        # "device"), where everything below goes as without a split.
+        split = config.experts.cpu_offload and not pools_run_as_one(self.device)
         # A Q4_0/Q4_1 GGUF's MoE experts repacked at an earlier start are mapped from kiln's
         # cache (--tile-cache); not where they get split into pools, which move them.
         self.tiles = None
         if (config.quant.tile_cache and ckpt.format == "gguf" and mc.is_moe
-                and self.device.type == "cpu" and not config.experts.cpu_offload):
+                and self.device.type == "cpu" and not split):
             from kiln.layers.tile_cache import TileCache
 
             self.tiles = TileCache.for_file(ckpt.path)
@@ -106,14 +109,14 @@ class ModelRunner:
                                  quant=config.quant,
                                  # split experts are loaded into host memory; the device's
                                  # share moves there once placed
-                                 experts_device="cpu" if config.experts.cpu_offload else None,
+                                 experts_device="cpu" if split else None,
                                  tiles=self.tiles)
         self.load_seconds = time.monotonic() - t0
         if config.quant.batch_invariant:
             # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
             from kiln.layers.quantize import fix_kernel_choice
             fix_kernel_choice(self.model)
-        if not config.experts.cpu_offload:
+        if not split:
             # (not where the experts get split into pools: the split takes routed experts)
             fuse_shared_experts(self.model)
         stage("weights_loaded")
