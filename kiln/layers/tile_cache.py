@@ -153,6 +153,7 @@ class TileCache:
                         "trying)", free / 1e9, self.folder, need / 1e9)
             return None
         _drop_stale(self.folder, self.source)
+        _drop_unfinished(self.folder)
         (self.folder / "source.json").write_text(json.dumps(self.source, indent=1))
         self._writer = threading.Thread(target=self._write, args=(todo, need),
                                         name="kiln-tile-cache", daemon=True)
@@ -221,3 +222,12 @@ def _drop_stale(folder: Path, source: dict) -> None:
             continue
         if old.get("path") == source["path"]:
             shutil.rmtree(other, ignore_errors=True)
+
+
+def _drop_unfinished(folder: Path) -> None:
+    """Removes the temporary files of writers that died mid-write (layer<L>.tmp<pid>, its pid
+    gone): a start killed while writing would otherwise leave gigabytes no start reads."""
+    for tmp in folder.glob("layer*.tmp*"):
+        pid = tmp.suffix[len(".tmp"):]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)

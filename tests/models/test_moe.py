@@ -237,7 +237,8 @@ def test_repacked_experts_are_mapped_from_the_tile_cache_at_the_next_start(tiny,
     layer's packed stack, the absorbed shared expert's rows included, to kiln's cache folder;
     the next maps them instead of packing, with the same bytes and the same logits. A file
     changed since (another mtime) is not read from the old tiles, whose folder the new write
-    replaces; --no-tile-cache neither reads nor writes."""
+    replaces, as it removes a dead writer's temporary file; --no-tile-cache neither reads nor
+    writes."""
     import os
     import shutil
 
@@ -263,9 +264,14 @@ def test_repacked_experts_are_mapped_from_the_tile_cache_at_the_next_start(tiny,
 
     st = os.stat(q4)
     os.utime(q4, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    # a writer that died mid-write left its temporary file (a pid above any pid_max)
+    dead = tile_cache.TileCache.for_file(q4).folder / "layer0.tmp999999999"
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"partial")
     third = _runner(q4, quantization="int4")
-    assert third.tiles.hits == 0 and third.tiles.folder != first.tiles.folder
+    assert third.tiles.hits == 0 and third.tiles.folder == dead.parent != first.tiles.folder
     third.tiles.wait()
     assert not first.tiles.folder.exists()  # the stale folder went with the new write
+    assert not dead.exists()
     assert torch.equal(third.prompt_logits(ids), second.prompt_logits(ids))
     assert _runner(q4, quantization="int4", tile_cache=False).tiles is None
