@@ -130,6 +130,9 @@ def run_offline(
 
         llm = LLM(model=model, **(engine_overrides or {}))
     load_seconds = time.perf_counter() - t0
+    tiles = getattr(getattr(llm.engine, "runner", None), "tiles", None)
+    if tiles is not None:  # a first start's tile-cache write would share the cores with the run
+        tiles.wait()
     rng = random.Random(f"seed{seed}" if seed is not None else new_salt())
     routing_before = _routing_stats(llm)
     pool = word_token_pool(llm)
