@@ -66,10 +66,11 @@ HOST_THREADS_ON_CPU = False
 POOLS_ON_CPU = False
 
 
-def pools_run_as_one(device: torch.device) -> bool:
-    """Whether a split onto `device` keeps one pool (a CPU "device": see POOLS_ON_CPU). Then
-    the experts are loaded, fused with a shared expert and cached as without a split."""
-    return device.type == "cpu" and not POOLS_ON_CPU
+def pools_run_as_one(device: torch.device | str) -> bool:
+    """Whether a split onto `device` (cpu, cuda, cuda:N) keeps one pool (a CPU "device": see
+    POOLS_ON_CPU). Then the experts are loaded, fused with a shared expert and cached as
+    without a split."""
+    return torch.device(device).type == "cpu" and not POOLS_ON_CPU
 
 # A KV cache and activations need room on the device besides the weights: at least this much
 # of it stays free of experts when N is chosen automatically.
@@ -321,8 +322,7 @@ def plan_from_config(mc: Any, s: Any, hw: Any, model_file: str) -> PlacementPlan
                      host_threads=int(s.get("kt_cpuinfer") or 1),
                      stream_threshold=s.get("kt_gpu_prefill_token_threshold"),
                      host_inline=not str(device).startswith("cuda") and not HOST_THREADS_ON_CPU,
-                     one_pool=pools_run_as_one(torch.device("cuda" if str(device).startswith(
-                         "cuda") else "cpu")))
+                     one_pool=pools_run_as_one(device))
 
 
 def _dense_bytes_estimate(mc: Any, per_expert: int, moe_layers: list[int]) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -99,7 +100,7 @@ class TileCache:
         """Layer `layer`'s stacks (uint8 w13 [R, ...], w2 [R, ...] as `_quantize_stacked_q4`
         lays them out) mapped from the cache, or None where it has no complete file of that
         size (never written, another layout, a different model under the same name)."""
-        n13, n2 = _numel(w13_shape), _numel(w2_shape)
+        n13, n2 = math.prod(w13_shape), math.prod(w2_shape)
         at2 = _aligned(n13)
         path = self._file(layer)
         try:
@@ -185,13 +186,6 @@ class TileCache:
             return
         log.info("tile cache: %d MoE layers' tiles (%.1f GB) written to %s in %.1f s; later "
                  "starts map them", len(todo), need / 1e9, self.folder, time.monotonic() - t0)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _aligned(n: int) -> int:
