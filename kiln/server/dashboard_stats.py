@@ -22,23 +22,27 @@ from prometheus_client import CollectorRegistry
 
 from kiln.server.metrics import METRICS
 
-# field -> sample name. The engine snapshot's names come from metrics.py's table.
-GAUGES: dict[str, str] = {
-    "running": METRICS["num_running"][0],
-    "waiting": METRICS["num_waiting"][0],
-    "inflight": METRICS["num_inflight"][0],
-    "kv_usage": METRICS["kv_usage"][0],
-    "kv_blocks_total": METRICS["kv_blocks_total"][0],
-}
-COUNTERS: dict[str, str] = {
+# Dashboard field -> metrics.py key of the engine snapshot. Whether it is a gauge or a counter,
+# and its sample name, are metrics.py's word: read from its table, not written twice.
+ENGINE_SERIES: dict[str, str] = {
+    "running": "num_running", "waiting": "num_waiting", "inflight": "num_inflight",
+    "kv_usage": "kv_usage", "kv_blocks_total": "kv_blocks_total",
     # per engine step (live), where vllm:generation_tokens moves only when a request finishes
-    "generation_tokens": METRICS["generated_tokens"][0],
-    "prompt_tokens": METRICS["prefill_tokens"][0],
-    "prefix_cache_queries": METRICS["prefix_cache_queries_tokens"][0],
-    "prefix_cache_hits": METRICS["prefix_cache_hits_tokens"][0],
-    "preemptions": METRICS["num_preemptions"][0],
-    "requests_finished": "vllm:request_success_total",  # summed over finished_reason
+    "generation_tokens": "generated_tokens", "prompt_tokens": "prefill_tokens",
+    "prefix_cache_queries": "prefix_cache_queries_tokens",
+    "prefix_cache_hits": "prefix_cache_hits_tokens", "preemptions": "num_preemptions",
 }
+
+
+def _engine_series(kind: str) -> dict[str, str]:
+    """field -> sample name of the engine series of this kind ("gauge" or "counter")."""
+    return {f: METRICS[k][0] for f, k in ENGINE_SERIES.items() if METRICS[k][1] == kind}
+
+
+GAUGES: dict[str, str] = _engine_series("gauge")
+# vllm:request_success_total is summed over its finished_reason label.
+COUNTERS: dict[str, str] = {**_engine_series("counter"),
+                            "requests_finished": "vllm:request_success_total"}
 HISTOGRAMS: dict[str, str] = {
     "ttft": "vllm:time_to_first_token_seconds",
     "itl": "vllm:inter_token_latency_seconds",
