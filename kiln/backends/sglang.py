@@ -227,23 +227,20 @@ TABLE: tuple[Map, ...] = (
     Map("trust_remote_code", emit=T.switch(on="--trust-remote-code"), engine_default=False),
     Map("log_level", "--log-level"),
     Map("offline", emit=T.offline_env),
-    Map("kv_cache_memory", unsupported="warn",
-        note="SGLang sizes its KV pool by --mem-fraction-static or --max-total-tokens; use "
-        "--gpu-memory-utilization or --kv-max-blocks"),
-    Map("cpu_memory_utilization", unsupported="warn",
-        note="SGLang sizes memory by --mem-fraction-static on the device"),
-    # ferrum's scheduler knobs steer kiln's scheduler; SGLang schedules by its own rules.
-    Map("sequence_fit_policy", unsupported="warn",
-        note="SGLang admits a request by its own rule (KV for the prompt and an estimate of the "
-        "output; --schedule-conservativeness tunes it)"),
-    Map("scheduler_prefill_first_until_active", unsupported="warn",
-        note="SGLang already runs waiting prompts' prefill before the decodes"),
-    Map("scheduler_prefill_step_chunk", unsupported="warn",
-        note="SGLang has no per-request prefill cap; --chunked-prefill-size (kiln's "
-        "--max-num-batched-tokens) caps a step's prefill"),
-    Map("scheduler_active_decode_prefill_chunk", unsupported="warn",
-        note="SGLang caps every step's prefill alike, by --chunked-prefill-size (kiln's "
-        "--max-num-batched-tokens)"),
+    *T.ignored_rows(
+        kv_cache_memory="SGLang sizes its KV pool by --mem-fraction-static or --max-total-tokens; "
+        "use --gpu-memory-utilization or --kv-max-blocks",
+        cpu_memory_utilization="SGLang sizes memory by --mem-fraction-static on the device",
+        # ferrum's scheduler knobs steer kiln's scheduler; SGLang schedules by its own rules.
+        sequence_fit_policy="SGLang admits a request by its own rule (KV for the prompt and an "
+        "estimate of the output; --schedule-conservativeness tunes it)",
+        scheduler_prefill_first_until_active="SGLang already runs waiting prompts' prefill "
+        "before the decodes",
+        scheduler_prefill_step_chunk="SGLang has no per-request prefill cap; "
+        "--chunked-prefill-size (kiln's --max-num-batched-tokens) caps a step's prefill",
+        scheduler_active_decode_prefill_chunk="SGLang caps every step's prefill alike, by "
+        "--chunked-prefill-size (kiln's --max-num-batched-tokens)",
+    ),
 )
 
 # name, label, then this module's table and command functions, in Backend's field order

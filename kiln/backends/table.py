@@ -363,3 +363,9 @@ def extension_rows(lora: Emit, speculative: Emit, offload: Emit) -> tuple[Map, .
             Map("speculative_model", emit=speculative,
                 also=("num_speculative_tokens", "speculative_method")),
             Map("cpu_offload_experts", emit=offload, engine_default=False, also=KT_SETTINGS))
+
+
+def ignored_rows(**why: str) -> tuple[Map, ...]:
+    """Settings the engine has no counterpart for, each with the note the plan's warning shows
+    (the setting is passed over, the server still starts: none changes what the model computes)."""
+    return tuple(Map(setting, unsupported="warn", note=note) for setting, note in why.items())

