@@ -353,6 +353,47 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "zh": "文件已损坏或不完整：请重新获取（`kiln pull`）或重新复制"},
     "load.unknown_kv_dtype": {"en": "unknown --kv-cache-dtype {name}",
                               "zh": "未知的 --kv-cache-dtype {name}"},
+    # -- reading a GGUF file (models/gguf.py)
+    "gguf.empty": {"en": "{path} is not a GGUF file (empty)", "zh": "{path} 不是 GGUF 文件（为空）"},
+    "gguf.invalid": {"en": "{path} is not a valid GGUF file ({error})",
+                     "zh": "{path} 不是有效的 GGUF 文件（{error}）"},
+    "gguf.invalid.hint": {"en": "the download may be truncated; fetch it again",
+                          "zh": "下载可能不完整，请重新获取"},
+    "gguf.bad_magic": {"en": "{path} is not a GGUF file (bad magic {magic})",
+                       "zh": "{path} 不是 GGUF 文件（文件头标识错误：{magic}）"},
+    "gguf.bad_magic.hint": {"en": "if it was one, it is damaged: fetch it again",
+                            "zh": "如果它原本是 GGUF 文件，那么它已损坏：请重新获取"},
+    "gguf.too_old": {"en": "{path}: GGUF version {version} is too old",
+                     "zh": "{path}：GGUF 版本 {version} 太旧"},
+    "gguf.too_old.hint": {"en": "convert it again with a recent llama.cpp",
+                          "zh": "请用较新的 llama.cpp 重新转换"},
+    "gguf.corrupt": {
+        "en": "{path} is corrupt: tensor {tensor} is placed at byte {at:,} of the data, outside "
+              "the {packed:,} bytes the tensors take",
+        "zh": "{path} 已损坏：张量 {tensor} 位于数据的第 {at:,} 字节，超出了全部张量所占的 "
+              "{packed:,} 字节"},
+    "gguf.corrupt.hint": {"en": "the file is damaged: fetch it again, or convert the model again",
+                          "zh": "文件已损坏：请重新获取，或重新转换模型"},
+    "gguf.truncated": {"en": "{path} is truncated: its tensors need {need:,} bytes, the file has "
+                             "{size:,}",
+                       "zh": "{path} 不完整：其张量需要 {need:,} 字节，文件只有 {size:,} 字节"},
+    "gguf.truncated.hint": {
+        "en": "the download or copy was cut short: fetch it again (`kiln pull` resumes a Hugging "
+              "Face download)",
+        "zh": "下载或复制被中断：请重新获取（`kiln pull` 会续传 Hugging Face 下载）"},
+    "gguf.unknown_metadata_type": {"en": "{path}: unknown GGUF metadata type {type} for {key}",
+                                   "zh": "{path}：{key} 的 GGUF 元数据类型 {type} 未知"},
+    "gguf.tensor_unreadable": {"en": "GGUF tensor {tensor} ({type}) cannot be read",
+                               "zh": "无法读取 GGUF 张量 {tensor}（{type}）"},
+    "gguf.tensor_unreadable.hint": {
+        "en": "the file may be truncated or use a newer tensor type",
+        "zh": "文件可能不完整，或使用了更新的张量类型"},
+    "gguf.cannot_dequantize": {
+        "en": "GGUF tensor {tensor} uses {type}, which kiln cannot dequantize",
+        "zh": "GGUF 张量 {tensor} 使用 {type}，kiln 无法对其反量化"},
+    "gguf.cannot_dequantize.hint": {
+        "en": "use a GGUF with Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/F16/BF16/F32 tensors",
+        "zh": "请使用张量为 Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/F16/BF16/F32 的 GGUF"},
     # -- downloads
     "download.no_weights": {
         "en": "{repo} has no weights kiln can read (no config.json + *.safetensors, no *.gguf)",

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.i18n import msg
 from kiln.layers.kernels.formats import (
     GGML_TYPES,
     GGUFBlocks,
@@ -74,15 +75,15 @@ class GGUFFile:
             try:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             except ValueError as e:  # empty file
-                raise ModelLoadError(f"{self.path} is not a GGUF file (empty)") from e
+                raise ModelLoadError(msg("gguf.empty", path=self.path)) from e
         self.metadata: dict[str, Any] = {}
         self.tensors: list[GGUFTensorInfo] = []
         try:
             self._parse()
         except (struct.error, UnicodeDecodeError, IndexError, ZeroDivisionError,
                 OverflowError) as e:
-            raise ModelLoadError(f"{self.path} is not a valid GGUF file ({e})",
-                                 hint="the download may be truncated; fetch it again") from e
+            raise ModelLoadError(msg("gguf.invalid", path=self.path, error=e),
+                                 hint=msg("gguf.invalid.hint")) from e
 
     def release_pages(self) -> None:
         """Gives the map's resident pages back to the kernel (they are clean file pages of a
@@ -93,12 +94,12 @@ class GGUFFile:
     def _parse(self) -> None:
         mm = self._mm
         if mm[:4] != b"GGUF":
-            raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic {bytes(mm[:4])!r})",
-                                 hint="if it was one, it is damaged: fetch it again")
+            raise ModelLoadError(msg("gguf.bad_magic", path=self.path, magic=repr(bytes(mm[:4]))),
+                                 hint=msg("gguf.bad_magic.hint"))
         version, = struct.unpack_from("<I", mm, 4)
         if version < 2:
-            raise ModelLoadError(f"{self.path}: GGUF version {version} is too old",
-                                 hint="convert it again with a recent llama.cpp")
+            raise ModelLoadError(msg("gguf.too_old", path=self.path, version=version),
+                                 hint=msg("gguf.too_old.hint"))
         n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
         # The pseudo-keys gguf.GGUFReader reports too.
         self.metadata.update({"GGUF.version": version, "GGUF.tensor_count": n_tensors,
@@ -137,16 +138,13 @@ class GGUFFile:
             rel = t.offset - data_start
             if rel % align or rel + t.nbytes > packed:
                 raise ModelLoadError(
-                    f"{self.path} is corrupt: tensor {t.name!r} is placed at byte {rel:,} of the "
-                    f"data, outside the {packed:,} bytes the tensors take",
-                    hint="the file is damaged: fetch it again, or convert the model again")
+                    msg("gguf.corrupt", path=self.path, tensor=repr(t.name), at=rel,
+                        packed=packed), hint=msg("gguf.corrupt.hint"))
         end = max((t.offset + t.nbytes for t in self.tensors), default=0)
         if end > len(mm):
             # An interrupted download or copy: the header is whole, the data is not.
-            raise ModelLoadError(
-                f"{self.path} is truncated: its tensors need {end:,} bytes, the file has "
-                f"{len(mm):,}", hint="the download or copy was cut short: fetch it again "
-                "(`kiln pull` resumes a Hugging Face download)")
+            raise ModelLoadError(msg("gguf.truncated", path=self.path, need=end, size=len(mm)),
+                                 hint=msg("gguf.truncated.hint"))
 
     def _string(self, pos: int) -> tuple[str, int]:
         n, = struct.unpack_from("<Q", self._mm, pos)
@@ -184,12 +182,13 @@ class GGUFFile:
                 v, pos = self._value(etype, pos, key)
                 out.append(v)
             return out, pos
-        raise ModelLoadError(f"{self.path}: unknown GGUF metadata type {vtype} for {key!r}")
+        raise ModelLoadError(msg("gguf.unknown_metadata_type", path=self.path, type=vtype,
+                                 key=repr(key)))
 
     def raw(self, t: GGUFTensorInfo) -> torch.Tensor:
         if t.type_id not in GGML_TYPES or t.offset + t.nbytes > len(self._mm):
-            raise ModelLoadError(f"GGUF tensor {t.name!r} ({t.type_name}) cannot be read",
-                                 hint="the file may be truncated or use a newer tensor type")
+            raise ModelLoadError(msg("gguf.tensor_unreadable", tensor=repr(t.name),
+                                     type=t.type_name), hint=msg("gguf.tensor_unreadable.hint"))
         arr = np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ACCESS_COPY maps are writable; numpy says so
@@ -255,9 +254,8 @@ def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
                                          gguf.GGMLQuantizationType(t.type_id))
         except (NotImplementedError, ValueError) as e:
             raise ModelLoadError(
-                f"GGUF tensor {t.name!r} uses {t.type_name}, which kiln cannot dequantize",
-                hint="use a GGUF with Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/F16/BF16/F32 "
-                "tensors") from e
+                msg("gguf.cannot_dequantize", tensor=repr(t.name), type=t.type_name),
+                hint=msg("gguf.cannot_dequantize.hint")) from e
         flat = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     return flat.reshape(shape)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.i18n import msg
+
 
 class _Hub(BaseHTTPRequestHandler):
     status = 200
@@ -130,14 +132,13 @@ def test_rate_limit_says_wait_and_token() -> None:
 def test_truncated_gguf_is_named_as_such(tmp_path: Path, gguf_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """An interrupted download or copy: the header is whole, the tensors are not."""
-    from kiln.cli.main import main
-
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
-    assert main(["serve", str(cut), "--dry-run"]) != 0
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert f"{cut} is truncated: its tensors need" in err and "fetch it again" in err
+    size = gguf_path.stat().st_size // 2
+    cut.write_bytes(gguf_path.read_bytes()[:size])
+    code, err = _failed(tmp_path, capsys, "serve", str(cut), "--dry-run")
+    assert "Traceback" not in err and code == "gguf.truncated"
+    assert str(cut) in err and f"{size:,}" in err  # the file, and the bytes it has
+    assert "kiln pull" in err  # the hint's way out: fetch it again
 
 
 def _failed(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str
@@ -310,24 +311,23 @@ def _first_tensor_offset_pos(path: Path, data: bytes) -> int:
 @pytest.mark.parametrize("damage", ["bad magic", "garbage offset", "unaligned offset"])
 def test_a_corrupt_gguf_is_one_line_naming_it(tmp_path: Path, gguf_path: Path, damage: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from kiln.cli.main import main
-
     data = bytearray(gguf_path.read_bytes())
     if damage == "bad magic":
         data[:4] = b"GGUX"
-        says = "is not a GGUF file (bad magic"
+        want, names = "gguf.bad_magic", "GGUX"
     else:
         pos = _first_tensor_offset_pos(gguf_path, bytes(data))
         data[pos:pos + 8] = struct.pack("<Q", 1 << 40 if damage == "garbage offset" else 7)
-        says = "is corrupt: tensor"
+        from kiln.models.gguf import GGUFFile
+
+        want, names = "gguf.corrupt", repr(GGUFFile(gguf_path).tensors[0].name)  # the tensor
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(data))
-    assert main(["serve", str(bad), "--dry-run"]) != 0
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    code, err = _failed(tmp_path, capsys, "serve", str(bad), "--dry-run")
+    assert "Traceback" not in err and code == want
     lines = [ln for ln in err.splitlines() if ln.startswith("kiln")]
-    assert len(lines) == 1 and f"{bad} {says}" in lines[0], err
-    assert "fetch it again" in err
+    assert len(lines) == 1 and str(bad) in lines[0] and names in lines[0], err
+    assert msg(f"{want}.hint") in err  # the way out: fetch it again
 
 
 @pytest.mark.parametrize("damage", ["header length", "offsets", "not json"])
