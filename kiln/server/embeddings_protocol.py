@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from kiln.server.protocol import _Request
+from kiln.server.protocol import _Request, refusal
 
 # OpenAI's cap on the inputs of one embeddings request.
 MAX_EMBEDDING_INPUTS = 2048
@@ -29,9 +29,10 @@ class EmbeddingRequest(_Request):
     def _non_empty(cls, v: EmbeddingInput) -> EmbeddingInput:
         items = [v] if isinstance(v, str) else v
         if not items or any(not x for x in items if isinstance(x, str | list)):
-            raise ValueError("input must not be empty (nor hold an empty string or list)")
+            raise refusal("empty_input", "input must not be empty (nor hold an empty string or list)")
         if len(items) > MAX_EMBEDDING_INPUTS and not all(isinstance(x, int) for x in items):
-            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+            raise refusal("request_limit_exceeded",
+                          f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
         return v
 
     def inputs(self) -> list[str | list[int]]:

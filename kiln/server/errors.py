@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from kiln.errors import KilnError
 from kiln.i18n import english
 from kiln.sampling_params import SamplingParamsError
-from kiln.server.protocol import ErrorInfo, ErrorResponse
+from kiln.server.protocol import REFUSAL_CODES, ErrorInfo, ErrorResponse
 from kiln.tokenizer import TokenizerError
 
 _STATUS_TYPES = {
@@ -117,11 +117,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"Invalid request body: {first.get('msg')}", code="invalid_value")
     # Only the errors about the same top-level field, so a union's alternatives don't drown it.
     same = [e for e in errors if _validation_param(tuple(e.get("loc", ()))) == param]
-    # Our own "not supported" checks are value errors; they beat a union's "not a string".
-    ours = [e for e in same if e.get("type") == "value_error"]
+    # Our own refusals (protocol.refusal: their type is their code) beat a union's "not a string".
+    ours = [e for e in same if e.get("type") in REFUSAL_CODES]
     msgs = []
     for e in ours or same:
         where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
         msg = str(e.get("msg", "")).removeprefix("Value error, ")
         msgs.append(f"{where}: {msg}")
-    return APIError(400, "; ".join(dict.fromkeys(msgs[:4])), param=param, code="invalid_value")
+    code = ours[0]["type"] if ours else "invalid_value"
+    return APIError(400, "; ".join(dict.fromkeys(msgs[:4])), param=param, code=code)

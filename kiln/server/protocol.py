@@ -5,7 +5,8 @@ SamplingParams, the output constraint) is kiln/server/request_params.py.
 Validation is split in two on purpose:
   * types and "we don't do that" (suffix, logit_bias, response_format types other than text,
     json_object and json_schema, non-text content parts) are pydantic validators, so FastAPI
-    rejects them before any work, with `param` taken from the error location;
+    rejects them before any work, with `param` taken from the error location and `code` from
+    the refusal (`refusal(code, message)`: unsupported_parameter, unsupported_value, ...);
   * ranges (temperature < 0, top_p outside (0, 1], n < 1, ...) are SamplingParams.validate(), the
     single source of those rules, reached through `request_params.to_sampling_params`.
 Unknown request fields are ignored (as vLLM does) so newer OpenAI clients keep working.
@@ -41,6 +42,7 @@ from pydantic import (
     field_validator,
     model_serializer,
 )
+from pydantic_core import PydanticCustomError
 
 # Logprobs of -inf are not JSON; vLLM clamps to this value, and so do we.
 MIN_LOGPROB = -9999.0
@@ -56,13 +58,34 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# The codes a request's own field checks refuse with: the error body's `code` (server/errors.py
+# reads it off the validation error's type), what a client and a test match instead of wording.
+# A field of the wrong type or out of range stays `invalid_value`.
+REFUSAL_CODES = frozenset({
+    "unsupported_parameter",  # a field kiln does not do (suffix, logit_bias, structural_tag)
+    "unsupported_value",  # a value of a `type` kiln does not take (an image part, web_search)
+    "empty_input",  # no messages, no prompt, no input
+    "request_limit_exceeded",  # more items than a request may carry (also SamplingParams' caps)
+    "invalid_tool",  # a tools entry that is not a function with a name and a schema
+    "invalid_tool_choice",  # tool_choice malformed, or naming a function without tools to pick
+    "unknown_tool",  # a named tool_choice that is not among the tools
+})
+
+
+def refusal(code: str, message: str) -> PydanticCustomError:
+    """What a field validator raises to refuse a request: a 400 whose `code` is `code` (one of
+    REFUSAL_CODES) and whose message is `message` (taken as it is: no {field} formatting)."""
+    assert code in REFUSAL_CODES, code
+    return PydanticCustomError(code, message)
+
+
 def type_among(what: str, allowed: tuple[str, ...], hint: str) -> Any:
     """The type of a request object's `type` field that takes only `allowed`: any other value
     fails validation (a 400) as "<what> 'x' is not supported; <hint>"."""
 
     def check(v: str) -> str:
         if v not in allowed:
-            raise ValueError(f"{what} {v!r} is not supported; {hint}")
+            raise refusal("unsupported_value", f"{what} {v!r} is not supported; {hint}")
         return v
 
     return Annotated[str, AfterValidator(check)]
@@ -179,8 +202,8 @@ class StructuredOutputsField(BaseModel):
     @classmethod
     def _no_structural_tag(cls, v: Any) -> Any:
         if v is not None:
-            raise ValueError("structural_tag is not supported; use json, regex, choice or "
-                             "grammar")
+            raise refusal("unsupported_parameter", "structural_tag is not supported; use json, "
+                          "regex, choice or grammar")
         return v
 
 
@@ -223,7 +246,8 @@ class _SamplingFields(_Request):
     @classmethod
     def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
-            raise ValueError("logit_bias is not supported by kiln; remove it or send {}")
+            raise refusal("unsupported_parameter",
+                          "logit_bias is not supported by kiln; remove it or send {}")
         return v
 
     @property
@@ -253,7 +277,7 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
-            raise ValueError("messages must contain at least one message")
+            raise refusal("empty_input", "messages must contain at least one message")
         return v
 
     @field_validator("tools")
@@ -263,12 +287,11 @@ class ChatCompletionRequest(_SamplingFields):
             fn = tool.get("function")
             if tool.get("type", "function") != "function" or not isinstance(fn, dict) or \
                     not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                                 "{\"name\": ..., \"parameters\": {...}}}")
+                raise refusal("invalid_tool", f"tools[{i}] must be {{\"type\": \"function\", "
+                              "\"function\": {\"name\": ..., \"parameters\": {...}}}")
             if not isinstance(fn.get("parameters", {}), dict):
-                # pydantic turns ValueError (not TypeError) into a 400
-                raise ValueError(  # noqa: TRY004
-                    f"tools[{i}].function.parameters must be a JSON schema object")
+                raise refusal("invalid_tool",
+                              f"tools[{i}].function.parameters must be a JSON schema object")
         return v
 
     @field_validator("tool_choice")
@@ -281,19 +304,19 @@ class ChatCompletionRequest(_SamplingFields):
             return v
         if isinstance(v, str):
             if v not in ("none", "auto", "required"):
-                raise ValueError(f"tool_choice must be none, auto, required or "
-                                 f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
-                                 f"got {v!r}")
+                raise refusal("invalid_tool_choice", f"tool_choice must be none, auto, required "
+                              f"or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                              f"got {v!r}")
             if v != "none" and not tools:
-                raise ValueError(f"tool_choice {v!r} needs tools")
+                raise refusal("invalid_tool_choice", f"tool_choice {v!r} needs tools")
             return v
         fn = v.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if v.get("type") != "function" or not isinstance(name, str):
-            raise ValueError("a named tool_choice is {\"type\": \"function\", \"function\": "
-                             "{\"name\": ...}}")
+            raise refusal("invalid_tool_choice", "a named tool_choice is {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}")
         if name not in [t["function"]["name"] for t in tools]:
-            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+            raise refusal("unknown_tool", f"tool_choice names {name!r}, which is not among the tools")
         return v
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -317,14 +340,14 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
         if v is not None:
-            raise ValueError("suffix is not supported")
+            raise refusal("unsupported_parameter", "suffix is not supported")
         return v
 
     @field_validator("prompt")
     @classmethod
     def _non_empty_prompt(cls, v: PromptType) -> PromptType:
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
-            raise ValueError("prompt must not be empty")
+            raise refusal("empty_input", "prompt must not be empty")
         return v
 
     def prompts(self) -> list[str | list[int]]:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kiln.server.protocol import _Request, type_among
+from kiln.server.protocol import _Request, refusal, type_among
 
 # Module-level names: pydantic reads the string annotations (from __future__) in this namespace.
 _InputPartType = type_among("content part type", ("input_text", "output_text", "text"),
@@ -133,7 +133,7 @@ class ResponsesRequest(_Request):
     @classmethod
     def _non_empty(cls, v: str | list[InputItem]) -> str | list[InputItem]:
         if isinstance(v, list) and not v:
-            raise ValueError("input must contain at least one item")
+            raise refusal("empty_input", "input must contain at least one item")
         return v
 
 

@@ -456,7 +456,7 @@ def test_openai_client_sees_bad_request(client: Any) -> None:
         client.chat.completions.create(model=NAMES[0], messages=POEM, temperature=-1)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAMES[0], prompt="x", suffix="y")
-    assert e.value.code == "invalid_value" and e.value.param == "suffix"
+    assert e.value.code == "unsupported_parameter" and e.value.param == "suffix"
 
 
 def test_context_overflow_names_both_numbers(server: Server, smollm2_tokenizer: Any) -> None:

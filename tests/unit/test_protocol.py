@@ -37,11 +37,24 @@ def bad_param(req: ChatCompletionRequest | CompletionRequest, prompt_len: int = 
     return info.value.param
 
 
-def invalid_field(model: type, body: dict[str, Any]) -> tuple[str, str]:
+def error_body(model: type, body: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI error a request body the model refuses gets (server/errors.py's mapping of
+    FastAPI's validation error, whose locations start at "body")."""
+    from fastapi.exceptions import RequestValidationError
+
+    from kiln.server.errors import validation_error
+
     with pytest.raises(ValidationError) as info:
         model.model_validate(body)
-    err = info.value.errors()[0]
-    return str(err["loc"][0]), str(info.value)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    return validation_error(RequestValidationError(errors)).body()["error"]
+
+
+def invalid_field(model: type, body: dict[str, Any]) -> tuple[str, str]:
+    """(param, code) of the error a refused body gets: the field named, and the refusal's code
+    (invalid_value for a value of the wrong type)."""
+    err = error_body(model, body)
+    return err["param"], err["code"]
 
 
 # -- request -> SamplingParams ------------------------------------------------------------------
@@ -145,8 +158,7 @@ def test_echo_with_logprobs_is_rejected() -> None:
 
 
 def test_empty_messages_are_rejected_on_messages() -> None:
-    param, msg = invalid_field(ChatCompletionRequest, {"messages": []})
-    assert param == "messages" and "at least one message" in msg
+    assert invalid_field(ChatCompletionRequest, {"messages": []}) == ("messages", "empty_input")
 
 
 def test_unknown_role_is_rejected() -> None:
@@ -162,21 +174,22 @@ def test_wrong_types_are_rejected_on_their_field() -> None:
     assert invalid_field(CompletionRequest, {"prompt": {"a": 1}})[0] == "prompt"
 
 
-def test_unsupported_features_are_rejected_clearly() -> None:
-    param, msg = invalid_field(CompletionRequest, {"prompt": "x", "suffix": "y"})
-    assert param == "suffix" and "suffix is not supported" in msg
-    param, msg = invalid_field(ChatCompletionRequest, {"messages": USER, "logit_bias": {"5": 1}})
-    assert param == "logit_bias" and "not supported" in msg
-    param, msg = invalid_field(
-        ChatCompletionRequest, {"messages": USER, "response_format": {"type": "yaml"}}
-    )
-    assert param == "response_format" and "yaml" in msg
-    param, msg = invalid_field(CompletionRequest, {
-        "prompt": "x", "structured_outputs": {"structural_tag": {"a": 1}}})
-    assert param == "structured_outputs" and "structural_tag is not supported" in msg
-    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    param, msg = invalid_field(ChatCompletionRequest, {"messages": image})
-    assert param == "messages" and "only 'text'" in msg
+UNSUPPORTED = "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("model", "body", "refused"), [
+    (CompletionRequest, {"prompt": "x", "suffix": "y"}, ("suffix", UNSUPPORTED)),
+    (ChatCompletionRequest, {"messages": USER, "logit_bias": {"5": 1}}, ("logit_bias", UNSUPPORTED)),
+    (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "yaml"}},
+     ("response_format", "unsupported_value")),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"structural_tag": {"a": 1}}},
+     ("structured_outputs", UNSUPPORTED)),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, ("messages", "unsupported_value")),
+])
+def test_unsupported_features_are_refused_with_their_code(model: type, body: dict[str, Any],
+                                                          refused: tuple[str, str]) -> None:
+    assert invalid_field(model, body) == refused
 
 
 def test_harmless_variants_are_accepted() -> None:
@@ -235,7 +248,30 @@ def test_completion_prompt_forms(prompt: Any, expected: list[Any]) -> None:
 
 @pytest.mark.parametrize("prompt", [[], [[]], [[1], []]])
 def test_empty_completion_prompts_are_rejected(prompt: Any) -> None:
-    assert invalid_field(CompletionRequest, {"prompt": prompt})[0] == "prompt"
+    assert invalid_field(CompletionRequest, {"prompt": prompt}) == ("prompt", "empty_input")
+
+
+def test_embedding_and_responses_inputs_are_refused_with_their_code() -> None:
+    from kiln.server.embeddings_protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest
+    from kiln.server.responses_protocol import ResponsesRequest
+
+    for empty in ("", [], ["a", ""]):
+        assert invalid_field(EmbeddingRequest, {"input": empty}) == ("input", "empty_input")
+    many = ["a"] * (MAX_EMBEDDING_INPUTS + 1)
+    assert invalid_field(EmbeddingRequest, {"input": many}) == ("input", "request_limit_exceeded")
+    assert invalid_field(ResponsesRequest, {"input": []}) == ("input", "empty_input")
+    tool = {"input": "hi", "tools": [{"type": "web_search"}]}
+    assert invalid_field(ResponsesRequest, tool) == ("tools", "unsupported_value")
+
+
+def test_a_refusal_names_what_it_refused() -> None:
+    """A union (content: a string, or a list of parts) reports the refusal, not "not a string"."""
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    err = error_body(ChatCompletionRequest, {"messages": image})
+    assert (err["param"], err["code"]) == ("messages", "unsupported_value")
+    assert "'image_url'" in err["message"] and "string" not in err["message"]
+    assert invalid_field(ChatCompletionRequest, {"messages": USER, "temperature": "hot"}) == (
+        "temperature", "invalid_value")
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -319,18 +319,28 @@ def chat(**kw: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
 
 
-@pytest.mark.parametrize("choice", ["always", {"type": "function", "function": {"name": "nope"}},
-                                    {"type": "function"}, {"name": "get_weather"}])
-def test_bad_tool_choice_is_refused(choice: Any) -> None:
-    with pytest.raises(ValidationError, match="tool_choice"):
-        chat(tools=[WEATHER], tool_choice=choice)
+def refused(**kw: Any) -> tuple[str, str]:
+    """(param, code) of a chat request the protocol refuses."""
+    with pytest.raises(ValidationError) as e:
+        chat(**kw)
+    err = e.value.errors()[0]
+    return str(err["loc"][0]), err["type"]
+
+
+@pytest.mark.parametrize(("choice", "code"), [
+    ("always", "invalid_tool_choice"),
+    ({"type": "function", "function": {"name": "nope"}}, "unknown_tool"),
+    ({"type": "function"}, "invalid_tool_choice"), ({"name": "get_weather"}, "invalid_tool_choice")])
+def test_bad_tool_choice_is_refused(choice: Any, code: str) -> None:
+    assert refused(tools=[WEATHER], tool_choice=choice) == ("tool_choice", code)
 
 
 def test_tool_choice_needs_tools_and_tools_must_be_functions() -> None:
-    with pytest.raises(ValidationError, match="needs tools"):
-        chat(tool_choice="required")
-    with pytest.raises(ValidationError, match="tools"):
-        chat(tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert refused(tool_choice="required") == ("tool_choice", "invalid_tool_choice")
+    no_name = {"type": "function", "function": {"description": "no name"}}
+    assert refused(tools=[no_name]) == ("tools", "invalid_tool")
+    no_schema = {"type": "function", "function": {"name": "f", "parameters": "x"}}
+    assert refused(tools=[no_schema]) == ("tools", "invalid_tool")
     assert chat(tool_choice="none").tool_choice == "none"
 
 
