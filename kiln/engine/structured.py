@@ -85,7 +85,14 @@ _NEG_INF_BITS = -8388608
 
 class StructuredOutputError(SamplingParamsError):
     """The schema, regex, choice list or grammar cannot be compiled; `param` names the request
-    field it came from. A 400, never an engine failure."""
+    field it came from, `code` which kind of constraint failed (_CODES). A 400, never an engine
+    failure."""
+
+
+# The error code of a constraint that does not compile, by its kind: what a client (and a test)
+# matches; the message carries the grammar compiler's own diagnosis.
+_CODES = {"json": "invalid_json_schema", "json_object": "invalid_json_schema",
+          "regex": "invalid_regex", "choice": "invalid_choice", "grammar": "invalid_grammar"}
 
 
 def canonical(so: StructuredOutputsParams, param: str = "structured_outputs") -> tuple[str, str]:
@@ -94,7 +101,7 @@ def canonical(so: StructuredOutputsParams, param: str = "structured_outputs") ->
     kinds = so.kinds()
     if len(kinds) != 1:
         raise StructuredOutputError(param, "give exactly one of json, json_object, regex, choice, "
-                                    f"grammar; got {kinds or 'none'}")
+                                    f"grammar; got {kinds or 'none'}", "conflicting_constraints")
     kind = kinds[0]
     if kind == "json":
         schema: Any = so.json
@@ -102,14 +109,16 @@ def canonical(so: StructuredOutputsParams, param: str = "structured_outputs") ->
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise StructuredOutputError(param, f"the JSON schema is not valid JSON: {e}") from e
+                raise StructuredOutputError(param, f"the JSON schema is not valid JSON: {e}",
+                                            _CODES[kind]) from e
         if schema is True:
             schema = {}  # JSON Schema's "anything"
         elif schema is False:
-            raise StructuredOutputError(param, "the JSON schema false allows no value")
+            raise StructuredOutputError(param, "the JSON schema false allows no value",
+                                        _CODES[kind])
         if not isinstance(schema, dict):
             raise StructuredOutputError(param, "the JSON schema must be an object, got "
-                                        f"{type(schema).__name__}")
+                                        f"{type(schema).__name__}", _CODES[kind])
         return kind, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     if kind == "json_object":
         return kind, ""
@@ -117,11 +126,12 @@ def canonical(so: StructuredOutputsParams, param: str = "structured_outputs") ->
         choice = so.choice
         if (not isinstance(choice, list) or not choice
                 or not all(isinstance(c, str) for c in choice)):
-            raise StructuredOutputError(param, "choice must be a non-empty list of strings")
+            raise StructuredOutputError(param, "choice must be a non-empty list of strings",
+                                        _CODES[kind])
         return kind, json.dumps(choice, ensure_ascii=False)
     text = so.regex if kind == "regex" else so.grammar
     if not isinstance(text, str):
-        raise StructuredOutputError(param, f"{kind} must be a string")
+        raise StructuredOutputError(param, f"{kind} must be a string", _CODES[kind])
     return kind, text
 
 
@@ -202,14 +212,15 @@ class StructuredOutputs:
         try:
             grammar = _grammar_text(*key)
         except Exception as e:  # bad input to llguidance's converters (GBNF, Lark, JSON)
-            raise StructuredOutputError(param, f"{_WHAT[key[0]]} is invalid: {e}") from e
+            raise StructuredOutputError(param, f"{_WHAT[key[0]]} is invalid: {e}",
+                                        _CODES[key[0]]) from e
         matcher = llg.LLMatcher(lt, grammar, log_level=0)
         if matcher.is_error():
             err = matcher.get_error().strip()
             if len(err) > _MAX_ERROR:
                 err = err[:_MAX_ERROR] + " ..."
             raise StructuredOutputError(param, f"{_WHAT[key[0]]} is invalid or not supported: "
-                                        f"{err}")
+                                        f"{err}", _CODES[key[0]])
         with self._lock:
             self.compiles += 1
             self._cache[key] = matcher

@@ -136,11 +136,12 @@ def structured_outputs_of(req: ChatCompletionRequest | CompletionRequest
         if len(params.kinds()) != 1:
             raise SamplingParamsError(
                 "structured_outputs", "structured_outputs takes exactly one of json, "
-                f"json_object, regex, choice, grammar; got {params.kinds() or 'none'}")
+                f"json_object, regex, choice, grammar; got {params.kinds() or 'none'}",
+                "conflicting_constraints")
         found.append((params, "structured_outputs"))
     if len(found) > 1:
         raise SamplingParamsError(found[1][1], f"{found[0][1]} and {found[1][1]} both constrain "
-                                  "the output; give one")
+                                  "the output; give one", "conflicting_constraints")
     return found[0] if found else None
 
 

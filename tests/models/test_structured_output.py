@@ -173,14 +173,17 @@ def test_compile_is_cached_per_canonical_value_and_errors_name_the_field(grammar
     # Property order orders the output, so it is part of the key.
     reordered = {"type": "object", "properties": dict(reversed(schema["properties"].items()))}
     assert canonical(SO(json=reordered)) != canonical(SO(json=schema))
-    bad = [(SO(json={"type": "nope"}), "Invalid type"), (SO(json="{not json"), "not valid JSON"),
-           (SO(json={"not": {"type": "string"}}), "not"), (SO(regex="(ab"), "unclosed group"),
-           (SO(grammar="start: foo"), "foo"), (SO(grammar='root ::= "a" | b'), "b"),
-           (SO(choice=[]), "non-empty"), (SO(choice=["a", 1]), "strings")]  # type: ignore[list-item]
-    for so, says in bad:
+    # (constraint, its code, what of it the compiler's diagnosis names: the part to fix)
+    schema, regex, grammar, choice = ("invalid_json_schema", "invalid_regex", "invalid_grammar",
+                                      "invalid_choice")
+    bad = [(SO(json={"type": "nope"}), schema, "nope"), (SO(json="{not json"), schema, ""),
+           (SO(json={"not": {"type": "string"}}), schema, "not"), (SO(regex="(ab"), regex, "(ab"),
+           (SO(grammar="start: foo"), grammar, "foo"), (SO(grammar='root ::= "a" | b'), grammar, "b"),
+           (SO(choice=[]), choice, ""), (SO(choice=["a", 1]), choice, "")]  # type: ignore[list-item]
+    for so, code, names in bad:
         with pytest.raises(StructuredOutputError) as e:
             grammars.compile(so, "guided_x")
-        assert e.value.param == "guided_x" and says in str(e.value), str(e.value)
+        assert (e.value.param, e.value.code) == ("guided_x", code) and names in str(e.value), e.value
 
 
 def test_a_complete_grammar_allows_only_eos_and_stops(grammars, smollm2_tokenizer) -> None:
@@ -333,7 +336,7 @@ def test_engine_refuses_an_invalid_constraint_at_admission(engine):
     eng = engine()
     with pytest.raises(StructuredOutputError) as e:
         eng.add_request("x", [1, 2, 3], SamplingParams(structured_outputs=SO(regex="[")))
-    assert e.value.param == "structured_outputs"
+    assert (e.value.param, e.value.code) == ("structured_outputs", "invalid_regex")
     assert not eng.has_unfinished
 
 
