@@ -50,13 +50,17 @@ class BadValue(ValueError):
 
 def error_record(error: BaseException) -> dict[str, Any]:
     """What machines read of a failure (an effective config's `error`, `kiln pull --json`):
-    its type, its code (None for an error kiln did not word), its English message, and the
-    codes of the problems it gathers (`causes`) where it has any."""
+    its type, its code (None for an error kiln did not word), its English message, the codes of
+    the problems it gathers (`causes`) where it has any, and the catalogue key of its advice
+    (`hint_code`: which way out it gave, e.g. model.did_you_mean) where it has one."""
     out: dict[str, Any] = {"type": type(error).__name__, "code": getattr(error, "code", None),
                            "message": english(error)}
     causes = getattr(error, "causes", ())
     if causes:
         out["causes"] = list(causes)
+    hint_code = getattr(getattr(error, "hint", None), "key", None)
+    if hint_code:
+        out["hint_code"] = hint_code
     return out
 
 
