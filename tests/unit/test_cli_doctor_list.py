@@ -156,6 +156,8 @@ def test_pull_offline_missing_model_fails_with_a_hint(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert run("pull", "acme/not-here") == 1
-    err = capsys.readouterr().err
-    assert "kiln pull: " in err and "offline" in err and "hint:" in err
+    assert run("pull", "acme/not-here", "--json") == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["code"] == "model.not_cached"
+    # what a person reads: the offline notice, why the model is not found, and the way out
+    assert msg("pull.offline") in err and msg("model.offline_on") in err and "hint:" in err

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import ModelLoadError, ModelNotFoundError
+from kiln.i18n import msg
 from kiln.resolve.download import plan_download
 from kiln.resolve.picker import gguf_quant_from_name
 from kiln.resolve.sources import (
@@ -119,7 +120,7 @@ def test_interactive_pick_lists_local_models_first(
     src = resolve_model(None, interactive=True, offline=True)
     menu = capsys.readouterr().err
     assert menu.index("1. smollm2") < menu.index("2. acme/tiny-llama") < menu.index("qwen3-8b")
-    assert "not a number" in menu  # the bad answer was asked again
+    assert msg("picker.not_a_number", answer="'x'") in menu  # the bad answer was asked again
     assert src.repo_id == "acme/tiny-llama" and src.format == "safetensors"
 
 
