@@ -137,17 +137,21 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
     kind = _first(cli, env, file_settings, key="kind") or "auto"
     if explicit_preset:
         sp.preset = explicit_preset
-        sp.preset_reason = "asked for"
+        sp.preset_reason, sp.preset_code = "asked for", "preset.asked"
     elif not external and (kind if kind != "auto" else model_kind[0]) == "embed":
         sp.preset = "embed"
-        sp.preset_reason = ("--kind embed" if kind == "embed" else
-                            "--kind auto found an embedding model")
+        sp.preset_reason, sp.preset_code = (
+            ("--kind embed", "preset.embed_asked") if kind == "embed" else
+            ("--kind auto found an embedding model", "preset.embed_found"))
     elif audio:
         sp.preset_reason = "none: an audio model runs in its own runtime (kiln/kinds/)"
+        sp.preset_code = "preset.audio"
     elif external or mc is None:
         sp.preset_reason = "none inferred: the external engine picks its own defaults"
+        sp.preset_code = "preset.external_engine"
     else:
-        sp.preset, sp.preset_reason = presets.infer_preset(parallel.preset_info(sp, mc), sp.hardware)
+        sp.preset, sp.preset_reason, sp.preset_code = presets.infer_preset(
+            parallel.preset_info(sp, mc), sp.hardware)
     if sp.preset:
         preset_vals = dict(presets.get_preset(sp.preset).settings)
     hw = sp.hardware
@@ -189,6 +193,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         # launch flags come as a preset, below everything a person set.
         sp.preset, sp.preset_reason = "kt", ("SGLang with kt-kernel (an MoE model, experts "
                                              "split GPU/CPU): kt-cli's `kt run` flags")
+        sp.preset_code = "preset.kt"
         preset_vals = dict(presets.get_preset("kt").settings)
         s = resolve()
     if s.source("lang") in ("cli", "env", "file"):
@@ -201,6 +206,7 @@ def plan(args: argparse.Namespace, sp: StartupPlan | None = None) -> StartupPlan
         if s.values["runtime_preset"].source == "default":
             s.values["runtime_preset"].source = "auto"
             s.values["runtime_preset"].reason = sp.preset_reason
+            s.values["runtime_preset"].code = sp.preset_code
     if mc is not None:
         _check_model_limits(s, mc.context_length)
     if s["engine"] != "kiln":  # kiln's own engine refuses TP > 1 below, whatever the model

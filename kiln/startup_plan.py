@@ -30,6 +30,7 @@ class StartupPlan:
     config_file: Path | None = None
     preset: str | None = None
     preset_reason: str = ""
+    preset_code: str | None = None  # the branch that chose the preset (preset.<why>)
     phase: str = "start"
     extra: dict[str, Any] = field(default_factory=dict)  # engine facts after loading
     started: float = field(default_factory=time.monotonic)

@@ -79,7 +79,7 @@ def effective_config(sp: StartupPlan, status: str, error: BaseException | None =
     if sp.settings and "api_key" in out["settings"] and out["settings"]["api_key"]["value"]:
         out["settings"]["api_key"]["value"] = "***"
     out["warnings"] = [coded(w) for w in sp.settings.warnings] if sp.settings else []
-    out["preset"] = {"name": sp.preset, "reason": sp.preset_reason}
+    out["preset"] = {"name": sp.preset, "reason": sp.preset_reason, "code": sp.preset_code}
     out["hardware"] = sp.hardware.to_dict() if sp.hardware is not None else None
     model: dict[str, Any] | None = sp.source.to_dict() if sp.source is not None else None
     if model is not None and sp.model_config is not None:
@@ -138,7 +138,8 @@ def _write_effective(path: Path, sp: StartupPlan, status: str,
 def _write_trace(path: Path, sp: StartupPlan, status: str, error: BaseException | None) -> None:
     with path.open("w") as f:
         f.write(json.dumps({"decision": "preset", "chosen": sp.preset,
-                            "reason": sp.preset_reason}, default=str) + "\n")
+                            "reason": sp.preset_reason, "code": sp.preset_code},
+                           default=str) + "\n")
         if sp.source is not None:
             f.write(json.dumps({"decision": "model", "chosen": str(sp.source.gguf_file
                                                                  or sp.source.path),

@@ -2,8 +2,8 @@
 
 A preset sits below CLI, env and config file and above model defaults in the settings
 resolution, so users can still override any single value. Keys are kiln setting names.
-`infer_preset` picks one from the model's HF config and the probed hardware, with a reason that
-goes into the decision trace.
+`infer_preset` picks one from the model's HF config and the probed hardware, with a reason and a
+code (the branch that decided) that go into the decision trace.
 """
 
 from __future__ import annotations
@@ -255,8 +255,11 @@ def _bytes_per_param(model_info: dict[str, Any]) -> float:
     return 2.0
 
 
-def infer_preset(model_info: dict[str, Any], hw: HardwareInfo) -> tuple[str | None, str]:
-    """Pick a preset for this model on this machine, and say why.
+def infer_preset(model_info: dict[str, Any], hw: HardwareInfo
+                 ) -> tuple[str | None, str, str]:
+    """Pick a preset for this model on this machine: (preset, why in words, code). The code,
+    `preset.<why>`, names the branch that decided (what the decision trace, the effective config
+    and tests match); `_over_ram` ends it where the CPU's weights do not fit the available RAM.
 
     `model_info` is the model's HF config.json dict, optionally with "quantization" (e.g. a
     GGUF quant such as "Q4_K_M"), "num_params", "active_params" (an MoE's per token) and/or
@@ -269,7 +272,8 @@ def infer_preset(model_info: dict[str, Any], hw: HardwareInfo) -> tuple[str | No
     if not total_bytes and params:
         total_bytes = int(params * _bytes_per_param(model_info))
     if not total_bytes:
-        return None, "no size information (need hidden_size/num_hidden_layers or total_bytes)"
+        return (None, "no size information (need hidden_size/num_hidden_layers or total_bytes)",
+                "preset.no_size")
     if not params:
         params = total_bytes / _bytes_per_param(model_info)
     experts = num_experts(model_info)
@@ -277,43 +281,51 @@ def infer_preset(model_info: dict[str, Any], hw: HardwareInfo) -> tuple[str | No
     gib = total_bytes / 1024**3
     size = f"{arch} ~{params / 1e9:.1f}B params, {gib:.1f} GiB weights"
     ram = hw.ram_available_bytes or hw.ram_total_bytes
+    over_ram = bool(ram) and total_bytes >= ram
     if experts:
         # Memory needs every expert (the total); a decode step reads only the routed ones, so
         # its speed follows the active parameters, like a dense model of that size.
         active = (model_info.get("active_params") or estimate_active_params(model_info)
                   or params)
         fits = "" if hw.has_usable_cuda else (
-            ", fits in RAM" if not ram or total_bytes < ram else ", more than the available RAM!")
+            ", more than the available RAM!" if over_ram else ", fits in RAM")
         size = (f"{arch} ~{params / 1e9:.1f}B total ({gib:.1f} GiB weights{fits}), "
                 f"~{active / 1e9:.1f}B active ({experts} experts, "
                 f"{experts_per_token(model_info)} per token)")
 
     if not hw.has_usable_cuda:
+        ram_code = "_over_ram" if over_ram else ""
         if experts:
             if active <= CPU_SMALL_MAX_PARAMS:
                 return "cpu-small", (f"{size}; no usable GPU: the MoE runs on CPU and decodes "
-                                     "like a small dense model (<= 2B active)")
+                                     "like a small dense model (<= 2B active)"
+                                     ), f"preset.moe_small_active{ram_code}"
             return "cpu-large", (f"{size}; no usable GPU: the MoE runs on CPU and decodes like "
-                                 "a dense model of over 2B (active)")
+                                 "a dense model of over 2B (active)"
+                                 ), f"preset.moe_large_active{ram_code}"
         if params <= CPU_SMALL_MAX_PARAMS:
-            return "cpu-small", f"{size}; no usable GPU and the model is small (<= 2B)"
-        fit = "" if not ram or total_bytes < ram else " (more than the available RAM!)"
-        return "cpu-large", f"{size}; no usable GPU and the model is over 2B{fit}"
+            return ("cpu-small", f"{size}; no usable GPU and the model is small (<= 2B)",
+                    f"preset.small_model{ram_code}")
+        fit = " (more than the available RAM!)" if over_ram else ""
+        return ("cpu-large", f"{size}; no usable GPU and the model is over 2B{fit}",
+                f"preset.large_model{ram_code}")
 
     vram = min(g.total_memory_bytes for g in hw.gpus)
     one_gpu = total_bytes <= vram * WEIGHTS_VRAM_FRACTION
     all_gpus = total_bytes <= vram * hw.gpu_count * WEIGHTS_VRAM_FRACTION
     gpus = f"{hw.gpu_count} GPU(s) of {vram / 1024**3:.0f} GiB"
     if one_gpu:
-        return "gpu-single", f"{size}; fits one of {gpus}"
+        return "gpu-single", f"{size}; fits one of {gpus}", "preset.fits_one_gpu"
     if all_gpus and hw.gpu_count > 1:
-        return "gpu-throughput", f"{size}; needs tensor parallel over {gpus}"
+        return ("gpu-throughput", f"{size}; needs tensor parallel over {gpus}",
+                "preset.needs_tensor_parallel")
     if experts:
-        return "moe-hybrid", f"{size}; too big for {gpus}, so experts are split GPU/CPU"
+        return ("moe-hybrid", f"{size}; too big for {gpus}, so experts are split GPU/CPU",
+                "preset.experts_split")
     return None, (
         f"{size}; too big for {gpus} even sharded: use a quantized variant "
         "(owner/repo:Q4_K_M) or --device cpu"
-    )
+    ), "preset.too_big"
 
 
 def moe_hybrid_settings(

@@ -272,22 +272,24 @@ def test_a_moe_on_cpu_fits_by_total_and_decodes_by_active_params() -> None:
     # The registry's published counts, as startup passes them for a model it knows.
     q4 = {**QWEN3_30B_A3B, "quantization": "Q4_K_M", "total_bytes": 18_600_000_000,
           "num_params": 30.5e9, "active_params": 3.3e9}
-    name, reason = infer_preset(q4, hw_with([]))
-    assert name == "cpu-large"
-    assert "~30.5B total (17.3 GiB weights, fits in RAM), ~3.3B active" in reason, reason
+    name, reason, code = infer_preset(q4, hw_with([]))
+    assert (name, code) == ("cpu-large", "preset.moe_large_active")
+    # the figures it went by, for a person: total, weights, active, experts
+    assert "~30.5B total (17.3 GiB weights" in reason and "~3.3B active" in reason, reason
     assert "128 experts, 8 per token" in reason
-    name, reason = infer_preset(OLMOE_1B_7B, hw_with([]))
-    assert name == "cpu-small" and "1.3B active" in reason and "small dense model" in reason
+    name, reason, code = infer_preset(OLMOE_1B_7B, hw_with([]))
+    assert (name, code) == ("cpu-small", "preset.moe_small_active") and "1.3B active" in reason
     small_ram = hw_with([])
     small_ram.ram_available_bytes = 8 * GIB
-    name, reason = infer_preset(q4, small_ram)
-    assert name == "cpu-large" and "more than the available RAM!" in reason
+    name, _, code = infer_preset(q4, small_ram)
+    assert (name, code) == ("cpu-large", "preset.moe_large_active_over_ram")
 
 
 def test_a_moe_on_gpu_needs_its_total_in_vram() -> None:
     """3.3B active does not make Qwen3-30B-A3B fit a 24 GiB GPU: all 30.5B must be there."""
-    name, reason = infer_preset(QWEN3_30B_A3B, hw_with([24]))
-    assert name == "moe-hybrid" and "~3.4B active" in reason  # estimated from the config
+    name, reason, code = infer_preset(QWEN3_30B_A3B, hw_with([24]))
+    assert (name, code) == ("moe-hybrid", "preset.experts_split")
+    assert "~3.4B active" in reason  # estimated from the config
 
 
 @pytest.mark.parametrize(("name", "experts", "per_token", "shared", "family"), [
@@ -337,26 +339,26 @@ def test_param_counts_parse_the_registry_text() -> None:
 @pytest.mark.parametrize(
     ("config", "gpus", "expected"),
     [
-        (SMOLLM2_135M, [], "cpu-small"),
-        (LLAMA_8B, [], "cpu-large"),
-        ({**LLAMA_8B, "quantization": "Q4_K_M"}, [24], "gpu-single"),
-        (LLAMA_8B, [80], "gpu-single"),
-        (LLAMA_70B, [80, 80, 80, 80], "gpu-throughput"),
-        (QWEN3_30B_A3B, [24], "moe-hybrid"),
-        (QWEN3_30B_A3B, [141], "gpu-single"),
-        (QWEN3_30B_A3B, [], "cpu-large"),
-        (LLAMA_70B, [24], None),
+        (SMOLLM2_135M, [], ("cpu-small", "preset.small_model")),
+        (LLAMA_8B, [], ("cpu-large", "preset.large_model")),
+        ({**LLAMA_8B, "quantization": "Q4_K_M"}, [24], ("gpu-single", "preset.fits_one_gpu")),
+        (LLAMA_8B, [80], ("gpu-single", "preset.fits_one_gpu")),
+        (LLAMA_70B, [80, 80, 80, 80], ("gpu-throughput", "preset.needs_tensor_parallel")),
+        (QWEN3_30B_A3B, [24], ("moe-hybrid", "preset.experts_split")),
+        (QWEN3_30B_A3B, [141], ("gpu-single", "preset.fits_one_gpu")),
+        (QWEN3_30B_A3B, [], ("cpu-large", "preset.moe_large_active")),
+        (LLAMA_70B, [24], (None, "preset.too_big")),
     ],
 )
-def test_infer_preset(config: dict, gpus: list[int], expected: str | None) -> None:
-    name, reason = infer_preset(config, hw_with(gpus))
-    assert name == expected, reason
+def test_infer_preset(config: dict, gpus: list[int], expected: tuple[str | None, str]) -> None:
+    name, reason, code = infer_preset(config, hw_with(gpus))
+    assert (name, code) == expected, reason
     assert reason  # the decision trace always has a why
 
 
 def test_infer_preset_without_size_information() -> None:
-    name, reason = infer_preset({"architectures": ["X"]}, hw_with([]))
-    assert name is None and "size" in reason
+    name, _, code = infer_preset({"architectures": ["X"]}, hw_with([]))
+    assert (name, code) == (None, "preset.no_size")
 
 
 def test_moe_hybrid_settings_fill_num_gpu_experts() -> None:

@@ -235,6 +235,8 @@ def test_dry_run_of_a_moe_shows_its_experts_and_the_active_params_preset(tmp_pat
     text = capsys.readouterr().out
     assert msg("dry.experts", experts=8, moe_layers=2, layers=3, active=2, shared="") in text
     eff = json.loads(eff_path.read_text())
-    assert eff["preset"]["name"] in ("cpu-small", "gpu-single")
+    assert (eff["preset"]["name"], eff["preset"]["code"]) in (
+        ("cpu-small", "preset.moe_small_active"), ("gpu-single", "preset.fits_one_gpu"))
+    assert eff["settings"]["runtime_preset"]["code"] == eff["preset"]["code"]
     assert "B total (" in eff["preset"]["reason"]
     assert "B active (8 experts, 2 per token)" in eff["preset"]["reason"]
