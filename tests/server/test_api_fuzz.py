@@ -103,5 +103,6 @@ def test_embeddings_on_a_generating_model_say_how(fuzz_server: str) -> None:
     import openai
 
     client = openai.OpenAI(base_url=f"{fuzz_server}/v1", api_key="none", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="--kind embed"):
+    with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=client.models.list().data[0].id, input="hello")
+    assert e.value.code == "wrong_model_kind" and "--kind embed" in e.value.message  # the way out
