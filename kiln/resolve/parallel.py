@@ -88,7 +88,7 @@ def check_kt(s: ResolvedSettings, sp: Any, hw: Any) -> None:
     elif src.format == "safetensors":
         s.override("kt_weight_path", str(src.path),
                    "kt-cli's default: no converted weights given, so kt-kernel reads the "
-                   "experts from the model folder")
+                   "experts from the model folder", code="kt_weight_path.model_folder")
     method = str(s.get("kt_method") or "").upper()
     if method.startswith("AMX") and not hw.cpu_amx:
         how = (msg("startup.kt_default_method") if s.source("kt_method") == "auto"

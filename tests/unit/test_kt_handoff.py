@@ -176,7 +176,7 @@ def test_local_qwen3_moe_folder_dry_run_prints_sglang_with_kt_flags(
     assert "64 physical cores of the 2 NUMA node(s)" in settings["kt_cpuinfer"]["reason"]
     assert settings["num_gpu_experts"]["code"] == "num_gpu_experts.registry_rule"
     assert "24 GiB" in settings["num_gpu_experts"]["reason"]  # the VRAM it is sized for
-    assert "kt-cli's default" in settings["kt_weight_path"]["reason"]
+    assert settings["kt_weight_path"]["code"] == "kt_weight_path.model_folder"  # kt-cli's default
     # Planned from config.json: the experts are the config's, no checkpoint was opened.
     assert eff["model"]["config"]["num_experts"] == 128
     chosen = {r["setting"]: r["chosen"] for r in rows if r.get("decision") == "setting"}
