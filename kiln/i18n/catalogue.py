@@ -17,6 +17,15 @@ CATALOGUE: dict[str, dict[str, str]] = {
         "en": "kiln: unexpected error ({phase}): {type}: {error}",
         "zh": "kiln: 意外错误（{phase}）：{type}: {error}"},
     "cli.warning": {"en": "kiln: warning: {warning}", "zh": "kiln: 警告：{warning}"},
+    # -- kiln config docs (settings/docs.py)
+    "docs.current": {"en": "{path}: current", "zh": "{path}：已是最新"},
+    "docs.stale": {
+        "en": "{path} is stale: the settings table changed. Run `{command}` and commit it.",
+        "zh": "{path} 已过期：设置表已更改。请运行 `{command}` 并提交。"},
+    "docs.written": {"en": "{path}: written ({count} settings)",
+                     "zh": "{path}：已写入（{count} 个设置）"},
+    "docs.already_current": {"en": "{path}: already current ({count} settings)",
+                             "zh": "{path}：已是最新（{count} 个设置）"},
     "startup.artifact_unwritable": {"en": "{flag} {path} was not written: {error}",
                                     "zh": "{flag} {path} 未能写入：{error}"},
     # -- kiln serve

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kiln.i18n import msg
 from kiln.settings import table as C
 from kiln.settings.sources import add_common_arguments
 from kiln.settings.values import parse_bytes, positive_bytes
@@ -154,10 +155,11 @@ def main(args: Any) -> int:
     path = Path(args.output) if args.output else DEFAULT_PATH
     if args.check:
         if is_current(path):
-            print(f"{path}: current")
+            print(msg("docs.current", path=path))
             return 0
-        print(f"{path} is stale: the settings table changed. Run `{COMMAND}` and commit it.")
+        print(msg("docs.stale", path=path, command=COMMAND))
         return 1
     changed = write(path)
-    print(f"{path}: {'written' if changed else 'already current'} ({len(C.SETTINGS)} settings)")
+    print(msg("docs.written" if changed else "docs.already_current", path=path,
+              count=len(C.SETTINGS)))
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.cli.main import main as kiln_main
+from kiln.i18n import msg
 from kiln.settings import docs as setting_docs
 from kiln.settings import table as C
 
@@ -51,7 +52,7 @@ def test_kiln_config_docs_writes_the_page_and_check_finds_it_stale(tmp_path: Pat
     capsys.readouterr()
     assert kiln_main(["config", "docs", "--check", "--output", str(out)]) == 1
     printed = capsys.readouterr().out
-    assert "stale" in printed and "`kiln config docs`" in printed, printed
+    assert msg("docs.stale", path=out, command=setting_docs.COMMAND) in printed, printed
     assert kiln_main(["config", "docs", "--output", str(out)]) == 0
     assert kiln_main(["config", "docs", "--check", "--output", str(out)]) == 0
 
