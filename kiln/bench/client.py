@@ -398,17 +398,18 @@ async def discover_model(http: httpx.AsyncClient, base_url: str, api_key: str | 
         raise ServerUnreachableError(
             f"cannot reach {url}: {type(err).__name__}: {err}",
             hint="start the server first, or pass --base-url (including the /v1 part)",
+            code="bench.unreachable",
         ) from err
     if resp.status_code != 200:
         raise ServerUnreachableError(
             f"GET {url} answered HTTP {resp.status_code}: {resp.text[:200]}",
-            hint="check --base-url and --api-key, or pass --model",
+            hint="check --base-url and --api-key, or pass --model", code="bench.models_refused",
         )
     try:
         return str(resp.json()["data"][0]["id"])
     except (ValueError, KeyError, IndexError, TypeError) as err:
         raise ServerUnreachableError(
-            f"GET {url} did not list any model", hint="pass --model NAME"
+            f"GET {url} did not list any model", hint="pass --model NAME", code="bench.no_model"
         ) from err
 
 

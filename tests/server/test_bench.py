@@ -20,7 +20,9 @@ import pytest
 from kiln.bench.client import (
     BenchClient,
     BenchConfig,
+    ServerUnreachableError,
     SSEDecoder,
+    discover_model,
     parse_chunk,
     run_benchmark,
 )
@@ -323,8 +325,19 @@ def test_cli_reports_an_unreachable_server_as_an_error(capsys: pytest.CaptureFix
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rc = main(_parse(["--base-url", f"http://127.0.0.1:{port}/v1", "--no-progress"]))
-    assert rc != 0 and "cannot reach" in capsys.readouterr().err
+    url = f"http://127.0.0.1:{port}/v1"
+    rc = main(_parse(["--base-url", url, "--no-progress"]))
+    assert rc != 0 and f"{url}/models" in capsys.readouterr().err  # the address it tried
+
+    async def discover() -> str:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            return await discover_model(http, url, None)
+
+    with pytest.raises(ServerUnreachableError) as e:  # what the CLI printed, by its code
+        asyncio.run(discover())
+    assert e.value.code == "bench.unreachable"
 
 
 def test_json_output_is_strict_json(tmp_path: Path) -> None:
