@@ -28,7 +28,9 @@ def _pack_one_matrix(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> 
         mn = torch.cat([mn, mn.new_zeros(pad, g)])
     c = q.to(torch.uint8).reshape(nt, 8, g, 2, 16)
     codes = c[..., 0, :] | (c[..., 1, :] << 4)
-    codes = codes[:, torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])].permute(0, 2, 1, 3).reshape(nt, g, 128)
+    # [tile, row, group, 16 bytes] -> per tile and group, vector k = every row's bytes 4k..4k+3
+    codes = torch.stack([codes[:, :, :, 4 * k:4 * k + 4] for k in range(4)], dim=2)
+    codes = codes.permute(0, 3, 2, 1, 4).reshape(nt, g, 128)  # [tile, group, k, row, 4]
 
     def f16(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float16).reshape(nt, 8, g).transpose(1, 2).contiguous().view(torch.uint8)

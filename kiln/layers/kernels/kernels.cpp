@@ -6,9 +6,10 @@
 // q in 0..15; GGUF Q4_0 is min = -8 * scale), in tiles of 8 output rows:
 //
 //   packed uint8 [ceil(N/8), K/32, 160]     one 160-byte block per (row tile, group):
-//     bytes   0..127  codes, 4 row pairs of 32 bytes; pair p = rows (p, p+4) of the tile:
-//                     bytes 32p..32p+15 row p, 32p+16..32p+31 row p+4; in a row's 16 bytes,
-//                     byte j = q[j] | q[j + 16] << 4 (llama.cpp's Q4_0 order)
+//     bytes   0..127  codes, 4 vectors of 32 bytes; vector k byte 4r + i = row r's byte
+//                     4k + i, where a row's 16 bytes are byte j = q[j] | q[j + 16] << 4
+//                     (llama.cpp's Q4_0 order): lane r of vector k holds row r's codes
+//                     4k..4k+3 (low nibbles) and 16+4k..16+4k+3 (high)
 //     bytes 128..143  fp16 scale of rows 0..7
 //     bytes 144..159  fp16 min of rows 0..7
 //   (rows past N are zero padding; reference.pack_q4 writes it, reference.unpack_q4 reads it back)
@@ -19,14 +20,15 @@
 // with sum(q * xq) from _mm256_maddubs_epi16 (u8 codes x s8 activations) and sum(x) taken from
 // the unquantized floats (so the min term has no activation rounding).
 //
-// Why this tile: one 32-byte load holds a row pair's codes, so the low nibbles of both rows
-// (elements 0..15) are one AND and the high nibbles (16..31) one shift + AND, and the
-// activation's two 16-byte halves are each broadcast to both 128-bit lanes. After maddubs the
-// four pairs reduce with three hadd_epi16 and one madd to the 8 rows' int32 sums in row order
-// 0..7 (int16 never overflows: 16 products of at most 15 * 127 = 30480), which scale with one
-// F16C-converted vector of 8 scales and 8 mins: no per-row horizontal sums. A tile's codes are
-// expanded once per group and reused for up to 4 activation rows held in registers; a tile's
-// blocks are contiguous, so a step streams each weight once whatever its row count.
+// Why this tile: each 32-bit lane is one row, so one vpdpbusd (VNNI; vpmaddubsw without) of a
+// vector's low nibbles against four activation codes broadcast adds four products to each of the
+// 8 rows in place, and a group's sums come out in row order, scaled by one F16C-converted
+// vector of 8 scales and one of 8 mins: no horizontal sums. (The tile it replaced held a row
+// pair per vector and reduced with three hadds per row and group: 1.29x slower with 256 rows,
+// Zen 4, and no faster at one.) From GGUF's Q4_0 / Q4_1 blocks it is a move of 4-byte pieces.
+// A tile's codes are expanded once per group and reused for up to 4 activation rows held in
+// registers; a tile's blocks are contiguous, so a step streams each weight once whatever its
+// row count.
 //
 // moe_q4: all the active experts of one MoE layer in one call (see the function).
 //
@@ -57,7 +59,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;           // output rows per tile
 constexpr int64_t kBlockBytes = 160;  // one (tile, group) block
-constexpr int kMaxBlockRows = 4;      // activation rows per register block
+// Activation rows per register block of the int4 tiles: AVX-512's 32 vector registers hold 8
+// rows' sums and accumulators, AVX2's 16 hold 4 (more would spill).
+constexpr int kMaxBlockRows = KILN_VNNI ? 8 : 4;
 
 
 
@@ -85,14 +89,46 @@ struct QRows {
   const float* srow(int64_t r) const { return sum.data() + r * G; }
 };
 
+// Four activation codes at p in every 32-bit lane.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+// S + one tile vector's products: lo's codes against the four activation codes at xl, hi's
+// against xh, each row's in its own lane. With VNNI the sums are int32 (vpdpbusd); without,
+// int16 pairs (vpmaddubsw) that dot4_sum widens once per group: a group's 32 products of a
+// 4-bit code and an int8 code stay within 16 x 15 x 127 = 30480 per int16 lane, so both forms
+// give the same exact integers.
+inline __m256i dot4_acc(__m256i S, __m256i lo, __m256i hi, const int8_t* xl, const int8_t* xh) {
+#if KILN_VNNI
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(S, lo, bcast4(xl)), hi, bcast4(xh));
+#else
+  return _mm256_add_epi16(S, _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xl)),
+                                               _mm256_maddubs_epi16(hi, bcast4(xh))));
+#endif
+}
+// dot4_acc's sums as int32, one row per lane
+inline __m256i dot4_sum(__m256i S) {
+#if KILN_VNNI
+  return S;
+#else
+  return _mm256_madd_epi16(S, _mm256_set1_epi16(1));
+#endif
+}
+
 // One tile (8 output rows, all G groups of its blocks at w) against MB activation rows
-// (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m.
+// (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m. Vector k of a
+// group holds codes 4k..4k+3 (low nibbles) and 16+4k..16+4k+3 (high) of every row, one row per
+// 32-bit lane: one vpdpbusd against four activation codes broadcast adds each row's four
+// products in its own lane, so a group's sums come out in row order with no horizontal adds.
+// Vector-outer, row-inner: each vector is expanded once for the MB rows, whose integer sums
+// stay in registers until the group's float step.
 template <int MB>
 inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m256* out,
                      int64_t pf = KILN_PF) {
   const int64_t G = xs.G;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xsum[MB];
@@ -108,40 +144,21 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = w + g * kBlockBytes;
     prefetch_at(b, pf, kBlockBytes);
-    __m256i lo[4], hi[4];
-    for (int p = 0; p < 4; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * p));
-      lo[p] = _mm256_and_si256(v, m4);
-      hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m256i S[MB];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * k));
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xp = xq[m] + g * kGroup + 4 * k;
+        S[m] = dot4_acc(k ? S[m] : _mm256_setzero_si256(), lo, hi, xp, xp + 16);
+      }
     }
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128)));
     const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 144)));
     for (int m = 0; m < MB; ++m) {
-      const int8_t* xp = xq[m] + g * kGroup;
-      const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(xp)));
-      const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(xp + 16)));
-#if KILN_VNNI
-      // lane 0: row p, lane 1: row p+4; 4 int32 of 8 products each (vpdpbusd)
-      auto dot = [&](int p) {
-        return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[p], xl),
-                                   hi[p], xh);
-      };
-      const __m256i s01 = _mm256_hadd_epi32(dot(0), dot(1));
-      const __m256i s23 = _mm256_hadd_epi32(dot(2), dot(3));
-      const __m256i s = _mm256_hadd_epi32(s01, s23);  // rows 0..7
-      (void)ones;
-#else
-      // lane 0: row p, lane 1: row p+4; 8 int16 of 4 products each
-      auto dot = [&](int p) {
-        return _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh));
-      };
-      const __m256i s01 = _mm256_hadd_epi16(dot(0), dot(1));
-      const __m256i s23 = _mm256_hadd_epi16(dot(2), dot(3));
-      const __m256i s = _mm256_madd_epi16(_mm256_hadd_epi16(s01, s23), ones);  // rows 0..7
-#endif
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_sum(S[m])),
                                _mm256_mul_ps(sc, _mm256_set1_ps(xd[m][g])), acc[m]);
       accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m][g]), accm[m]);
     }
@@ -149,15 +166,23 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   for (int m = 0; m < MB; ++m) out[m] = _mm256_add_ps(acc[m], accm[m]);
 }
 
-// A tile against any number of activation rows, in register blocks of up to 4; next: the
-// distance to the tile the caller runs next (0: unknown), prefetched by the second block
-// (simd.h's pass_prefetch).
+// A tile against any number of activation rows, in register blocks of up to kMaxBlockRows;
+// next: the distance to the tile the caller runs next (0: unknown), prefetched by the second
+// block (simd.h's pass_prefetch).
 inline void tile_rows(const uint8_t* w, const QRows& xs, const int64_t* rows, int64_t n,
                       __m256* out, int64_t next = 0) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) tile_dot<4>(w, xs, rows + i, out + i, pass_prefetch(i / 4, next));
-  const int64_t pf = pass_prefetch(static_cast<int>(i / 4), next);
+  int pass = 0;
+  for (; i + kMaxBlockRows <= n; i += kMaxBlockRows, ++pass)
+    tile_dot<kMaxBlockRows>(w, xs, rows + i, out + i, pass_prefetch(pass, next));
+  const int64_t pf = pass_prefetch(pass, next);
   switch (n - i) {
+#if KILN_VNNI
+    case 7: tile_dot<7>(w, xs, rows + i, out + i, pf); break;
+    case 6: tile_dot<6>(w, xs, rows + i, out + i, pf); break;
+    case 5: tile_dot<5>(w, xs, rows + i, out + i, pf); break;
+    case 4: tile_dot<4>(w, xs, rows + i, out + i, pf); break;
+#endif
     case 3: tile_dot<3>(w, xs, rows + i, out + i, pf); break;
     case 2: tile_dot<2>(w, xs, rows + i, out + i, pf); break;
     case 1: tile_dot<1>(w, xs, rows + i, out + i, pf); break;
@@ -362,14 +387,14 @@ void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor
     for (int64_t g = 0; g < G; ++g, dst += kBlockBytes) {
       uint16_t scale[kTile], mn[kTile];
       for (int64_t r = 0; r < kTile; ++r) {
-        uint8_t* slot = dst + 32 * (r % 4) + 16 * (r / 4);  // row p: bytes 32p, row p+4: 32p+16
+        // the row's code bytes 4k..4k+3 go to lane r of vector k (bytes 32k + 4r)
         if (rows[r] == nullptr) {  // padding past N: zero codes, scale and min
-          std::memset(slot, 0, 16);
+          for (int k = 0; k < 4; ++k) std::memset(dst + 32 * k + 4 * r, 0, 4);
           scale[r] = mn[r] = 0;
           continue;
         }
         const uint8_t* b = rows[r] + g * block_bytes;
-        std::memcpy(slot, b + codes_at, 16);
+        for (int k = 0; k < 4; ++k) std::memcpy(dst + 32 * k + 4 * r, b + codes_at + 4 * k, 4);
         std::memcpy(&scale[r], b, 2);
         if (has_min)
           std::memcpy(&mn[r], b + 2, 2);

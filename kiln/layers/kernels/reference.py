@@ -26,8 +26,9 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit groups of 32 (codes q [..., N, K] in 0..15, scale and min [..., N, K/32]; w = scale
     * q + min) -> the kernels' layout, uint8 [..., ceil(N/8), K/32, 160] (see kernels.cpp):
-    per tile of 8 rows and group, the codes of row pairs (p, p+4) in 32 bytes each (byte j of
-    a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales, then their fp16 mins. Rows
+    per tile of 8 rows and group, 4 vectors of 32 bytes, vector k holding bytes 4k..4k+3 of
+    each row r at 4r (byte j of a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales,
+    then their fp16 mins. Rows
     past N are zeros. Leading dimensions (a layer's stacked experts) are packed in the same
     call; `out` (that shape, any strides with contiguous 160-byte blocks: a slice of a larger
     buffer) is written in place and returned."""
@@ -85,12 +86,12 @@ def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
     # cores: 0.49 s at once, 0.86 s one expert at a time).
     if full:
         f = full * Q4_TILE
-        # Slot s of a tile holds row (s % 2) * 4 + s // 2 (rows 0,4,1,5,2,6,3,7): row h*4+p
-        # goes to slot 2p+h, so the reordering is a permutation of views, not a gather.
-        dst = out[..., :full, :, :128].unflatten(-1, (4, 2, 16))  # [..., T, G, p, h, 16]
-        src = byte[..., :f, :, :].unflatten(-3, (full, 2, 4))  # [..., T, h, p, G, 16]
-        nd = src.dim()
-        dst.copy_(src.permute(*range(nd - 5), nd - 5, nd - 2, nd - 3, nd - 4, nd - 1))
+        # Vector k of a group holds each row's bytes 4k..4k+3, row r in lane r: a permutation of
+        # views, not a gather.
+        dst = out[..., :full, :, :128].unflatten(-1, (4, Q4_TILE, 4))  # [..., T, G, k, r, 4]
+        src = byte[..., :f, :, :].unflatten(-3, (full, Q4_TILE)).unflatten(-1, (4, 4))
+        nd = src.dim()  # src [..., T, r, G, k, 4]
+        dst.copy_(src.permute(*range(nd - 5), nd - 5, nd - 3, nd - 2, nd - 4, nd - 1))
         for off, v in ((128, scale), (144, mn)):
             half = out[..., :full, :, off:off + 16].view(torch.float16)  # [..., T, G, 8 rows]
             half.copy_(v[..., :f, :].unflatten(-2, (full, Q4_TILE)).transpose(-1, -2))
@@ -109,8 +110,8 @@ def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
 def unpack_q4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack_q4's inverse: (codes uint8 [n, K], scale fp32 [n, K/32], min fp32 [n, K/32])."""
     nt, g, _ = packed.shape
-    b = packed[..., :128].reshape(nt, g, Q4_TILE, 16)  # rows in pair order 0,4,1,5,...
-    b = b[:, :, torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])]  # back to rows 0..7
+    b = packed[..., :128].reshape(nt, g, 4, Q4_TILE, 4)  # [NT, G, k, r, 4]
+    b = b.permute(0, 1, 3, 2, 4).reshape(nt, g, Q4_TILE, 16)  # a row's 16 bytes in order
     q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [NT, G, 8, 2 halves, 16]
     q = q.permute(0, 2, 1, 3, 4).reshape(nt * Q4_TILE, g * 32)[:n]
 
