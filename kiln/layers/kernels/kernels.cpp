@@ -89,34 +89,6 @@ struct QRows {
   const float* srow(int64_t r) const { return sum.data() + r * G; }
 };
 
-// Four activation codes at p in every 32-bit lane.
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-// S + one tile vector's products: lo's codes against the four activation codes at xl, hi's
-// against xh, each row's in its own lane. With VNNI the sums are int32 (vpdpbusd); without,
-// int16 pairs (vpmaddubsw) that dot4_sum widens once per group: a group's 32 products of a
-// 4-bit code and an int8 code stay within 16 x 15 x 127 = 30480 per int16 lane, so both forms
-// give the same exact integers.
-inline __m256i dot4_acc(__m256i S, __m256i lo, __m256i hi, const int8_t* xl, const int8_t* xh) {
-#if KILN_VNNI
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(S, lo, bcast4(xl)), hi, bcast4(xh));
-#else
-  return _mm256_add_epi16(S, _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xl)),
-                                               _mm256_maddubs_epi16(hi, bcast4(xh))));
-#endif
-}
-// dot4_acc's sums as int32, one row per lane
-inline __m256i dot4_sum(__m256i S) {
-#if KILN_VNNI
-  return S;
-#else
-  return _mm256_madd_epi16(S, _mm256_set1_epi16(1));
-#endif
-}
-
 // One tile (8 output rows, all G groups of its blocks at w) against MB activation rows
 // (indices rows[0..MB) of xs) -> out[m] = the 8 fp32 dot products of row m. Vector k of a
 // group holds codes 4k..4k+3 (low nibbles) and 16+4k..16+4k+3 (high) of every row, one row per
@@ -128,7 +100,6 @@ template <int MB>
 inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m256* out,
                      int64_t pf = KILN_PF) {
   const int64_t G = xs.G;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xsum[MB];
@@ -144,21 +115,22 @@ inline void tile_dot(const uint8_t* w, const QRows& xs, const int64_t* rows, __m
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = w + g * kBlockBytes;
     prefetch_at(b, pf, kBlockBytes);
+    // with VNNI int32 sums; without, int16 pairs (a group's 32 products of a 4-bit code and
+    // an int8 code stay within 16 x 15 x 127 = 30480 per int16 lane): the same integers
     __m256i S[MB];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * k));
-      const __m256i lo = _mm256_and_si256(v, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      __m256i lo, hi;
+      nib_k<1>(b, 0, k, lo, hi);
       for (int m = 0; m < MB; ++m) {
         const int8_t* xp = xq[m] + g * kGroup + 4 * k;
-        S[m] = dot4_acc(k ? S[m] : _mm256_setzero_si256(), lo, hi, xp, xp + 16);
+        acc4(S[m], lo, hi, xp, xp + 16, k == 0);
       }
     }
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128)));
     const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 144)));
     for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_sum(S[m])),
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32(S[m])),
                                _mm256_mul_ps(sc, _mm256_set1_ps(xd[m][g])), acc[m]);
       accm[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m][g]), accm[m]);
     }
@@ -1239,6 +1211,17 @@ inline void silu_row(const float* g, const float* u, int64_t I, float* y) {
     _mm256_storeu_ps(y + c, silu_mul(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
 }
 
+// y = rms_norm(x) row by row, each row quantized into q as it is written: the one-call layers'
+// norm before their MLP, run by every thread of an enclosing region (an orphaned `omp for`).
+inline void norm_rows_omp(const float* x, const float* w, float eps, int64_t T, int64_t H,
+                          float* y, QRows& q) {
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    rms_row(x + t * H, w, eps, H, y + t * H);
+    q.quantize(t, y + t * H);
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
                   w.numel() == x.size(1) && x.size(1) % 8 == 0,
@@ -1545,11 +1528,7 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
 #pragma omp parallel num_threads(nt)
   {
     attn.run(nt);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h + t * H);
-      xh.quantize(t, h + t * H);
-    }
+    norm_rows_omp(x1, l2.data_ptr<float>(), e, T, H, h, xh);
     q4_tiles_omp(wp2, w[2].size(1) * kBlockBytes, w[2].size(0), xh, rows, T, 2 * I, gu, bias[0],
                  nullptr);
 #pragma omp for schedule(static)
@@ -1735,11 +1714,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
 #pragma omp parallel num_threads(nt)
   {
     attn.run(nt);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      rms_row(x1 + t * H, l2.data_ptr<float>(), e, H, h2 + t * H);
-      xs.quantize(t, h2 + t * H);
-    }
+    norm_rows_omp(x1, l2.data_ptr<float>(), e, T, H, h2, xs);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < T * R; ++r)
       lp[r] = router_logit(h2 + (r / R) * H, rp + (r % R) * H, H);

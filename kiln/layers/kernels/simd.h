@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #error "kiln's kernels are built with -mavx2 -mfma -mf16c at least (kiln/layers/kernels/isa.py)"
@@ -179,6 +180,188 @@ void quantize_row(const T* x, int64_t K, int64_t span, int8_t* q, float* d, floa
       }
     }
   }
+}
+
+// ---- the tile kernels' shared pieces (kquant.cpp's GGUF-block tiles and kernels.cpp's int4
+// tiles): one row per 32-bit lane, the vector width as a parameter.
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// An empty asm that takes v and gives it back "changed": the compiler keeps the sums in the
+// order written. Without it GCC moved every product of a group ahead of the first addition
+// (integer adds reassociate) and spilled 32 of them to the stack: 1.5-2x slower.
+inline void pin(__m256i& v) { __asm__("" : "+v"(v)); }
+
+// ---- the vector width as a parameter. A tile kernel runs on NT tiles side by side: NT = 1,
+// one 256-bit vector (8 weight rows, one per 32-bit lane; every level), or NT = 2, one
+// 512-bit vector whose low half is tile t and high half tile t + 1 (16 rows; AVX-512 levels).
+// The tiles' layout is the same: a 512-bit kernel loads the same 32 bytes of two tiles (the
+// second `stride` bytes on) into one vector. Every lane computes what the 256-bit kernel
+// computes for its row, the same integer sums and the same float operations in the same order:
+// the same bits at both widths and at every level. Why: beyond one activation row the tile
+// kernels are bound by instructions, not memory, and half of them surround the dot products
+// (the activation broadcasts, the weight decode, the float step), which a pair does once for
+// 16 rows instead of 8. The dot products themselves run at one rate on Zen 4 (one 512-bit
+// vpdpbusd a cycle or two 256-bit ones: 3.6 vs 6.8 G/s on one core, 10 independent chains,
+// /tmp microbenchmark, ~225 G multiply-adds/s either way); CPUs with two 512-bit pipes (Intel
+// Xeon) also double those.
+template <int NT>
+struct Vec;
+
+template <>
+struct Vec<1> {
+  using I = __m256i;
+  using F = __m256;
+  // a per-tile 256-bit value (f(offset of the tile)), for every tile
+  template <typename Fn>
+  static I each(Fn f, int64_t) { return f(0); }
+  template <typename Fn>
+  static F eachf(Fn f, int64_t) { return f(0); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I i8(int8_t v) { return _mm256_set1_epi8(v); }
+  static I i32(int32_t v) { return _mm256_set1_epi32(v); }
+  static F f32(float v) { return _mm256_set1_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I x4(const int8_t* p) {  // four activation codes in every 32-bit lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+};
+
+inline __m256i v_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+inline __m256i v_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m256i v_add32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+inline __m256i v_sub32(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
+inline __m256i v_mullo32(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
+inline __m256i v_madd16(__m256i a, __m256i b) { return _mm256_madd_epi16(a, b); }
+inline __m256i v_slli32(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
+inline __m256i v_srai32(__m256i a, int n) { return _mm256_srai_epi32(a, n); }
+inline __m256i v_srli16(__m256i a, int n) { return _mm256_srli_epi16(a, n); }
+inline __m256i v_slli16(__m256i a, int n) { return _mm256_slli_epi16(a, n); }
+inline __m256 v_cvt(__m256i a) { return _mm256_cvtepi32_ps(a); }
+inline __m256 v_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 v_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 v_fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+#if KILN_VNNI
+inline __m256i v_dp(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+
+template <>
+struct Vec<2> {
+  using I = __m512i;
+  using F = __m512;
+  template <typename Fn>
+  static I each(Fn f, int64_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(f(0)), f(stride), 1);
+  }
+  template <typename Fn>
+  static F eachf(Fn f, int64_t stride) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(f(0)), f(stride), 1);
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I i8(int8_t v) { return _mm512_set1_epi8(v); }
+  static I i32(int32_t v) { return _mm512_set1_epi32(v); }
+  static F f32(float v) { return _mm512_set1_ps(v); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I x4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+};
+
+inline __m512i v_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+inline __m512i v_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+inline __m512i v_add32(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+inline __m512i v_sub32(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
+inline __m512i v_mullo32(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
+inline __m512i v_madd16(__m512i a, __m512i b) { return _mm512_madd_epi16(a, b); }
+inline __m512i v_slli32(__m512i a, int n) { return _mm512_slli_epi32(a, n); }
+inline __m512i v_srai32(__m512i a, int n) { return _mm512_srai_epi32(a, n); }
+inline __m512i v_srli16(__m512i a, int n) { return _mm512_srli_epi16(a, n); }
+inline __m512i v_slli16(__m512i a, int n) { return _mm512_slli_epi16(a, n); }
+inline __m512 v_cvt(__m512i a) { return _mm512_cvtepi32_ps(a); }
+inline __m512 v_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 v_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 v_fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+inline __m512i v_dp(__m512i acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline void pin(__m512i& v) { __asm__("" : "+v"(v)); }
+constexpr int kMaxTiles = 2;  // tiles per vector on this level
+#else
+constexpr int kMaxTiles = 1;
+#endif
+
+// v << n (n > 0) or v >> -n in 16-bit lanes; n is a constant once the k loops unroll.
+template <typename I>
+inline I shift16(I v, int n) {
+  return n > 0 ? v_slli16(v, n) : (n < 0 ? v_srli16(v, -n) : v);
+}
+
+// A nib's vector k (values 8k..8k+7 of the 8 rows) as lo (values 8k..8k+3) and hi
+// (8k+4..8k+7) codes, one row per 32-bit lane; st: the next tile's offset (NT = 2).
+template <int NT>
+inline void nib_k(const uint8_t* nib, int64_t st, int k, typename Vec<NT>::I& lo,
+                  typename Vec<NT>::I& hi) {
+  using V = Vec<NT>;
+  const auto m4 = V::i8(0x0F);
+  const auto v = V::each([&](int64_t o) { return load32(nib + o + 32 * k); }, st);
+  lo = v_and(v, m4);
+  hi = v_and(v_srli16(v, 4), m4);
+}
+
+// Vector k's fifth bits from an H (lo: bit 2k, hi: bit 2k + 1): codes become 0..31.
+template <int NT>
+inline void bit4_k(const uint8_t* hp, int64_t st, int k, typename Vec<NT>::I& lo,
+                   typename Vec<NT>::I& hi) {
+  using V = Vec<NT>;
+  const auto b4 = V::i8(0x10);
+  const auto H = V::each([&](int64_t o) { return load32(hp + o); }, st);
+  lo = v_or(lo, v_and(shift16(H, 4 - 2 * k), b4));
+  hi = v_or(hi, v_and(shift16(H, 3 - 2 * k), b4));
+}
+
+// lo / hi codes of vector k against activation row xq (the group's codes): int16, row r's
+// 4 products in lanes 2r, 2r + 1
+inline __m256i pair_k(__m256i lo, __m256i hi, const int8_t* xq, int k) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(lo, Vec<1>::x4(xq + 8 * k)),
+                          _mm256_maddubs_epi16(hi, Vec<1>::x4(xq + 8 * k + 4)));
+}
+
+// A group's code sums, one row per 32-bit lane, accumulated over vectors (lo's codes against
+// the four activation codes at xl, hi's against xh): with VNNI int32
+// sums of the products straight from vpdpbusd; without, pair_k's int16 pairs (row r's in
+// lanes 2r, 2r + 1), which `sum32` / `scaled32` then widen. Either way the same integers: the
+// int16 pairs never saturate (see each caller's bound). NT = 2 exists only with VNNI.
+template <typename I>
+inline void acc4(I& S, I lo, I hi, const int8_t* xl, const int8_t* xh, bool first) {
+#if KILN_VNNI
+  constexpr int NT = sizeof(I) / 32;
+  using V = Vec<NT>;
+  const I a = first ? V::zero() : S;
+  S = v_dp(v_dp(a, lo, V::x4(xl)), hi, V::x4(xh));
+#else
+  const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, Vec<1>::x4(xl)),
+                                     _mm256_maddubs_epi16(hi, Vec<1>::x4(xh)));
+  S = first ? t : _mm256_add_epi16(S, t);
+#endif
+  pin(S);
+}
+// the GGUF-block tiles' vector k: lo holds values 8k..8k+3, hi 8k+4..8k+7
+template <typename I>
+inline void acc_k(I& S, I lo, I hi, const int8_t* xq, int k, bool first) {
+  acc4(S, lo, hi, xq + 8 * k, xq + 8 * k + 4, first);
+}
+
+// acc_k's sums as int32, one row per lane
+template <typename I>
+inline I sum32(I S) {
+#if KILN_VNNI
+  return S;
+#else
+  return _mm256_madd_epi16(S, _mm256_set1_epi16(1));
+#endif
 }
 
 // kquant.cpp's GGUF-block linear, called by kernels.cpp's layer kernels (one library).
