@@ -53,6 +53,9 @@ def test_q4_linear_matches_reference(m, n, dtype):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     got = ck.q4_linear(x, packed, n)
     assert got.dtype == dtype and got.shape == (m, n)
+    # a row alone (one tile at a time) gives the bits it has among 16 or 40 (pairs of tiles in
+    # 512-bit vectors on AVX-512)
+    assert torch.equal(ck.q4_linear(x[-1:], packed, n), got[-1:])
     want = reference.q4_reference(x.float(), packed, n)
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -144,6 +147,10 @@ def test_moe_q4_matches_the_per_expert_loop(t):
     weights, ids = softmax_topk(logits, k, renormalize=True)
     got = ck.moe_q4(x, ids, weights, _stack(w13), _stack(w2))
     want = _moe_reference(x, weights, ids, w13, w2, emulate=True)
+    # a token alone (single tiles) gives the bits it has among 40 (experts with 8 rows or more
+    # run pairs of tiles on AVX-512)
+    assert torch.equal(ck.moe_q4(x[-1:], ids[-1:], weights[-1:], _stack(w13), _stack(w2)),
+                       got[-1:])
     # h = silu(gate) * up differs from the reference's in the last bits (fp32 sums, the
     # kernel's exp), enough to move an h element at a rounding boundary by one int8 step
     # (amax/127 of its group): allow a few such steps times the weights' size.
@@ -168,6 +175,10 @@ def test_moe_q4_repeated_expert_and_empty_experts():
     weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [1.0, 0.0]])
     got = ck.moe_q4(x, ids, weights, _stack(w13), _stack(w2))
     want = _moe_reference(x, weights, ids, w13, w2, emulate=True)
+    # a token alone (single tiles) gives the bits it has among 40 (experts with 8 rows or more
+    # run pairs of tiles on AVX-512)
+    assert torch.equal(ck.moe_q4(x[-1:], ids[-1:], weights[-1:], _stack(w13), _stack(w2)),
+                       got[-1:])
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
 
 

@@ -243,6 +243,7 @@ inline __m256i v_srli16(__m256i a, int n) { return _mm256_srli_epi16(a, n); }
 inline __m256i v_slli16(__m256i a, int n) { return _mm256_slli_epi16(a, n); }
 inline __m256 v_cvt(__m256i a) { return _mm256_cvtepi32_ps(a); }
 inline __m256 v_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 v_addf(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 inline __m256 v_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 v_fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
 #if KILN_VNNI
@@ -284,6 +285,7 @@ inline __m512i v_srli16(__m512i a, int n) { return _mm512_srli_epi16(a, n); }
 inline __m512i v_slli16(__m512i a, int n) { return _mm512_slli_epi16(a, n); }
 inline __m512 v_cvt(__m512i a) { return _mm512_cvtepi32_ps(a); }
 inline __m512 v_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 v_addf(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 inline __m512 v_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 inline __m512 v_fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
 inline __m512i v_dp(__m512i acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, w, x); }
