@@ -26,9 +26,10 @@
 // vector of 8 scales and one of 8 mins: no horizontal sums. (The tile it replaced held a row
 // pair per vector and reduced with three hadds per row and group: 1.29x slower with 256 rows,
 // Zen 4, and no faster at one.) From GGUF's Q4_0 / Q4_1 blocks it is a move of 4-byte pieces.
-// A tile's codes are expanded once per group and reused for up to 4 activation rows held in
-// registers; a tile's blocks are contiguous, so a step streams each weight once whatever its
-// row count.
+// A tile's codes are expanded once per group and reused for a register block of activation
+// rows (kMaxBlockRows: 8 on AVX-512, 4 on AVX2), and from 8 rows up AVX-512 runs two tiles in
+// one 512-bit vector; a tile's blocks are contiguous, so a step streams each weight once
+// whatever its row count.
 //
 // moe_q4: all the active experts of one MoE layer in one call (see the function).
 //
@@ -118,13 +119,9 @@ inline void tile_dot(const uint8_t* w, int64_t st, const QRows& xs, const int64_
     xsum[m] = xs.srow(rows[m]);
     acc[m] = V::fzero();
   }
-  auto f16x8 = [](const uint8_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = w + g * kBlockBytes;
-    prefetch_at(b, pf, kBlockBytes);
-    if (NT == 2) prefetch_at(b + st, pf, kBlockBytes);
+    prefetch_tiles<NT>(b, st, pf, kBlockBytes);
     // with VNNI int32 sums; without, int16 pairs (a group's 32 products of a 4-bit code and
     // an int8 code stay within 16 x 15 x 127 = 30480 per int16 lane): the same integers
     I S[MB];
@@ -137,8 +134,8 @@ inline void tile_dot(const uint8_t* w, int64_t st, const QRows& xs, const int64_
         acc4(S[m], lo, hi, xp, xp + 16, k == 0);
       }
     }
-    const F sc = V::eachf([&](int64_t o) { return f16x8(b + o + 128); }, st);
-    const F mn = V::eachf([&](int64_t o) { return f16x8(b + o + 144); }, st);
+    const F sc = f16s<NT>(b + 128, st);
+    const F mn = f16s<NT>(b + 144, st);
     for (int m = 0; m < MB; ++m) {
       acc[m] = v_fmadd(v_cvt(sum32(S[m])), v_mul(sc, V::f32(xd[m][g])), acc[m]);
       accm[m] = v_fmadd(mn, V::f32(xsum[m][g]), accm[m]);

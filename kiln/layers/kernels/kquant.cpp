@@ -428,10 +428,6 @@ DotFn dot_for(int64_t type) {
   }
 }
 
-inline __m256 f16x8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 inline __m256 u8x8(const uint8_t* p) {  // 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -460,19 +456,6 @@ inline I scaled32(I S, I sc32, I scv16) {
   (void)sc32;
   return _mm256_madd_epi16(S, scv16);
 #endif
-}
-
-// The prefetches of one block of each of the NT tiles (the second `st` bytes on)
-template <int NT>
-inline void prefetch_tiles(const uint8_t* w, int64_t st, int64_t pf, int64_t bytes) {
-  prefetch_at(w, pf, bytes);
-  if (NT == 2) prefetch_at(w + st, pf, bytes);
-}
-
-// the rows' fp16 scales at p (8 per tile) as floats
-template <int NT>
-inline typename Vec<NT>::F f16s(const uint8_t* p, int64_t st) {
-  return Vec<NT>::eachf([&](int64_t o) { return f16x8(p + o); }, st);
 }
 
 // Each tile_* computes NT tiles (8 rows each, nb blocks at w, the next tile `st` bytes on)

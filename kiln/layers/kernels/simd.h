@@ -366,6 +366,23 @@ inline I sum32(I S) {
 #endif
 }
 
+inline __m256 f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The prefetches of one block of each of the NT tiles (the second `st` bytes on)
+template <int NT>
+inline void prefetch_tiles(const uint8_t* w, int64_t st, int64_t pf, int64_t bytes) {
+  prefetch_at(w, pf, bytes);
+  if (NT == 2) prefetch_at(w + st, pf, bytes);
+}
+
+// the rows' fp16 scales at p (8 per tile) as floats
+template <int NT>
+inline typename Vec<NT>::F f16s(const uint8_t* p, int64_t st) {
+  return Vec<NT>::eachf([&](int64_t o) { return f16x8(p + o); }, st);
+}
+
 // kquant.cpp's GGUF-block linear, called by kernels.cpp's layer kernels (one library).
 at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                      at::IntArrayRef rows);
