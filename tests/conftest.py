@@ -352,10 +352,11 @@ def piper_joe() -> Path:
 FAST_FILES = frozenset({"test_backends.py", "test_cli_config.py", "test_cli_doctor_list.py",
     "test_docs.py", "test_hardware.py", "test_i18n.py", "test_kernels.py", "test_kquant.py",
     "test_kt_handoff.py", "test_kv_cache.py", "test_layering.py", "test_memory_fit.py",
-    "test_moe_routing_stats.py", "test_paths.py", "test_protocol.py", "test_registry_presets.py",
-    "test_resolve_sources.py", "test_runner_decisions.py", "test_sampler.py", "test_scheduler.py",
-    "test_scheduler_knobs.py", "test_settings_table.py", "test_startup.py", "test_test_folders.py",
-    "test_threads_governor.py", "test_tokenizer.py", "test_tool_parsers.py"})
+    "test_moe_routing_stats.py", "test_packaging.py", "test_paths.py", "test_protocol.py",
+    "test_registry_presets.py", "test_resolve_sources.py", "test_runner_decisions.py",
+    "test_sampler.py", "test_scheduler.py", "test_scheduler_knobs.py", "test_settings_table.py",
+    "test_startup.py", "test_test_folders.py", "test_threads_governor.py", "test_tokenizer.py",
+    "test_tool_parsers.py"})
 MODEL_FIXTURES = frozenset({"smollm2_runner", "make_engine", "qwen_coder_gguf",
                             "qwen_coder_15b_gguf", "whisper_tiny_en", "piper_joe"})
 

@@ -1,5 +1,5 @@
-"""kiln's human-facing text in English and Chinese: one catalogue (kiln/i18n/catalogue.py), one
-lookup (here).
+"""kiln's human-facing text in English and Chinese: one catalogue (the data file
+kiln/i18n/catalogue.toml, read by catalogue.py), one lookup (here).
 
     msg("device.no_cuda", requested="cuda")  ->  "--device cuda: no CUDA GPU found"
                                                   "--device cuda：未找到 CUDA GPU"      (lang zh)

@@ -331,11 +331,6 @@ LONG_TABLES: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
         # docs/flags.md is what the table generates
         "tests/unit/test_docs.py": ("test_docs_flags_md_is_generated_from_the_current_settings_table",),
     }),
-    "kiln/i18n/catalogue.py": ("CATALOGUE", {
-        "tests/unit/test_i18n.py": ("test_every_message_has_both_languages_with_the_same_fields",
-                               "test_every_key_the_code_looks_up_is_in_the_catalogue",
-                               "test_every_catalogue_entry_is_used"),
-    }),
 }
 
 
