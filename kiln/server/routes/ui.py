@@ -6,8 +6,10 @@
   GET /v1/dashboard/stats   the metrics registry by model (server/dashboard_stats.py)
   GET /v1/dashboard/config  the effective config: every setting with its source and reason
 
-The pages are plain files, no build step; a Content-Security-Policy lets them load and call
-nothing but this server, so a page can never reach another origin (and no inline script runs).
+The pages are plain files, no build step: each fills the blocks of one frame (ui/page.html: the
+head, the stylesheet, api.js), rendered by Jinja once when the routes are mounted. A
+Content-Security-Policy lets them load and call nothing but this server, so a page can never
+reach another origin (and no inline script runs).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from kiln.server import dashboard_stats
@@ -33,18 +36,26 @@ CSP = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'n
 PAGES = {"/": "chat.html", "/dashboard": "dashboard.html"}
 
 
+def render_pages() -> dict[str, str]:
+    """{route: the page's HTML}. Autoescaped, and an unknown name fails the render rather than
+    printing empty, though the pages take no values: they are the same for every server."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(UI_DIR), autoescape=True,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True)
+    return {path: env.get_template(name).render() for path, name in PAGES.items()}
+
+
 def mount_pages(app: FastAPI) -> None:
     """/ and /dashboard, and their files under /ui (kept out of the OpenAPI schema: not API)."""
 
-    def page(file: Path) -> Callable[[], Any]:
+    def page(html: str) -> Callable[[], Any]:
         async def serve() -> Any:
-            return FileResponse(file, media_type="text/html; charset=utf-8",
-                                headers={"Content-Security-Policy": CSP,
-                                         "Cache-Control": "no-cache"})
+            return HTMLResponse(html, headers={"Content-Security-Policy": CSP,
+                                               "Cache-Control": "no-cache"})
         return serve
 
-    for path, name in PAGES.items():
-        app.add_api_route(path, page(UI_DIR / name), methods=["GET"], include_in_schema=False)
+    for path, html in render_pages().items():
+        app.add_api_route(path, page(html), methods=["GET"], include_in_schema=False)
     app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
 
 
