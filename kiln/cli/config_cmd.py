@@ -16,7 +16,7 @@ from kiln.errors import ConfigError, KilnError
 from kiln.i18n import msg
 from kiln.settings import sources as S
 from kiln.settings import table as C
-from kiln.settings.resolve import ResolvedSettings, resolve_settings
+from kiln.settings.resolve import Resolved, ResolvedSettings, resolve_settings
 
 
 def add_parser(subparsers: Any) -> None:
@@ -94,15 +94,27 @@ def _main(args: argparse.Namespace) -> int:
         name = args.key.replace("-", "_")
         C.setting(name)
         r = s.values[name]
-        print(f"{r.value}\t[{r.source}] {r.reason}")
+        reason = msg("config.decided_at_serve.hint") if _decided_at_serve(r) else r.reason
+        print(f"{_shown(r)}\t[{r.source}] {reason}")
         return 0
     if getattr(args, "json", False):
         print(json.dumps(s.to_json(), indent=2, default=str))
         return 0
     print(f"config file: {_path(args)}" + ("" if _path(args).exists() else " (absent)"))
     for r in s.values.values():
-        st = C.BY_NAME[r.name]
-        value = "***" if r.name == "api_key" and r.value else r.value
-        shown = "auto (decided at serve time)" if st.auto and r.source == "auto" else value
-        print(f"  {r.name:<32} {shown!s:<20} [{r.source}]  {st.help}")
+        print(f"  {r.name:<32} {_shown(r)!s:<20} [{r.source}]  {C.BY_NAME[r.name].help}")
     return 0
+
+
+def _decided_at_serve(r: Resolved) -> bool:
+    """An auto value that nothing set: its rule reads the model and the hardware, which `kiln
+    config` does not load, so what the rule answers here (dtype's "CPU has no native bf16" on
+    a bf16 CPU) is not what `kiln serve` will run."""
+    return C.BY_NAME[r.name].auto is not None and r.source == "auto"
+
+
+def _shown(r: Resolved) -> Any:
+    """One setting's value as show and get print it."""
+    if _decided_at_serve(r):
+        return msg("config.decided_at_serve")
+    return "***" if r.name == "api_key" and r.value else r.value

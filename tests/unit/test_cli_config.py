@@ -6,6 +6,7 @@ import pytest
 
 from kiln.cli.main import main
 from kiln.errors import ConfigError
+from kiln.i18n import msg
 from kiln.settings.table import setting
 
 
@@ -72,3 +73,18 @@ def test_model_key_in_the_config_file_is_the_model_to_serve(tmp_path, capsys, mo
     got = json.loads(eff.read_text())
     assert got["settings"]["model"] == {"value": "smollm2", "source": "cli",
                                         "affects": "correctness", "reason": "set by MODEL"}
+
+
+def test_config_get_of_an_auto_setting_says_serve_decides_it(tmp_path, capsys, monkeypatch):
+    """dtype's rule reads the model and the hardware, which `kiln config` does not load: get
+    says so (as show does) instead of printing the rule's answer for no model on no CPU (once
+    "float32, CPU has no native bf16" on a CPU with AVX512-BF16)."""
+    monkeypatch.delenv("KILN_DTYPE", raising=False)
+    cfg = tmp_path / "config.toml"
+    assert main(["config", "--config", str(cfg), "get", "dtype"]) == 0
+    assert capsys.readouterr().out == (f"{msg('config.decided_at_serve')}\t[auto] "
+                                       f"{msg('config.decided_at_serve.hint')}\n")
+    assert main(["config", "--config", str(cfg), "set", "dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert main(["config", "--config", str(cfg), "get", "dtype"]) == 0
+    assert capsys.readouterr().out.startswith("bfloat16\t[file] ")
