@@ -4,6 +4,8 @@ so `kiln --help` and `kiln serve --dry-run` stay quick."""
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from typing import Any
 
@@ -63,7 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a short listing is still buffered: meet a closed pipe here
+        return rc
+    except BrokenPipeError:
+        if not _stdout_reader_left():
+            raise  # another pipe or socket broke: a real error, with its traceback
+        # `kiln list --registry | head`: the reader left, which ends a listing, not an error (a
+        # C tool dies of SIGPIPE, 141 to the shell). stdout goes to /dev/null so the exit's
+        # flush of what is still buffered does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports POLLERR on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll(), or stdout is not a file
+        return False
 
 
 if __name__ == "__main__":

@@ -161,3 +161,20 @@ def test_pull_offline_missing_model_fails_with_a_hint(
     assert json.loads(out)["error"]["code"] == "model.not_cached"
     # what a person reads: the offline notice, why the model is not found, and the way out
     assert msg("pull.offline") in err and msg("model.offline_on") in err and "hint:" in err
+
+
+def test_a_listing_into_a_reader_that_left_ends_without_a_traceback() -> None:
+    """`kiln list --registry | head -3`: head exits after three lines; kiln's next write meets a
+    closed pipe and ends quietly with SIGPIPE's status, as a C tool would."""
+    import subprocess
+    import sys
+
+    # The read end closed before kiln writes: every write meets EPIPE (SIGPIPE ignored, as
+    # Python does), whatever the pipe's buffer size.
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "list", "--registry"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
