@@ -1,6 +1,6 @@
 """The one builder of kiln's C++ CPU kernels: one library per ISA level (isa.LEVELS), each the
-same sources (kernels.cpp, kquant.cpp, simd.h) compiled with that level's -m flags into
-torch.ops.kiln_<level>.
+same sources (SOURCES, HEADERS; docs/kernels.md maps them) compiled with that
+level's -m flags into torch.ops.kiln_<level>.
 
 Built with torch.utils.cpp_extension (g++ and ninja, ~30 s a level) into ~/.cache/kiln/ext,
 keyed by the sources, torch, the flags and this CPU, so later starts only load it; `make
@@ -11,7 +11,7 @@ compiles it to an object file: CI on any CPU keeps every level's code compiling.
 Why C++ at all: decode reads every weight once per token, so the kernels are a memory stream
 with int8 dot products on it; PyTorch's int4 CPU kernel is compute-bound there ([1,1024] x
 [768,1024]: ~140 us on one Zen 3 thread vs ~38 us for q4_linear) and its per-op dispatch and
-parallel regions cost a third of a small model's step (see kernels.cpp's decode_layer).
+parallel regions cost a third of a small model's step (see layers.cpp's decode_layer).
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ from kiln.resolve.hardware import cpu_signature
 log = logging.getLogger("kiln.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "kernels.cpp", HERE / "kquant.cpp")
-HEADERS = (HERE / "simd.h",)
+# The compute-only sources include no ATen header (kernels.h, kquant.h): parsing ATen costs a
+# source ~2-6 s of a level's build, so the ATen-facing ops sit in four (ops.h). Longest first:
+# ninja starts them in this order, and the short ones fill the cores at the end.
+SOURCES = tuple(HERE / f for f in (
+    "layers.cpp", "kquant.cpp", "ops.cpp", "kquant_tiles.cpp", "lora.cpp", "attention.cpp",
+    "q4_tiles.cpp", "moe.cpp", "kquant_dots.cpp"))
+HEADERS = (HERE / "simd.h", HERE / "kernels.h", HERE / "kquant.h", HERE / "ops.h")
 # -mtune=native: scheduling for this CPU, no instruction beyond the level's -m flags.
 BASE_CFLAGS = ("-O3", "-mtune=native", "-fopenmp", "-std=c++17")
 

@@ -1,6 +1,7 @@
 // What kiln's kernel sources share: the build's ISA level (its namespace), the vector helpers
-// (hsum, hmax, load8 / store8, prefetch_ahead), the integer dot product of 4 byte pairs, and the
-// declarations one source calls in the other. One copy, included by kernels.cpp and kquant.cpp.
+// (hsum, hmax, load8 / store8, prefetch_ahead), the integer dot product of 4 byte pairs, the
+// activation quantizer and the tile kernels' pieces. One copy, included by every source; no ATen
+// (c10's Half and BFloat16 only), so that the compute-only sources stay light (kernels.h).
 //
 // ISA levels. Every source is compiled once per level of kiln/layers/kernels/isa.py's table,
 // with explicit -m flags (never -march=native: CI compiles the levels its CPU cannot run too),
@@ -12,7 +13,8 @@
 
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -60,12 +62,12 @@ inline float hmax(__m256 v) {
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
+inline __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 // fp16 (a KV pool's keys and values, llama.cpp's default storage), exactly (F16C)
-inline __m256 load8(const at::Half* p) {
+inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 // int8 weights (q8_linear's rows) converted exactly, as q8_linear's L1 buffer holds them
@@ -75,7 +77,7 @@ inline __m256 load8(const int8_t* p) {
 }
 // 8 floats into a KV pool: fp32 as they are, fp16 rounded to nearest even (F16C)
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::Half* p, __m256 v) {
+inline void store8(c10::Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
@@ -182,8 +184,8 @@ void quantize_row(const T* x, int64_t K, int64_t span, int8_t* q, float* d, floa
   }
 }
 
-// ---- the tile kernels' shared pieces (kquant.cpp's GGUF-block tiles and kernels.cpp's int4
-// tiles): one row per 32-bit lane, the vector width as a parameter.
+// ---- the tile kernels' shared pieces (kquant_tiles.cpp's GGUF-block tiles and q4_tiles.cpp's
+// int4 tiles): one row per 32-bit lane, the vector width as a parameter.
 
 inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -382,9 +384,5 @@ template <int NT>
 inline typename Vec<NT>::F f16s(const uint8_t* p, int64_t st) {
   return Vec<NT>::eachf([&](int64_t o) { return f16x8(p + o); }, st);
 }
-
-// kquant.cpp's GGUF-block linear, called by kernels.cpp's layer kernels (one library).
-at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
-                     at::IntArrayRef rows);
 
 }  // namespace KILN_NS

@@ -1,0 +1,63 @@
+// What kiln's GGUF-block sources share (kquant.cpp's op and packing, kquant_dots.cpp's
+// row-at-a-time kernels, kquant_tiles.cpp's tile kernels): the type ids, the activation rows
+// as the kernels read them and the kernel tables. No ATen (kernels.h says why); kquant.cpp
+// describes the formats.
+
+#pragma once
+
+#include <cstdint>
+
+#include "simd.h"
+
+namespace KILN_NS {
+
+// ggml type ids (GGUF's tensor-table values)
+constexpr int64_t kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kMaxRows = 4;  // activation rows per register block (row kernels)
+// Activation rows per pass of a tile kernel: each weight vector, once expanded, serves them all.
+// AVX-512's 32 vector registers hold 8 rows' sums where AVX2's 16 hold 4 (more would spill;
+// Zen 4, 2 threads, 16 rows: Q4_K 0.358 -> 0.329 ms, Q6_K 0.421 -> 0.378, Q8_0 3.35 -> 3.10).
+// The 5-bit types keep two int16 sums per row without VNNI (kQ5Split, below), one int32 sum
+// with it, so they take 8 rows there too. The k loops are unrolled by pragma: left to GCC, the
+// 5-bit ones kept a loop whose shift16 became an indirect jump per vector (Zen 4, 1 thread,
+// 16 rows, 9728 x 896 Q5_0: 1.35 -> 1.22 ms; the Q8_0 head 26.3 -> 25.3).
+constexpr int kTileRows = KILN_VNNI ? 8 : 4;
+
+// One quantized activation row: codes q [K], per group of 32 its span's scale d [K/32] (the
+// same for the 8 groups of a 256-value span) and s [K/32] (d * sum(q)).
+struct XRow {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* is;  // sum of the group's codes (the tiles' Q5_0 offset, K-quants' mins)
+  const int32_t* h;   // int16 pair: sums of codes 0..15 and 16..31 (the tiles' Q6_K offset)
+};
+
+using DotFn = void (*)(const uint8_t*, int64_t, const XRow*, float*);
+
+// the row kernel of `type` for MB activation rows (MB = 1..kMaxRows; kquant_dots.cpp), or null
+template <int MB>
+DotFn dot_for(int64_t type);
+
+// The activation rows a tile kernel reads: row m's codes at q + m * K, its per-group scalars
+// at d / s / is / h + m * G (the rows of one kq_linear call are consecutive).
+struct XTiles {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* is;
+  const int32_t* h;
+  int64_t K, G;
+  int64_t pf = KILN_PF;  // where the kernel's prefetches point (simd.h's pass_prefetch)
+};
+
+// A tile kernel on NT tiles (st: the second tile's offset) and MB activation rows
+template <int NT>
+using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const XTiles&, typename Vec<NT>::F*);
+
+// f[mb] = the tile kernel of `type` for mb activation rows, mb = 1..kTileRows (f[0] unused;
+// kquant_tiles.cpp: NT = 1 and, on AVX-512, 2)
+template <int NT, int MB = 1>
+void fill_tiles(TileFn<NT>* f, int64_t type);
+
+}  // namespace KILN_NS

@@ -1,0 +1,188 @@
+// moe_q4's compute: all the active experts of one MoE layer in one call, on the int4 tiles
+// (q4_tiles.cpp). moe_plan sorts the step's (token, expert) pairs by expert and splits the work
+// items between the threads; moe_q4_omp runs them (gate and up, silu, down, each token's sum).
+// The op (moe_q4) is ops.cpp's, the one-region MoE layer (moe_layer_q4) layers.cpp's. Compute
+// only: no ATen here (kernels.h says why).
+
+#include <c10/util/Exception.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace KILN_NS {
+namespace {
+
+// moe_q4's work split: items (active expert a, tile j) expert-major, `per` tiles an expert, cut
+// into nt contiguous ranges of about equal cost, an item costing its expert's rows plus
+// kTileCost (reading the tile's weights: about what 2 rows of compute take at T = 1). Why not
+// `omp for schedule(dynamic)`: its chunks interleave the threads over each expert, so neither
+// thread streams its weights in order (one token's 8 experts on the first MoE benchmark model's
+// 24 layers, Zen 4: 288 us a layer, 20 GB/s, against 138 us, 42 GB/s split in ranges);
+// static over items ignores the experts' different row counts. -> bounds [nt + 1].
+std::vector<int64_t> split_items(const std::vector<int64_t>& active,
+                                 const std::vector<int64_t>& offsets, int64_t per, int nt) {
+  constexpr int64_t kTileCost = 2;
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<int64_t> cost(A + 1, 0);  // cumulative cost before active expert a
+  for (int64_t a = 0; a < A; ++a)
+    cost[a + 1] = cost[a] + per * (offsets[active[a] + 1] - offsets[active[a]] + kTileCost);
+  std::vector<int64_t> bounds(nt + 1, A * per);
+  bounds[0] = 0;
+  int64_t a = 0;
+  for (int t = 1; t < nt; ++t) {
+    const int64_t target = cost[A] * t / nt;  // the first item whose cost starts at or past it
+    while (a < A && cost[a + 1] <= target) ++a;
+    if (a == A) break;
+    const int64_t c = cost[a + 1] - cost[a];
+    bounds[t] = a * per + std::min(per, ((target - cost[a]) * per + c - 1) / c);
+  }
+  return bounds;
+}
+
+}  // namespace
+
+MoePlan moe_plan(const int64_t* idp, const float* wp, int64_t T, int64_t k, int64_t E,
+                 int64_t it1, int64_t it2, int nt) {
+  MoePlan pl;
+  const int64_t P = T * k;
+  pl.T = T;
+  pl.k = k;
+  // id -1: the pair's expert lives in another pool (kiln/layers/moe.py SplitExperts), skipped
+  pl.offsets.assign(E + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(idp[p] >= -1 && idp[p] < E, "moe_q4: expert id ", idp[p], " out of range");
+    if (idp[p] >= 0) ++pl.offsets[idp[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) pl.offsets[e + 1] += pl.offsets[e];
+  pl.Pv = pl.offsets[E];
+  pl.token_of.resize(pl.Pv);
+  pl.weight_of.resize(pl.Pv);
+  pl.slot_of.resize(P);
+  std::vector<int64_t> fill(pl.offsets.begin(), pl.offsets.end() - 1);
+  for (int64_t p = 0; p < P; ++p) {
+    if (idp[p] < 0) {
+      pl.slot_of[p] = -1;
+      continue;
+    }
+    const int64_t s = fill[idp[p]]++;
+    pl.token_of[s] = p / k;
+    pl.weight_of[s] = wp[p];
+    pl.slot_of[p] = s;
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (pl.offsets[e + 1] > pl.offsets[e]) pl.active.push_back(e);
+  pl.pair_rows.resize(pl.Pv);
+  for (int64_t s = 0; s < pl.Pv; ++s) pl.pair_rows[s] = s;
+  pl.per = KILN_VNNI && pl.Pv >= kMaxBlockRows * static_cast<int64_t>(pl.active.size()) ? 2 : 1;
+  pl.split1 = split_items(pl.active, pl.offsets, moe_units(it1, pl.per), nt);
+  pl.split2 = split_items(pl.active, pl.offsets, moe_units(it2, pl.per), nt);
+  return pl;
+}
+
+// moe_q4's work, run by every thread `tid` of an enclosing parallel region (its barriers are
+// the region's): xs holds the tokens' quantized rows; h [Pv, I], o [Pv, H] and hs are scratch;
+// y [T, H] = resid (null: 0) + each token's sum of its pairs' rows. Phase 1: items (active
+// expert, 8 intermediate columns) compute the gate and up tiles for all of the expert's rows
+// and write silu(gate) * up to h; h is quantized per pair row. Phase 2: items (active expert,
+// 8 output columns) write weight * down to o. Finally each token sums its k rows of o. Every
+// buffer row and column range has one writer: no atomics, no races; each active expert's
+// weights are read once per phase for all its rows.
+void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float* h, QRows& hs,
+                float* o, float* y, const float* resid, int tid) {
+  constexpr int64_t kRowChunk = 32;
+  const int64_t H = mw.H, I = mw.I, it1 = I / kTile, it2 = H / kTile, k = pl.k;
+  const int64_t per = pl.per, u1 = moe_units(it1, per), u2 = moe_units(it2, per);
+  __m256 g[kRowChunk], u[kRowChunk];
+#if KILN_VNNI
+  __m512 g2[kRowChunk], up2[kRowChunk];
+#endif
+  int64_t rows[kRowChunk];
+  // The split's ranges are the plan's thread count's; a team given fewer threads takes
+  // several each (every range runs once, whatever the team).
+  const int team = omp_get_num_threads();
+  const int nr_ranges = static_cast<int>(pl.split1.size()) - 1;
+  // Phase 1: gate/up. Items are expert-major; each thread takes one contiguous range of
+  // them (split1), so it streams its experts' weights front to back.
+  for (int r = tid; r < nr_ranges; r += team)
+  for (int64_t item = pl.split1[r]; item < pl.split1[r + 1]; ++item) {
+    const int64_t e = pl.active[item / u1], j0 = item % u1 * per;
+    const int64_t nj = std::min(per, it1 - j0);
+    const uint8_t* we = mw.w13 + e * mw.w13_expert;
+    for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
+      const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
+      for (int64_t m = 0; m < nr; ++m) rows[m] = pl.token_of[r0 + m];
+#if KILN_VNNI
+      if (nj == 2 && nr >= kMaxBlockRows) {
+        const int64_t st = mw.w13_tile;
+        tile_rows<2>(we + j0 * st, st, xs, rows, nr, g2, 2 * st);
+        tile_rows<2>(we + (it1 + j0) * st, st, xs, rows, nr, up2, 2 * st);
+        for (int64_t m = 0; m < nr; ++m) {
+          float* hr = h + (r0 + m) * I + j0 * kTile;
+          _mm256_storeu_ps(hr, silu_mul(_mm512_castps512_ps256(g2[m]),
+                                        _mm512_castps512_ps256(up2[m])));
+          _mm256_storeu_ps(hr + kTile, silu_mul(_mm512_extractf32x8_ps(g2[m], 1),
+                                                _mm512_extractf32x8_ps(up2[m], 1)));
+        }
+        continue;
+      }
+#endif
+      for (int64_t j = j0; j < j0 + nj; ++j) {
+        tile_rows(we + j * mw.w13_tile, mw.w13_tile, xs, rows, nr, g, mw.w13_tile);
+        tile_rows(we + (it1 + j) * mw.w13_tile, mw.w13_tile, xs, rows, nr, u, mw.w13_tile);
+        for (int64_t m = 0; m < nr; ++m)
+          _mm256_storeu_ps(h + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
+      }
+    }
+  }
+#pragma omp barrier
+  quantize_rows_omp(h, pl.Pv, I, hs);
+  // Phase 2: down, scaled by each pair's routing weight.
+  for (int r = tid; r < nr_ranges; r += team)
+  for (int64_t item = pl.split2[r]; item < pl.split2[r + 1]; ++item) {
+    const int64_t e = pl.active[item / u2], j0 = item % u2 * per;
+    const int64_t nj = std::min(per, it2 - j0);
+    const uint8_t* we = mw.w2 + e * mw.w2_expert;
+    for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
+      const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
+      const int64_t* pr = pl.pair_rows.data() + r0;
+#if KILN_VNNI
+      if (nj == 2 && nr >= kMaxBlockRows) {
+        const int64_t st = mw.w2_tile;
+        tile_rows<2>(we + j0 * st, st, hs, pr, nr, g2, 2 * st);
+        for (int64_t m = 0; m < nr; ++m) {
+          const __m512 v = _mm512_mul_ps(g2[m], _mm512_set1_ps(pl.weight_of[r0 + m]));
+          _mm512_storeu_ps(o + (r0 + m) * H + j0 * kTile, v);
+        }
+        continue;
+      }
+#endif
+      for (int64_t j = j0; j < j0 + nj; ++j) {
+        tile_rows(we + j * mw.w2_tile, mw.w2_tile, hs, pr, nr, g, mw.w2_tile);
+        for (int64_t m = 0; m < nr; ++m)
+          _mm256_storeu_ps(o + (r0 + m) * H + j * kTile,
+                           _mm256_mul_ps(g[m], _mm256_set1_ps(pl.weight_of[r0 + m])));
+      }
+    }
+  }
+#pragma omp barrier
+  // Each token sums its k pair rows (in its experts' order: deterministic), then the
+  // residual is added as the eager layer adds it (x1 + moe(h)).
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < pl.T; ++t) {
+    float* yt = y + t * H;
+    for (int64_t c = 0; c < H; c += kTile) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; ++j)
+        if (pl.slot_of[t * k + j] >= 0)
+          s = _mm256_add_ps(s, _mm256_loadu_ps(o + pl.slot_of[t * k + j] * H + c));
+      if (resid) s = _mm256_add_ps(_mm256_loadu_ps(resid + t * H + c), s);
+      _mm256_storeu_ps(yt + c, s);
+    }
+  }
+}
+
+}  // namespace KILN_NS
