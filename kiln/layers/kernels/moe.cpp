@@ -105,15 +105,24 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
   // several each (every range runs once, whatever the team).
   const int team = omp_get_num_threads();
   const int nr_ranges = static_cast<int>(pl.split1.size()) - 1;
-  // Phase 1: gate/up. Items are expert-major; each thread takes one contiguous range of
-  // them (split1), so it streams its experts' weights front to back.
-  for (int r = tid; r < nr_ranges; r += team)
-  for (int64_t item = pl.split1[r]; item < pl.split1[r + 1]; ++item) {
-    const int64_t e = pl.active[item / u1], j0 = item % u1 * per;
-    const int64_t nj = std::min(per, it1 - j0);
-    const uint8_t* we = mw.w13 + e * mw.w13_expert;
-    for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
-      const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
+  // A phase's work items: this thread's ranges of `split` (items are expert-major; each thread
+  // takes one contiguous range of them, so it streams its experts' weights front to back),
+  // `units` items an expert over its `tiles` tiles, each expert's sorted rows in chunks:
+  // body(the expert's weights w + e * expert_bytes, first tile j0, tiles nj, rows r0, nr).
+  auto for_items = [&](const std::vector<int64_t>& split, int64_t units, int64_t tiles,
+                       const uint8_t* w, int64_t expert_bytes, auto&& body) {
+    for (int r = tid; r < nr_ranges; r += team)
+      for (int64_t item = split[r]; item < split[r + 1]; ++item) {
+        const int64_t e = pl.active[item / units], j0 = item % units * per;
+        const int64_t nj = std::min(per, tiles - j0);
+        const uint8_t* we = w + e * expert_bytes;
+        for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk)
+          body(we, j0, nj, r0, std::min(kRowChunk, pl.offsets[e + 1] - r0));
+      }
+  };
+  // Phase 1: gate/up (split1).
+  for_items(pl.split1, u1, it1, mw.w13, mw.w13_expert, [&](const uint8_t* we, int64_t j0,
+                                                           int64_t nj, int64_t r0, int64_t nr) {
       for (int64_t m = 0; m < nr; ++m) rows[m] = pl.token_of[r0 + m];
 #if KILN_VNNI
       if (nj == 2 && nr >= kMaxBlockRows) {
@@ -127,7 +136,7 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
           _mm256_storeu_ps(hr + kTile, silu_mul(_mm512_extractf32x8_ps(g2[m], 1),
                                                 _mm512_extractf32x8_ps(up2[m], 1)));
         }
-        continue;
+        return;
       }
 #endif
       for (int64_t j = j0; j < j0 + nj; ++j) {
@@ -136,18 +145,12 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
         for (int64_t m = 0; m < nr; ++m)
           _mm256_storeu_ps(h + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
       }
-    }
-  }
+  });
 #pragma omp barrier
   quantize_rows_omp(h, pl.Pv, I, hs);
-  // Phase 2: down, scaled by each pair's routing weight.
-  for (int r = tid; r < nr_ranges; r += team)
-  for (int64_t item = pl.split2[r]; item < pl.split2[r + 1]; ++item) {
-    const int64_t e = pl.active[item / u2], j0 = item % u2 * per;
-    const int64_t nj = std::min(per, it2 - j0);
-    const uint8_t* we = mw.w2 + e * mw.w2_expert;
-    for (int64_t r0 = pl.offsets[e]; r0 < pl.offsets[e + 1]; r0 += kRowChunk) {
-      const int64_t nr = std::min(kRowChunk, pl.offsets[e + 1] - r0);
+  // Phase 2: down, scaled by each pair's routing weight (split2).
+  for_items(pl.split2, u2, it2, mw.w2, mw.w2_expert, [&](const uint8_t* we, int64_t j0,
+                                                         int64_t nj, int64_t r0, int64_t nr) {
       const int64_t* pr = pl.pair_rows.data() + r0;
 #if KILN_VNNI
       if (nj == 2 && nr >= kMaxBlockRows) {
@@ -157,7 +160,7 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
           const __m512 v = _mm512_mul_ps(g2[m], _mm512_set1_ps(pl.weight_of[r0 + m]));
           _mm512_storeu_ps(o + (r0 + m) * H + j0 * kTile, v);
         }
-        continue;
+        return;
       }
 #endif
       for (int64_t j = j0; j < j0 + nj; ++j) {
@@ -166,8 +169,7 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
           _mm256_storeu_ps(o + (r0 + m) * H + j * kTile,
                            _mm256_mul_ps(g[m], _mm256_set1_ps(pl.weight_of[r0 + m])));
       }
-    }
-  }
+  });
 #pragma omp barrier
   // Each token sums its k pair rows (in its experts' order: deterministic), then the
   // residual is added as the eager layer adds it (x1 + moe(h)).

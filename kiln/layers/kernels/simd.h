@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #error "kiln's kernels are built with -mavx2 -mfma -mf16c at least (kiln/layers/kernels/isa.py)"
@@ -209,93 +210,87 @@ inline void pin(__m256i& v) { __asm__("" : "+v"(v)); }
 // vpdpbusd a cycle or two 256-bit ones: 3.6 vs 6.8 G/s on one core, 10 independent chains,
 // /tmp microbenchmark, ~225 G multiply-adds/s either way); CPUs with two 512-bit pipes (Intel
 // Xeon) also double those.
+//
+// One struct for both widths: each member picks its 256- or 512-bit intrinsic at compile time
+// (the 512-bit ones are only instantiated on AVX-512 levels, where kMaxTiles is 2).
 template <int NT>
-struct Vec;
-
-template <>
-struct Vec<1> {
-  using I = __m256i;
-  using F = __m256;
+struct Vec {
+  static_assert(NT == 1 || NT == 2, "one or two tiles per vector");
+  using I = std::conditional_t<NT == 1, __m256i, __m512i>;
+  using F = std::conditional_t<NT == 1, __m256, __m512>;
   // a per-tile 256-bit value (f(offset of the tile)), for every tile
   template <typename Fn>
-  static I each(Fn f, int64_t) { return f(0); }
-  template <typename Fn>
-  static F eachf(Fn f, int64_t) { return f(0); }
-  static I zero() { return _mm256_setzero_si256(); }
-  static I i8(int8_t v) { return _mm256_set1_epi8(v); }
-  static I i32(int32_t v) { return _mm256_set1_epi32(v); }
-  static F f32(float v) { return _mm256_set1_ps(v); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static I x4(const int8_t* p) {  // four activation codes in every 32-bit lane
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-  }
-};
-
-inline __m256i v_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
-inline __m256i v_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
-inline __m256i v_add32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
-inline __m256i v_sub32(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
-inline __m256i v_mullo32(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
-inline __m256i v_madd16(__m256i a, __m256i b) { return _mm256_madd_epi16(a, b); }
-inline __m256i v_slli32(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
-inline __m256i v_srai32(__m256i a, int n) { return _mm256_srai_epi32(a, n); }
-inline __m256i v_srli16(__m256i a, int n) { return _mm256_srli_epi16(a, n); }
-inline __m256i v_slli16(__m256i a, int n) { return _mm256_slli_epi16(a, n); }
-inline __m256 v_cvt(__m256i a) { return _mm256_cvtepi32_ps(a); }
-inline __m256 v_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
-inline __m256 v_addf(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-inline __m256 v_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
-inline __m256 v_fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
-#if KILN_VNNI
-inline __m256i v_dp(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
-
-template <>
-struct Vec<2> {
-  using I = __m512i;
-  using F = __m512;
-  template <typename Fn>
   static I each(Fn f, int64_t stride) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(f(0)), f(stride), 1);
+    if constexpr (NT == 1) {
+      (void)stride;
+      return f(0);
+    } else {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(f(0)), f(stride), 1);
+    }
   }
   template <typename Fn>
   static F eachf(Fn f, int64_t stride) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(f(0)), f(stride), 1);
+    if constexpr (NT == 1) {
+      (void)stride;
+      return f(0);
+    } else {
+      return _mm512_insertf32x8(_mm512_castps256_ps512(f(0)), f(stride), 1);
+    }
   }
-  static I zero() { return _mm512_setzero_si512(); }
-  static I i8(int8_t v) { return _mm512_set1_epi8(v); }
-  static I i32(int32_t v) { return _mm512_set1_epi32(v); }
-  static F f32(float v) { return _mm512_set1_ps(v); }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static I x4(const int8_t* p) {
+  static I zero() {
+    if constexpr (NT == 1) return _mm256_setzero_si256(); else return _mm512_setzero_si512();
+  }
+  static I i8(int8_t v) {
+    if constexpr (NT == 1) return _mm256_set1_epi8(v); else return _mm512_set1_epi8(v);
+  }
+  static I i32(int32_t v) {
+    if constexpr (NT == 1) return _mm256_set1_epi32(v); else return _mm512_set1_epi32(v);
+  }
+  static F f32(float v) {
+    if constexpr (NT == 1) return _mm256_set1_ps(v); else return _mm512_set1_ps(v);
+  }
+  static F fzero() {
+    if constexpr (NT == 1) return _mm256_setzero_ps(); else return _mm512_setzero_ps();
+  }
+  static I x4(const int8_t* p) {  // four activation codes in every 32-bit lane
     int32_t v;
     std::memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    return i32(v);
   }
 };
 
-inline __m512i v_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
-inline __m512i v_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
-inline __m512i v_add32(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
-inline __m512i v_sub32(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
-inline __m512i v_mullo32(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
-inline __m512i v_madd16(__m512i a, __m512i b) { return _mm512_madd_epi16(a, b); }
-inline __m512i v_slli32(__m512i a, int n) { return _mm512_slli_epi32(a, n); }
-inline __m512i v_srai32(__m512i a, int n) { return _mm512_srai_epi32(a, n); }
-inline __m512i v_srli16(__m512i a, int n) { return _mm512_srli_epi16(a, n); }
-inline __m512i v_slli16(__m512i a, int n) { return _mm512_slli_epi16(a, n); }
-inline __m512 v_cvt(__m512i a) { return _mm512_cvtepi32_ps(a); }
-inline __m512 v_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
-inline __m512 v_addf(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-inline __m512 v_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
-inline __m512 v_fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
-inline __m512i v_dp(__m512i acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, w, x); }
+// The lane operations at both widths, one line each: NAME on a 256-bit vector runs OP256, on a
+// 512-bit one (two tiles, AVX-512 levels only) OP512, the same operation.
+template <typename V>
+constexpr bool kWide = sizeof(V) == 64;
+#define KILN_LANE(NAME, PARAMS, ARGS, OP256, OP512)               \
+  template <typename V>                                         \
+  inline auto NAME PARAMS {                                     \
+    if constexpr (kWide<V>) return OP512 ARGS; else return OP256 ARGS; \
+  }
+KILN_LANE(v_and, (V a, V b), (a, b), _mm256_and_si256, _mm512_and_si512)
+KILN_LANE(v_or, (V a, V b), (a, b), _mm256_or_si256, _mm512_or_si512)
+KILN_LANE(v_add32, (V a, V b), (a, b), _mm256_add_epi32, _mm512_add_epi32)
+KILN_LANE(v_sub32, (V a, V b), (a, b), _mm256_sub_epi32, _mm512_sub_epi32)
+KILN_LANE(v_mullo32, (V a, V b), (a, b), _mm256_mullo_epi32, _mm512_mullo_epi32)
+KILN_LANE(v_madd16, (V a, V b), (a, b), _mm256_madd_epi16, _mm512_madd_epi16)
+KILN_LANE(v_slli32, (V a, int n), (a, n), _mm256_slli_epi32, _mm512_slli_epi32)
+KILN_LANE(v_srai32, (V a, int n), (a, n), _mm256_srai_epi32, _mm512_srai_epi32)
+KILN_LANE(v_srli16, (V a, int n), (a, n), _mm256_srli_epi16, _mm512_srli_epi16)
+KILN_LANE(v_slli16, (V a, int n), (a, n), _mm256_slli_epi16, _mm512_slli_epi16)
+KILN_LANE(v_cvt, (V a), (a), _mm256_cvtepi32_ps, _mm512_cvtepi32_ps)
+KILN_LANE(v_mul, (V a, V b), (a, b), _mm256_mul_ps, _mm512_mul_ps)
+KILN_LANE(v_addf, (V a, V b), (a, b), _mm256_add_ps, _mm512_add_ps)
+KILN_LANE(v_fmadd, (V a, V b, V c), (a, b, c), _mm256_fmadd_ps, _mm512_fmadd_ps)
+KILN_LANE(v_fnmadd, (V a, V b, V c), (a, b, c), _mm256_fnmadd_ps, _mm512_fnmadd_ps)
+#if KILN_VNNI
+KILN_LANE(v_dp, (V acc, V w, V x), (acc, w, x), _mm256_dpbusd_epi32, _mm512_dpbusd_epi32)
 inline void pin(__m512i& v) { __asm__("" : "+v"(v)); }
 constexpr int kMaxTiles = 2;  // tiles per vector on this level
 #else
 constexpr int kMaxTiles = 1;
 #endif
+#undef KILN_LANE
 
 // v << n (n > 0) or v >> -n in 16-bit lanes; n is a constant once the k loops unroll.
 template <typename I>
