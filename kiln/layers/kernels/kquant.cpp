@@ -1,6 +1,6 @@
 // kiln's kernels for GGUF's quantized blocks, the file's codes and scales as they are (no
 // second rounding; reordered into 8-row tiles): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Compiled
-// with kernels.cpp into one library per ISA level (kiln/layers/kernels/build.py);
+// with the other kernel sources into one library per ISA level (kiln/layers/kernels/build.py);
 // kiln/layers/kquant.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
 //
 // Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
