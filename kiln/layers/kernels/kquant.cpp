@@ -227,6 +227,7 @@ struct Part {
   TileFn<1> tfn[kTileRows + 1];
 #if KILN_VNNI
   TileFn<2> tfn2[kTileRows + 1];  // two tiles in one 512-bit vector
+  TileFn<2> wide;  // two tiles, kWideRows activation rows (Q8_0) or null
 #endif
 };
 
@@ -286,6 +287,7 @@ at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntAr
     fill_tiles<1>(p.tfn, types[i]);
 #if KILN_VNNI
     fill_tiles<2>(p.tfn2, types[i]);
+    p.wide = wide_tile(types[i]);
 #endif
     parts.push_back(p);
     row0 += p.rows;
@@ -340,16 +342,31 @@ at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntAr
         const int64_t nr = std::min(pairs ? kTile * kMaxTiles : kTile, p.rows - r0);
         const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
         const int64_t step = (nr + kTile - 1) / kTile * p.tile_bytes;  // to the next item's tiles
-        for (int64_t m = m0; m < m0 + mn; m += kTileRows) {
-          const int mb = static_cast<int>(std::min<int64_t>(kTileRows, m0 + mn - m));
+        int pass = 0;
+        for (int64_t m = m0, mb = 0; m < m0 + mn; m += mb, ++pass) {
+#if KILN_VNNI
+          const bool wide = nr > kTile && p.wide && m0 + mn - m >= kWideRows;
+#else
+          constexpr bool wide = false;
+#endif
+          mb = wide ? kWideRows : std::min<int64_t>(kTileRows, m0 + mn - m);
           const XRow x0 = xrow(p.slot, m);
-          const int64_t pf = pass_prefetch(static_cast<int>((m - m0) / kTileRows), step);
+          const int64_t pf = pass_prefetch(pass, step);
           const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G, pf};
           alignas(64) float tmp[kTile * kMaxTiles];
           auto store = [&](int i) {
             std::memcpy(yp + (m + i) * N + p.row0 + r0, tmp, nr * sizeof(float));
           };
 #if KILN_VNNI
+          if (wide) {
+            __m512 out[kWideRows];
+            p.wide(wt, p.tile_bytes, p.nb, xt, out);
+            for (int i = 0; i < mb; ++i) {
+              _mm512_store_ps(tmp, out[i]);
+              store(i);
+            }
+            continue;
+          }
           if (nr > kTile) {
             __m512 out[kTileRows];
             p.tfn2[mb](wt, p.tile_bytes, p.nb, xt, out);

@@ -301,6 +301,8 @@ void fill_tiles(TileFn<NT>* f, int64_t type) {
 template void fill_tiles<1>(TileFn<1>*, int64_t);
 #if KILN_VNNI
 template void fill_tiles<2>(TileFn<2>*, int64_t);
+
+TileFn<2> wide_tile(int64_t type) { return type == kQ8_0 ? &tile_q8_0<kWideRows, 2> : nullptr; }
 #endif
 
 }  // namespace KILN_NS
