@@ -227,7 +227,6 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   return out;
 }
 
-
 // The q and k heads of a fused qkv [T, (Hq + 2 Hk) * D] normalized in place by rms_norm with
 // the weights qn / kn [D] (Qwen3's q/k norms): the same call, on the same rows, as the eager
 // attention makes (kiln/models/llama.py LlamaAttention), so both give the same bits.
@@ -298,21 +297,36 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return x1 + lin(3, silu_mul_rows(lin(2, rms_norm(x1, ln2, eps))));
 }
 
-// A token's moe_q4 pairs: its top-k (ids [T, k], weights), then, with `shared` virtual experts
-// (a shared expert absorbed after the E routed: kiln/layers/moe.py Experts.absorb_shared), the
-// pairs (t, E + c) weighted sigmoid(logits[t, E]) (a gated shared expert: Qwen2-MoE) or 1;
-// the same ATen ops as moe.py's with_shared_pairs, so the same bits.
-std::pair<at::Tensor, at::Tensor> shared_pairs(const at::Tensor& ids, const at::Tensor& w,
-                                               const at::Tensor& logits, int64_t E,
-                                               int64_t shared, bool gate) {
-  if (shared == 0) return {ids.contiguous(), w.contiguous()};
-  const int64_t T = ids.size(0);
-  const auto sid = at::arange(E, E + shared, ids.options()).expand({T, shared});
-  const auto sw = (gate ? at::sigmoid(logits.slice(1, E, E + 1)).to(at::kFloat)
-                        : at::ones({T, 1}, w.options().dtype(at::kFloat)))
-                      .expand({T, shared});
-  return {at::cat({ids, sid}, 1).contiguous(), at::cat({w.to(at::kFloat), sw}, 1).contiguous()};
-}
+// moe_layer's MoE half as the op takes it (the router, the stacked experts, how a token's pairs
+// are chosen), gathered once so that its two paths (the op-by-op chain, moe_layer_q4's one
+// region) read the same arguments and route with the same code, so the same bits.
+struct MoeArgs {
+  at::Tensor router, w13, w2;
+  int64_t top_k, shared;
+  bool renormalize, shared_gate;
+  int64_t E() const { return w13.size(0) - shared; }  // routed ones (then `shared` virtual)
+
+  // The router's logits [T, R] -> (ids [T, top_k], contiguous, for the experts' counters;
+  // moe_q4's pair ids and weights [T, top_k + shared]): kiln/layers/moe.py's softmax_topk, then
+  // each token's pairs (t, E + c) for `shared` virtual experts (a shared expert absorbed after
+  // the E routed: Experts.absorb_shared) weighted sigmoid(logits[t, E]) (a gated shared expert:
+  // Qwen2-MoE) or 1, as moe.py's with_shared_pairs: the same ATen ops, so the same bits.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& logits) const {
+    const int64_t E = this->E();
+    const at::Tensor probs = at::softmax(shared ? logits.slice(1, 0, E) : logits, -1);
+    auto [w, id] = at::topk(probs, top_k, -1);
+    if (renormalize) w = w / w.sum(-1, /*keepdim=*/true);
+    const at::Tensor ids = id.contiguous();
+    if (shared == 0) return {ids, ids, w.contiguous()};
+    const int64_t T = ids.size(0);
+    const auto sid = at::arange(E, E + shared, ids.options()).expand({T, shared});
+    const auto sw = (shared_gate ? at::sigmoid(logits.slice(1, E, E + 1)).to(at::kFloat)
+                                 : at::ones({T, 1}, w.options().dtype(at::kFloat)))
+                        .expand({T, shared});
+    return {ids, at::cat({ids, sid}, 1).contiguous(),
+            at::cat({w.to(at::kFloat), sw}, 1).contiguous()};
+  }
+};
 
 // moe_layer where both attention linears are kiln's q4 tiles (a Q4_0 / int4 model) and the
 // pools fp32 or fp16: the whole layer in one parallel region, as decode_layer_q4 does for a
@@ -327,29 +341,28 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
     const c10::List<std::optional<at::Tensor>>& biases, const std::optional<at::Tensor>& q_norm,
     const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k, at::Tensor v,
     const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row_of,
-    const at::Tensor& lens, int64_t num_heads, double scale, const at::Tensor& router,
-    int64_t top_k, bool renormalize, const at::Tensor& w13, const at::Tensor& w2,
-    int64_t shared, bool shared_gate) {
+    const at::Tensor& lens, int64_t num_heads, double scale, const MoeArgs& moe) {
   const AttnQ4Args<KT> args("moe_layer", x, cos, sin, ln1, w, n, biases, q_norm, k_norm, k, v,
                             slots, table, row_of, lens, num_heads);
   const int64_t T = args.T, H = args.H;
   // w13 / w2: E routed experts, then `shared` virtual ones (a shared expert absorbed, see
-  // shared_pairs); the router's rows: the E routed, then the shared gate's (shared_gate)
-  const int64_t EA = w13.size(0), E = EA - shared, R = E + (shared_gate ? 1 : 0);
-  const int64_t I = w13.size(1) * kTile / 2, K = top_k + shared;  // K: pairs a token
+  // MoeArgs::route); the router's rows: the E routed, then the shared gate's (shared_gate)
+  const at::Tensor &w13 = moe.w13, &w2 = moe.w2, &router = moe.router;
+  const int64_t shared = moe.shared, EA = w13.size(0), E = moe.E(), R = E + moe.shared_gate;
+  const int64_t I = w13.size(1) * kTile / 2, K = moe.top_k + shared;  // K: pairs a token
   check_packed("moe_layer (w13)", w13, 4);
   check_packed("moe_layer (w2)", w2, 4);
   TORCH_CHECK(w13.size(2) * kGroup == H && w2.size(0) == EA && w2.size(1) * kTile == H &&
                   w2.size(2) * kGroup == I && I % kTile == 0 && router.dim() == 2 &&
                   router.size(0) == R && router.size(1) == H && shared >= 0 && E > 0 &&
-                  (shared > 0 || !shared_gate) &&
+                  (shared > 0 || !moe.shared_gate) &&
                   router.scalar_type() == at::kFloat && ln2.numel() == H,
               "moe_layer: the experts' and router's shapes do not make a MoE layer of this x");
   const auto l2 = ln2.contiguous();
   const auto rc = router.contiguous();
   at::Tensor out = at::empty({T, H}, args.xc.options());
   at::Tensor logits = at::empty({T, R}, args.xc.options());
-  at::Tensor ids = at::empty({T, top_k}, args.xc.options().dtype(at::kLong));
+  at::Tensor ids = at::empty({T, moe.top_k}, args.xc.options().dtype(at::kLong));
   if (T == 0) return {out, ids};  // (else: topk's, below)
   // (one workspace per calling thread, kept between calls: see decode_layer_q4)
   static thread_local std::vector<float> ws;
@@ -379,17 +392,14 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < T * R; ++r)
       lp[r] = router_logit(h2 + (r / R) * H, rp + (r % R) * H, H);
-    // kiln/layers/moe.py's softmax_topk, the same ATen ops (serial here: inside a region), on
-    // the calling thread: ATen's thread-local state (inference mode) is that thread's. An
-    // exception must not leave the region (std::terminate): it is rethrown after.
+    // the routing (MoeArgs::route: ATen ops, serial here: inside a region) on the calling
+    // thread: ATen's thread-local state (inference mode) is that thread's. An exception must
+    // not leave the region (std::terminate): it is rethrown after.
 #pragma omp master
     {
       try {
-        const at::Tensor probs = at::softmax(shared ? logits.slice(1, 0, E) : logits, -1);
-        auto [wt, id] = at::topk(probs, top_k, -1);
-        if (renormalize) wt = wt / wt.sum(-1, /*keepdim=*/true);
-        ids = id.contiguous();
-        auto [pi, pw] = shared_pairs(ids, wt, logits, E, shared, shared_gate);
+        at::Tensor pi, pw;
+        std::tie(ids, pi, pw) = moe.route(logits);
         pl = moe_plan(pi.data_ptr<int64_t>(), pw.data_ptr<float>(), T, K, EA, I / kTile,
                       H / kTile, omp_get_num_threads());
         hs.resize(pl.Pv, I);
@@ -425,13 +435,13 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
                   counts[0] + counts[1] == static_cast<int64_t>(weights.size()),
               "moe_layer: one kind and row count per weight part, counts adding up to them");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "moe_layer: q and k norms together");
+  const MoeArgs moe{router, w13, w2, top_k, shared, renormalize, shared_gate};
   if (weights.size() == 2 && w13.scalar_type() == at::kByte &&
       one_region_layer(x, k, v, kinds, counts, biases)) {
     const auto layer = k.scalar_type() == at::kFloat ? &moe_layer_q4<float>
                                                      : &moe_layer_q4<at::Half>;
     return layer(x, cos, sin, ln1, ln2, eps, weights, rows, biases, q_norm, k_norm, qk_eps, k,
-                 v, slots, table, row_of, lens, num_heads, scale, router, top_k, renormalize,
-                 w13, w2, shared, shared_gate);
+                 v, slots, table, row_of, lens, num_heads, scale, moe);
   }
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = i == 0 ? 0 : counts[0], n = counts[i];
@@ -446,15 +456,9 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
   const auto x1 = x + lin(1, ctx.view({B, -1}));
   const auto h = rms_norm(x1, ln2, eps);
   // kiln/layers/moe.py: Router (router_logits) then softmax_topk, the same ops
-  const int64_t E = w13.size(0) - shared;
-  const auto logits = router_logits(h, router);
-  const auto probs = at::softmax(shared ? logits.slice(1, 0, E) : logits, -1);
-  auto [w, ids] = at::topk(probs, top_k, -1);
-  if (renormalize) w = w / w.sum(-1, /*keepdim=*/true);
-  auto [pi, pw] = shared_pairs(ids, w, logits, E, shared, shared_gate);
+  auto [ids, pi, pw] = moe.route(router_logits(h, router));
   return {x1 + moe_q4(h, pi, pw, w13, w2, 0), ids};
 }
-
 
 namespace {
 
