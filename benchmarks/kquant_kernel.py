@@ -1,7 +1,7 @@
 """Per-layer speed of kiln's GGUF-block kernel (kiln/layers/kernels/kquant.cpp `kq_linear`) on
 Qwen2.5-0.5B's layer shapes and types: the 8-row tiles (`kquant.pack`, the default), the raw
 rows (the row-at-a-time kernel, what ran before the tiles) and the int4 re-quantization
-(`--no-gguf-kernels`: kernels.cpp `q4_linear` on the same weights re-quantized).
+(`--no-gguf-kernels`: q4_tiles.cpp's `q4_linear` on the same weights re-quantized).
 
     PYTHONPATH=. .venv/bin/python benchmarks/kquant_kernel.py [--threads 1] [--rounds 3]
         [--rows 1,16,64] [--lm-head]

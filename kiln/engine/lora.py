@@ -21,7 +21,7 @@ costs one shrink and one expand per group of rows, as one unpacked linear does.
     hook on each target linear: out[first:end] += (x[first:end] @ A^T) @ B^T per group
 
 On a CPU with fp32 activations a linear's groups are one call of kiln's kernel (lora_add in
-kiln/layers/kernels/kernels.cpp: each 4-row block's shrink then its expand, B's zero blocks skipped,
+kiln/layers/kernels/lora.cpp: each 4-row block's shrink then its expand, B's zero blocks skipped,
 added into the base linear's output): a decode step's adapter products are tiny (16 rows x
 rank 16), so PyTorch's ops cost their dispatch and parallel regions more than their arithmetic,
 and a masked or padded batched form would multiply zeros. Elsewhere (GPU, bf16) each group is

@@ -11,7 +11,7 @@ SDPA for one or two rows, two batched matmuls for larger bf16 batches, a fused p
 under torch.compile, and cascade attention when every row starts with the same cached blocks
 (see `Attention._decode` and `_cascade`). Under --batch-invariant, where kiln's CPU kernels run,
 every row (decode or prefill) instead goes through `attend_rows`, which reads the pool in place,
-each row over its own context in one fixed order (kiln/layers/kernels/kernels.cpp).
+each row over its own context in one fixed order (kiln/layers/kernels/attention.cpp).
 
 A prefill chunk that starts at position 0 attends to its own fresh K/V with a causal mask (no
 pool read); a chunk that continues a sequence (chunked prefill, prefix-cache hit) gathers its

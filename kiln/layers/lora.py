@@ -57,7 +57,7 @@ def set_step(step: LoRAStep | None) -> None:
 
 @dataclass
 class Stacked:
-    """A target linear's adapters laid out for lora_add (see kiln/layers/kernels/kernels.cpp)."""
+    """A target linear's adapters laid out for lora_add (see kiln/layers/kernels/lora.cpp)."""
 
     a: torch.Tensor  # [L, R, in]
     bt: torch.Tensor  # [L, R, out]: B transposed

@@ -84,8 +84,8 @@ INT4_DENSE_MIN_M = 12
 # decode) batch 2 ran slower on the copy (74-84 vs 115-166 tok/s), so 1-3 rows keep the kernels.
 PACKED_DENSE_MIN_M = 4
 # AVX2_INT4: where kiln's kernels run, int4 layers run q4_linear
-# (kiln/layers/kernels/kernels.cpp: activations quantized to int8 per group of 32, llama.cpp's Q8_0,
-# int8 x 4-bit dot products) at every row count and keep no dense copy. One Zen 3 thread (a
+# (kiln/layers/kernels/q4_tiles.cpp: activations quantized to int8 per group of 32, llama.cpp's
+# Q8_0, int8 x 4-bit dot products) at every row count and keep no dense copy. One Zen 3 thread (a
 # shared machine: ratios): [768, 1024] at M=1 38 us vs 140 for PyTorch's int4 kernel; M=16
 # 378 vs 1281 (vs 970 for fp32 F.linear on a dense copy); against the dense copy at prefill
 # sizes, M=64 / 256 / 512: 0.78 / 3.0 / 6.1 vs 1.29 / 4.4 / 8.7 ms ([1024, 384]: 0.43 / 1.7 /

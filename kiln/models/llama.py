@@ -129,7 +129,7 @@ class LlamaAttention(nn.Module):
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
         """Qwen3's per-head q/k RMSNorm on a fused qkv [T, (Hq + 2 Hk) * D], in place, each
-        head one row of kiln's rms_norm kernel (kernels.cpp qk_norm_rows makes the same calls)."""
+        head one row of kiln's rms_norm kernel (layers.cpp qk_norm_rows makes the same calls)."""
         t, hq, hk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         heads = qkv.view(t, hq + 2 * hk, d)
         q, k = heads[:, :hq], heads[:, hq:hq + hk]
@@ -391,7 +391,7 @@ class LlamaModel(nn.Module):
 
     def _layer_stack(self) -> object | None:
         """The layer kernels' arguments of every layer, gathered once into one LayerStack
-        (kernels.cpp), so that a kernel step runs all its layers in one call (decode_stack:
+        (layers.cpp), so that a kernel step runs all its layers in one call (decode_stack:
         the very decode_layer / moe_layer calls forward_decode_kernel makes, without a Python
         round trip and 21-27 converted arguments per layer). None: layer by layer, where a step
         has LoRA rows (their adapters are per step), a layer does not run on the layer kernels

@@ -22,7 +22,7 @@ from kiln.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
-    # Its forward is what kernels.cpp's moe_layer chains after the attention (Router's fp32
+    # Its forward is what layers.cpp's moe_layer chains after the attention (Router's fp32
     # logits, softmax_topk, the stacked experts, the shared expert once absorbed into them):
     # the layer kernels ask for this mark (LlamaDecoderLayer._moe_args), not for the class,
     # which sits above models/llama.py. A subclass whose forward differs sets it False.

@@ -74,7 +74,7 @@ def test_batch_invariance_is_on_by_default_and_says_why(llm: Any) -> None:
 
 def test_decode_steps_run_the_invariant_layer_kernel(llm: Any, kernel_level_module: str) -> None:
     """With kiln's kernels, SmolLM2's decode-only steps run each layer as one call of the
-    kernels its eager steps chain (kernels.cpp decode_layer): the 16-at-once test below then
+    kernels its eager steps chain (layers.cpp decode_layer): the 16-at-once test below then
     compares those steps with the eager ones that mix decodes and prefill."""
     decided = llm.engine.runner.decisions
     assert decided.batch_invariant.value, decided.batch_invariant.reason

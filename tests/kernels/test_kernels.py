@@ -1,7 +1,7 @@
-"""kiln's CPU kernels (kiln/layers/kernels/kernels.cpp) against PyTorch, at every ISA level this
-CPU runs (the `kernel_level` fixture): the 4-bit packing, q4_linear (int8 activations x 4-bit
-weights), moe_q4 (a whole MoE layer's routed experts in one call), attend_rows (batch-invariant
-attention), the row kernels, the one-call layer, and the modules that use them."""
+"""kiln's CPU kernels (the kernel sources, kiln/layers/kernels/) against PyTorch, at every ISA
+level this CPU runs (the `kernel_level` fixture): the 4-bit packing, q4_linear (int8 activations
+x 4-bit weights), moe_q4 (a whole MoE layer's routed experts in one call), attend_rows
+(batch-invariant attention), the row kernels, the one-call layer, and the modules that use them."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def test_gguf_experts_come_as_their_blocks(tmp_path):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
 def test_the_kernels_pack_of_gguf_blocks_equals_the_reference(kernel_level, type_name):
-    """kernels.cpp's pack_q4_blocks (what a load runs) gives reference.pack_q4_blocks' bytes
+    """ops.cpp's pack_q4_blocks (what a load runs) gives reference.pack_q4_blocks' bytes
     at every ISA level: three experts of 21 rows (a partial tile), packed into a strided slice
     of a larger stack whose other bytes stay as they were, with fp16 scales at the edges (a
     subnormal, one whose Q4_0 min -8 d overflows to -inf, a negative zero)."""

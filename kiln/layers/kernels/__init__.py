@@ -6,7 +6,7 @@ here, whether a kernel runs.
     formats.py  the weight formats: GGUF's block types and dequantizer, kiln's int4 groups
     isa.py      the probe: CPU flags + XCR0 (what the OS grants) + AMX permission; LEVELS
     reference.py  the kernels in PyTorch: pack_q4's layout, references, fakes, self-checks
-    build.py    one library per level from one source (kernels.cpp, kquant.cpp, simd.h),
+    build.py    one library per level from one source (the .cpp and .h files here),
                 each checked against reference.py before use
     ops.py      q4_linear, moe_q4, attend_rows, q8_linear, lora_add, rms_norm, rope_write,
                 silu_mul, decode_layer, decode_stack (+ kiln/layers/kquant.py: kq_linear)

@@ -120,7 +120,7 @@ def choose_cpu_kernels(device: torch.device, use_kernels: bool = True) -> Choice
 
 
 def choose_lora_kernel(device: torch.device, dtype: torch.dtype) -> Choice:
-    """How the LoRA target linears add their adapters: lora_add (kiln/layers/kernels/kernels.cpp,
+    """How the LoRA target linears add their adapters: lora_add (kiln/layers/kernels/lora.cpp,
     one call per linear) for fp32 activations where kiln's kernels run, else PyTorch's matmuls,
     two per group of rows."""
     # the dtype first: asking whether the kernels run chooses (and may build) a level, which a

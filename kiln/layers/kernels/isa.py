@@ -13,10 +13,10 @@ through kiln.layers.kernels: nothing else reads CPU flags to pick a kernel.
                                                                AMD Zen 4 / Zen 5
     avx2     AVX2 + FMA + F16C                                 x86 since ~2013 (Haswell, Zen 1-3)
 
-Both levels are one source (kernels.cpp, kquant.cpp, simd.h) compiled twice: the same tile
-layouts, the same arithmetic, the same bits (see simd.h); avx512 replaces the int8 dot products'
-vpmaddubsw + vpmaddwd pair with VNNI's vpdpbusd. `--cpu-isa` (KILN_CPU_ISA) forces a lower
-level; the tests run every level the CPU can.
+Both levels are one source (the .cpp and .h files of kiln/layers/kernels/) compiled twice: the
+same tile layouts, the same arithmetic, the same bits (see simd.h); avx512 replaces the int8 dot
+products' vpmaddubsw + vpmaddwd pair with VNNI's vpdpbusd. `--cpu-isa` (KILN_CPU_ISA) forces a
+lower level; the tests run every level the CPU can.
 
 AMX: `amx_granted()` asks the kernel for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), the
 only way to know that a tile instruction will not fault; kt-kernel's AMX methods read it.

@@ -1,5 +1,6 @@
-"""Python faces of kiln's CPU kernels (kernels.cpp; kquant.cpp's are in kiln/layers/kquant.py),
-at the level kiln.layers.kernels selected (`lib()`: torch.ops.kiln_<level>).
+"""Python faces of kiln's CPU kernels (the kernel sources beside this file; kquant.cpp's are
+in kiln/layers/kquant.py), at the level kiln.layers.kernels selected (`lib()`:
+torch.ops.kiln_<level>).
 
 `q4_linear`: int4 weights in pack_q4's tiles x activations quantized to int8 per group of 32
 (llama.cpp's Q4_0 x Q8_0 scheme); `moe_q4`: a whole MoE layer's routed experts in one call;
@@ -32,7 +33,7 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tens
     """out [M, N] += (x [M, K] @ A_l^T) @ B_l^T over the row ranges of `seg` (int64 [S, 3]:
     adapter slot, first row, end row; `local` int32 [slots] -> l, -1: skip), in place, fp32.
     a [L, R, K], bt [L, R, N] (B transposed), pieces int32 [L, P, 4] (ranks j0..j1 write
-    columns lo..hi only), ranks int32 [L]: see lora_add in kernels.cpp."""
+    columns lo..hi only), ranks int32 [L]: see lora_add in lora.cpp."""
     lib().lora_add(out, x, a, bt, pieces, ranks, seg, local)
 
 
@@ -75,7 +76,7 @@ def pack_q4_blocks(raw: torch.Tensor, type_name: str, k: int,
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                 row_of: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Batch-invariant attention over the pool (kernels.cpp): query row t (q [T, Hq,
+    """Batch-invariant attention over the pool (attention.cpp): query row t (q [T, Hq,
     D] fp32) attends to the first lens[t] slots of table[row_of[t]] (k [S, Hk, D], v [S, Hk,
     Dv], fp32, bf16 or fp16, read in place) -> fp32 [T, Hq, Dv]. Each (row, head) is computed
     alone, in an order fixed by its own context length: the same bits whatever else is in the
@@ -85,7 +86,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 @ (w * scale)^T for an int8 weight w [N, K] with one fp32/bf16 scale per
-    row -> fp32 [M, N] (kernels.cpp): each output one FMA chain over K, the same bits
+    row -> fp32 [M, N] (attention.cpp): each output one FMA chain over K, the same bits
     whatever the row count (the int8 head under --batch-invariant)."""
     return lib().q8_linear(x, w, scale)
 
@@ -117,7 +118,7 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       lora_seg: torch.Tensor | None = None,
                       qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
                       ) -> torch.Tensor:
-    """One Llama decoder layer of a whole step in one call (kernels.cpp
+    """One Llama decoder layer of a whole step in one call (layers.cpp
     decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
     `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
     kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
@@ -134,8 +135,9 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A router's fp32 logits x [T, H] @ w [E, H]^T, each one FMA chain (kernels.cpp): a row's
-    logits do not depend on the step's other rows (batch-invariant routing)."""
+    """A router's fp32 logits x [T, H] @ w [E, H]^T, each one FMA chain (kernels.h
+    router_logit): a row's logits do not depend on the step's other rows (batch-invariant
+    routing)."""
     return lib().router_logits(x, w)
 
 
@@ -148,7 +150,7 @@ def moe_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.
               router: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
               w2: torch.Tensor, shared: int = 0, shared_gate: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mixture-of-experts decoder layer of a whole step in one call (kernels.cpp
+    """A mixture-of-experts decoder layer of a whole step in one call (layers.cpp
     moe_layer): decode_layer's attention (two linears: qkv, o; Qwen3's per-head q/k norms
     where given), then the router's fp32 logits (router [E, H]), softmax + top-k
     (renormalized), and moe_q4 over the stacked experts w13 / w2; with `shared` virtual
@@ -162,7 +164,7 @@ def moe_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.
 
 
 def layer_stack() -> torch.ScriptObject:
-    """An empty LayerStack (kernels.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
+    """An empty LayerStack (layers.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
     counts, biases, k, v, num_heads, scale, q_norm, k_norm, qk_eps)` appends a layer as
     decode_layer takes it, `add_moe(<the same>, router, top_k, renormalize, w13, w2, routed,
     shared, shared_gate)`

@@ -25,7 +25,7 @@ Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit groups of 32 (codes q [..., N, K] in 0..15, scale and min [..., N, K/32]; w = scale
-    * q + min) -> the kernels' layout, uint8 [..., ceil(N/8), K/32, 160] (see kernels.cpp):
+    * q + min) -> the kernels' layout, uint8 [..., ceil(N/8), K/32, 160] (see q4_tiles.cpp):
     per tile of 8 rows and group, 4 vectors of 32 bytes, vector k holding bytes 4k..4k+3 of
     each row r at 4r (byte j of a row = q[j] | q[j+16] << 4), then the 8 rows' fp16 scales,
     then their fp16 mins. Rows
@@ -173,7 +173,7 @@ def random_blocks(rows: int, k: int, type_name: str, g: torch.Generator) -> GGUF
 
 def register_fakes(ns: str) -> None:
     """Output shapes for torch.compile's tracing of library `ns` (the kernels run as one opaque
-    call each): kernels.cpp's ops, then kquant.cpp's kq_linear."""
+    call each): ops.cpp's and layers.cpp's ops, then kquant.cpp's kq_linear."""
     @torch.library.register_fake(f"{ns}::q4_linear")
     def _(x, packed, n):
         return x.new_empty((x.shape[0], n))
