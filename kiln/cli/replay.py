@@ -37,6 +37,8 @@ def add_parser(subparsers: Any) -> None:
 
 @dataclass
 class ReplayReport:
+    """What a replay found: requests sent, choices compared, how many matched the dump and
+    which failed or differ (the dicts say which request and where)."""
     requests: int = 0
     choices: int = 0
     matched: int = 0

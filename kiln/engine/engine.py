@@ -62,6 +62,7 @@ class StepFailedError(KilnError):
 
 @dataclass
 class EngineStats:
+    """The engine's running totals since start (the /metrics counters read them)."""
     steps: int = 0
     step_seconds: float = 0.0
     tokens_computed: int = 0
