@@ -1,5 +1,5 @@
 """Per-layer speed of kiln's GGUF-block kernel (kiln/layers/kernels/kquant.cpp `kq_linear`) on
-Qwen2.5-0.5B's layer shapes and types: the 8-row tiles (`kquant.pack`, the default), the raw
+Qwen2.5-0.5B's layer shapes and types: the 8-row tiles (`gguf_blocks.pack`, the default), the raw
 rows (the row-at-a-time kernel, what ran before the tiles) and the int4 re-quantization
 (`--no-gguf-kernels`: q4_tiles.cpp's `q4_linear` on the same weights re-quantized).
 
@@ -34,9 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kiln.layers import kernels, kquant
+from kiln.layers import kernels
 from kiln.layers.kernels import ops, reference
-from kiln.layers.quant import quantize_int4_groups
+from kiln.layers.quant import gguf_blocks
+from kiln.layers.quant.linear import quantize_int4_groups
 
 # (name, out rows, in features, ggml type): one Qwen2.5-Coder-0.5B Q4_K_M layer's linears
 SHAPES = [("q", 896, 896, "Q5_0"), ("gate_up", 9728, 896, "Q5_0"), ("v", 128, 896, "Q8_0"),
@@ -97,7 +98,7 @@ def main() -> None:
     for name, n, k, t in SHAPES + ([LM_HEAD] if args.lm_head else []):
         b = reference.random_blocks(n, k, t, g)
         gq = quantize_int4_groups(b.dequantize())
-        layers.append((f"{name} {n}x{k} {t}", b, kquant.pack(b),
+        layers.append((f"{name} {n}x{k} {t}", b, gguf_blocks.pack(b),
                        reference.pack_q4(gq.q, gq.scale, gq.min)))
     ms = [int(m) for m in args.rows.split(",")]
     res: dict[str, dict[str, list[float]]] = {}
@@ -108,8 +109,8 @@ def main() -> None:
             for m in ms:
                 x = torch.randn(m, k, generator=g)
                 calls = {
-                    "tiles": lambda x=x, w=tiles, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
-                    "rows": lambda x=x, w=b.raw, t=b.type_id, n=n: kquant.kq_linear(x, [w], [t], [n]),
+                    "tiles": lambda x=x, w=tiles, t=b.type_id, n=n: gguf_blocks.kq_linear(x, [w], [t], [n]),
+                    "rows": lambda x=x, w=b.raw, t=b.type_id, n=n: gguf_blocks.kq_linear(x, [w], [t], [n]),
                     "int4": lambda x=x, w=q4, n=n: ops.q4_linear(x, w, n)}
                 v = {name: best(fn, args.reps) for name, fn in calls.items()}
                 key = f"{label} M={m}"

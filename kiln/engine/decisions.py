@@ -278,7 +278,7 @@ def _compiled(config: EngineConfig, kernel_rows: int, buckets: list[int],
 
 
 def _dense_weights(config: EngineConfig, model: torch.nn.Module) -> Decision:
-    from kiln.layers.quant import Int4Linear, Int8Linear
+    from kiln.layers.quant.linear import Int4Linear, Int8Linear
 
     quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if not quantized:

@@ -145,7 +145,7 @@ class DraftModel:
         logits are padded with -inf to the target's width in `_run`, so a draft is always one
         of them). Returns n, or None where the head stays whole (n = 0, n at least the
         vocabulary, or a head layout that cannot be cut there)."""
-        from kiln.layers.quantize import head_rows
+        from kiln.layers.quant.apply import head_rows
 
         model = self.runner.model
         head = getattr(model, "lm_head", None)

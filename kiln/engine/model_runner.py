@@ -102,7 +102,7 @@ class ModelRunner:
 
             self.tiles = TileCache.for_file(ckpt.path)
             self.tiles.prefetch()
-        # With --quantization, build_model swaps in kiln.layers.quant's modules
+        # With --quantization, build_model swaps in kiln.layers.quant.linear's modules
         # (quantize_model) and feeds GGUF 4-bit blocks to them directly.
         self.model = build_model(ckpt, dtype=self.dtype, device=self.device,
                                  max_positions=max(wanted, 1), progress=progress,
@@ -113,8 +113,8 @@ class ModelRunner:
                                  tiles=self.tiles)
         self.load_seconds = time.monotonic() - t0
         if config.quant.batch_invariant:
-            # One kernel per quantized layer whatever a step's row count (kiln.layers.quant).
-            from kiln.layers.quantize import fix_kernel_choice
+            # One kernel per quantized layer whatever a step's row count (kiln.layers.quant.linear).
+            from kiln.layers.quant.apply import fix_kernel_choice
             fix_kernel_choice(self.model)
         if not split:
             # (not where the experts get split into pools: the split takes routed experts)

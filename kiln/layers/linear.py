@@ -2,10 +2,10 @@
 
 `MergedLinear` packs several checkpoint matrices (q/k/v, or gate/up) into one weight so a step does
 one matmul instead of three; its `load_shard` copies one checkpoint tensor into its rows.
-Quantized variants (see `kiln/layers/quant.py`) are swapped in as modules after loading.
+Quantized variants (see `kiln/layers/quant/linear.py`) are swapped in as modules after loading.
 
 When the model is loaded for quantization, 4-bit checkpoint blocks skip the dense weight: the
-loader hands them to `stash_quantized` and `kiln.layers.quantize.quantize_model` builds the quantized
+loader hands them to `stash_quantized` and `kiln.layers.quant.apply.quantize_model` builds the quantized
 module from the stash. Whatever is not quantized in the end is written back into the dense weight
 (`materialize_stash`), so the module is always complete after `quantize_model`.
 
@@ -104,7 +104,7 @@ class MergedLinear(Linear):
 
 class TiedLMHead(nn.Module):
     """logits = hidden @ embedding^T, reading the embedding's own weight (no copy). It lives with
-    the linears so `kiln.layers.quant` can swap it without importing a model family."""
+    the linears so `kiln.layers.quant.linear` can swap it without importing a model family."""
 
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ Expert weights are stacked per layer as GGUF stores them: `gate_up_proj` [E, 2I,
 then up rows) and `down_proj` [E, H, I]. The loader fills them per expert (Hugging Face's
 `experts.N.gate_proj.weight`, Mixtral's `w1/w3/w2`) or whole (GGUF's `ffn_*_exps`, a
 transformers-5 fused tensor). With --quantization, `quantize` turns each expert into kiln's
-Int4Linear/Int8Linear modules (kiln/layers/quant.py), so experts run the same kernels as dense
+Int4Linear/Int8Linear modules (kiln/layers/quant/linear.py), so experts run the same kernels as dense
 layers; GGUF 4-bit blocks reach them without a dense copy (`stash_quantized`). Where kiln's
 CPU kernels run (x86, AVX2 or better) int4 experts stay stacked instead, packed for
 `kernels.ops.moe_q4`, which runs all of a step's routed experts in one call
@@ -165,7 +165,7 @@ class Experts(nn.Module):
         runs a step's active experts in one call (threads over experts x row tiles, each
         token's row quantized to int8 once) instead of two module calls per active expert."""
         from kiln.layers.kernels.choose import choose_linear_kernel
-        from kiln.layers.quant import Int4Linear, Int8Linear
+        from kiln.layers.quant.linear import Int4Linear, Int8Linear
 
         dtype = self.gate_up_proj.dtype
         h, i = self.hidden_size, self.intermediate_size
@@ -191,7 +191,7 @@ class Experts(nn.Module):
         """Expert e's `part` ("gate_up" or "down") as a GroupQuant: stashed GGUF blocks as they
         are, dense rows quantized here."""
         from kiln.layers.kernels.formats import GroupQuant
-        from kiln.layers.quant import quantize_int4_groups
+        from kiln.layers.quant.linear import quantize_int4_groups
 
         w = (self.gate_up_proj if part == "gate_up" else self.down_proj).data[e]
         pieces = []
@@ -213,7 +213,7 @@ class Experts(nn.Module):
         time (a whole layer's codes are never held unpacked)."""
         from kiln.layers.kernels import ops, reference
         from kiln.layers.kernels.formats import GGUFBlocks
-        from kiln.layers.quant import quantize_int4_groups
+        from kiln.layers.quant.linear import quantize_int4_groups
 
         n, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         tile = reference.Q4_TILE
@@ -260,7 +260,7 @@ class Experts(nn.Module):
         columns [cI, (c+1)I): its outputs add up to the shared expert's (a sum split in S
         parts; the tiles are sliced, not re-quantized). Only where both are kiln's int4 tiles
         without bias and I divides I_s; returns whether it did."""
-        from kiln.layers.quant import Int4Linear
+        from kiln.layers.quant.linear import Int4Linear
 
         i, h = self.intermediate_size, self.hidden_size
         ok = (self.w13_q4 is not None and self.num_shared == 0
@@ -347,7 +347,7 @@ class Experts(nn.Module):
         int4 runs only on the CPU: moved to another device, those experts become Int4Linear
         modules there. The pool does not count routing (its SplitExperts does)."""
         from kiln.layers.kernels.formats import GroupQuant
-        from kiln.layers.quant import Int4Linear
+        from kiln.layers.quant.linear import Int4Linear
 
         assert not self.num_shared, "experts with an absorbed shared expert are not split"
         device = torch.device(device)

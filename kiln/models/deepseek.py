@@ -114,7 +114,7 @@ class LatentUpProj(nn.Module):
         loader's dequantized, joined kv_b_proj comes back to the file's codes and scales."""
         from kiln.layers.kernels import reference
         from kiln.layers.kernels.choose import choose_linear_kernel
-        from kiln.layers.quant import quantize_q4_0_groups
+        from kiln.layers.quant.linear import quantize_q4_0_groups
 
         if mode != "int4" or self.uk_q4 is not None or self.nope_dim % 32 or self.rank % 32:
             return

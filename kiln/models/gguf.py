@@ -6,8 +6,8 @@ read GGUF files through `GGUFFile`. Quantized blocks are dequantized with vector
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: kiln/layers/kernels/formats.py, the block formats the
 layers and kernels read too; other types through the `gguf` package's numpy code).
 4-bit blocks (Q4_0/Q4_1) can instead be handed over undequantized as `GroupQuant` (codes, scale,
-min), which the int4 path of `kiln/layers/quant.py` repacks exactly; Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/
-Q6_K matrices as `GGUFBlocks` (raw rows), which `kiln/layers/kquant.py` multiplies as they are.
+min), which the int4 path of `kiln/layers/quant/linear.py` repacks exactly; Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/
+Q6_K matrices as `GGUFBlocks` (raw rows), which `kiln/layers/quant/gguf_blocks.py` multiplies as they are.
 
 Names stay GGUF's here: mapping them to a model's parameters is `kiln/models/loader.py`'s job.
 """

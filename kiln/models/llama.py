@@ -288,8 +288,8 @@ class LlamaDecoderLayer(nn.Module):
     def _kernel_parts(linears: tuple) -> tuple | None:
         """The linears as the layer kernels take them: (weights, kinds, rows, counts), or None
         where one is not on kiln's q4 or GGUF-block tiles."""
-        from kiln.layers.kquant import KQuantLinear
-        from kiln.layers.quant import Int4Linear
+        from kiln.layers.quant.gguf_blocks import KQuantLinear
+        from kiln.layers.quant.linear import Int4Linear
 
         parts: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
         for lin in linears:

@@ -7,7 +7,7 @@ parameter the checkpoint does not provide, is an error that names it.
 
 GGUF files are read and dequantized by `kiln/models/gguf.py`; this module only maps their names.
 When the model is going to be quantized anyway (`build_model(..., quant=...)`), 4-bit
-blocks (Q4_0/Q4_1) are not dequantized at all: they reach `kiln/layers/quant.py` as `GroupQuant`
+blocks (Q4_0/Q4_1) are not dequantized at all: they reach `kiln/layers/quant/linear.py` as `GroupQuant`
 (codes, scale, min), which the int4 path repacks exactly. llama.cpp stores Llama's Q and K rows
 permuted for its interleaved RoPE; we undo that so the "rotate half" RoPE of the HF layout applies.
 """
@@ -27,9 +27,9 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.i18n import msg
 from kiln.layers.kernels.formats import KQUANT_TYPES, GGUFBlocks, GroupQuant
-from kiln.layers.kquant import EMBED_TYPES, BlockEmbedding
 from kiln.layers.linear import TiedLMHead
 from kiln.layers.moe import Experts
+from kiln.layers.quant.gguf_blocks import EMBED_TYPES, BlockEmbedding
 from kiln.models.config import ModelConfig
 from kiln.models.gguf import GGUFFile, gguf_file_type_name, gguf_tensor, read_gguf_metadata
 from kiln.settings.engine_config import QuantConfig
@@ -299,7 +299,7 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = Fa
             blocks = KQUANT_TYPES
         elif keep_blocks and name.endswith("embed_tokens.weight"):
             # a tied embedding is the head too: kept as blocks only where kq_linear reads them
-            # (SmolLM2's Q8_0; see kiln.layers.quantize._quantize_head)
+            # (SmolLM2's Q8_0; see kiln.layers.quant.apply._quantize_head)
             blocks = KQUANT_TYPES if cfg.tie_word_embeddings else EMBED_TYPES
         tensor = gguf_tensor(gf, t, keep_4bit=keep_4bit and linear, keep_blocks=blocks)
         if name == "rope_freqs":
@@ -356,12 +356,12 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
     """The model with its weights loaded, stored and run as `quant` decides (EngineConfig's
     quantization group, one object; None: unquantized, the table's kernel defaults). With
     `quant.method` ("int8" | "int4") its linear layers are swapped for quantized ones
-    (`kiln.layers.quantize.quantize_model`); GGUF 4-bit blocks then go straight into them, never
+    (`kiln.layers.quant.apply.quantize_model`); GGUF 4-bit blocks then go straight into them, never
     through a dense copy (`quant.dense_weights` adds one afterwards, made from the quantized weight,
     for large steps). On CPU, bf16 linear layers left dense are packed for oneDNN
     (`kiln.layers.linear.pack_linears`). With `quant.gguf_kernels` (and kiln's GGUF-block kernels
     built here), Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices are not re-quantized: they stay the file's
-    blocks (`kiln.layers.kquant.KQuantLinear`). `tiles`: a kiln.layers.tile_cache.TileCache
+    blocks (`kiln.layers.quant.gguf_blocks.KQuantLinear`). `tiles`: a kiln.layers.tile_cache.TileCache
     whose stacks the MoE experts map instead of packing, where it has them."""
     from kiln.models.architectures import model_class
 
@@ -385,7 +385,7 @@ def build_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device | 
                  keep_blocks=keep_blocks, tiles=tiles,
                  quantize_experts=(quantization, cpu_kernels) if quantization != "none" else None)
     if quantization != "none":
-        from kiln.layers.quantize import quantize_model
+        from kiln.layers.quant.apply import quantize_model
 
         quantize_model(model, quantization, keep_dense=quant.dense_weights,
                        use_kernels=cpu_kernels,

@@ -1,5 +1,5 @@
 """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0 / Q8_0 / Q4_K / Q6_K tensors) run on the GGUF's own blocks
-(kiln/layers/kquant.py) against the same file dequantized to a float32 model: per-token
+(kiln/layers/quant/gguf_blocks.py) against the same file dequantized to a float32 model: per-token
 log-probabilities of a text close, greedy code sensible. Heavy (two loads of the model)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _prompt_logprobs(llm, ids: list[int]) -> list[float]:
 
 
 def test_native_blocks_match_float32_reference(qwen_coder_gguf: Path) -> None:
-    from kiln.layers.kquant import BlockEmbedding, KQuantLinear
+    from kiln.layers.quant.gguf_blocks import BlockEmbedding, KQuantLinear
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
 

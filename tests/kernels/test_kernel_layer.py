@@ -66,8 +66,8 @@ def _q4_case(n: int, k: int, m: int, seed: int):
 def test_every_level_computes_the_same_bits():
     """The levels differ in instructions, not arithmetic (simd.h): q4_linear, moe_q4 and every
     GGUF block type give identical results at each level (so greedy tokens do too)."""
-    from kiln.layers import kquant
     from kiln.layers.kernels import ops, reference
+    from kiln.layers.quant import gguf_blocks
 
     x, packed = _q4_case(77, 512, 19, 0)
     ids = torch.tensor([[0, 2], [1, 2], [3, 0]])
@@ -81,9 +81,9 @@ def test_every_level_computes_the_same_bits():
     results = {}
     for lv in KERNEL_LEVELS:
         with kernels.at_level(lv):
-            tiles = [kquant.pack(p) for p in parts]
+            tiles = [gguf_blocks.pack(p) for p in parts]
             results[lv] = (ops.q4_linear(x, packed, 77),
-                           kquant.kq_linear(x, tiles, [p.type_id for p in parts],
+                           gguf_blocks.kq_linear(x, tiles, [p.type_id for p in parts],
                                             [p.raw.shape[0] for p in parts]),
                            ops.moe_q4(x[:3], ids, w, w13, w2))
     first, *others = results.values()

@@ -15,7 +15,7 @@ from kiln.layers.kernels import ops as ck
 from kiln.layers.kernels import reference
 from kiln.layers.kernels.formats import GroupQuant
 from kiln.layers.moe import Experts
-from kiln.layers.quant import Int4Linear, quantize_int4_groups
+from kiln.layers.quant.linear import Int4Linear, quantize_int4_groups
 from kiln.layers.router import softmax_topk
 
 pytestmark = pytest.mark.usefixtures("kernel_level")
@@ -293,8 +293,8 @@ def test_fixed_int8_head_runs_q8_at_every_row_count():
     a batch of 16."""
     from torch import nn
 
-    from kiln.layers.quant import Int8Linear
-    from kiln.layers.quantize import fix_kernel_choice
+    from kiln.layers.quant.apply import fix_kernel_choice
+    from kiln.layers.quant.linear import Int8Linear
 
     head = Int8Linear.from_float(torch.randn(72, 64), None, torch.float32)
     body = Int8Linear.from_float(torch.randn(64, 64), None, torch.float32)
@@ -389,12 +389,13 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind,
     """ops.decode_layer (one call per layer for a whole step) against the same kernels called
     one by one as LlamaDecoderLayer's eager forward calls them: the output and the K/V written
     are the same bits (the batch-invariance argument for kernel steps vs eager steps). The down
-    projection is GGUF Q8_0 tiles (kquant's kernel, called through the dispatcher) or, with
+    projection is GGUF Q8_0 tiles (gguf_blocks' kernel, called through the dispatcher) or, with
     every linear q4, the one-region layer (decode_layer_q4, residuals and biases folded into
     the tile stores); the o projection has a bias. `chunk`: rows 1 and 2 are two tokens of one
     prefill chunk (one table row, consecutive positions: row 2 attends to the key row 1 writes
     in this call). `pool_dtype`: the K/V pool's (fp16: written rounded, read converted)."""
-    from kiln.layers import kernels, kquant
+    from kiln.layers import kernels
+    from kiln.layers.quant import gguf_blocks
 
     if not kernels.available():
         pytest.skip("no GGUF-block kernels here")
@@ -408,13 +409,13 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind,
     if down_kind == "q4":
         w_down, down_id = _packed_q4(h, inter, 5), ck.Q4_KIND
     else:
-        w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
+        w_down = gguf_blocks.pack(down) if gguf_blocks.has_tiles("Q8_0") else down.raw
         down_id = down.type_id
 
     def down_linear(a: torch.Tensor) -> torch.Tensor:
         if down_kind == "q4":
             return ck.q4_linear(a, w_down, h)
-        return kquant.kq_linear(a, [w_down], [down_id], [h])
+        return gguf_blocks.kq_linear(a, [w_down], [down_id], [h])
     b_o = torch.randn(h, generator=g) * 0.1
     x = torch.randn(b, h, generator=g)
     ln1, ln2 = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
@@ -450,7 +451,8 @@ def test_decode_stack_is_decode_layer_layer_after_layer():
     decode_layer called once per layer: the same output and pools, bit for bit. Layer 0 is all
     q4 with a qkv bias (the one-region path), layer 1 has a GGUF Q8_0 down projection (the
     general path); each layer writes its own pools."""
-    from kiln.layers import kernels, kquant
+    from kiln.layers import kernels
+    from kiln.layers.quant import gguf_blocks
 
     if not kernels.available():
         pytest.skip("no GGUF-block kernels here")
@@ -459,7 +461,7 @@ def test_decode_stack_is_decode_layer_layer_after_layer():
     qkv_n = (hq + 2 * hk) * d
 
     down = reference.random_blocks(h, inter, "Q8_0", g)
-    w_down = kquant.pack(down) if kquant.has_tiles("Q8_0") else down.raw
+    w_down = gguf_blocks.pack(down) if gguf_blocks.has_tiles("Q8_0") else down.raw
     layers = []
     for i, (kind, wd) in enumerate([(ck.Q4_KIND, _packed_q4(h, inter, 9)),
                                     (down.type_id, w_down)]):

@@ -1,7 +1,7 @@
-"""GGUF blocks run as they are (kiln/layers/kquant.py, kiln/layers/kernels/kquant.cpp), at every ISA level: the kernel against the
+"""GGUF blocks run as they are (kiln/layers/quant/gguf_blocks.py, kiln/layers/kernels/kquant.cpp), at every ISA level: the kernel against the
 dequantized-weight matmul for every type, odd row counts, activation tails past a register
 block and a 64-row chunk, layers mixing types; kiln's dequantizer against the `gguf` package's;
-the 8-row tiles (kquant.pack) bit for bit back to the blocks, and their kernel against the
+the 8-row tiles (gguf_blocks.pack) bit for bit back to the blocks, and their kernel against the
 row kernel and the reference."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.layers import kquant
 from kiln.layers.kernels import reference
 from kiln.layers.kernels.choose import Choice
 from kiln.layers.kernels.formats import GGML_TYPES, KQUANT_TYPES, GGUFBlocks
-from kiln.layers.kquant import KQuantLinear
+from kiln.layers.quant import gguf_blocks
+from kiln.layers.quant.gguf_blocks import KQuantLinear
 
 gguf = pytest.importorskip("gguf")
 
@@ -52,7 +52,7 @@ def test_kernel_matches_reference(type_name: str, m: int) -> None:
     rows, k = 13, 768  # odd rows: a partial tile of 8; 768 = 3 K-quant super-blocks
     b = _blocks(rows, k, type_name, 2)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = kquant.kq_linear(x, [b.raw], [b.type_id])
+    got = gguf_blocks.kq_linear(x, [b.raw], [b.type_id])
     want = reference.kq_reference(x, [b])
     assert got.shape == (m, rows)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
@@ -73,7 +73,7 @@ def test_k_quants_round_the_activation_per_super_block(type_name: str) -> None:
     b = _blocks(rows, k, type_name, 21)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
     x[:, 7] = 40.0  # sets the first super-block's scale
-    got = kquant.kq_linear(x, [kquant.pack(b)], [b.type_id], [rows])
+    got = gguf_blocks.kq_linear(x, [gguf_blocks.pack(b)], [b.type_id], [rows])
     w = b.dequantize(torch.float32)
     per256 = reference.quantize_act(x, type_name) @ w.t()
     per32 = reference.quantize_act(x, "Q8_0") @ w.t()
@@ -92,18 +92,18 @@ def test_pack_round_trip(type_name: str, rows: int) -> None:
     """The tiles hold the blocks' bits, moved (no rounding): unpack gives the raw rows back
     exactly, including the scales' 6-bit packing (Q4_K, Q5_K), the mins (Q5_1) and the high
     bits (Q5_0, Q5_1, Q5_K, Q6_K)."""
-    assert kquant.has_tiles(type_name)
+    assert gguf_blocks.has_tiles(type_name)
     b = _blocks(rows, 512, type_name, rows)
-    packed = kquant.pack(b)
+    packed = gguf_blocks.pack(b)
     assert packed.shape[0] == (rows + 7) // 8 and packed.dtype == torch.uint8
     # about the blocks' size: K-quants' unpacked scales add 32 bytes per 8 blocks, others nothing
     assert packed.numel() <= 1.03 * b.raw.numel() * ((rows + 7) // 8 * 8) / rows
-    back = kquant.unpack(packed, type_name, rows, 512)
+    back = gguf_blocks.unpack(packed, type_name, rows, 512)
     assert torch.equal(back.raw, b.raw)
     # random bytes too: every bit of a block has its place in the tile
     r = reference.random_blocks(rows, 512, type_name, torch.Generator().manual_seed(rows))
     r.raw.random_(0, 256, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(kquant.unpack(kquant.pack(r), type_name, rows, 512).raw, r.raw)
+    assert torch.equal(gguf_blocks.unpack(gguf_blocks.pack(r), type_name, rows, 512).raw, r.raw)
 
 
 @needs_kernel
@@ -115,8 +115,8 @@ def test_tiles_match_rows_and_reference(type_name: str, m: int) -> None:
     rows, k = 21, 768  # a partial tile (21 = 8 + 8 + 5); 768 = 3 K-quant super-blocks
     b = _blocks(rows, k, type_name, 12)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
-    tiled = kquant.kq_linear(x, [kquant.pack(b)], [b.type_id], [rows])
-    raw = kquant.kq_linear(x, [b.raw], [b.type_id], [rows])
+    tiled = gguf_blocks.kq_linear(x, [gguf_blocks.pack(b)], [b.type_id], [rows])
+    raw = gguf_blocks.kq_linear(x, [b.raw], [b.type_id], [rows])
     want = reference.kq_reference(x, [b])
     tol = {"rtol": 2e-5, "atol": 2e-5 * want.abs().max().item()}
     torch.testing.assert_close(tiled, raw, **tol)
@@ -124,7 +124,7 @@ def test_tiles_match_rows_and_reference(type_name: str, m: int) -> None:
     # batch-invariant: a row alone is the same row inside the batch (with 70 rows: inside a
     # 16-row pass (Q8_0 on AVX-512), an 8-row one and the tail)
     for i in sorted({0, m // 2, m - 1}):
-        assert torch.equal(kquant.kq_linear(x[i:i + 1], [kquant.pack(b)], [b.type_id], [rows]),
+        assert torch.equal(gguf_blocks.kq_linear(x[i:i + 1], [gguf_blocks.pack(b)], [b.type_id], [rows]),
                            tiled[i:i + 1]), i
 
 
@@ -157,7 +157,7 @@ def test_tiles_beside_row_kernel_parts() -> None:
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
     want = reference.kq_reference(x, parts)
     tol = {"rtol": 2e-5, "atol": 2e-5 * want.abs().max().item()}
-    mixed = kquant.kq_linear(x, [parts[0].raw, kquant.pack(parts[1]), kquant.pack(parts[2]),
+    mixed = gguf_blocks.kq_linear(x, [parts[0].raw, gguf_blocks.pack(parts[1]), gguf_blocks.pack(parts[2]),
                                  parts[3].raw], [q.type_id for q in parts],
                              [q.raw.shape[0] for q in parts])
     torch.testing.assert_close(mixed, want, **tol)
@@ -192,7 +192,7 @@ def test_block_embedding_rows(type_name: str) -> None:
     else:
         w = np.random.default_rng(9).standard_normal((40, 256)).astype(np.float32)
         b = GGUFBlocks(torch.from_numpy(gguf.quants.quantize(w, qt)), type_name, 256)
-    emb = kquant.BlockEmbedding(b, torch.float32)
+    emb = gguf_blocks.BlockEmbedding(b, torch.float32)
     ids = torch.tensor([[3, 39, 0], [7, 7, 21]])
     torch.testing.assert_close(emb(ids), b.dequantize()[ids])
 
@@ -202,8 +202,8 @@ def test_quantize_linear_takes_blocks_as_they_are_or_falls_back() -> None:
     """A layer whose every shard came as GGUF blocks becomes a KQuantLinear holding them; one
     that mixes them with Q4_0/Q4_1 groups is re-quantized to int4 as before (all of it)."""
     from kiln.layers.linear import MergedLinear
-    from kiln.layers.quant import Int4Linear, quantize_int4_groups
-    from kiln.layers.quantize import quantize_linear
+    from kiln.layers.quant.apply import quantize_linear
+    from kiln.layers.quant.linear import Int4Linear, quantize_int4_groups
 
     q, v = _blocks(64, 256, "Q4_K", 10), _blocks(32, 256, "Q8_0", 11)
     lin = MergedLinear(256, {"q": 64, "v": 32})
@@ -213,7 +213,7 @@ def test_quantize_linear_takes_blocks_as_they_are_or_falls_back() -> None:
     assert isinstance(native, KQuantLinear) and native.type_names == ["Q4_K", "Q8_0"]
     got = native.blocks()
     assert torch.equal(got[0].raw, q.raw) and torch.equal(got[1].raw, v.raw)
-    assert native.tiled == [True, True] and native.blocks0.dim() == 3  # kquant.pack's tiles
+    assert native.tiled == [True, True] and native.blocks0.dim() == 3  # gguf_blocks.pack's tiles
 
     mixed = MergedLinear(256, {"q": 64, "v": 32})
     mixed.stash_quantized("q", quantize_int4_groups(q.dequantize()))

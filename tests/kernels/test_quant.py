@@ -1,4 +1,4 @@
-"""Weight-only quantization (kiln/layers/quant.py) and the GGUF block decoding it builds on.
+"""Weight-only quantization (kiln/layers/quant/linear.py) and the GGUF block decoding it builds on.
 
 Quality guard on SmolLM2: for each mode, the quantized model's greedy choice agrees with the
 unquantized (fp32) model's greedy output at >= 90% of positions, over 5 prompts x 64 tokens, and
@@ -39,7 +39,7 @@ def _groups(n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("m", [1, 3, 32, 33, 200])
 def test_int4_linear_matches_its_dequantized_weight_on_both_paths(m):
     """Small M runs the fused int4 kernel, large M dequantizes + dense GEMM: same numbers."""
-    from kiln.layers.quant import Int4Linear
+    from kiln.layers.quant.linear import Int4Linear
 
     gq = _groups(192, 256)
     lin = Int4Linear(gq, None, torch.bfloat16)
@@ -58,7 +58,7 @@ def test_dense_copies_give_the_quantized_layers_numbers(m):
     """keep_dense: steps of many rows run a bf16 GEMM on the dequantized weight (packed for
     oneDNN where the build can), small ones the kernels; both compute with the quantized weight."""
     from kiln.layers.linear import packing_works
-    from kiln.layers.quant import PACKED_DENSE_MIN_M, Int4Linear, Int8Linear
+    from kiln.layers.quant.linear import PACKED_DENSE_MIN_M, Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(192, 256, generator=g)
@@ -124,7 +124,7 @@ def test_packed_linear_matches_f_linear_eager_and_compiled(dtype):
 
 
 def test_int4_linear_keeps_fp32_activations_fp32():
-    from kiln.layers.quant import Int4Linear
+    from kiln.layers.quant.linear import Int4Linear
 
     gq = _groups(64, 128)
     lin = Int4Linear(gq, torch.ones(64), torch.float32)
@@ -136,7 +136,7 @@ def test_int4_linear_keeps_fp32_activations_fp32():
 
 
 def test_int8_linear_matches_dense_on_both_paths():
-    from kiln.layers.quant import Int8Linear
+    from kiln.layers.quant.linear import Int8Linear
 
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(3))
     lin = Int8Linear.from_float(w, None, torch.bfloat16)
@@ -149,20 +149,20 @@ def test_int8_linear_matches_dense_on_both_paths():
 def test_reference_fallback_gives_the_native_numbers(monkeypatch):
     """Where the packed ops are missing, layers dequantize on the fly: same results. kiln's own
     kernels (the default where they run) give them too."""
-    from kiln.layers import quant
+    from kiln.layers.quant import linear
 
     gq = _groups(64, 128)
     x = torch.randn(4, 128).to(torch.bfloat16)
-    native = quant.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
-    kiln = quant.Int4Linear(gq, None, torch.bfloat16)
+    native = linear.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
+    kiln = linear.Int4Linear(gq, None, torch.bfloat16)
     w8 = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
-    native8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
-    kiln8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16)
+    native8 = linear.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
+    kiln8 = linear.Int8Linear.from_float(w8, None, torch.bfloat16)
     assert native.kernel != "q4" and not native8.q8
-    monkeypatch.setattr(quant, "native_int4", lambda device_type: False)
-    monkeypatch.setattr(quant, "native_int8", lambda device_type: False)
-    ref = quant.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
-    ref8 = quant.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
+    monkeypatch.setattr(linear, "native_int4", lambda device_type: False)
+    monkeypatch.setattr(linear, "native_int8", lambda device_type: False)
+    ref = linear.Int4Linear(gq, None, torch.bfloat16, use_kernels=False)
+    ref8 = linear.Int8Linear.from_float(w8, None, torch.bfloat16, use_kernels=False)
     assert not ref.native and not ref8.native
     for a, b in ((ref, native), (kiln, native), (ref8, native8), (kiln8, native8)):
         assert (a(x).float() - b(x).float()).abs().max() <= 0.02 * b(x).float().abs().max()
@@ -195,7 +195,7 @@ def test_q4_1_blocks_become_int4_without_requantizing(gguf_path):
     """A GGUF Q4_1 matrix reaches Int4Linear as its own codes and scales (exact up to bf16
     rounding of scale and zero), never through a dense copy."""
     from kiln.layers.kernels.formats import GroupQuant
-    from kiln.layers.quant import Int4Linear
+    from kiln.layers.quant.linear import Int4Linear
     from kiln.models.gguf import GGUFFile, gguf_tensor
 
     gf = GGUFFile(gguf_path)
@@ -215,7 +215,7 @@ def test_q4_0_form_gives_a_q4_0_tensor_its_own_blocks_back():
     import gguf
 
     from kiln.layers.kernels.formats import dequantize_blocks
-    from kiln.layers.quant import quantize_q4_0_groups
+    from kiln.layers.quant.linear import quantize_q4_0_groups
 
     w = np.random.default_rng(1).standard_normal((12, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)  # [12, 4 blocks * 18 B]
@@ -247,7 +247,7 @@ def quantized(request, gguf_path, smollm2_tokenizer):
 
 def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smollm2_runner):
     from kiln.layers.linear import Linear
-    from kiln.layers.quant import Int4Linear, Int8Linear
+    from kiln.layers.quant.linear import Int4Linear, Int8Linear
 
     mode, llm = quantized
     model = llm.engine.runner.model
@@ -255,11 +255,12 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     quantized_layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     kinds = {type(m) for m in quantized_layers}
     # the tied Q8_0 embedding: where kiln's GGUF-block kernels are built the head runs on the
-    # file's blocks (kiln.layers.kquant, nothing re-rounded), else on int8 rows
-    from kiln.layers import kernels, kquant
+    # file's blocks (kiln.layers.quant.gguf_blocks, nothing re-rounded), else on int8 rows
+    from kiln.layers import kernels
+    from kiln.layers.quant import gguf_blocks
     head = model.lm_head
     if kernels.available():
-        assert isinstance(head, kquant.KQuantLinear) and head.type_names == ["Q8_0"]
+        assert isinstance(head, gguf_blocks.KQuantLinear) and head.type_names == ["Q8_0"]
         assert kinds == ({Int8Linear} if mode == "int8" else {Int4Linear})
     else:
         assert isinstance(head, Int8Linear)
@@ -286,7 +287,7 @@ def test_quantization_swaps_every_linear_and_shrinks_the_weights(quantized, smol
     # fp32 -> int8 is ~1/4 (+ scales); int4 ~1/6 (the lm_head stays 8-bit). A BlockEmbedding's
     # blocks are a view of the GGUF's map (lookups page in the rows they read), not a copy.
     emb = model.model.embed_tokens
-    mapped = emb.blocks.numel() if isinstance(emb, kquant.BlockEmbedding) else 0
+    mapped = emb.blocks.numel() if isinstance(emb, gguf_blocks.BlockEmbedding) else 0
     assert llm.engine.runner.weight_bytes - mapped < fp32_bytes * (0.27 if mode == "int8" else 0.19)
 
 

@@ -153,7 +153,7 @@ def test_int8_kv_falls_back_to_the_model_dtype_with_a_reason(tiny):
 
 def test_int8_weights_run_close_to_fp32(tiny):
     """quantize_model swaps MLA's linears (not kv_b_proj, used per head) and the experts."""
-    from kiln.layers.quant import Int8Linear
+    from kiln.layers.quant.linear import Int8Linear
 
     _, folder, ref = tiny
     r = _runner(folder, quantization="int8")

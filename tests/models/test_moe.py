@@ -124,7 +124,7 @@ def test_q4_0_experts_are_repacked_not_requantized(tiny, family):
             torch.testing.assert_close(down, d.down_proj[e], rtol=0, atol=2e-3)
     # The untied head arrives as Q4_0 blocks too: it stays int4 (an int8 copy of 4-bit values
     # holds nothing more), with the file's values.
-    from kiln.layers.quant import Int4Linear
+    from kiln.layers.quant.linear import Int4Linear
 
     assert isinstance(quant.model.lm_head, Int4Linear)
     torch.testing.assert_close(quant.model.lm_head.dequantize(torch.float32),

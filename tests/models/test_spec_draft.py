@@ -187,14 +187,15 @@ def test_prompt_lookup_runs_the_draft_confirms_replace_its_steps(tiny_pair):
 
 
 def test_head_rows_give_the_whole_heads_first_logits():
-    """kiln.layers.quantize.head_rows on each head layout: the cut head's logits are the
+    """kiln.layers.quant.apply.head_rows on each head layout: the cut head's logits are the
     whole head's first n (the same storage, the same kernel); a cut inside a tile of rows is
     refused (None)."""
-    from kiln.layers import kernels, kquant
+    from kiln.layers import kernels
     from kiln.layers.kernels import reference
     from kiln.layers.linear import Linear
-    from kiln.layers.quant import Int8Linear
-    from kiln.layers.quantize import head_rows
+    from kiln.layers.quant import gguf_blocks
+    from kiln.layers.quant.apply import head_rows
+    from kiln.layers.quant.linear import Int8Linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 256, generator=g)
@@ -203,7 +204,7 @@ def test_head_rows_give_the_whole_heads_first_logits():
     lin.weight.data.copy_(w)
     heads.append(lin)
     if kernels.available():
-        heads.append(kquant.KQuantLinear([reference.random_blocks(96, 256, "Q8_0", g)], None,
+        heads.append(gguf_blocks.KQuantLinear([reference.random_blocks(96, 256, "Q8_0", g)], None,
                                          torch.float32))
     x = torch.randn(3, 256, generator=g)
     for head in heads:

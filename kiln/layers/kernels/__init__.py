@@ -9,7 +9,7 @@ here, whether a kernel runs.
     build.py    one library per level from one source (the .cpp and .h files here),
                 each checked against reference.py before use
     ops.py      q4_linear, moe_q4, attend_rows, q8_linear, lora_add, rms_norm, rope_write,
-                silu_mul, decode_layer, decode_stack (+ kiln/layers/kquant.py: kq_linear)
+                silu_mul, decode_layer, decode_stack (+ kiln/layers/quant/gguf_blocks.py: kq_linear)
     choose.py   choose_linear_kernel / choose_attention_kernel / choose_lora_kernel /
                 choose_cpu_kernels -> (kernel, reasons)
     threads.py  the thread governor: fewer compute threads while other processes hold CPUs

@@ -5,7 +5,7 @@ Q4_1 blocks are exactly: `q4_groups`).
 
 Here, at the bottom of the kernel layer, because three floors read them: the GGUF reader
 (kiln/models/gguf.py) hands tensors over in these forms, the kernels' references and self-checks
-(kiln/layers/kernels/reference.py) decode them, and the layers (kiln/layers/quant.py, kquant.py)
+(kiln/layers/kernels/reference.py) decode them, and the layers (kiln/layers/quant/linear.py, gguf_blocks.py)
 are built from them. Pure data and torch: nothing here imports the rest of kiln.
 """
 

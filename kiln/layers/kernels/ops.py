@@ -1,5 +1,5 @@
 """Python faces of kiln's CPU kernels (the kernel sources beside this file; kquant.cpp's are
-in kiln/layers/kquant.py), at the level kiln.layers.kernels selected (`lib()`:
+in kiln/layers/quant/gguf_blocks.py), at the level kiln.layers.kernels selected (`lib()`:
 torch.ops.kiln_<level>).
 
 `q4_linear`: int4 weights in pack_q4's tiles x activations quantized to int8 per group of 32
@@ -121,7 +121,7 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """One Llama decoder layer of a whole step in one call (layers.cpp
     decode_layer): x [T, H] fp32 -> [T, H], the step's K/V written to the fp32 pools k/v at
     `slots`. The four linears (qkv, o, gate_up, down) as `counts` parts each of `weights`:
-    kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (kquant's parts);
+    kind Q4_KIND (pack_q4's tiles, rows = out features) or GGML type ids (KQuantLinear's parts);
     `biases` per linear or None. table [R, L] / row_of [T] / lens [T]: what each row attends
     to (attend_rows' arguments). `lora` / `lora_seg`: a LoRA step's adapters, 5 tensors per
     linear (engine/lora.py's stacked a, bt, pieces, ranks, local; empty a: none on it) and the

@@ -5,7 +5,7 @@ it is used (`self_check`).
 
 None of it calls a library through the selected level (kiln.layers.kernels' `lib()`): the
 builder (build.py) checks each level's library with these before any level is chosen, and the
-ops (ops.py, kiln/layers/kquant.py) call the chosen one; so this module sits below both.
+ops (ops.py, kiln/layers/quant/gguf_blocks.py) call the chosen one; so this module sits below both.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch import nn
 from kiln.layers import kernels
 from kiln.layers.kernels.choose import choose_linear_kernel
 from kiln.layers.kernels.formats import KQUANT_TYPES, GGUFBlocks
-from kiln.layers.quant import QuantizedLinear
+from kiln.layers.quant.linear import QuantizedLinear
 
 # types an untied embedding keeps as blocks (kiln/layers/kernels/formats.py's dequantizer reads
 # them row by row): Qwen2.5-0.5B's 151936 x 896 token_embd is 545 MB in fp32, 94 MB as Q5_0

@@ -1,7 +1,7 @@
-"""The model quantization pass: swaps a loaded model's linears for kiln/layers/quant.py's
-quantized modules (or kquant.py's, where a GGUF's blocks run as they are), picks the head's
+"""The model quantization pass: swaps a loaded model's linears for kiln/layers/quant/linear.py's
+quantized modules (or gguf_blocks.py's, where a GGUF's blocks run as they are), picks the head's
 form, and, under --batch-invariant, fixes each layer's kernel (`fix_kernel_choice`). See
-kiln/layers/quant.py's docstring for the modes and why.
+kiln/layers/quant/linear.py's docstring for the modes and why.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant
 from kiln.layers.linear import Linear, TiedLMHead
-from kiln.layers.quant import (
+from kiln.layers.quant.linear import (
     INT4_GROUP,
     Int4Linear,
     Int8Embedding,
@@ -87,7 +87,7 @@ def _int4_ok(lin: Linear) -> bool:
 
 def _native_blocks(lin: Linear) -> list | None:
     """The layer's GGUF blocks in row order when every row of it came as `GGUFBlocks` (the
-    loader kept them: kiln/layers/kquant.py's kernels run here), else None."""
+    loader kept them: kiln/layers/quant/gguf_blocks.py's kernels run here), else None."""
     parts = sorted((lin.shard_rows(s)[0], s) for s in lin.stash)
     shards = getattr(lin, "shards", None)
     whole = None in lin.stash if not shards else set(lin.stash) == set(shards)
@@ -101,7 +101,7 @@ def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Modu
     bias = lin.bias.data if lin.bias is not None else None
     blocks = _native_blocks(lin)
     if blocks is not None:  # GGUF Q8_0 / Q5_x / Q4_K / Q5_K / Q6_K: the file's blocks, as they are
-        from kiln.layers.kquant import KQuantLinear
+        from kiln.layers.quant.gguf_blocks import KQuantLinear
 
         lin.stash = {}
         return KQuantLinear(blocks, bias, dtype)
@@ -164,7 +164,7 @@ def quantize_model(model: nn.Module, mode: str, keep_dense: bool = False,
                 m.keep_dense()
     native = sum(type(m).__name__ == "KQuantLinear" for m in model.modules())
     log.info("quantized %d linear layers to %s (%d of them, lm_head included, keep the GGUF's "
-             "blocks: kiln.layers.kquant), lm_head to %s%s", n, mode, native,
+             "blocks: kiln.layers.quant.gguf_blocks), lm_head to %s%s", n, mode, native,
              "int4 (the GGUF's blocks)" if isinstance(getattr(model, "lm_head", None), Int4Linear)
              else type(getattr(model, "lm_head", None)).__name__,
              " (dense copies kept for large steps)" if keep_dense else "")
@@ -181,7 +181,7 @@ def _quantize_head(model: nn.Module, mode: str, use_kernels: bool) -> None:
     head = getattr(model, "lm_head", None)
     if head is None:
         return
-    from kiln.layers.kquant import BlockEmbedding, KQuantLinear
+    from kiln.layers.quant.gguf_blocks import BlockEmbedding, KQuantLinear
 
     with torch.no_grad():
         if isinstance(head, TiedLMHead) and isinstance(head.embedding, BlockEmbedding):
@@ -213,7 +213,7 @@ def head_rows(head: nn.Module, n: int) -> nn.Module | None:
     tile boundary, a dense copy, a merged or packed weight): the caller keeps the whole head."""
     import copy
 
-    from kiln.layers.kquant import KQuantLinear
+    from kiln.layers.quant.gguf_blocks import KQuantLinear
 
     rows = head.embedding.num_embeddings if isinstance(head, TiedLMHead) else head.out_features
     if n >= rows:

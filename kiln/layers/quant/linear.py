@@ -1,5 +1,5 @@
 """Weight-only quantized linears, swapped in as modules after loading (gpt-fast style) by
-kiln/layers/quantize.py's pass:
+kiln/layers/quant/apply.py's pass:
 
     quantize_model(model, "int8")   every Linear -> Int8Linear (int8 per output channel)
     quantize_model(model, "int4")   every Linear -> Int4Linear (4-bit, asymmetric groups of 32)
