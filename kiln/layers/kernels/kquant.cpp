@@ -1,7 +1,7 @@
 // kiln's kernels for GGUF's quantized blocks, the file's codes and scales as they are (no
 // second rounding; reordered into 8-row tiles): Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Compiled
 // with the other kernel sources into one library per ISA level (kiln/layers/kernels/build.py);
-// kiln/layers/kquant.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
+// kiln/layers/quant/gguf_blocks.py's KQuantLinear calls `kq_pack` once and `kq_linear` per step.
 //
 // Weights: one tensor per part, uint8 [rows, row_bytes], each row the GGUF row's blocks as
 // they are, or kq_pack's tiles of them (a merged qkv / gate_up layer is several parts, one
@@ -28,8 +28,8 @@
 // super-block in int32 and does its float work once, not per group of 32). Every dot product
 // is then exactly (up to fp32 summation order) the dequantized weight times the dequantized
 // activation: sum over a group of w_i * d * xq_i, including the min terms (K-quants' mins use
-// the rounded activation's sums, as llama.cpp's Q8_K bsums do). kiln/layers/kquant.py's
-// `reference` computes that in PyTorch; the tests compare the two on blocks written by the
+// the rounded activation's sums, as llama.cpp's Q8_K bsums do).
+// kiln/layers/kernels/reference.py's `kq_reference` computes that in PyTorch; the tests compare the two on blocks written by the
 // `gguf` package's quantizers.
 //
 // The integer dot products: _mm256_maddubs_epi16 (u8 x s8 -> pairs summed into int16) then

@@ -42,8 +42,8 @@ at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayR
   if (kinds.size() == 1 && kinds[0] == kKindQ4) {
     y = q4_linear(x, parts[0], rows[0]);
   } else {
-    // the GGUF-block kernels (kquant.cpp, the same library): the function kiln/layers/kquant.py's
-    // module calls
+    // the GGUF-block kernels (kquant.cpp, the same library): the function that
+    // kiln/layers/quant/gguf_blocks.py's module calls
     y = kq_linear(x, parts, kinds, rows);
   }
   return bias.has_value() ? y + *bias : y;
