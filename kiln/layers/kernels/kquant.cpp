@@ -29,8 +29,8 @@
 // is then exactly (up to fp32 summation order) the dequantized weight times the dequantized
 // activation: sum over a group of w_i * d * xq_i, including the min terms (K-quants' mins use
 // the rounded activation's sums, as llama.cpp's Q8_K bsums do).
-// kiln/layers/kernels/reference.py's `kq_reference` computes that in PyTorch; the tests compare the two on blocks written by the
-// `gguf` package's quantizers.
+// kiln/layers/kernels/reference.py's `kq_reference` computes that in PyTorch; the tests
+// compare the two on blocks written by the `gguf` package's quantizers.
 //
 // The integer dot products: _mm256_maddubs_epi16 (u8 x s8 -> pairs summed into int16) then
 // _mm256_madd_epi16 with ones (-> int32 sums of 4). Signed weights (Q8_0, Q5_0) use the sign
