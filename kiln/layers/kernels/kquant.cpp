@@ -358,18 +358,9 @@ at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntAr
             std::memcpy(yp + (m + i) * N + p.row0 + r0, tmp, nr * sizeof(float));
           };
 #if KILN_VNNI
-          if (wide) {
+          if (nr > kTile) {  // a pair of tiles: 16 rows a pass (wide) or up to kTileRows
             __m512 out[kWideRows];
-            p.wide(wt, p.tile_bytes, p.nb, xt, out);
-            for (int i = 0; i < mb; ++i) {
-              _mm512_store_ps(tmp, out[i]);
-              store(i);
-            }
-            continue;
-          }
-          if (nr > kTile) {
-            __m512 out[kTileRows];
-            p.tfn2[mb](wt, p.tile_bytes, p.nb, xt, out);
+            (wide ? p.wide : p.tfn2[mb])(wt, p.tile_bytes, p.nb, xt, out);
             for (int i = 0; i < mb; ++i) {
               _mm512_store_ps(tmp, out[i]);
               store(i);
