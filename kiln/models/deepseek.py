@@ -42,7 +42,8 @@ import re
 import torch
 from torch import nn
 
-from kiln.layers.attention import Attention
+from kiln.layers import lora
+from kiln.layers.attention import Attention, KVStore, get_context
 from kiln.layers.kernels import ops
 from kiln.layers.linear import Linear
 from kiln.layers.moe import Experts
@@ -50,8 +51,16 @@ from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 from kiln.layers.router import Router, grouped_topk
 from kiln.models.config import ModelConfig
-from kiln.models.llama import PACKED, LlamaForCausalLM, LlamaMLP
+from kiln.models.llama import (
+    DECODE_KERNEL_ANY_ROWS,
+    PACKED,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 
+# grouped_topk's `method` as mla.cpp's MlaLayer takes it (any other: a group scored by its best)
+_ROUTING = {"greedy": 0, "noaux_tc": 2}
 # HF (and DeepSeek's reference) build q_a_layernorm and kv_a_layernorm with RMSNorm's default
 # eps, not the config's rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -248,10 +257,85 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (DeepseekMoE(cfg, layer) if cfg.is_moe_layer(layer)
                                else LlamaMLP(cfg))
+        # mla.cpp's MlaLayer of this layer (_mla_kernel), and what it was built on
+        self._mla: tuple[tuple, object | None] | None = None
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(cos, sin, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_kernel_rows(self) -> int:
+        """Any row count where the whole layer runs as one call of mla.cpp's mla_layer (see
+        `_mla_kernel`), else 0 (the runner's rule, as for LlamaDecoderLayer)."""
+        return DECODE_KERNEL_ANY_ROWS if self._mla_kernel() is not None else 0
+
+    def forward_decode_kernel(self, cos: torch.Tensor, sin: torch.Tensor,
+                              x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a whole step (decode rows, prefill chunks) as one kernel call: each row
+        from its own row alone (batch-invariant). A step with LoRA rows runs `forward`."""
+        if lora.step_active():
+            return self.forward(cos, sin, x)
+        meta = get_context()
+        layer = self._mla_kernel()
+        assert layer is not None and meta.step_rows is not None
+        return ops.mla_layer(x, cos, sin, layer, meta.slot_mapping, *meta.step_rows)
+
+    def _mla_kernel(self) -> object | None:
+        """This layer as mla.cpp's MlaLayer, gathered once (rebuilt when its KV store or routing
+        counters are replaced: the runner swaps in scratch pools to profile), or None where the
+        one call cannot run it: an fp32 model on kiln's CPU kernels whose linears are q4 tiles
+        or GGUF blocks, kv_b_proj on per-head tiles, a latent pool attend_rows reads, and a
+        SiLU MLP or a MoE block whose stacked experts took the shared ones."""
+        attn, mlp = self.self_attn, self.mlp
+        kv = attn.attn.kv
+        experts = mlp.experts if isinstance(mlp, DeepseekMoE) else None
+        key = (kv, None if experts is None else experts.tokens_per_expert)
+        if self._mla is not None and all(a is b for a, b in zip(key, self._mla[0])):
+            return self._mla[1]
+        self._mla = (key, self._build_mla(kv, experts))
+        return self._mla[1]
+
+    def _build_mla(self, kv: KVStore | None, experts: Experts | None) -> object | None:
+        attn, mlp, up = self.self_attn, self.mlp, self.self_attn.kv_b_proj
+        norms = [self.input_layernorm, self.post_attention_layernorm, attn.kv_a_layernorm]
+        linears = [attn.q_a_proj, attn.q_b_proj] if attn.q_lora else [attn.q_proj]
+        linears += [attn.kv_a_proj_with_mqa, attn.o_proj]
+        if attn.q_lora:
+            norms.append(attn.q_a_layernorm)
+        if isinstance(mlp, LlamaMLP):
+            ok = mlp.act is torch.nn.functional.silu and mlp.intermediate_size % 16 == 0
+            linears += [mlp.gate_up_proj, mlp.down_proj]
+        else:
+            ok = (experts is not None and type(experts) is Experts and mlp.shared_experts is None
+                  and experts.w13_q4 is not None and experts.counts_routing
+                  and mlp.gate.weight.dtype == torch.float32)
+        ok = (ok and kv is not None and kv.invariant and kv.v_in_k
+              and kv.k.dtype in (torch.float32, torch.float16) and up.uk_q4 is not None
+              and attn.attn.sliding_window is None
+              and all(n.weight.dtype == torch.float32 and n.weight.shape[0] % 8 == 0
+                      for n in norms))
+        parts = LlamaDecoderLayer._kernel_parts(tuple(linears)) if ok else None
+        if parts is None:
+            return None
+        none = torch.empty(0)
+        layer = ops.mla_layer_object()
+        layer.attention(
+            self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, attn.q_a_layernorm.weight if attn.q_lora else none,
+            attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, *parts,
+            [lin.bias if lin.bias is not None else none for lin in linears], up.uk_q4, up.uv_q4,
+            attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim,
+            attn.rope is apply_rotary_interleaved, kv.k, kv.v, attn.attn.scale)
+        if experts is not None:
+            c, bias = mlp.cfg, mlp.gate.e_score_correction_bias
+            groups = max(1, c.n_group or 1)
+            layer.moe(mlp.gate.weight, none if bias is None else bias.float(), mlp.top_k,
+                      groups, min(groups, max(1, c.topk_group or 1)),
+                      _ROUTING.get(c.topk_method, 1),
+                      c.scoring_func == "sigmoid", c.norm_topk_prob,
+                      float(c.routed_scaling_factor), experts.w13_q4, experts.w2_q4,
+                      experts.num_shared, experts.tokens_per_expert)
+        return layer
 
 
 # Only gate/up are packed: q_proj (V2-Lite) is MLA's own, not part of a qkv_proj.

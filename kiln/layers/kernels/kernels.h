@@ -96,6 +96,11 @@ void q4_tiles_omp(const uint8_t* w, int64_t tile_bytes, int64_t NT, const QRows&
                   const int64_t* rows, int64_t M, int64_t n, float* y, const float* bias,
                   const float* resid);
 
+// heads_q4's loop (q4_tiles.cpp), in an enclosing region: one linear per head h, rows
+// t * Hn + h of xs -> y + (t * Hn + h) * ys (n values; ys: the output rows' stride).
+void heads_q4_omp(const uint8_t* w, int64_t NT, int64_t tile_bytes, const QRows& xs, int64_t T,
+                  int64_t Hn, int64_t n, float* y, int64_t ys);
+
 // e^x, 2^t with t = x log2(e) = n + f by a degree-6 polynomial in f (relative error ~2e-7);
 // t clamped to [-126, 126] so 2^n is a normal float built in its exponent bits.
 inline __m256 exp_vec(__m256 x) {

@@ -92,26 +92,14 @@ at::Tensor heads_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   if (T == 0) return y;
   const auto xc = x.contiguous();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t tile_bytes = w.size(2) * kBlockBytes, head_bytes = NT * tile_bytes;
+  const int64_t tile_bytes = w.size(2) * kBlockBytes;
   float* yp = y.data_ptr<float>();
   QRows xs;
   xs.resize(T * Hn, K);
 #pragma omp parallel num_threads(threads())
   {
     quantize_rows_omp(xc.data_ptr<float>(), T * Hn, K, xs);
-    constexpr int64_t kRowChunk = 64;
-    int64_t rows[kRowChunk];
-    __m256 out[kRowChunk];
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < Hn * NT; ++item) {
-      const int64_t h = item / NT, j = item % NT, valid = std::min(kTile, n - j * kTile);
-      for (int64_t r0 = 0; r0 < T; r0 += kRowChunk) {
-        const int64_t nr = std::min(kRowChunk, T - r0);
-        for (int64_t m = 0; m < nr; ++m) rows[m] = (r0 + m) * Hn + h;
-        tile_rows(wp + h * head_bytes + j * tile_bytes, tile_bytes, xs, rows, nr, out, tile_bytes);
-        for (int64_t m = 0; m < nr; ++m) store_tile(yp + rows[m] * n + j * kTile, out[m], valid);
-      }
-    }
+    heads_q4_omp(wp, NT, tile_bytes, xs, T, Hn, n, yp, n);
   }
   return y;
 }

@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include "kernels.h"
 
 namespace KILN_NS {
@@ -52,6 +54,9 @@ at::Tensor silu_mul_rows(const at::Tensor& gu);
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor k, at::Tensor v, const at::Tensor& slots, int64_t num_heads);
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w);
+// layers.cpp: a layer's linear as its module runs it (q4 tiles, kind -1, or GGUF blocks) + bias
+at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
+                        at::IntArrayRef rows, const std::optional<at::Tensor>& bias);
 // kquant.cpp's GGUF-block linear, called by layers.cpp's layer kernels (one library).
 at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                      at::IntArrayRef rows);

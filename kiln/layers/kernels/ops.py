@@ -184,6 +184,26 @@ def decode_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return lib().decode_stack(x, cos, sin, stack, slots, table, row_of, lens)
 
 
+def mla_layer_object() -> torch.ScriptObject:
+    """An empty MlaLayer (mla.cpp): DeepSeek's decoder layer as mla_layer takes it, set by
+    `attention(ln1, ln2, eps, q_a_norm, kv_norm, latent_eps, weights, kinds, rows, counts,
+    biases, uk, uv, heads, nope, rope, v_dim, interleave, k, v, scale)` and, for a MoE layer,
+    `moe(router, bias, top_k, n_group, topk_group, method, sigmoid, renormalize, scale, w13,
+    w2, shared, routed)` (empty tensors stand for None)."""
+    from kiln.layers.kernels import level
+
+    return getattr(torch.classes, f"kiln_{level()}").MlaLayer()
+
+
+def mla_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.ScriptObject,
+              slots: torch.Tensor, table: torch.Tensor, row_of: torch.Tensor,
+              lens: torch.Tensor) -> torch.Tensor:
+    """A DeepSeek decoder layer (MLA + dense MLP or MoE) of a whole step in one call: x [T, H]
+    fp32 -> [T, H]; the step's latent rows written to the layer's pool, its routing added to
+    its counters (eager only)."""
+    return lib().mla_layer(x, cos, sin, layer, slots, table, row_of, lens)
+
+
 Q4_KIND = -1  # decode_layer's kind of a pack_q4 weight
 
 

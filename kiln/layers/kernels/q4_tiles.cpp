@@ -185,4 +185,24 @@ void q4_tiles_omp(const uint8_t* w, int64_t tile_bytes, int64_t NT, const QRows&
   }
 }
 
+// heads_q4's tile loop (ops.cpp), run by every thread of an enclosing region: head h of the
+// quantized rows t * Hn + h of xs against that head's NT tiles (w: Hn heads of NT tiles each)
+// -> y + (t * Hn + h) * ys, n values.
+void heads_q4_omp(const uint8_t* w, int64_t NT, int64_t tile_bytes, const QRows& xs, int64_t T,
+                  int64_t Hn, int64_t n, float* y, int64_t ys) {
+  constexpr int64_t kRowChunk = 64;
+  int64_t rows[kRowChunk];
+  __m256 out[kRowChunk];
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < Hn * NT; ++item) {
+    const int64_t h = item / NT, j = item % NT, valid = std::min(kTile, n - j * kTile);
+    for (int64_t r0 = 0; r0 < T; r0 += kRowChunk) {
+      const int64_t nr = std::min(kRowChunk, T - r0);
+      for (int64_t m = 0; m < nr; ++m) rows[m] = (r0 + m) * Hn + h;
+      tile_rows(w + (h * NT + j) * tile_bytes, tile_bytes, xs, rows, nr, out, tile_bytes);
+      for (int64_t m = 0; m < nr; ++m) store_tile(y + rows[m] * ys + j * kTile, out[m], valid);
+    }
+  }
+}
+
 }  // namespace KILN_NS
