@@ -446,6 +446,63 @@ def test_decode_layer_is_the_eager_kernels_chained_bit_for_bit(chunk, down_kind,
     assert not torch.equal(k, k0)  # the step's keys were written
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_decode_layer_of_gguf_blocks_is_the_chained_kernels_bit_for_bit(rows, pool_dtype,
+                                                                        kernel_level):
+    """A layer whose linears are all GGUF blocks (Qwen2.5's Q4_K_M mix: Q5_0 q/k/v in two
+    parts, Q8_0 o, Q5_0 gate_up, Q4_K and raw Q6_K rows in down; biases on qkv and o) runs in one
+    parallel region (layers_kq.cpp): the output and the K/V written are the bits of the same
+    kernels called one by one, at 1 row, a few and past a 16-row pass. Rows 1.. are one prefill
+    chunk's consecutive tokens."""
+    from kiln.layers.quant import gguf_blocks
+
+    g = torch.Generator().manual_seed(2)
+    h, hq, hk, d, inter, s = 256, 4, 2, 32, 256, 64
+    qkv_n, ctx = (hq + 2 * hk) * d, 24
+
+    def blocks(n: int, k: int, t: str, tiled: bool = True) -> tuple[torch.Tensor, int]:
+        b = reference.random_blocks(n, k, t, g)
+        return (gguf_blocks.pack(b) if tiled else b.raw), b.type_id
+
+    parts = [blocks(hq * d, h, "Q5_0"), blocks(2 * hk * d, h, "Q5_0"), blocks(h, hq * d, "Q8_0"),
+             blocks(2 * inter, h, "Q5_0"), blocks(h - 16, inter, "Q4_K"),
+             blocks(16, inter, "Q6_K", tiled=False)]
+    weights, kinds = [p[0] for p in parts], [p[1] for p in parts]
+    n_rows = [hq * d, 2 * hk * d, h, 2 * inter, h - 16, 16]
+    counts = [2, 1, 1, 2]
+    b_qkv, b_o = torch.randn(qkv_n, generator=g) * 0.1, torch.randn(h, generator=g) * 0.1
+
+    def lin(i: int, a: torch.Tensor) -> torch.Tensor:
+        lo = sum(counts[:i])
+        return gguf_blocks.kq_linear(a, weights[lo:lo + counts[i]], kinds[lo:lo + counts[i]],
+                                     n_rows[lo:lo + counts[i]])
+
+    x = torch.randn(rows, h, generator=g)
+    ln1, ln2 = torch.rand(h, generator=g) + 0.5, torch.rand(h, generator=g) + 0.5
+    cos, sin = torch.randn(rows, 1, d, generator=g), torch.randn(rows, 1, d, generator=g)
+    k0 = torch.randn(s, hk, d, generator=g).to(pool_dtype)
+    v0 = torch.randn(s, hk, d, generator=g).to(pool_dtype)
+    gather = torch.randperm(s, generator=g)[:ctx + rows].view(1, -1)
+    row_of = torch.zeros(rows, dtype=torch.long)
+    lens = torch.arange(ctx + 1, ctx + rows + 1)
+    slots = gather[0, lens - 1]
+    scale, eps = d ** -0.5, 1e-5
+
+    k, v = k0.clone(), v0.clone()
+    q = ck.rope_write(lin(0, ck.rms_norm(x, ln1, eps)) + b_qkv, cos, sin, k, v, slots, hq)
+    att = ck.attend_rows(q, k, v, gather, row_of, lens, scale)
+    x1 = x + (lin(1, att.view(rows, -1)) + b_o)
+    want = x1 + lin(3, ck.silu_mul(lin(2, ck.rms_norm(x1, ln2, eps))))
+
+    k2, v2 = k0.clone(), v0.clone()
+    got = ck.decode_layer(x, cos, sin, ln1, ln2, eps, weights, kinds, n_rows, counts,
+                          [b_qkv, b_o, None, None], k2, v2, slots, gather, row_of, lens, hq,
+                          scale)
+    assert torch.equal(got, want)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
 def test_decode_stack_is_decode_layer_layer_after_layer():
     """decode_stack (a whole step's layers in one call, LlamaModel's kernel steps) against
     decode_layer called once per layer: the same output and pools, bit for bit. Layer 0 is all

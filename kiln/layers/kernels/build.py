@@ -41,7 +41,7 @@ HERE = Path(__file__).parent
 # ninja starts them in this order, and the short ones fill the cores at the end.
 SOURCES = tuple(HERE / f for f in (
     "layers.cpp", "kquant.cpp", "ops.cpp", "kquant_tiles.cpp", "lora.cpp", "attention.cpp",
-    "q4_tiles.cpp", "moe.cpp", "kquant_dots.cpp", "mla.cpp"))
+    "q4_tiles.cpp", "moe.cpp", "kquant_dots.cpp", "mla.cpp", "layers_kq.cpp"))
 HEADERS = (HERE / "simd.h", HERE / "kernels.h", HERE / "kquant.h", HERE / "ops.h")
 # -mtune=native: scheduling for this CPU, no instruction beyond the level's -m flags.
 BASE_CFLAGS = ("-O3", "-mtune=native", "-fopenmp", "-std=c++17")

@@ -217,33 +217,156 @@ void map_block(int64_t type, uint8_t* raw, uint8_t* tile, int t, bool to_tile) {
   }
 }
 
-struct Part {
-  const uint8_t* w;
-  int64_t row_bytes, rows, row0, nb;
-  bool tiled;  // kq_pack's layout (tile_bytes per 8 rows) or raw rows
-  int64_t slot;  // which rounding of the activation it reads (kq_linear's `spans`)
-  int64_t tile_bytes;
-  DotFn fn[kMaxRows + 1];  // fn[mb]: mb activation rows at once
-  TileFn<1> tfn[kTileRows + 1];
+}  // namespace
+
+void KqLinear::add(const uint8_t* w, int64_t type, int64_t rows, bool tiled, int64_t bytes) {
+  KqPart p;
+  p.w = w;
+  p.rows = rows;
+  p.tiled = tiled;
+  p.row_bytes = tiled ? 0 : bytes;
+  p.tile_bytes = tiled ? bytes : 0;
+  p.row0 = N;
+  p.nb = K / block_elems(type);
+  const auto sp = std::find(spans.begin(), spans.end(), block_elems(type));
+  p.slot = sp - spans.begin();
+  if (sp == spans.end()) spans.push_back(block_elems(type));
+  p.fn[0] = nullptr;
+  p.fn[1] = dot_for<1>(type);
+  p.fn[2] = dot_for<2>(type);
+  p.fn[3] = dot_for<3>(type);
+  p.fn[4] = dot_for<4>(type);
+  fill_tiles<1>(p.tfn, type);
 #if KILN_VNNI
-  TileFn<2> tfn2[kTileRows + 1];  // two tiles in one 512-bit vector
-  TileFn<2> wide;  // two tiles, kWideRows activation rows (Q8_0) or null
+  fill_tiles<2>(p.tfn2, type);
+  p.wide = wide_tile(type);
 #endif
-};
+  parts.push_back(p);
+  N += rows;
+}
 
+void KqLinear::prepare(int64_t m) {
+  M = m;
+  // Pairs of tiles (512-bit kernels) from one full pass of activation rows up: below it a step
+  // streams its weights from memory and one tile at a time streams faster (Zen 4, 1 thread,
+  // 152k x 896 Q8_0 from DRAM: 1 row 8.1-8.4 ms single vs 11.9-13.2 paired), at and above it
+  // the dot products bound the call and pairs do twice the work per instruction (16 rows,
+  // Qwen2.5-0.5B's shapes: Q5_0 -24%, Q4_K -12%, Q6_K -9%, the Q8_0 head -12%).
+  pairs = M >= kTileRows;
+  // work items' weight rows: (part, first row) of up to 8 rows (raw rows), or kMaxTiles tiles
+  tile_part.clear();
+  tile_row.clear();
+  for (size_t i = 0; i < parts.size(); ++i)
+    for (int64_t r = 0; r < parts[i].rows; r += parts[i].tiled && pairs ? 8 * kMaxTiles : 8) {
+      tile_part.push_back(static_cast<int64_t>(i));
+      tile_row.push_back(r);
+    }
+  const int64_t F = static_cast<int64_t>(spans.size()), G = K / 32;
+  xq.resize(F * M * K);
+  xd.resize(F * M * G);
+  xs.resize(F * M * G);
+  xi.resize(F * M * G);
+  xh.resize(F * M * G);
+}
 
-// y [M, N] = x [M, K] @ W^T, W = the parts' rows stacked (N = the sum of `rows`), in x's
-// dtype. A part is raw rows (uint8 [rows, row_bytes]) or kq_pack's tiles (uint8
-// [ceil(rows / 8), K / block, tile block bytes]).
-at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
-                          at::IntArrayRef rows) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "kq_linear: x must be [M, K] float32 or bfloat16");
+template <typename T>
+void KqLinear::run(const T* x, float* y, const float* bias, const float* resid) {
+  constexpr int64_t kTile = 8, kChunk = 64;
+  const int64_t NT = static_cast<int64_t>(tile_part.size());
+  const int64_t chunks = (M + kChunk - 1) / kChunk, G = K / 32;
+  const int64_t F = static_cast<int64_t>(spans.size());
+  auto xrow = [&](int64_t slot, int64_t r) -> XRow {
+    r += slot * M;
+    return {xq.data() + r * K, xd.data() + r * G, xs.data() + r * G, xi.data() + r * G,
+            xh.data() + r * G};
+  };
+  // y's values as the op-by-op layer adds them: the linear's output, + its bias, then the
+  // residual + that (one fp32 add each, the same operands: the same bits)
+  auto put = [&](int64_t m, int64_t col, const float* v, int64_t n) {
+    float* yr = y + m * N + col;
+    if (bias == nullptr && resid == nullptr) {
+      std::memcpy(yr, v, n * sizeof(float));
+      return;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      float a = v[j];
+      if (bias) a = a + bias[col + j];
+      if (resid) a = resid[m * N + col + j] + a;
+      yr[j] = a;
+    }
+  };
+#pragma omp for schedule(static)
+  for (int64_t fr = 0; fr < F * M; ++fr) {  // fr = slot * M + r
+    const int64_t r = fr % M, span = spans[fr / M];
+    quantize_row(x + r * K, K, span, xq.data() + fr * K, xd.data() + fr * G, nullptr,
+                 xs.data() + fr * G, xi.data() + fr * G, xh.data() + fr * G);
+  }
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < NT * chunks; ++item) {
+    const int64_t t = item % NT, c = item / NT;
+    const KqPart& p = parts[tile_part[t]];
+    const int64_t r0 = tile_row[t], m0 = c * kChunk, mn = std::min(kChunk, M - m0);
+    if (p.tiled) {
+      const int64_t nr = std::min(pairs ? kTile * kMaxTiles : kTile, p.rows - r0);
+      const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
+      const int64_t step = (nr + kTile - 1) / kTile * p.tile_bytes;  // to the next item's tiles
+      int pass = 0;
+      for (int64_t m = m0, mb = 0; m < m0 + mn; m += mb, ++pass) {
+#if KILN_VNNI
+        const bool wide = nr > kTile && p.wide && m0 + mn - m >= kWideRows;
+#else
+        constexpr bool wide = false;
+#endif
+        mb = wide ? kWideRows : std::min<int64_t>(kTileRows, m0 + mn - m);
+        const XRow x0 = xrow(p.slot, m);
+        const int64_t pf = pass_prefetch(pass, step);
+        const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G, pf};
+        alignas(64) float tmp[kTile * kMaxTiles];
+#if KILN_VNNI
+        if (nr > kTile) {  // a pair of tiles: 16 rows a pass (wide) or up to kTileRows
+          __m512 out[kWideRows];
+          (wide ? p.wide : p.tfn2[mb])(wt, p.tile_bytes, p.nb, xt, out);
+          for (int i = 0; i < mb; ++i) {
+            _mm512_store_ps(tmp, out[i]);
+            put(m + i, p.row0 + r0, tmp, nr);
+          }
+          continue;
+        }
+#endif
+        __m256 out[kTileRows];
+        p.tfn[mb](wt, p.tile_bytes, p.nb, xt, out);
+        for (int i = 0; i < mb; ++i) {
+          _mm256_store_ps(tmp, out[i]);
+          put(m + i, p.row0 + r0, tmp, nr);
+        }
+      }
+      continue;
+    }
+    const int64_t nr = std::min(kTile, p.rows - r0);
+    for (int64_t r = r0; r < r0 + nr; ++r) {
+      const uint8_t* wr = p.w + r * p.row_bytes;
+      for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
+        XRow xr[kMaxRows];
+        float out[kMaxRows];
+        for (int i = 0; i < mb; ++i) xr[i] = xrow(p.slot, m + i);
+        p.fn[mb](wr, p.nb, xr, out);
+        for (int i = 0; i < mb; ++i) put(m + i, p.row0 + r, out + i, 1);
+      }
+    }
+  }
+}
+template void KqLinear::run<float>(const float*, float*, const float*, const float*);
+template void KqLinear::run<at::BFloat16>(const at::BFloat16*, float*, const float*,
+                                          const float*);
+
+// The parts of a linear as kq_linear takes them, checked, into `lin` (M rows of x [M, K]).
+void kq_plan(KqLinear& lin, int64_t M, int64_t K, at::TensorList weights,
+             at::IntArrayRef types, at::IntArrayRef rows) {
   TORCH_CHECK(weights.size() == types.size() && weights.size() == rows.size() && !weights.empty(),
               "kq_linear: one type and one row count per weight part");
-  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "kq_linear: K must be a multiple of 32");
-  int64_t N = 0;
+  lin.reset(K);
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
     const int64_t be = block_elems(types[i]), bb = block_bytes(types[i]);
@@ -258,138 +381,35 @@ at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntAr
       TORCH_CHECK(w.dim() == 2 && w.size(0) == rows[i] && w.size(1) == K / be * bb,
                   "kq_linear: part ", i, " must be [", rows[i], ", ", K / be * bb, "]");
     }
-    N += rows[i];
+    lin.add(w.data_ptr<uint8_t>(), types[i], rows[i], w.dim() == 3,
+            w.dim() == 3 ? w.size(1) * w.size(2) : w.size(1));
   }
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return y.to(x.scalar_type());
-  std::vector<Part> parts;
-  // the activation rounded per span of the parts' block size (32, or 256 for the K-quants; a
-  // Q4_K_M layer can mix both): spans[s]'s rows sit at s * M rows in each buffer below
-  std::vector<int64_t> spans;
-  int64_t row0 = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    Part p;
-    p.w = weights[i].data_ptr<uint8_t>();
-    p.rows = rows[i];
-    p.tiled = weights[i].dim() == 3;
-    p.row_bytes = p.tiled ? 0 : weights[i].size(1);
-    p.tile_bytes = p.tiled ? weights[i].size(1) * weights[i].size(2) : 0;
-    p.row0 = row0;
-    p.nb = K / block_elems(types[i]);
-    const auto sp = std::find(spans.begin(), spans.end(), block_elems(types[i]));
-    p.slot = sp - spans.begin();
-    if (sp == spans.end()) spans.push_back(block_elems(types[i]));
-    p.fn[0] = nullptr;
-    p.fn[1] = dot_for<1>(types[i]);
-    p.fn[2] = dot_for<2>(types[i]);
-    p.fn[3] = dot_for<3>(types[i]);
-    p.fn[4] = dot_for<4>(types[i]);
-    fill_tiles<1>(p.tfn, types[i]);
-#if KILN_VNNI
-    fill_tiles<2>(p.tfn2, types[i]);
-    p.wide = wide_tile(types[i]);
-#endif
-    parts.push_back(p);
-    row0 += p.rows;
-  }
-  // Pairs of tiles (512-bit kernels) from one full pass of activation rows up: below it a step
-  // streams its weights from memory and one tile at a time streams faster (Zen 4, 1 thread,
-  // 152k x 896 Q8_0 from DRAM: 1 row 8.1-8.4 ms single vs 11.9-13.2 paired), at and above it
-  // the dot products bound the call and pairs do twice the work per instruction (16 rows,
-  // Qwen2.5-0.5B's shapes: Q5_0 -24%, Q4_K -12%, Q6_K -9%, the Q8_0 head -12%).
-  const bool pairs = M >= kTileRows;
-  // work items' weight rows: (part, first row) of up to 8 rows (raw rows), or kMaxTiles tiles
-  constexpr int64_t kTile = 8, kChunk = 64;
-  std::vector<int64_t> tile_part, tile_row;
-  for (size_t i = 0; i < parts.size(); ++i)
-    for (int64_t r = 0; r < parts[i].rows; r += parts[i].tiled && pairs ? kTile * kMaxTiles : kTile) {
-      tile_part.push_back(static_cast<int64_t>(i));
-      tile_row.push_back(r);
-    }
-  const int64_t NT = static_cast<int64_t>(tile_part.size());
-  const int64_t chunks = (M + kChunk - 1) / kChunk, G = K / 32;
-  const int64_t F = static_cast<int64_t>(spans.size());
-  std::vector<int8_t> xq(F * M * K);
-  std::vector<float> xd(F * M * G), xs(F * M * G);
-  std::vector<int32_t> xi(F * M * G), xh(F * M * G);
+  lin.prepare(M);
+}
+
+namespace {
+
+// y [M, N] = x [M, K] @ W^T, W = the parts' rows stacked (N = the sum of `rows`), in x's
+// dtype. A part is raw rows (uint8 [rows, row_bytes]) or kq_pack's tiles (uint8
+// [ceil(rows / 8), K / block, tile block bytes]).
+at::Tensor kq_linear_impl(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                          at::IntArrayRef rows) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kq_linear: x must be [M, K] float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  KqLinear lin;
+  kq_plan(lin, M, K, weights, types, rows);
+  auto y = at::empty({M, lin.N}, x.options().dtype(at::kFloat));
+  if (M == 0 || lin.N == 0) return y.to(x.scalar_type());
   const auto xc = x.contiguous();
   float* yp = y.data_ptr<float>();
-  auto xrow = [&](int64_t slot, int64_t r) -> XRow {
-    r += slot * M;
-    return {xq.data() + r * K, xd.data() + r * G, xs.data() + r * G, xi.data() + r * G,
-            xh.data() + r * G};
-  };
   const int nthreads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nthreads)
   {
-#pragma omp for schedule(static)
-    for (int64_t fr = 0; fr < F * M; ++fr) {  // fr = slot * M + r
-      const int64_t r = fr % M, span = spans[fr / M];
-      int8_t* q = xq.data() + fr * K;
-      float *d = xd.data() + fr * G, *s = xs.data() + fr * G;
-      int32_t *is = xi.data() + fr * G, *h = xh.data() + fr * G;
-      if (x.scalar_type() == at::kFloat)
-        quantize_row(xc.data_ptr<float>() + r * K, K, span, q, d, nullptr, s, is, h);
-      else
-        quantize_row(xc.data_ptr<at::BFloat16>() + r * K, K, span, q, d, nullptr, s, is, h);
-    }
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < NT * chunks; ++item) {
-      const int64_t t = item % NT, c = item / NT;
-      const Part& p = parts[tile_part[t]];
-      const int64_t r0 = tile_row[t], m0 = c * kChunk, mn = std::min(kChunk, M - m0);
-      if (p.tiled) {
-        const int64_t nr = std::min(pairs ? kTile * kMaxTiles : kTile, p.rows - r0);
-        const uint8_t* wt = p.w + (r0 / kTile) * p.tile_bytes;
-        const int64_t step = (nr + kTile - 1) / kTile * p.tile_bytes;  // to the next item's tiles
-        int pass = 0;
-        for (int64_t m = m0, mb = 0; m < m0 + mn; m += mb, ++pass) {
-#if KILN_VNNI
-          const bool wide = nr > kTile && p.wide && m0 + mn - m >= kWideRows;
-#else
-          constexpr bool wide = false;
-#endif
-          mb = wide ? kWideRows : std::min<int64_t>(kTileRows, m0 + mn - m);
-          const XRow x0 = xrow(p.slot, m);
-          const int64_t pf = pass_prefetch(pass, step);
-          const XTiles xt{x0.q, x0.d, x0.s, x0.is, x0.h, K, G, pf};
-          alignas(64) float tmp[kTile * kMaxTiles];
-          auto store = [&](int i) {
-            std::memcpy(yp + (m + i) * N + p.row0 + r0, tmp, nr * sizeof(float));
-          };
-#if KILN_VNNI
-          if (nr > kTile) {  // a pair of tiles: 16 rows a pass (wide) or up to kTileRows
-            __m512 out[kWideRows];
-            (wide ? p.wide : p.tfn2[mb])(wt, p.tile_bytes, p.nb, xt, out);
-            for (int i = 0; i < mb; ++i) {
-              _mm512_store_ps(tmp, out[i]);
-              store(i);
-            }
-            continue;
-          }
-#endif
-          __m256 out[kTileRows];
-          p.tfn[mb](wt, p.tile_bytes, p.nb, xt, out);
-          for (int i = 0; i < mb; ++i) {
-            _mm256_store_ps(tmp, out[i]);
-            store(i);
-          }
-        }
-        continue;
-      }
-      const int64_t nr = std::min(kTile, p.rows - r0);
-      for (int64_t r = r0; r < r0 + nr; ++r) {
-        const uint8_t* wr = p.w + r * p.row_bytes;
-        for (int64_t m = m0; m < m0 + mn; m += kMaxRows) {
-          const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, m0 + mn - m));
-          XRow xr[kMaxRows];
-          float out[kMaxRows];
-          for (int i = 0; i < mb; ++i) xr[i] = xrow(p.slot, m + i);
-          p.fn[mb](wr, p.nb, xr, out);
-          for (int i = 0; i < mb; ++i) yp[(m + i) * N + p.row0 + r] = out[i];
-        }
-      }
-    }
+    if (x.scalar_type() == at::kFloat)
+      lin.run(xc.data_ptr<float>(), yp, nullptr, nullptr);
+    else
+      lin.run(xc.data_ptr<at::BFloat16>(), yp, nullptr, nullptr);
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

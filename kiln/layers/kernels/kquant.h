@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -71,5 +72,46 @@ constexpr int kWideRows = 16;
 #if KILN_VNNI
 TileFn<2> wide_tile(int64_t type);
 #endif
+
+// One part of a GGUF-block linear: raw rows (row_bytes each) or kq_pack's tiles (tile_bytes
+// per 8 rows), its kernels.
+struct KqPart {
+  const uint8_t* w;
+  int64_t row_bytes, rows, row0, nb;
+  bool tiled;
+  int64_t slot;  // which rounding of the activation it reads (KqLinear's `spans`)
+  int64_t tile_bytes;
+  DotFn fn[kMaxRows + 1];  // fn[mb]: mb activation rows at once
+  TileFn<1> tfn[kTileRows + 1];
+#if KILN_VNNI
+  TileFn<2> tfn2[kTileRows + 1];  // two tiles in one 512-bit vector
+  TileFn<2> wide;  // two tiles, kWideRows activation rows (Q8_0) or null
+#endif
+};
+
+// One kq_linear (kquant.cpp) for M activation rows of K: its parts (`add`, then `prepare`),
+// the activation rounded per span of the parts' block size (32, or 256 for the K-quants; a
+// Q4_K_M layer mixes both), the work items. `run` is called by every thread of an enclosing
+// parallel region (kq_linear's own, or a one-region layer's): y [M, N] = x W^T (+ bias [N])
+// (+ resid [M, N], added last, as the op-by-op layer adds it).
+struct KqLinear {
+  std::vector<KqPart> parts;
+  std::vector<int64_t> spans, tile_part, tile_row;
+  int64_t M = 0, K = 0, N = 0;
+  bool pairs = false;
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xs;
+  std::vector<int32_t> xi, xh;
+  void reset(int64_t k) {
+    parts.clear();
+    spans.clear();
+    K = k;
+    N = 0;
+  }
+  void add(const uint8_t* w, int64_t type, int64_t rows, bool tiled, int64_t bytes);
+  void prepare(int64_t m);
+  template <typename T>
+  void run(const T* x, float* y, const float* bias, const float* resid);
+};
 
 }  // namespace KILN_NS

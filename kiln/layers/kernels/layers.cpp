@@ -227,18 +227,6 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   return out;
 }
 
-// The q and k heads of a fused qkv [T, (Hq + 2 Hk) * D] normalized in place by rms_norm with
-// the weights qn / kn [D] (Qwen3's q/k norms): the same call, on the same rows, as the eager
-// attention makes (kiln/models/llama.py LlamaAttention), so both give the same bits.
-void qk_norm_rows(at::Tensor& qkv, const at::Tensor& qn, const at::Tensor& kn, double eps,
-                  int64_t Hq, int64_t Hk, int64_t D) {
-  const int64_t T = qkv.size(0);
-  auto heads = qkv.view({T, Hq + 2 * Hk, D});
-  auto q = heads.narrow(1, 0, Hq), k = heads.narrow(1, Hq, Hk);
-  q.copy_(rms_norm(q.reshape({T * Hq, D}), qn, eps).view({T, Hq, D}));
-  k.copy_(rms_norm(k.reshape({T * Hk, D}), kn, eps).view({T, Hk, D}));
-}
-
 // One Llama decoder layer of a step:
 //   x [T, H] fp32 -> x + attn + mlp, the step's K/V written at slots [T]
 //   weights, kinds, rows: the four linears' parts (qkv, o, gate_up, down) in order, `counts`
@@ -276,6 +264,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
     return layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
                     row_of, lens, num_heads, scale);
   }
+  if (lora.empty() && !q_norm.has_value() && gguf_region(x, k, v, kinds, biases))
+    return decode_layer_kq(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k,
+                           v, slots, table, row_of, lens, num_heads, scale);
   auto lin = [&](int i, const at::Tensor& h) {
     const int64_t a = off[i], n = counts[i];
     auto y = layer_linear(h, weights.slice(a, n), kinds.slice(a, n), rows.slice(a, n),

@@ -362,6 +362,18 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// The q and k heads of a fused qkv [T, (Hq + 2 Hk) * D] normalized in place by rms_norm with
+// the weights qn / kn [D] (Qwen3's q/k norms): the same call, on the same rows, as the eager
+// attention makes (kiln/models/llama.py LlamaAttention), so both give the same bits.
+void qk_norm_rows(at::Tensor& qkv, const at::Tensor& qn, const at::Tensor& kn, double eps,
+                  int64_t Hq, int64_t Hk, int64_t D) {
+  const int64_t T = qkv.size(0);
+  auto heads = qkv.view({T, Hq + 2 * Hk, D});
+  auto q = heads.narrow(1, 0, Hq), k = heads.narrow(1, Hq, Hk);
+  q.copy_(rms_norm(q.reshape({T * Hq, D}), qn, eps).view({T, Hq, D}));
+  k.copy_(rms_norm(k.reshape({T * Hk, D}), kn, eps).view({T, Hk, D}));
+}
+
 // router_logit (kernels.h) of every row and expert
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&

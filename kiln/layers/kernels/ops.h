@@ -57,7 +57,25 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w);
 // layers.cpp: a layer's linear as its module runs it (q4 tiles, kind -1, or GGUF blocks) + bias
 at::Tensor layer_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
                         at::IntArrayRef rows, const std::optional<at::Tensor>& bias);
-// kquant.cpp's GGUF-block linear, called by layers.cpp's layer kernels (one library).
+// kquant.cpp's GGUF-block linear, called by layers.cpp's layer kernels (one library), and its
+// plan (kquant.h's KqLinear) for a one-region layer (layers_kq.cpp)
+struct KqLinear;
+void kq_plan(KqLinear& lin, int64_t M, int64_t K, at::TensorList weights,
+             at::IntArrayRef types, at::IntArrayRef rows);
+// layers_kq.cpp: decode_layer in one parallel region where its linears are GGUF blocks
+bool gguf_region(const at::Tensor& x, const at::Tensor& k, const at::Tensor& v,
+                 at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases);
+at::Tensor decode_layer_kq(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                           at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef rows,
+                           at::IntArrayRef counts,
+                           const c10::List<std::optional<at::Tensor>>& biases, at::Tensor k,
+                           at::Tensor v, const at::Tensor& slots, const at::Tensor& table,
+                           const at::Tensor& row_of, const at::Tensor& lens, int64_t num_heads,
+                           double scale);
+// the q and k heads of a fused qkv normalized in place (Qwen3's q/k norms; ops.cpp)
+void qk_norm_rows(at::Tensor& qkv, const at::Tensor& qn, const at::Tensor& kn, double eps,
+                  int64_t Hq, int64_t Hk, int64_t D);
 at::Tensor kq_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                      at::IntArrayRef rows);
 
