@@ -358,6 +358,7 @@ class LlamaModel(nn.Module):
         self._stack_attns: list[Attention] | None = None
         self._stack_experts: list = []  # per layer its Experts (a MoE layer) or None
         self._stack: tuple[list, object] | None = None
+        self._mla: tuple[list, object] | None = None  # _mla_stack's (its layers, the MlaStack)
         self.layers = nn.ModuleList(
             make_layer(i, self._rotary[self._layer_rope[i]]) if make_layer is not None else
             LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None, i)
@@ -383,6 +384,11 @@ class LlamaModel(nn.Module):
             meta = get_context()
             assert meta.step_rows is not None
             x = ops.decode_stack(x, *tables[0], stack, meta.slot_mapping, *meta.step_rows)
+            return self.norm(x)
+        if layer_call is kernel_layer_call and (mla := self._mla_stack()) is not None:
+            meta = get_context()
+            assert meta.step_rows is not None
+            x = ops.mla_stack(x, *tables[0], mla, meta.slot_mapping, *meta.step_rows)
             return self.norm(x)
         for layer, rope in zip(self.layers, self._layer_rope):
             cos, sin = tables[rope]
@@ -415,6 +421,22 @@ class LlamaModel(nn.Module):
         if self._stack is None or any(a is not b for a, b in zip(key, self._stack[0])):
             self._stack = (key, self._build_stack())
         return self._stack[1]
+
+    def _mla_stack(self) -> object | None:
+        """DeepSeek's layers as one MlaStack (mla.cpp) of their MlaLayers (`_mla_kernel`), so
+        that a kernel step runs them in one call (mla_stack); rebuilt when a layer's MlaLayer
+        is. None where the layers have none (other families) or a step has LoRA rows."""
+        if lora.step_active() or not hasattr(self.layers[0], "_mla_kernel"):
+            return None
+        layers = [layer._mla_kernel() for layer in self.layers]
+        if any(m is None for m in layers):
+            return None
+        if self._mla is None or any(a is not b for a, b in zip(layers, self._mla[0])):
+            stack = ops.mla_stack_object()
+            for m in layers:
+                stack.add(m)
+            self._mla = (layers, stack)
+        return self._mla[1]
 
     def _build_stack(self) -> object:
         stack = ops.layer_stack()

@@ -53,8 +53,11 @@ def test_every_step_runs_the_one_call_layer_and_it_computes_the_eager_layer(
     the eager forward on the same input: the dense layer to the bit, the MoE layers to the
     rounding of the routing weights (the eager layer's softmax / sigmoid are ATen's)."""
     from kiln.models.deepseek import DeepseekDecoderLayer, DeepseekMoE
+    from kiln.models.llama import LlamaModel
 
     eng = _engine(folder)
+    # layer by layer (the step's one mla_stack call runs the same mla_layer calls)
+    monkeypatch.setattr(LlamaModel, "_mla_stack", lambda self: None)
     assert eng.runner.decode_kernel_rows == DECODE_KERNEL_ANY_ROWS
     seen = {"dense": 0, "moe": 0}
     kernel = DeepseekDecoderLayer.forward_decode_kernel
@@ -103,26 +106,29 @@ def test_the_one_region_gives_the_bits_of_the_op_chain(folder: Path, kernel_leve
             assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
-def test_greedy_rows_are_the_same_alone_or_batched(folder: Path, kernel_level: str) -> None:
+def test_greedy_rows_are_the_same_alone_or_batched(folder: Path, kernel_level: str,
+                                                   monkeypatch) -> None:
     """Eight requests one by one, then all at once (chunked prefill mixed with decode rows): the
-    same tokens, the layer kernel running every step (batch invariance for MoE and MLA)."""
+    same tokens, every step's layers run as one mla_stack call (batch invariance for MoE and
+    MLA); and the same again layer by layer (mla_layer per layer, as a LoRA step would)."""
     from kiln.layers.kernels import ops
+    from kiln.models.llama import LlamaModel
 
     eng = _engine(folder)
-    calls = []
-    real = ops.mla_layer
+    rows = []
+    real = ops.mla_stack
 
     def counted(*a):
-        calls.append(a[0].shape[0])
+        rows.append(a[0].shape[0])
         return real(*a)
 
+    monkeypatch.setattr(ops, "mla_stack", counted)
     greedy = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     prompts = _prompts(8)
-    ops.mla_layer = counted
-    try:
-        alone = [_run(eng, [p], greedy)[0] for p in prompts]
-        batched = _run(eng, prompts, greedy)
-    finally:
-        ops.mla_layer = real
-    assert batched == alone
-    assert max(calls) > 8  # steps of many rows ran through the kernel too
+    alone = [_run(eng, [p], greedy)[0] for p in prompts]
+    assert _run(eng, prompts, greedy) == alone
+    assert max(rows) > 8  # steps of many rows ran through the kernel too
+    monkeypatch.setattr(LlamaModel, "_mla_stack", lambda self: None)
+    n = len(rows)
+    assert _run(eng, prompts, greedy) == alone
+    assert len(rows) == n  # that run went layer by layer

@@ -455,6 +455,25 @@ at::Tensor mla_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
              : mla_layer_impl<at::Half>(*layer, x, cos, sin, slots, table, row_of, lens);
 }
 
+// A model's DeepSeek layers in order (LlamaModel._mla_stack), so that mla_stack runs a whole
+// step's layers in one call: from Python, 24 calls of mla_layer cost ~0.4 ms of a ~10 ms
+// batch-1 step of the DeepSeek-shaped model.
+struct MlaStack : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<MlaLayer>> layers;
+  void add(c10::intrusive_ptr<MlaLayer> layer) { layers.push_back(std::move(layer)); }
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// mla_layer of every layer of `stack` on x, in order (eager only, as mla_layer).
+at::Tensor mla_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const c10::intrusive_ptr<MlaStack>& stack, const at::Tensor& slots,
+                     const at::Tensor& table, const at::Tensor& row_of, const at::Tensor& lens) {
+  at::Tensor h = x;
+  for (const auto& layer : stack->layers)
+    h = mla_layer(h, cos, sin, layer, slots, table, row_of, lens);
+  return h;
+}
+
 }  // namespace
 
 // DeepSeek's one-call layer, a fragment of ops.cpp's library.
@@ -468,6 +487,14 @@ KILN_LIBRARY_FRAGMENT(m) {
         "__torch__.torch.classes." KILN_STR(KILN_NS) ".MlaLayer layer, Tensor slots, "
         "Tensor table, Tensor row_of, Tensor lens) -> Tensor");
   m.impl("mla_layer", c10::DispatchKey::CPU, &mla_layer);
+  m.class_<MlaStack>("MlaStack")
+      .def(torch::init<>())
+      .def("add", &MlaStack::add)
+      .def("size", &MlaStack::size);
+  m.def("mla_stack(Tensor x, Tensor cos, Tensor sin, "
+        "__torch__.torch.classes." KILN_STR(KILN_NS) ".MlaStack stack, Tensor slots, "
+        "Tensor table, Tensor row_of, Tensor lens) -> Tensor");
+  m.impl("mla_stack", c10::DispatchKey::CPU, &mla_stack);
 }
 
 }  // namespace KILN_NS

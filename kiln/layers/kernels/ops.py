@@ -204,6 +204,20 @@ def mla_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torc
     return lib().mla_layer(x, cos, sin, layer, slots, table, row_of, lens)
 
 
+def mla_stack_object() -> torch.ScriptObject:
+    """An empty MlaStack (mla.cpp): `add(layer)` appends an MlaLayer."""
+    from kiln.layers.kernels import level
+
+    return getattr(torch.classes, f"kiln_{level()}").MlaStack()
+
+
+def mla_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stack: torch.ScriptObject,
+              slots: torch.Tensor, table: torch.Tensor, row_of: torch.Tensor,
+              lens: torch.Tensor) -> torch.Tensor:
+    """mla_layer of every layer of `stack` in order, in one call (eager only)."""
+    return lib().mla_stack(x, cos, sin, stack, slots, table, row_of, lens)
+
+
 Q4_KIND = -1  # decode_layer's kind of a pack_q4 weight
 
 
