@@ -136,19 +136,21 @@ struct AttnQ4Args {
   }
 };
 
-// Whether a layer runs in one parallel region (decode_layer_q4, moe_layer_q4): fp32 rows, the
-// pools as the kernels read them, and each of its linears (one per bias) one part of kiln's q4
-// tiles with an fp32 bias or none.
+// Whether a layer runs in one parallel region: fp32 rows, the pools as the kernels read them,
+// biases fp32 or none, and its linears either each one part of kiln's q4 tiles (`q4`:
+// decode_layer_q4, moe_layer_q4) or every part GGUF blocks (decode_layer_kq, layers_kq.cpp).
 bool one_region_layer(const at::Tensor& x, const at::Tensor& k, const at::Tensor& v,
                       at::IntArrayRef kinds, at::IntArrayRef counts,
-                      const c10::List<std::optional<at::Tensor>>& biases) {
+                      const c10::List<std::optional<at::Tensor>>& biases, bool q4) {
   if (x.scalar_type() != at::kFloat || x.dim() != 2 || !kernel_pool(k, v)) return false;
   for (size_t i = 0; i < biases.size(); ++i) {
     const auto b = biases.get(i);
-    if (kinds[i] != kKindQ4 || counts[i] != 1 ||
+    if ((q4 && (kinds[i] != kKindQ4 || counts[i] != 1)) ||
         (b.has_value() && b->scalar_type() != at::kFloat))
       return false;
   }
+  for (const int64_t kind : kinds)
+    if (!q4 && kind == kKindQ4) return false;
   return true;
 }
 
@@ -258,13 +260,14 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
               "decode_layer: counts must add up to the weight parts");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_layer: q and k norms together");
   if (lora.empty() && !q_norm.has_value() && weights.size() == 4 &&
-      one_region_layer(x, k, v, kinds, counts, biases)) {
+      one_region_layer(x, k, v, kinds, counts, biases, true)) {
     const auto layer_q4 = k.scalar_type() == at::kFloat ? &decode_layer_q4<float>
                                                         : &decode_layer_q4<at::Half>;
     return layer_q4(x, cos, sin, ln1, ln2, eps, weights, rows, biases, k, v, slots, table,
                     row_of, lens, num_heads, scale);
   }
-  if (lora.empty() && !q_norm.has_value() && gguf_region(x, k, v, kinds, biases))
+  if (lora.empty() && !q_norm.has_value() &&
+      one_region_layer(x, k, v, kinds, counts, biases, false))
     return decode_layer_kq(x, cos, sin, ln1, ln2, eps, weights, kinds, rows, counts, biases, k,
                            v, slots, table, row_of, lens, num_heads, scale);
   auto lin = [&](int i, const at::Tensor& h) {
@@ -428,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "moe_layer: q and k norms together");
   const MoeArgs moe{router, w13, w2, top_k, shared, renormalize, shared_gate};
   if (weights.size() == 2 && w13.scalar_type() == at::kByte &&
-      one_region_layer(x, k, v, kinds, counts, biases)) {
+      one_region_layer(x, k, v, kinds, counts, biases, true)) {
     const auto layer = k.scalar_type() == at::kFloat ? &moe_layer_q4<float>
                                                      : &moe_layer_q4<at::Half>;
     return layer(x, cos, sin, ln1, ln2, eps, weights, rows, biases, q_norm, k_norm, qk_eps, k,

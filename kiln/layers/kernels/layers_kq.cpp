@@ -115,20 +115,6 @@ at::Tensor decode_layer_kq_impl(const at::Tensor& x, const at::Tensor& cos,
 
 }  // namespace
 
-// Whether decode_layer_kq (layers_kq.cpp) runs a layer: fp32 rows, kernel pools, every linear
-// part GGUF blocks with an fp32 bias or none.
-bool gguf_region(const at::Tensor& x, const at::Tensor& k, const at::Tensor& v,
-                 at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases) {
-  if (x.scalar_type() != at::kFloat || x.dim() != 2 || !kernel_pool(k, v)) return false;
-  for (const int64_t kind : kinds)
-    if (kind == -1) return false;
-  for (size_t i = 0; i < biases.size(); ++i) {
-    const auto b = biases.get(i);
-    if (b.has_value() && b->scalar_type() != at::kFloat) return false;
-  }
-  return true;
-}
-
 at::Tensor decode_layer_kq(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                            at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef rows,

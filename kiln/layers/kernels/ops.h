@@ -63,8 +63,6 @@ struct KqLinear;
 void kq_plan(KqLinear& lin, int64_t M, int64_t K, at::TensorList weights,
              at::IntArrayRef types, at::IntArrayRef rows);
 // layers_kq.cpp: decode_layer in one parallel region where its linears are GGUF blocks
-bool gguf_region(const at::Tensor& x, const at::Tensor& k, const at::Tensor& v,
-                 at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases);
 at::Tensor decode_layer_kq(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                            at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef rows,

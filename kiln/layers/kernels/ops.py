@@ -163,6 +163,13 @@ def moe_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.
                            scale, router, top_k, renormalize, w13, w2, shared, shared_gate)
 
 
+def _script_object(name: str) -> torch.ScriptObject:
+    """A new instance of the selected library's C++ class `name` (torch.classes.kiln_<level>)."""
+    from kiln.layers.kernels import level
+
+    return getattr(getattr(torch.classes, f"kiln_{level()}"), name)()
+
+
 def layer_stack() -> torch.ScriptObject:
     """An empty LayerStack (layers.cpp): `add(ln1, ln2, eps, weights, kinds, rows,
     counts, biases, k, v, num_heads, scale, q_norm, k_norm, qk_eps)` appends a layer as
@@ -170,9 +177,7 @@ def layer_stack() -> torch.ScriptObject:
     shared, shared_gate)`
     one as moe_layer does, whose routing decode_stack adds to `routed` [E] int64 (biases, q/k
     norms: an empty tensor where none)."""
-    from kiln.layers.kernels import level
-
-    return getattr(torch.classes, f"kiln_{level()}").LayerStack()
+    return _script_object("LayerStack")
 
 
 def decode_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -190,9 +195,7 @@ def mla_layer_object() -> torch.ScriptObject:
     biases, uk, uv, heads, nope, rope, v_dim, interleave, k, v, scale)` and, for a MoE layer,
     `moe(router, bias, top_k, n_group, topk_group, method, sigmoid, renormalize, scale, w13,
     w2, shared, routed)` (empty tensors stand for None)."""
-    from kiln.layers.kernels import level
-
-    return getattr(torch.classes, f"kiln_{level()}").MlaLayer()
+    return _script_object("MlaLayer")
 
 
 def mla_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.ScriptObject,
@@ -206,9 +209,7 @@ def mla_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torc
 
 def mla_stack_object() -> torch.ScriptObject:
     """An empty MlaStack (mla.cpp): `add(layer)` appends an MlaLayer."""
-    from kiln.layers.kernels import level
-
-    return getattr(torch.classes, f"kiln_{level()}").MlaStack()
+    return _script_object("MlaStack")
 
 
 def mla_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stack: torch.ScriptObject,
