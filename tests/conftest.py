@@ -89,6 +89,31 @@ def smollm2_tokenizer(gguf_path):
     return load_tokenizer(gguf_path)
 
 
+SMOLLM2_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,",
+                   "The three primary colors are", "Water boils at")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_greedy(gguf_path) -> dict[str, tuple[list[int], list[int], str]]:
+    """transformers' float32 greedy run of SmolLM2's GGUF (same dequantized weights), computed
+    once for the tests that compare kiln to it: prompt -> (prompt ids, 32 new ids, their text).
+    Loading the GGUF into transformers and generating take ~20 s of a 2-core run."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    out = {}
+    for p in SMOLLM2_PROMPTS:
+        ids = tok.encode(p)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                do_sample=False)[0, len(ids):].tolist()
+        out[p] = (ids, want, tok.decode(want))
+    return out
+
+
 @pytest.fixture
 def make_engine(smollm2_runner, gguf_path):
     """Engine over the shared SmolLM2 runner with the given scheduler/KV limits."""
