@@ -280,6 +280,12 @@ class DeepseekDecoderLayer(nn.Module):
         assert layer is not None and meta.step_rows is not None
         return ops.mla_layer(x, cos, sin, layer, meta.slot_mapping, *meta.step_rows)
 
+    def mla_watch(self) -> tuple[Attention, Experts | None]:
+        """What `_mla_kernel`'s MlaLayer is built on that the runner may replace: the attention
+        (its KV store, `.kv`) and the stacked experts (their `tokens_per_expert`)."""
+        mlp = self.mlp
+        return self.self_attn.attn, (mlp.experts if isinstance(mlp, DeepseekMoE) else None)
+
     def _mla_kernel(self) -> object | None:
         """This layer as mla.cpp's MlaLayer, gathered once (rebuilt when its KV store or routing
         counters are replaced: the runner swaps in scratch pools to profile), or None where the

@@ -358,7 +358,10 @@ class LlamaModel(nn.Module):
         self._stack_attns: list[Attention] | None = None
         self._stack_experts: list = []  # per layer its Experts (a MoE layer) or None
         self._stack: tuple[list, object] | None = None
-        self._mla: tuple[list, object] | None = None  # _mla_stack's (its layers, the MlaStack)
+        # _mla_stack's: per layer (its Attention, its Experts or None), and (their KV stores and
+        # routing counters, the MlaStack built on them or None)
+        self._mla_watch: list[tuple] | None = None
+        self._mla: tuple[list, object | None] | None = None
         self.layers = nn.ModuleList(
             make_layer(i, self._rotary[self._layer_rope[i]]) if make_layer is not None else
             LlamaDecoderLayer(cfg, rotary, make_mlp(i) if make_mlp else None, i)
@@ -424,18 +427,26 @@ class LlamaModel(nn.Module):
 
     def _mla_stack(self) -> object | None:
         """DeepSeek's layers as one MlaStack (mla.cpp) of their MlaLayers (`_mla_kernel`), so
-        that a kernel step runs them in one call (mla_stack); rebuilt when a layer's MlaLayer
-        is. None where the layers have none (other families) or a step has LoRA rows."""
-        if lora.step_active() or not hasattr(self.layers[0], "_mla_kernel"):
+        that a kernel step runs them in one call (mla_stack); rebuilt when what a layer's
+        MlaLayer is built on is replaced (its KV store, its routing counters: `mla_watch`).
+        None where the layers have none (other families) or a step has LoRA rows."""
+        if lora.step_active():
             return None
-        layers = [layer._mla_kernel() for layer in self.layers]
-        if any(m is None for m in layers):
+        if self._mla_watch is None:  # once (asking 24 layers through nn.Module each step: ~2%)
+            self._mla_watch = ([layer.mla_watch() for layer in self.layers]
+                               if hasattr(self.layers[0], "mla_watch") else [])
+        if not self._mla_watch:
             return None
-        if self._mla is None or any(a is not b for a, b in zip(layers, self._mla[0])):
-            stack = ops.mla_stack_object()
-            for m in layers:
-                stack.add(m)
-            self._mla = (layers, stack)
+        key = [a.kv for a, _ in self._mla_watch] + [
+            e.tokens_per_expert for _, e in self._mla_watch if e is not None]
+        if self._mla is None or any(a is not b for a, b in zip(key, self._mla[0])):
+            layers = [layer._mla_kernel() for layer in self.layers]
+            stack = None
+            if all(m is not None for m in layers):
+                stack = ops.mla_stack_object()
+                for m in layers:
+                    stack.add(m)
+            self._mla = (key, stack)
         return self._mla[1]
 
     def _build_stack(self) -> object:
