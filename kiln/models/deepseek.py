@@ -292,9 +292,8 @@ class DeepseekDecoderLayer(nn.Module):
         one call cannot run it: an fp32 model on kiln's CPU kernels whose linears are q4 tiles
         or GGUF blocks, kv_b_proj on per-head tiles, a latent pool attend_rows reads, and a
         SiLU MLP or a MoE block whose stacked experts took the shared ones."""
-        attn, mlp = self.self_attn, self.mlp
-        kv = attn.attn.kv
-        experts = mlp.experts if isinstance(mlp, DeepseekMoE) else None
+        attn, experts = self.mla_watch()
+        kv = attn.kv
         key = (kv, None if experts is None else experts.tokens_per_expert)
         if self._mla is not None and all(a is b for a, b in zip(key, self._mla[0])):
             return self._mla[1]

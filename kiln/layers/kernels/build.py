@@ -51,13 +51,17 @@ def cflags(level: Level) -> list[str]:
     return [*BASE_CFLAGS, *level.cflags, f"-DKILN_NS=kiln_{level.name}"]
 
 
+def _key(level: Level, files: list[str], *extra: str) -> str:
+    """The hash naming a level's build folder: its files' text, torch, the flags, and `extra`."""
+    return hashlib.sha256("\n".join([*files, torch.__version__, " ".join(cflags(level)),
+                                     *extra]).encode()).hexdigest()[:16]
+
+
 def build_dir(level: Level) -> Path:
     # The sources' paths are part of the key: torch's builder rebuilds (~30 s) when the path in a
     # build folder's ninja file changes, so two checkouts sharing one folder rebuilt at each start.
     parts = [str(p.resolve()) + "\n" + p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\n".join([*parts, torch.__version__, " ".join(cflags(level)),
-                                    cpu_signature(), sys.version]).encode()).hexdigest()[:16]
-    return cache_dir("ext", f"kiln_{level.name}-{key}")
+    return cache_dir("ext", f"kiln_{level.name}-{_key(level, parts, cpu_signature(), sys.version)}")
 
 
 def _ninja_on_path() -> None:
@@ -145,17 +149,15 @@ def compile_only(name: str) -> tuple[bool, str]:
     """Compiles `name`'s sources to object files without loading them (a level this CPU cannot
     run: CI keeps its code compiling). Returns (ok, the compiler's first error line).
 
-    A success is remembered in a folder keyed like build_dir (sources, headers, flags, torch, the
-    compiler): `make install` compiles, the kernel-layer test then finds the same inputs already
+    A success is remembered in a folder keyed as build_dir's is (`_key`: sources, headers, flags,
+    torch, and the compiler): `make install` compiles, the kernel-layer test then finds the same inputs already
     compiled (~90 s of a 2-core CI run). Any edit to a source changes the key and compiles again."""
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.utils.cpp_extension import include_paths
 
     level = BY_NAME[name]
-    parts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\n".join([*parts, torch.__version__, " ".join(cflags(level)),
-                                    _compiler()]).encode()).hexdigest()[:16]
+    key = _key(level, [p.read_text() for p in (*SOURCES, *HEADERS)], _compiler())
     out = cache_dir("ext", f"compile-only-{name}-{key}")
     if (out / "ok").exists():
         return True, ""
