@@ -13,11 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, kernel: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2/3-MoE and Mixtral: softmax over all experts, keep the top k, optionally
     renormalised to sum to 1 (which equals Mixtral's softmax over the selected logits).
-    Returns (weights fp32 [T, k], ids int64 [T, k])."""
+    Returns (weights fp32 [T, k], ids int64 [T, k]). `kernel` (Router.elementwise_kernel: an
+    eager CPU step on kiln's kernels): the kernels' routing, which the one-call MoE layers run
+    too, so both give the same bits."""
+    if (kernel and logits.device.type == "cpu" and logits.dim() == 2
+            and not torch.compiler.is_compiling()):
+        from kiln.layers.kernels import ops
+
+        return ops.softmax_topk(logits.float(), k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalize:

@@ -67,10 +67,12 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)
         if getattr(self.experts, "num_shared", 0):  # the shared expert absorbed
             e = self.experts.num_experts
-            weights, ids = softmax_topk(logits[:, :e], self.top_k, self.renormalize)
+            weights, ids = softmax_topk(logits[:, :e], self.top_k, self.renormalize,
+                                        self.gate.elementwise_kernel)
             gate = torch.sigmoid(logits[:, e:]) if self.shared_gate_in_router else None
             return self.experts(x, weights.to(x.dtype), ids, shared_weight=gate)
-        weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
+        weights, ids = softmax_topk(logits, self.top_k, self.renormalize,
+                                    self.gate.elementwise_kernel)
         # transformers casts the weights to the activation dtype before scaling
         y = self.experts(x, weights.to(x.dtype), ids)
         if self.shared_expert is not None:

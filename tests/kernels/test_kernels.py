@@ -182,6 +182,24 @@ def test_moe_q4_repeated_expert_and_empty_experts():
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_kernel_routing_is_softmax_topk(renormalize):
+    """The kernels' routing (moe.cpp route_row, the one-call MoE layers' and, through
+    softmax_topk(kernel=True), the eager layers'): PyTorch's experts, best first, with its
+    weights to float rounding; ties go to the lower expert (PyTorch's order there is its own);
+    a row routes alike alone."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(33, 64, generator=g) * 3
+    logits[0, [7, 40]] = 20.0  # a tie for first place
+    want_w, want_ids = softmax_topk(logits, 8, renormalize)
+    got_w, got_ids = softmax_topk(logits, 8, renormalize, kernel=True)
+    assert torch.equal(got_ids[1:], want_ids[1:]) and got_ids[0, :2].tolist() == [7, 40]
+    assert sorted(got_ids[0].tolist()) == sorted(want_ids[0].tolist())
+    assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
+    torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=1e-7)
+    assert torch.equal(ck.softmax_topk(logits[5:6], 8, renormalize)[0], got_w[5:6])
+
+
 def test_experts_module_runs_stacked_q4():
     """Experts.quantize("int4") keeps the experts stacked for moe_q4 here; forward matches the
     dense module on the dequantized weights, counts its routing, and expert_weights() returns

@@ -132,6 +132,29 @@ void quantize_rows_omp(const T* x, int64_t rows, int64_t K, QRows& xs) {
   for (int64_t r = 0; r < rows; ++r) xs.quantize(r, x + r * K);
 }
 
+// ---- routing: a token's experts and weights from its router logits (moe.cpp)
+// How the experts are picked (kiln/layers/router.py grouped_topk's `method`): the top k
+// (softmax_topk, V2-Lite), or only from the best `topk_group` of `n_group` groups, a group
+// scored by its best (V2) or the sum of its two best (V3's noaux_tc).
+enum RouteMethod : int64_t { kGreedy = 0, kGroupLimited = 1, kNoauxTc = 2 };
+
+// One MoE block's routing rule: router.py's softmax_topk (softmax scores, greedy, maybe
+// renormalized) and grouped_topk (DeepSeek: sigmoid or softmax scores, the selection shifted by
+// `bias` [E], groups, renormalized, scaled) are both this; then `shared` virtual experts E..
+// (Experts.absorb_shared) with weight 1.
+struct RouteRule {
+  int64_t E = 0, top_k = 0, n_group = 1, topk_group = 1, method = kGreedy, shared = 0;
+  bool sigmoid = false, renormalize = false;
+  float scale = 1.0f;
+  const float* bias = nullptr;
+};
+
+// One token's routing by `r`: logit [E] -> ids [top_k + shared], w [top_k + shared], the
+// routed ones best first (ties to the lower id). Scalar code, a row from its own logits alone:
+// the same bits at every ISA level, alone or in a batch. The one implementation: the one-call
+// MoE and MLA layers and the eager layers' op (ops.cpp route) all run it.
+void route_row(const RouteRule& r, const float* logit, int64_t* ids, float* w);
+
 // ---- the grouped MoE op's plan and work (moe.cpp)
 // moe_q4's plan of one call: the (token, expert) pairs sorted by expert (a counting sort,
 // stable), the active experts and each thread's range of work items (split_items).

@@ -15,8 +15,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/sigmoid.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/topk.h>
 #include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -300,33 +298,41 @@ struct MoeArgs {
   bool renormalize, shared_gate;
   int64_t E() const { return w13.size(0) - shared; }  // routed ones (then `shared` virtual)
 
+  // softmax_topk's rule over the E routed experts (route_row)
+  RouteRule rule() const {
+    RouteRule r;
+    r.E = E(), r.top_k = top_k, r.renormalize = renormalize;
+    return r;
+  }
+
   // The router's logits [T, R] -> (ids [T, top_k], contiguous, for the experts' counters;
-  // moe_q4's pair ids and weights [T, top_k + shared]): kiln/layers/moe.py's softmax_topk, then
-  // each token's pairs (t, E + c) for `shared` virtual experts (a shared expert absorbed after
-  // the E routed: Experts.absorb_shared) weighted sigmoid(logits[t, E]) (a gated shared expert:
-  // Qwen2-MoE) or 1, as moe.py's with_shared_pairs: the same ATen ops, so the same bits.
+  // moe_q4's pair ids and weights [T, top_k + shared]): route_row by rule(), as the eager
+  // layers' op (ops.cpp softmax_topk) routes, then each token's pairs (t, E + c) for `shared`
+  // virtual experts (a shared expert absorbed after the E routed: Experts.absorb_shared)
+  // weighted sigmoid(logits[t, E]) (a gated shared expert: Qwen2-MoE) or 1, as moe.py's
+  // with_shared_pairs: the same ATen ops, so the same bits.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& logits) const {
-    const int64_t E = this->E();
-    const at::Tensor probs = at::softmax(shared ? logits.slice(1, 0, E) : logits, -1);
-    auto [w, id] = at::topk(probs, top_k, -1);
-    if (renormalize) w = w / w.sum(-1, /*keepdim=*/true);
-    const at::Tensor ids = id.contiguous();
-    if (shared == 0) return {ids, ids, w.contiguous()};
-    const int64_t T = ids.size(0);
+    const int64_t E = this->E(), T = logits.size(0), R = logits.size(1);
+    const auto lc = logits.contiguous();
+    at::Tensor ids = at::empty({T, top_k}, lc.options().dtype(at::kLong));
+    at::Tensor w = at::empty({T, top_k}, lc.options());
+    const RouteRule r = rule();
+    for (int64_t t = 0; t < T; ++t)
+      route_row(r, lc.data_ptr<float>() + t * R, ids.data_ptr<int64_t>() + t * top_k,
+                w.data_ptr<float>() + t * top_k);
+    if (shared == 0) return {ids, ids, w};
     const auto sid = at::arange(E, E + shared, ids.options()).expand({T, shared});
     const auto sw = (shared_gate ? at::sigmoid(logits.slice(1, E, E + 1)).to(at::kFloat)
                                  : at::ones({T, 1}, w.options().dtype(at::kFloat)))
                         .expand({T, shared});
-    return {ids, at::cat({ids, sid}, 1).contiguous(),
-            at::cat({w.to(at::kFloat), sw}, 1).contiguous()};
+    return {ids, at::cat({ids, sid}, 1).contiguous(), at::cat({w, sw}, 1).contiguous()};
   }
 };
 
 // moe_layer where both attention linears are kiln's q4 tiles (a Q4_0 / int4 model) and the
 // pools fp32 or fp16: the whole layer in one parallel region, as decode_layer_q4 does for a
 // dense layer. The same row functions in the same order as moe_layer's op by op chain (rms_row,
-// q4 tiles, rms_row per q/k head, rope_row, attend_rows, router_logit, at::softmax / topk /
-// the renormalizing division, moe_q4_omp), so the same bits; what goes is a parallel region,
+// q4 tiles, rms_row per q/k head, rope_row, attend_rows, router_logit, route_row, moe_q4_omp), so the same bits; what goes is a parallel region,
 // a fork and a join and a tensor per op: ~12 of them a layer, ~5 us each at one row.
 template <typename KT>
 std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
@@ -357,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
   at::Tensor out = at::empty({T, H}, args.xc.options());
   at::Tensor logits = at::empty({T, R}, args.xc.options());
   at::Tensor ids = at::empty({T, moe.top_k}, args.xc.options().dtype(at::kLong));
-  if (T == 0) return {out, ids};  // (else: topk's, below)
+  if (T == 0) return {out, ids};  // (else: route_row's, below)
   // (one workspace per calling thread, kept between calls: see decode_layer_q4)
   static thread_local std::vector<float> ws;
   static thread_local QRows tl_xh, tl_xc, tl_xs, tl_hs;
@@ -376,6 +382,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
   float* lp = logits.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const MoeWeights mw(w13, w2);
+  const RouteRule rule = moe.rule();
   const int nt = threads();
   MoePlan pl;
   std::exception_ptr error;
@@ -386,16 +393,24 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < T * R; ++r)
       lp[r] = router_logit(h2 + (r / R) * H, rp + (r % R) * H, H);
-    // the routing (MoeArgs::route: ATen ops, serial here: inside a region) on the calling
-    // thread: ATen's thread-local state (inference mode) is that thread's. An exception must
-    // not leave the region (std::terminate): it is rethrown after.
+    // the routing (route_row; with a shared expert MoeArgs::route's ATen ops), serial, on the
+    // calling thread: ATen's thread-local state (inference mode) is that thread's. An
+    // exception must not leave the region (std::terminate): it is rethrown after.
 #pragma omp master
     {
       try {
-        at::Tensor pi, pw;
-        std::tie(ids, pi, pw) = moe.route(logits);
-        pl = moe_plan(pi.data_ptr<int64_t>(), pw.data_ptr<float>(), T, K, EA, I / kTile,
-                      H / kTile, omp_get_num_threads());
+        if (shared == 0) {  // (no tensor: route_row straight into ids and a buffer)
+          static thread_local std::vector<float> tl_w;
+          tl_w.resize(T * K);
+          int64_t* ip = ids.data_ptr<int64_t>();
+          for (int64_t t = 0; t < T; ++t) route_row(rule, lp + t * R, ip + t * K, &tl_w[t * K]);
+          pl = moe_plan(ip, tl_w.data(), T, K, EA, I / kTile, H / kTile, omp_get_num_threads());
+        } else {
+          at::Tensor pi, pw;
+          std::tie(ids, pi, pw) = moe.route(logits);
+          pl = moe_plan(pi.data_ptr<int64_t>(), pw.data_ptr<float>(), T, K, EA, I / kTile,
+                        H / kTile, omp_get_num_threads());
+        }
         hs.resize(pl.Pv, I);
       } catch (...) {
         error = std::current_exception();
@@ -449,7 +464,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer(
   const auto ctx = attend_rows(q, k, v, table, row_of, lens, scale);
   const auto x1 = x + lin(1, ctx.view({B, -1}));
   const auto h = rms_norm(x1, ln2, eps);
-  // kiln/layers/moe.py: Router (router_logits) then softmax_topk, the same ops
+  // kiln/models/qwen_moe.py: Router (router_logits) then softmax_topk (route_row), the same ops
   auto [ids, pi, pw] = moe.route(router_logits(h, router));
   return {x1 + moe_q4(h, pi, pw, w13, w2, 0), ids};
 }

@@ -27,9 +27,6 @@
 namespace KILN_NS {
 namespace {
 
-// How a token's experts are picked (kiln/layers/router.py grouped_topk's `method`).
-enum Routing : int64_t { kGreedy = 0, kGroupLimited = 1, kNoauxTc = 2 };
-
 // One DeepSeek decoder layer's tensors and shapes. The linears, in order: q_proj (or q_a_proj
 // then q_b_proj: a q LoRA), kv_a_proj_with_mqa, o_proj, then for a dense layer gate_up and
 // down; each is `counts[i]` parts (kiln's q4 tiles, kind -1, or GGUF blocks) with a bias or an
@@ -43,9 +40,8 @@ struct MlaLayer : torch::CustomClassHolder {
   bool interleave = false;
   // the MoE block (router defined) or a dense MLP
   at::Tensor router, bias, w13, w2, routed;
-  int64_t top_k = 0, n_group = 1, topk_group = 1, method = kGreedy, shared = 0;
-  bool sigmoid = false, renormalize = false;
-  double routed_scale = 1.0;
+  RouteRule rule;  // how a token's experts are picked (route_row; rule.bias points into bias)
+  int64_t top_k = 0, shared = 0;
   // run the op-by-op chain even where the one region could (the tests compare the two)
   bool chain = false;
 
@@ -93,9 +89,9 @@ struct MlaLayer : torch::CustomClassHolder {
                 "MlaLayer.moe: router fp32 [E, H], bias [E] or empty, w13/w2 E + shared "
                 "experts, routed int64 [E]");
     router = router_.contiguous(), bias = bias_.contiguous(), top_k = top_k_;
-    n_group = n_group_, topk_group = topk_group_, method = method_, sigmoid = sigmoid_;
-    renormalize = renormalize_, routed_scale = routed_scale_;
     w13 = std::move(w13_), w2 = std::move(w2_), shared = shared_, routed = std::move(routed_);
+    rule = {E, top_k, n_group_, topk_group_, method_, shared, sigmoid_, renormalize_,
+            static_cast<float>(routed_scale_), bias.numel() ? bias.data_ptr<float>() : nullptr};
   }
 
   at::Tensor linear(size_t i, const at::Tensor& x) const {
@@ -127,68 +123,6 @@ __attribute__((optimize("fp-contract=off"))) void rope_values(const float* x, co
   for (int64_t i = 0; i < half; ++i) {
     y[i] = static_cast<T>(x[i] * cs[i] + x[half + i] * sn[i]);
     y[half + i] = static_cast<T>(x[half + i] * cs[half + i] + x[i] * sn[half + i]);
-  }
-}
-
-// The `n` largest of s[0..E) among the allowed (`keep`, null: all), the larger first, ties to
-// the lower index: their indices into `out`.
-void top_n(const float* s, const uint8_t* keep, int64_t E, int64_t n, int64_t* out) {
-  std::vector<int64_t> idx;
-  idx.reserve(E);
-  for (int64_t e = 0; e < E; ++e)
-    if (keep == nullptr || keep[e]) idx.push_back(e);
-  std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int64_t a, int64_t b) {
-    return s[a] > s[b] || (s[a] == s[b] && a < b);
-  });
-  std::copy(idx.begin(), idx.begin() + n, out);
-}
-
-// One token's routing (kiln/layers/router.py grouped_topk, per row): scores (sigmoid, or
-// softmax over the E logits), the selection shifted by the correction bias, restricted to the
-// best `topk_group` of `n_group` groups (a group's score: its best, or with noaux_tc the sum of
-// its two best), the top k; their scores renormalized and scaled. Then the `shared` virtual
-// experts E.. with weight 1 (Experts.absorb_shared). ids [k + shared], w [k + shared].
-void route_row(const MlaLayer& L, const float* logit, int64_t* ids, float* w) {
-  const int64_t E = L.router.size(0), k = L.top_k;
-  std::vector<float> s(E), choice(E);
-  if (L.sigmoid) {
-    for (int64_t e = 0; e < E; ++e) s[e] = 1.0f / (1.0f + std::exp(-logit[e]));
-  } else {
-    const float m = *std::max_element(logit, logit + E);
-    float sum = 0;
-    for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(logit[e] - m));
-    for (int64_t e = 0; e < E; ++e) s[e] /= sum;
-  }
-  const float* b = L.bias.numel() ? L.bias.data_ptr<float>() : nullptr;
-  for (int64_t e = 0; e < E; ++e) choice[e] = b ? s[e] + b[e] : s[e];
-  std::vector<uint8_t> keep;
-  if (L.method != kGreedy && L.n_group > 1) {
-    const int64_t G = L.n_group, per = E / G;
-    std::vector<float> gs(G);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* c = choice.data() + g * per;
-      if (L.method == kNoauxTc) {
-        int64_t two[2];
-        top_n(c, nullptr, per, std::min<int64_t>(2, per), two);
-        gs[g] = c[two[0]] + (per > 1 ? c[two[1]] : 0.0f);
-      } else {
-        gs[g] = *std::max_element(c, c + per);
-      }
-    }
-    std::vector<int64_t> best(L.topk_group);
-    top_n(gs.data(), nullptr, G, L.topk_group, best.data());
-    keep.assign(E, 0);
-    for (int64_t g : best) std::fill(keep.begin() + g * per, keep.begin() + (g + 1) * per, 1);
-  }
-  top_n(choice.data(), keep.empty() ? nullptr : keep.data(), E, k, ids);
-  float sum = 0;
-  for (int64_t j = 0; j < k; ++j) sum += (w[j] = s[ids[j]]);
-  const float scale = static_cast<float>(L.routed_scale);
-  for (int64_t j = 0; j < k; ++j)
-    w[j] = (L.renormalize ? w[j] / (sum + 1e-20f) : w[j]) * scale;
-  for (int64_t c = 0; c < L.shared; ++c) {
-    ids[k + c] = E + c;
-    w[k + c] = 1.0f;
   }
 }
 
@@ -342,7 +276,7 @@ at::Tensor mla_layer_q4(const MlaLayer& L, const at::Tensor& x, const at::Tensor
       {
         int64_t* counter = L.routed.data_ptr<int64_t>();
         for (int64_t t = 0; t < T; ++t) {
-          route_row(L, logits + t * E, ids.data() + t * K, wts.data() + t * K);
+          route_row(L.rule, logits + t * E, ids.data() + t * K, wts.data() + t * K);
           for (int64_t j = 0; j < L.top_k; ++j) ++counter[ids[t * K + j]];
         }
         pl = moe_plan(ids.data(), wts.data(), T, K, L.w13.size(0), I / kTile, H / kTile,
@@ -434,7 +368,7 @@ at::Tensor mla_layer_impl(const MlaLayer& L, const at::Tensor& x, const at::Tens
     int64_t* counter = L.routed.data_ptr<int64_t>();
     const int64_t E = L.router.size(0);
     for (int64_t t = 0; t < T; ++t) {
-      route_row(L, lp + t * E, ip + t * K, wp + t * K);
+      route_row(L.rule, lp + t * E, ip + t * K, wp + t * K);
       for (int64_t j = 0; j < L.top_k; ++j) ++counter[ip[t * K + j]];  // Experts.count
     }
   }

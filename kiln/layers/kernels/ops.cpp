@@ -1,8 +1,9 @@
 // kiln's single-kernel ops, the ATen side: each checks its tensors, takes their pointers and
 // runs the compute of q4_tiles.cpp, moe.cpp, attention.cpp or kernels.h's row kernels
-// (q4_linear, heads_q4, moe_q4, attend_rows, q8_linear, rms_norm, silu_mul, rope_write,
-// router_logits), or its own (pack_q4_blocks: GGUF Q4_0 / Q4_1 rows into the int4 tiles). The
-// one-call layers (layers.cpp) chain them; the library's registration closes this file.
+// (q4_linear, heads_q4, moe_q4, softmax_topk, attend_rows, q8_linear, rms_norm, silu_mul,
+// rope_write, router_logits), or its own (pack_q4_blocks: GGUF Q4_0 / Q4_1 rows into the int4
+// tiles). The one-call layers (layers.cpp) chain them; the library's registration closes this
+// file.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -392,6 +394,26 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// kiln/layers/router.py's softmax_topk (Qwen2/3-MoE, Mixtral) of every row: route_row, the
+// routing the one-call MoE layers run, so eager and one-call layers pick the same experts
+// with the same weights. logits fp32 [T, E] -> (weights fp32 [T, k], ids int64 [T, k]).
+std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k,
+                                                bool renormalize) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && k > 0 &&
+                  k <= logits.size(1),
+              "softmax_topk: logits fp32 [T, E], 0 < k <= E");
+  const auto lc = logits.contiguous();
+  const int64_t T = lc.size(0), E = lc.size(1);
+  auto w = at::empty({T, k}, lc.options());
+  auto ids = at::empty({T, k}, lc.options().dtype(at::kLong));
+  RouteRule r;
+  r.E = E, r.top_k = k, r.renormalize = renormalize;
+  for (int64_t t = 0; t < T; ++t)
+    route_row(r, lc.data_ptr<float>() + t * E, ids.data_ptr<int64_t>() + t * k,
+              w.data_ptr<float>() + t * k);
+  return {w, ids};
+}
+
 // The library: torch.ops.kiln_<level>'s ops (layers.cpp's one-call layers and kquant.cpp's
 // GGUF ops are fragments of it, registered where they are defined).
 KILN_LIBRARY(m) {
@@ -402,6 +424,7 @@ KILN_LIBRARY(m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor table, Tensor row_of, Tensor lens, "
         "float scale) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("softmax_topk(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)");
   m.def("heads_q4(Tensor x, Tensor w, int n) -> Tensor");
   m.def("pack_q4_blocks(Tensor raw, int block_bytes, Tensor(a!) out) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor pieces, Tensor ranks, "
@@ -416,6 +439,7 @@ KILN_LIBRARY(m) {
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul_rows);
   m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);
   m.impl("router_logits", c10::DispatchKey::CPU, &router_logits);
+  m.impl("softmax_topk", c10::DispatchKey::CPU, &softmax_topk);
   m.impl("lora_add", c10::DispatchKey::CPU, &lora_add);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("moe_q4", c10::DispatchKey::CPU, &moe_q4);

@@ -134,6 +134,14 @@ def decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               lora_seg, qn, kn, qk_eps)
 
 
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kiln/layers/router.py's softmax_topk (fp32 logits [T, E] -> weights fp32 [T, k], ids int64
+    [T, k]) with the routing the one-call MoE layers run (moe.cpp route_row): eager and one-call
+    layers pick the same experts with the same weights, bit for bit."""
+    return lib().softmax_topk(logits, k, renormalize)
+
+
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A router's fp32 logits x [T, H] @ w [E, H]^T, each one FMA chain (kernels.h
     router_logit): a row's logits do not depend on the step's other rows (batch-invariant
