@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kiln.layers.kernels import reference
-from kiln.layers.kernels.isa import BY_NAME, Level, cpu_runs
+from kiln.layers.kernels.isa import BY_NAME, Level, cpu_runs, prefetch_ahead
 from kiln.paths import cache_dir
 from kiln.resolve.hardware import cpu_signature
 
@@ -135,8 +135,10 @@ def library(name: str) -> bool:
     if not reference.self_check(ns):
         log.warning("kiln's %s kernels disagree with PyTorch on this machine: not used", name)
         return False
-    log.info("kiln's %s kernels %s in %.1f s (%s)", name, "loaded" if cached else "built",
-             time.monotonic() - t0, build_dir(level))
+    pf, why = prefetch_ahead()
+    ns.set_prefetch_ahead(pf)
+    log.info("kiln's %s kernels %s in %.1f s (%s); weights prefetched %s", name,
+             "loaded" if cached else "built", time.monotonic() - t0, build_dir(level), why)
     return True
 
 

@@ -110,6 +110,40 @@ def xcr0() -> int | None:
         return None
 
 
+@functools.cache
+def cpu_model_id() -> tuple[str, int, int] | None:
+    """(vendor, family, model) of the first CPU in /proc/cpuinfo; None where it cannot be
+    read (not x86 Linux)."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return None
+    kv = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in first.splitlines())}
+    try:
+        return kv["vendor_id"], int(kv["cpu family"]), int(kv["model"])
+    except (KeyError, ValueError):
+        return None
+
+
+# How far ahead of the weights they read the kernels' software prefetch asks for lines. The
+# best distance differs between cores, even of one vendor; measured interleaved in one process
+# at one row, 2 threads (docs/kernels.md, "Memory traffic"):
+#   AMD Zen 2 (family 23): 1 KB; 2 KB made Qwen2.5-Coder-0.5B's layers 11% slower, SmolLM2's
+#     int4 linears 9% (Dec 5).
+#   AMD Zen 3 EPYC (family 25, models 0x00-0x0f): 2 KB; 1 KB made Qwen2.5-Coder-0.5B's decode
+#     10% slower (8 of 8 rounds), the MoE benchmark model's 2-9%, SmolLM2's alike (Dec 7).
+# Every other CPU: 1 KB until someone measures it (benchmarks: `kiln bench --offline`).
+PREFETCH_DEFAULT = 1024
+
+
+def prefetch_ahead() -> tuple[int, str]:
+    """(bytes, why): the prefetch distance for this CPU (build.library sets it)."""
+    ident = cpu_model_id()
+    if ident is not None and ident[0] == "AuthenticAMD" and ident[1] == 25 and ident[2] < 0x10:
+        return 2048, "2 KB ahead: AMD Zen 3 EPYC (family 25, model < 0x10), measured best there"
+    return PREFETCH_DEFAULT, "1 KB ahead: measured best on Zen 2; other CPUs unmeasured"
+
+
 def cpu_runs(level: Level) -> str | None:
     """None where this CPU and OS run `level`'s instructions; else why not."""
     if not x86_linux():

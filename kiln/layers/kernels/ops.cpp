@@ -414,6 +414,14 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_
   return {w, ids};
 }
 
+// simd.h's prefetch distance (isa.py prefetch_ahead); returns the one it replaces
+int64_t set_prefetch_ahead(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "set_prefetch_ahead: whole cache lines, >= 0");
+  const int64_t was = g_prefetch_ahead;
+  g_prefetch_ahead = bytes;
+  return was;
+}
+
 // The library: torch.ops.kiln_<level>'s ops (layers.cpp's one-call layers and kquant.cpp's
 // GGUF ops are fragments of it, registered where they are defined).
 KILN_LIBRARY(m) {
@@ -435,6 +443,8 @@ KILN_LIBRARY(m) {
         "int num_heads) -> Tensor");
   m.def("router_logits(Tensor x, Tensor w) -> Tensor");
   m.impl("isa", [] { return std::string(compiled_isa()); });
+  m.def("set_prefetch_ahead(int bytes) -> int");
+  m.impl("set_prefetch_ahead", &set_prefetch_ahead);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul_rows);
   m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);

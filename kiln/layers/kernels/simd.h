@@ -104,9 +104,11 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 // 2 KB: Qwen2.5-Coder-0.5B Q4_K_M layers 10.16 vs 11.32 ms, its Q8_0 head 4.85 vs 5.76; 1.5B
 // layers 30.4 vs 32.7, Q6_K head 6.17 vs 7.43. Past a thread's last tile it touches the next
 // thread's lines: harmless.
-#ifndef KILN_PF
-#define KILN_PF 1024
-#endif
+// How far ahead of the weights they read (bytes) the kernels' software prefetch asks for
+// lines: the kernel layer sets it once when it loads the library, by CPU (isa.py
+// prefetch_ahead: 2 KB on Zen 3, 1 KB elsewhere); one variable for the whole library.
+inline int64_t g_prefetch_ahead = 1024;
+#define KILN_PF g_prefetch_ahead
 // Asks for the cache lines of [p, p + bytes) into the level kHint names (_MM_HINT_T0: L1,
 // _MM_HINT_T1: L2).
 template <int kHint = _MM_HINT_T0>
