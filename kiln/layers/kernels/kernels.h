@@ -152,7 +152,7 @@ struct RouteRule {
 // One token's routing by `r`: logit [E] -> ids [top_k + shared], w [top_k + shared], the
 // routed ones best first (ties to the lower id). Scalar code, a row from its own logits alone:
 // the same bits at every ISA level, alone or in a batch. The one implementation: the one-call
-// MoE and MLA layers and the eager layers' op (ops.cpp route) all run it.
+// MoE and MLA layers and the eager layers' op (ops.cpp softmax_topk) all run it.
 void route_row(const RouteRule& r, const float* logit, int64_t* ids, float* w);
 
 // ---- the grouped MoE op's plan and work (moe.cpp)

@@ -298,15 +298,16 @@ struct MoeArgs {
   bool renormalize, shared_gate;
   int64_t E() const { return w13.size(0) - shared; }  // routed ones (then `shared` virtual)
 
-  // softmax_topk's rule over the E routed experts (route_row)
-  RouteRule rule() const {
+  // softmax_topk (route_row) of T rows of logits (row stride R) over the E routed experts:
+  // ids and w [T, top_k]
+  void route_rows(const float* lp, int64_t T, int64_t R, int64_t* ids, float* w) const {
     RouteRule r;
     r.E = E(), r.top_k = top_k, r.renormalize = renormalize;
-    return r;
+    for (int64_t t = 0; t < T; ++t) route_row(r, lp + t * R, ids + t * top_k, w + t * top_k);
   }
 
   // The router's logits [T, R] -> (ids [T, top_k], contiguous, for the experts' counters;
-  // moe_q4's pair ids and weights [T, top_k + shared]): route_row by rule(), as the eager
+  // moe_q4's pair ids and weights [T, top_k + shared]): route_rows, as the eager
   // layers' op (ops.cpp softmax_topk) routes, then each token's pairs (t, E + c) for `shared`
   // virtual experts (a shared expert absorbed after the E routed: Experts.absorb_shared)
   // weighted sigmoid(logits[t, E]) (a gated shared expert: Qwen2-MoE) or 1, as moe.py's
@@ -316,10 +317,7 @@ struct MoeArgs {
     const auto lc = logits.contiguous();
     at::Tensor ids = at::empty({T, top_k}, lc.options().dtype(at::kLong));
     at::Tensor w = at::empty({T, top_k}, lc.options());
-    const RouteRule r = rule();
-    for (int64_t t = 0; t < T; ++t)
-      route_row(r, lc.data_ptr<float>() + t * R, ids.data_ptr<int64_t>() + t * top_k,
-                w.data_ptr<float>() + t * top_k);
+    route_rows(lc.data_ptr<float>(), T, R, ids.data_ptr<int64_t>(), w.data_ptr<float>());
     if (shared == 0) return {ids, ids, w};
     const auto sid = at::arange(E, E + shared, ids.options()).expand({T, shared});
     const auto sw = (shared_gate ? at::sigmoid(logits.slice(1, E, E + 1)).to(at::kFloat)
@@ -332,8 +330,9 @@ struct MoeArgs {
 // moe_layer where both attention linears are kiln's q4 tiles (a Q4_0 / int4 model) and the
 // pools fp32 or fp16: the whole layer in one parallel region, as decode_layer_q4 does for a
 // dense layer. The same row functions in the same order as moe_layer's op by op chain (rms_row,
-// q4 tiles, rms_row per q/k head, rope_row, attend_rows, router_logit, route_row, moe_q4_omp), so the same bits; what goes is a parallel region,
-// a fork and a join and a tensor per op: ~12 of them a layer, ~5 us each at one row.
+// q4 tiles, rms_row per q/k head, rope_row, attend_rows, router_logit, route_row, moe_q4_omp),
+// so the same bits; what goes is a parallel region, a fork and a join and a tensor per op: ~12
+// of them a layer, ~5 us each at one row.
 template <typename KT>
 std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ln1,
@@ -382,7 +381,6 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
   float* lp = logits.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const MoeWeights mw(w13, w2);
-  const RouteRule rule = moe.rule();
   const int nt = threads();
   MoePlan pl;
   std::exception_ptr error;
@@ -403,7 +401,7 @@ std::tuple<at::Tensor, at::Tensor> moe_layer_q4(
           static thread_local std::vector<float> tl_w;
           tl_w.resize(T * K);
           int64_t* ip = ids.data_ptr<int64_t>();
-          for (int64_t t = 0; t < T; ++t) route_row(rule, lp + t * R, ip + t * K, &tl_w[t * K]);
+          moe.route_rows(lp, T, R, ip, tl_w.data());
           pl = moe_plan(ip, tl_w.data(), T, K, EA, I / kTile, H / kTile, omp_get_num_threads());
         } else {
           at::Tensor pi, pw;

@@ -62,7 +62,7 @@ void top_n(const float* s, const uint8_t* keep, int64_t E, int64_t n, int64_t* o
 
 // Why here and not ATen's softmax / topk: at one row those were ~20 us of serial ops a MoE
 // layer while the other threads waited at the region's barrier (Qwen3-MoE benchmark model,
-// 24 layers, Zen 3: ~4% of a batch-1 step); a row's 64 logits take well under a microsecond.
+// 24 layers, Zen 3: ~3% of a batch-1 step); a row's 64 logits take well under a microsecond.
 void route_row(const RouteRule& r, const float* logit, int64_t* ids, float* w) {
   const int64_t E = r.E, k = r.top_k;
   thread_local std::vector<float> s, choice;
