@@ -155,6 +155,16 @@ struct RouteRule {
 // MoE and MLA layers and the eager layers' op (ops.cpp softmax_topk) all run it.
 void route_row(const RouteRule& r, const float* logit, int64_t* ids, float* w);
 
+// router.py's softmax_topk (route_row with softmax scores, greedy) of T rows of logits (row
+// stride R) over their first E: ids, w [T, k]. The eager layers' op and the one-call MoE
+// layers both route through it.
+inline void softmax_topk_rows(const float* lp, int64_t T, int64_t R, int64_t E, int64_t k,
+                              bool renormalize, int64_t* ids, float* w) {
+  RouteRule r;
+  r.E = E, r.top_k = k, r.renormalize = renormalize;
+  for (int64_t t = 0; t < T; ++t) route_row(r, lp + t * R, ids + t * k, w + t * k);
+}
+
 // ---- the grouped MoE op's plan and work (moe.cpp)
 // moe_q4's plan of one call: the (token, expert) pairs sorted by expert (a counting sort,
 // stable), the active experts and each thread's range of work items (split_items).

@@ -298,12 +298,10 @@ struct MoeArgs {
   bool renormalize, shared_gate;
   int64_t E() const { return w13.size(0) - shared; }  // routed ones (then `shared` virtual)
 
-  // softmax_topk (route_row) of T rows of logits (row stride R) over the E routed experts:
-  // ids and w [T, top_k]
+  // softmax_topk of T rows of logits (row stride R) over the E routed experts: ids and w
+  // [T, top_k]
   void route_rows(const float* lp, int64_t T, int64_t R, int64_t* ids, float* w) const {
-    RouteRule r;
-    r.E = E(), r.top_k = top_k, r.renormalize = renormalize;
-    for (int64_t t = 0; t < T; ++t) route_row(r, lp + t * R, ids + t * top_k, w + t * top_k);
+    softmax_topk_rows(lp, T, R, E(), top_k, renormalize, ids, w);
   }
 
   // The router's logits [T, R] -> (ids [T, top_k], contiguous, for the experts' counters;

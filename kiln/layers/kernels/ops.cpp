@@ -406,11 +406,8 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_
   const int64_t T = lc.size(0), E = lc.size(1);
   auto w = at::empty({T, k}, lc.options());
   auto ids = at::empty({T, k}, lc.options().dtype(at::kLong));
-  RouteRule r;
-  r.E = E, r.top_k = k, r.renormalize = renormalize;
-  for (int64_t t = 0; t < T; ++t)
-    route_row(r, lc.data_ptr<float>() + t * E, ids.data_ptr<int64_t>() + t * k,
-              w.data_ptr<float>() + t * k);
+  softmax_topk_rows(lc.data_ptr<float>(), T, E, E, k, renormalize, ids.data_ptr<int64_t>(),
+                    w.data_ptr<float>());
   return {w, ids};
 }
 
