@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -122,7 +123,7 @@ def _serve_router(args: argparse.Namespace) -> int:
 
     from kiln import __version__
     from kiln.errors import KilnError
-    from kiln.server.http import h11_protocol
+    from kiln.server.http import uvicorn_config
     from kiln.server.model_pool import ModelPool, child_settings
     from kiln.server.model_router import build_router_app
     from kiln.settings import sources as S
@@ -155,11 +156,8 @@ def _serve_router(args: argparse.Namespace) -> int:
                            max_header_bytes=s["max_header_bytes"], preload=s["preload"],
                            ui_pages=s["ui"])
     host, port = s["host"], s["port"]
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
-        http=h11_protocol(s["max_header_bytes"]),
-        h11_max_incomplete_event_size=s["max_header_bytes"]))
+    server = uvicorn.Server(uvicorn_config(app, host, port, max_header_bytes=s["max_header_bytes"],
+                                           drain_timeout=s["drain_timeout"]))
     names = [e["name"] for e in entries]
     record = pidfile.ServerRecord(pid=os.getpid(), port=port, host=host, model=",".join(names),
                                   weights=f"{len(names)} models (router)", engine="router",
@@ -176,6 +174,7 @@ def _serve_router(args: argparse.Namespace) -> int:
 
     server.startup = startup_and_announce  # type: ignore[method-assign]
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
+    _freeze_startup_heap()
     with pid_files:
         server.run()  # the app's lifespan stops every model's process on the way out
     print(msg("serve.stopped"), file=sys.stderr)
@@ -378,16 +377,13 @@ def _run_server(sp: startup.StartupPlan, app: Any, aengine: Any, names: list[str
     from kiln.backends import format_running_block
     from kiln.engine.async_engine import wait_idle
     from kiln.obs import trace
-    from kiln.server.http import h11_protocol
+    from kiln.server.http import uvicorn_config
 
     s, src = sp.settings, sp.source
     assert s is not None and src is not None
     host, port = s["host"], s["port"]
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=int(s["drain_timeout"]) or None,
-                            access_log=False, http=h11_protocol(s["max_header_bytes"]),
-                            h11_max_incomplete_event_size=s["max_header_bytes"])
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, host, port, max_header_bytes=s["max_header_bytes"],
+                                           drain_timeout=s["drain_timeout"]))
 
     started = server.startup
     # The pid file (kiln ps / kiln stop) exists from "ready" until the process ends.
@@ -404,6 +400,7 @@ def _run_server(sp: startup.StartupPlan, app: Any, aengine: Any, names: list[str
 
     server.startup = startup_and_announce  # type: ignore[method-assign]
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
+    _freeze_startup_heap()
     with pid_files:
         server.run()
         # uvicorn has stopped accepting and waited for in-flight requests (drain_timeout).
@@ -412,6 +409,20 @@ def _run_server(sp: startup.StartupPlan, app: Any, aengine: Any, names: list[str
         trace.shutdown_stages()
     print(msg("serve.stopped" if drained else "serve.stopped_cut"), file=sys.stderr)
     return 0
+
+
+def _freeze_startup_heap() -> int:
+    """What loading left on the Python heap (the tokenizer's tables, the model's modules: ~225k
+    objects for the MoE benchmark model) lives as long as the server; each full garbage
+    collection walked all of it, ~85 ms on 2 cores (AMD EPYC Zen 3), a pause of whatever step it
+    fell into (5 of them in ~1,700 steps of c=1 decoding). Frozen, the collector never walks it
+    again (vLLM freezes its heap after startup too). In-process c=1 decode of that model, the
+    heap frozen vs not, alternated 8 times: 1.02x (6 of 8 faster)."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("froze the startup heap: %d objects that no full garbage collection walks again", n)
+    return n
 
 
 @contextlib.contextmanager
