@@ -123,17 +123,21 @@ def h11_protocol(max_header_bytes: int) -> Any:
 def uvicorn_config(app: Any, host: str, port: int, *, max_header_bytes: int,
                    drain_timeout: float) -> Any:
     """The uvicorn server every `kiln serve` runs (one model or the router): h11 with the head
-    limit (h11_protocol), no access log, the drain timeout. The event loop is uvloop where it is
-    installed (a dependency on Linux and macOS; asyncio's on Windows): the engine thread hands
-    each step's outputs over with call_soon_threadsafe, whose self-pipe write on asyncio's loop
-    released the GIL to the event loop mid-hand-off, so the engine waited ~0.4 ms a step for it
-    (MoE benchmark model, c=1: the time from a step's end to the next one's start 0.40-0.52 ms
-    on asyncio, 0.07-0.08 ms on uvloop). Served c=1 TPOT, 2 cores (AMD EPYC Zen 3), the two
-    loops alternated six times: Qwen2.5-Coder-0.5B 0.91x (0.82-0.98, 6 of 6 lower), SmolLM2
-    0.95x, the MoE benchmark model 1.01x."""
+    limit (h11_protocol), no access log, the drain timeout, and asyncio's event loop, named.
+
+    Why not uvloop (measured, 2 cores, AMD EPYC Zen 3, `kiln serve` restarted for each loop,
+    alternated): the engine thread hands each step's outputs over with call_soon_threadsafe.
+    On asyncio's loop its self-pipe write releases the GIL and the event loop runs its part of
+    the step (each stream's chunk, HTTP) at once, while the engine waits: 0.40-0.52 ms a step
+    at c=1 (the MoE benchmark model). uvloop wakes its loop without releasing the GIL (0.07-0.08
+    ms), so that work runs during the next step instead, on a core the step's two OpenMP threads
+    need. c=1 TPOT with uvloop: Qwen2.5-Coder-0.5B 0.91x, SmolLM2 0.95x, the MoE model 1.01x;
+    c=16 throughput: Qwen2.5-Coder 1.01-1.07x, but SmolLM2 0.79-1.02x (median 0.90x over 4
+    rounds), whose 16-row steps are short enough for 16 streams' chunks to matter. The loss
+    where compute is quickest outweighed the gains."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, loop="auto", log_level="warning",
+    return uvicorn.Config(app, host=host, port=port, loop="asyncio", log_level="warning",
                           access_log=False, timeout_graceful_shutdown=int(drain_timeout) or None,
                           http=h11_protocol(max_header_bytes),
                           h11_max_incomplete_event_size=max_header_bytes)

@@ -442,16 +442,6 @@ def test_headers_over_the_limit_are_431(server: Server, client: Any) -> None:
     assert client.models.list().data  # the server goes on
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/maps")
-def test_the_server_runs_on_uvloop(server: Server, client: Any) -> None:
-    """The serving process's event loop is uvloop (kiln/server/http.py uvicorn_config says why:
-    asyncio's self-pipe hand-off cost the engine ~0.4 ms a step): its extension is mapped into
-    the process that answers, with the h11 protocol kept (the 431 test above)."""
-    assert client.models.list().data
-    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
-    assert re.search(r"/uvloop/loop\.[^/]*\.so", maps), "uvloop is not loaded in kiln serve"
-
-
 def test_the_startup_heap_is_frozen_before_serving(server: Server, client: Any) -> None:
     """What loading left on the Python heap is frozen before the first request (kiln/cli/serve.py
     _freeze_startup_heap: a full collection walked it for ~85 ms mid-step): the log names how
