@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.layers.kernels import reference
+from kiln.layers.kernels import ops, reference
 from kiln.layers.kernels.choose import Choice
-from kiln.layers.kernels.formats import GGML_TYPES, KQUANT_TYPES, GGUFBlocks
+from kiln.layers.kernels.formats import EMBED_ROW_TYPES, GGML_TYPES, KQUANT_TYPES, GGUFBlocks
 from kiln.layers.quant import gguf_blocks
 from kiln.layers.quant.gguf_blocks import KQuantLinear
 
@@ -183,18 +183,33 @@ def test_type_table_matches_ggml() -> None:
         assert GGML_TYPES[tid][0] == name
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q6_K"])
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K"])
 def test_block_embedding_rows(type_name: str) -> None:
-    """An embedding kept as blocks returns the dequantized table's rows."""
+    """An embedding kept as blocks returns the dequantized table's rows, bit for bit: the
+    legacy types through kiln's embed_rows, the K-quants (and any type without the kernels)
+    through formats.dequantize_blocks."""
     qt = gguf.GGMLQuantizationType[type_name]
-    if type_name in KQUANT_TYPES:
+    if type_name in KQUANT_TYPES and type_name not in EMBED_ROW_TYPES:
         b = _blocks(40, 256, type_name, 9)
     else:
         w = np.random.default_rng(9).standard_normal((40, 256)).astype(np.float32)
+        w[5] *= 1e4  # large scales: a fused multiply-add would round differently
         b = GGUFBlocks(torch.from_numpy(gguf.quants.quantize(w, qt)), type_name, 256)
     emb = gguf_blocks.BlockEmbedding(b, torch.float32)
-    ids = torch.tensor([[3, 39, 0], [7, 7, 21]])
-    torch.testing.assert_close(emb(ids), b.dequantize()[ids])
+    assert emb.kernel_choice.kernel == ("gguf" if type_name in EMBED_ROW_TYPES else "reference")
+    ids = torch.tensor([[3, 39, 0], [7, 7, 21], [5, 5, 38]])
+    assert torch.equal(emb(ids), b.dequantize()[ids])
+    emb.kernel_choice = Choice("reference", ("test",))
+    assert torch.equal(emb(ids), b.dequantize()[ids])
+
+
+@needs_kernel
+def test_embed_rows_refuses_an_id_past_the_table() -> None:
+    w = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.embed_rows(raw, torch.tensor([1, 4]), EMBED_ROW_TYPES["Q8_0"], 64)
 
 
 @needs_kernel

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.layers import kernels
+from kiln.layers.kernels.formats import EMBED_ROW_TYPES
 
 # The names of kiln's own kernels (at the selected ISA level); every other Choice.kernel is a
 # fallback (PyTorch's ops, the reference form).
@@ -76,6 +77,17 @@ def choose_linear_kernel(kind: str, device: torch.device, n: int, k: int, *,
     else:
         raise ValueError(f"unknown linear kind {kind!r}")
     return Choice("reference", (*why_not, "dequantized per call (slow, same numbers)"))
+
+
+def choose_embedding_kernel(type_name: str, device: torch.device,
+                            use_kernels: bool = True) -> Choice:
+    """How an embedding kept as GGUF blocks looks up its rows: embed_rows (kiln's, the legacy
+    block types) or formats.dequantize_blocks' PyTorch ops (the K-quants, or no kernels)."""
+    kiln_no = _kiln_why_not(device, use_kernels)
+    if kiln_no is None and type_name in EMBED_ROW_TYPES:
+        return Choice("gguf", (_ran("embed_rows (GGUF blocks)"),))
+    why = kiln_no or f"{type_name} blocks (legacy types only)"
+    return Choice("reference", (f"embed_rows: {why}", "dequantized per lookup by PyTorch ops"))
 
 
 def q8_ok(device: torch.device, k: int, use_kernels: bool = True) -> bool:

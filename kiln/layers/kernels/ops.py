@@ -84,6 +84,13 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.
     return lib().attend_rows(q, k, v, table, row_of, lens, scale)
 
 
+def embed_rows(raw: torch.Tensor, ids: torch.Tensor, type_id: int, dim: int) -> torch.Tensor:
+    """Rows `ids` [n] int64 of an embedding kept as GGUF blocks (raw uint8 [V, row bytes] of a
+    legacy type: formats.EMBED_ROW_TYPES) -> fp32 [n, dim] (ops.cpp): formats.dequantize_blocks'
+    values, bit for bit, in one call instead of ~12 PyTorch ops."""
+    return lib().embed_rows(raw, ids, type_id, dim)
+
+
 def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 @ (w * scale)^T for an int8 weight w [N, K] with one fp32/bf16 scale per
     row -> fp32 [M, N] (attention.cpp): each output one FMA chain over K, the same bits

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.layers import kernels
-from kiln.layers.kernels.choose import choose_linear_kernel
-from kiln.layers.kernels.formats import KQUANT_TYPES, GGUFBlocks
+from kiln.layers.kernels import ops
+from kiln.layers.kernels.choose import choose_embedding_kernel, choose_linear_kernel
+from kiln.layers.kernels.formats import EMBED_ROW_TYPES, KQUANT_TYPES, GGUFBlocks
 from kiln.layers.quant.linear import QuantizedLinear
 
 # types an untied embedding keeps as blocks (kiln/layers/kernels/formats.py's dequantizer reads
@@ -132,8 +133,9 @@ class KQuantLinear(QuantizedLinear):
 
 
 class BlockEmbedding(nn.Module):
-    """An embedding table kept as the GGUF's blocks: a lookup gathers the ids' rows of raw
-    blocks and dequantizes just those (a step's few hundred rows: microseconds)."""
+    """An embedding table kept as the GGUF's blocks: a lookup dequantizes just the ids' rows,
+    in one call of kiln's embed_rows for the legacy types (choose_embedding_kernel), else by
+    formats.py's PyTorch ops (~12 of them: 100-160 us a decode step on 2 cores)."""
 
     def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
         super().__init__()
@@ -141,13 +143,19 @@ class BlockEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = blocks.shape
         self.dtype = dtype
         self.register_buffer("blocks", blocks.raw)
+        self.kernel_choice = choose_embedding_kernel(self.type_name, blocks.raw.device)
 
     def as_blocks(self) -> GGUFBlocks:
         return GGUFBlocks(self.blocks, self.type_name, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = GGUFBlocks(self.blocks[ids.reshape(-1)], self.type_name, self.embedding_dim)
-        return rows.dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        if self.kernel_choice.kiln:
+            flat = ops.embed_rows(self.blocks, ids.reshape(-1), EMBED_ROW_TYPES[self.type_name],
+                                  self.embedding_dim).to(self.dtype)
+        else:
+            rows = GGUFBlocks(self.blocks[ids.reshape(-1)], self.type_name, self.embedding_dim)
+            flat = rows.dequantize(self.dtype)
+        return flat.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} blocks"
