@@ -424,8 +424,8 @@ int64_t set_prefetch_ahead(int64_t bytes) {
 // kiln/layers/kernels/formats.py's dequantize_blocks gives, bit for bit: min + q * d (Q4_0's
 // min -8 d; Q5_0: (q - 16) * d, Q8_0: q * d). The product of an fp16 scale (11 significant
 // bits) and a code (at most 8) is exact in fp32, so the add's is the one rounding, fused or
-// not, as in PyTorch's addcmul. Why: dequantize_blocks is ~12 PyTorch ops a call, 100-160 us a decode
-// step whatever its rows (2 cores, Zen 3), 1.5-3% of a c=1 step; this is a few microseconds.
+// not, as in PyTorch's addcmul. Why: dequantize_blocks is ~12 PyTorch ops a call, 100-160 us
+// a decode step whatever its rows (2 cores, Zen 3), 1.5-3% of a c=1 step; this is 15-33 us.
 at::Tensor embed_rows(const at::Tensor& raw, const at::Tensor& ids, int64_t type, int64_t dim) {
   int64_t bb = 0, codes = 0, high = -1, has_min = 0;  // block bytes, where codes / 5th bits are
   switch (type) {
@@ -444,10 +444,11 @@ at::Tensor embed_rows(const at::Tensor& raw, const at::Tensor& ids, int64_t type
   const int64_t n = ic.size(0), V = raw.size(0), G = dim / kGroup;
   at::Tensor out = at::empty({n, dim}, raw.options().dtype(at::kFloat));
   const int64_t* ip = ic.data_ptr<int64_t>();
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "embed_rows: id ", ip[i], " out of range [0, ", V, ")");
-    const uint8_t* row = raw.data_ptr<uint8_t>() + ip[i] * raw.stride(0);
+    const uint8_t* row = rp + ip[i] * raw.stride(0);
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* b = row + g * bb;
       uint16_t h16;
