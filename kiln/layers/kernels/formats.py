@@ -32,7 +32,8 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 # ggml type name -> id (GGUF's tensor-table values): the types kernels/kquant.cpp reads
 KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # the legacy block types an embedding lookup dequantizes in C++ (ops.embed_rows), by ggml id
-EMBED_ROW_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+EMBED_ROW_TYPES = {name: tid for tid, (name, _, _) in GGML_TYPES.items()
+                   if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
 
 
 @dataclass
