@@ -40,7 +40,7 @@ from kiln.paths import cache_dir
 
 log = logging.getLogger("kiln.tiles")
 
-LAYOUT = "q4-tiles-v2"  # q4_tiles.cpp's tile layout (reference.pack_q4); bump when it changes
+LAYOUT = "q4-tiles-v3"  # q4_tiles.cpp's tile layout (reference.pack_q4); bump when it changes
 MIN_LAYER_BYTES = 8 << 20  # smaller stacks pack in well under a second: not worth a file
 _ALIGN = 2 << 20  # w2 starts on a 2 MiB boundary, so both stacks can sit on 2 MiB folios
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value (5.14+)

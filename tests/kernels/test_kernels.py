@@ -133,6 +133,40 @@ def _stack(w: list[GroupQuant]) -> torch.Tensor:
     return torch.stack([reference.pack_q4(g.q, g.scale, g.min) for g in w])
 
 
+def _q4_0_raw(shape: tuple[int, ...], k: int, seed: int) -> torch.Tensor:
+    """Random GGUF Q4_0 rows [..., K/32 * 18] with sane fp16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (*shape, k // 32 * 18), generator=g, dtype=torch.uint8)
+    d = (torch.rand(*shape, k // 32, generator=g) * 0.02 + 1e-3).half().view(torch.uint8)
+    raw.view(*shape, k // 32, 18)[..., :2] = d.view(*shape, k // 32, 2)
+    return raw
+
+
+@pytest.mark.parametrize("t", [1, 40])
+def test_q4_0_tiles_without_mins_compute_the_same_bits(t):
+    """A Q4_0 weight packed without its mins (144-byte blocks: the kernels take min = -8
+    scale in fp32) gives q4_linear's and moe_q4's bits of the 160-byte tiles, at one row and
+    at 40 (AVX-512's pairs of tiles, its register blocks of 8 rows)."""
+    sym = reference.Q4_SYM_BLOCK
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t))
+    raw = _q4_0_raw((40,), 64, 1)
+    want = ck.q4_linear(x, ck.pack_q4_blocks(raw, "Q4_0", 64), 40)
+    assert torch.equal(ck.q4_linear(x, ck.pack_q4_blocks(raw, "Q4_0", 64, block=sym), 40), want)
+    # an Int4Linear of symmetric groups (GGUF Q4_0's) packs them so, and computes those bits
+    q, s, _ = reference.unpack_q4(ck.pack_q4_blocks(raw, "Q4_0", 64), 40)
+    lin = Int4Linear(GroupQuant(q, s, s * -8.0, 32), None, torch.float32)
+    assert lin.kernel == "q4" and lin.packed.shape[-1] == sym and torch.equal(lin(x), want)
+    e, i, k = 6, 96, 3
+    r13, r2 = _q4_0_raw((e, 2 * i), 64, 2), _q4_0_raw((e, 64), i, 3)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(t + 1))
+    weights, ids = softmax_topk(logits, k, renormalize=True)
+    full = ck.moe_q4(x, ids, weights, ck.pack_q4_blocks(r13, "Q4_0", 64),
+                     ck.pack_q4_blocks(r2, "Q4_0", i))
+    got = ck.moe_q4(x, ids, weights, ck.pack_q4_blocks(r13, "Q4_0", 64, block=sym),
+                    ck.pack_q4_blocks(r2, "Q4_0", i, block=sym))
+    assert torch.equal(got, full)
+
+
 @pytest.mark.parametrize("t", [1, 5, 40])
 def test_moe_q4_matches_the_per_expert_loop(t):
     """moe_q4 equals running each active expert over its rows and summing the weighted outputs

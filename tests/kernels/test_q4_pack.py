@@ -144,3 +144,44 @@ def test_the_kernels_pack_of_gguf_blocks_equals_the_reference(kernel_level, type
     assert torch.equal(stack[:, 1:4], want)
     assert bool((stack[:, 0] == 0x5A).all()) and bool((stack[:, 4:] == 0x5A).all())
     assert torch.equal(ops.pack_q4_blocks(raw[1], type_name, k), want[1])  # one matrix, no out
+
+
+@pytest.mark.parametrize("n", [8, 21])
+def test_q4_0_packs_without_mins(kernel_level, n):
+    """Q4_0 blocks packed without their mins (reference.Q4_SYM_BLOCK: 144 bytes a block) are
+    the 160-byte tiles less bytes 144..159 of each block, from the kernels' packer and the
+    reference alike (a scale whose -8 d overflows fp16 among them); they read back as the same
+    codes and scales, the min -8 scale. Q4_1, which has mins, refuses."""
+    from kiln.layers.kernels import ops
+
+    e, k = 2, 96
+    g = torch.Generator().manual_seed(n)
+    raw = torch.randint(0, 256, (e, n, k // 32 * 18), generator=g, dtype=torch.uint8)
+    d = (torch.rand(e, n, k // 32, generator=g) * 0.02 + 1e-3).half().view(torch.uint8)
+    raw.view(e, n, k // 32, 18)[..., :2] = d.view(e, n, k // 32, 2)
+    raw[0, 0, 0:2] = torch.tensor([9000.0], dtype=torch.float16).view(torch.uint8)
+    full = reference.pack_q4_blocks(raw, "Q4_0", k)
+    sym = reference.pack_q4_blocks(raw, "Q4_0", k, block=reference.Q4_SYM_BLOCK)
+    assert sym.shape[-1] == reference.Q4_SYM_BLOCK and torch.equal(sym, full[..., :144])
+    assert torch.equal(ops.pack_q4_blocks(raw, "Q4_0", k, block=reference.Q4_SYM_BLOCK), sym)
+    q, s, mn = reference.unpack_q4(full[1], n)
+    q2, s2, mn2 = reference.unpack_q4(sym[1], n)
+    assert torch.equal(q, q2) and torch.equal(s, s2) and torch.equal(mn2, s * -8.0)
+    assert torch.equal(mn, mn2)  # (row 0 of expert 0 holds the overflowing scale)
+    with pytest.raises(ValueError, match="Q4_1"):
+        reference.pack_q4_blocks(raw, "Q4_1", k, block=reference.Q4_SYM_BLOCK)
+
+
+def test_as_block_moves_tiles_between_the_two_blocks():
+    """reference.as_block: symmetric groups go from 160-byte blocks to 144 and back with the
+    same codes and scales; asymmetric ones are not stripped of their mins (None)."""
+    q, s, _ = _random_groups((21,), 64, 5)
+    s = s.half().float()
+    full = reference.pack_q4(q, s, s * -8.0)
+    sym = reference.pack_q4(q, s, None)
+    assert sym.shape[-1] == reference.Q4_SYM_BLOCK and torch.equal(sym, full[..., :144])
+    assert torch.equal(reference.as_block(full, 21, reference.Q4_SYM_BLOCK), sym)
+    assert torch.equal(reference.as_block(sym, 21, reference.Q4_BLOCK), full)
+    assert reference.as_block(full, 21, reference.Q4_BLOCK) is full
+    asym = reference.pack_q4(*_random_groups((21,), 64, 6))
+    assert reference.as_block(asym, 21, reference.Q4_SYM_BLOCK) is None

@@ -12,6 +12,7 @@ import torch
 from conftest import assert_fused_block_matches, make_tiny_model
 
 from kiln.engine.model_runner import ModelRunner
+from kiln.layers.kernels import reference
 from kiln.layers.moe import Experts
 from kiln.layers.router import grouped_topk, softmax_topk
 from kiln.models.gguf_writer import write_gguf
@@ -118,6 +119,8 @@ def test_q4_0_experts_are_repacked_not_requantized(tiny, family):
     for d, q in zip(d_layers, q_layers, strict=True):
         # per-expert modules, or (kiln's CPU kernels) all experts stacked for moe_q4
         assert q.is_quantized and not d.is_quantized
+        if q.w13_q4 is not None:  # stacked: Q4_0 blocks without their mins (min = -8 scale)
+            assert q.w13_q4.shape[-1] == q.w2_q4.shape[-1] == reference.Q4_SYM_BLOCK
         for e in range(d.num_experts):
             gate_up, down = q.expert_weights(e)
             torch.testing.assert_close(gate_up, d.gate_up_proj[e], rtol=0, atol=2e-3)

@@ -28,7 +28,11 @@ namespace KILN_NS {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;           // output rows per tile
-constexpr int64_t kBlockBytes = 160;  // one (tile, group) block
+constexpr int64_t kBlockBytes = 160;  // one (tile, group) block: codes, 8 scales, 8 mins
+// The same block without its mins (GGUF Q4_0's symmetric blocks: min = -8 scale, taken from
+// the scale in fp32 instead of read): 10% fewer bytes for a step to stream. A packed
+// weight's last dimension says which it holds; tile_dot reads either.
+constexpr int64_t kSymBlockBytes = 144;
 // Activation rows per register block of the int4 tiles: AVX-512's 32 vector registers hold 8
 // rows' sums and accumulators, AVX2's 16 hold 4 (more would spill).
 constexpr int kMaxBlockRows = KILN_VNNI ? 8 : 4;

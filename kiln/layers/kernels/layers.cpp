@@ -126,8 +126,7 @@ struct AttnQ4Args {
             sc.data_ptr<float>(), qn.defined() ? qn.data_ptr<float>() : nullptr,
             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(eps),
             static_cast<float>(qk_eps), static_cast<float>(scale), w[0].data_ptr<uint8_t>(),
-            w[1].data_ptr<uint8_t>(), w[0].size(0), w[0].size(1) * kBlockBytes, w[1].size(0),
-            w[1].size(1) * kBlockBytes, bias[0], bias[1], k.data_ptr<KT>(), v.data_ptr<KT>(), sp,
+            w[1].data_ptr<uint8_t>(), w[0].size(0), tile_bytes(w[0]), w[1].size(0), tile_bytes(w[1]), bias[0], bias[1], k.data_ptr<KT>(), v.data_ptr<KT>(), sp,
             rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
             rt.lens.data_ptr<int64_t>(), rows.data(), T, H, Hq, Hk, D, rt.L, ws, qkv, qb, ctx, x1,
             &xh, &xc2};
@@ -215,14 +214,14 @@ at::Tensor decode_layer_q4(const at::Tensor& x, const at::Tensor& cos, const at:
   {
     attn.run(nt);
     norm_rows_omp(x1, l2.data_ptr<float>(), e, T, H, h, xh);
-    q4_tiles_omp(wp2, w[2].size(1) * kBlockBytes, w[2].size(0), xh, rows, T, 2 * I, gu, bias[0],
+    q4_tiles_omp(wp2, tile_bytes(w[2]), w[2].size(0), xh, rows, T, 2 * I, gu, bias[0],
                  nullptr);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       silu_row(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
       xa.quantize(t, act + t * I);
     }
-    q4_tiles_omp(wp3, w[3].size(1) * kBlockBytes, w[3].size(0), xa, rows, T, H, op, bias[1], x1);
+    q4_tiles_omp(wp3, tile_bytes(w[3]), w[3].size(0), xa, rows, T, H, op, bias[1], x1);
   }
   return out;
 }

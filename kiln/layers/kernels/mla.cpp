@@ -156,7 +156,7 @@ at::Tensor mla_layer_q4(const MlaLayer& L, const at::Tensor& x, const at::Tensor
   for (size_t i = 0; i < L.weights.size(); ++i) {
     const at::Tensor& w = L.weights[i];
     check_packed("mla_layer", w, 3);
-    lin.push_back({w.data_ptr<uint8_t>(), w.size(0), w.size(1) * kBlockBytes, L.rows[i],
+    lin.push_back({w.data_ptr<uint8_t>(), w.size(0), tile_bytes(w), L.rows[i],
                    L.biases[i].numel() ? L.biases[i].data_ptr<float>() : nullptr});
   }
   const size_t iq = lora ? 1 : 0, ikv = iq + 1, io = ikv + 1;
@@ -246,14 +246,14 @@ at::Tensor mla_layer_q4(const MlaLayer& L, const at::Tensor& x, const at::Tensor
                     qfull + (t * Hh + hh) * R + r);
       }
     }
-    heads_q4_omp(L.uk.data_ptr<uint8_t>(), L.uk.size(1), L.uk.size(2) * kBlockBytes, xn, T, Hh,
+    heads_q4_omp(L.uk.data_ptr<uint8_t>(), L.uk.size(1), tile_bytes(L.uk), xn, T, Hh,
                  r, qfull, R);
     attend_rows_omp(qfull, static_cast<const KT*>(pool), static_cast<const KT*>(pool),
                     rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
                     rt.lens.data_ptr<int64_t>(), olat, T, Hh, 1, R, r, rt.L,
                     static_cast<float>(L.scale), nt, R);
     quantize_rows_omp(static_cast<const float*>(olat), T * Hh, r, xl);
-    heads_q4_omp(L.uv.data_ptr<uint8_t>(), L.uv.size(1), L.uv.size(2) * kBlockBytes, xl, T, Hh,
+    heads_q4_omp(L.uv.data_ptr<uint8_t>(), L.uv.size(1), tile_bytes(L.uv), xl, T, Hh,
                  V, o, V);
     quantize_rows_omp(static_cast<const float*>(o), T, Hh * V, xo);
     tiles(io, xo, x1, xp);

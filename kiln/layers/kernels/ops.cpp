@@ -29,8 +29,8 @@ int threads() { return std::max(1, at::get_num_threads()); }
 
 void check_packed(const char* name, const at::Tensor& p, int64_t dims) {
   TORCH_CHECK(p.dim() == dims && p.scalar_type() == at::kByte && p.is_contiguous() &&
-                  p.size(dims - 1) == kBlockBytes,
-              name, ": packed weight must be contiguous uint8 [..., N/8, K/32, 160]");
+                  (p.size(dims - 1) == kBlockBytes || p.size(dims - 1) == kSymBlockBytes),
+              name, ": packed weight must be contiguous uint8 [..., N/8, K/32, 160 or 144]");
 }
 
 void check_x(const char* name, const at::Tensor& x) {
@@ -41,9 +41,8 @@ void check_x(const char* name, const at::Tensor& x) {
 
 MoeWeights::MoeWeights(const at::Tensor& a, const at::Tensor& b)
     : w13(a.data_ptr<uint8_t>()), w2(b.data_ptr<uint8_t>()), H(a.size(2) * kGroup),
-      I(a.size(1) * kTile / 2), w13_expert(a.size(1) * a.size(2) * kBlockBytes),
-      w13_tile(a.size(2) * kBlockBytes), w2_expert(b.size(1) * b.size(2) * kBlockBytes),
-      w2_tile(b.size(2) * kBlockBytes) {}
+      I(a.size(1) * kTile / 2), w13_expert(a.size(1) * tile_bytes(a)), w13_tile(tile_bytes(a)),
+      w2_expert(b.size(1) * tile_bytes(b)), w2_tile(tile_bytes(b)) {}
 
 // y [M, n] = x [M, K] @ W^T, W in the layout above; y in x's dtype (fp32 accumulation).
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
@@ -62,7 +61,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   xs.resize(M, K);
   std::vector<int64_t> rows(M);
   for (int64_t i = 0; i < M; ++i) rows[i] = i;
-  const int64_t tile_bytes = packed.size(1) * kBlockBytes;
+  const int64_t tb = tile_bytes(packed);
 #pragma omp parallel num_threads(threads())
   {
     if (x.scalar_type() == at::kFloat)
@@ -70,7 +69,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
     else
       quantize_rows_omp(xc.data_ptr<at::BFloat16>(), M, K, xs);
     // (the implicit barrier of the `omp for` above: all rows are quantized past here)
-    q4_tiles_omp(w, tile_bytes, NT, xs, rows.data(), M, n, yp, nullptr, nullptr);
+    q4_tiles_omp(w, tb, NT, xs, rows.data(), M, n, yp, nullptr, nullptr);
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -94,14 +93,14 @@ at::Tensor heads_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   if (T == 0) return y;
   const auto xc = x.contiguous();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t tile_bytes = w.size(2) * kBlockBytes;
+  const int64_t tb = tile_bytes(w);
   float* yp = y.data_ptr<float>();
   QRows xs;
   xs.resize(T * Hn, K);
 #pragma omp parallel num_threads(threads())
   {
     quantize_rows_omp(xc.data_ptr<float>(), T * Hn, K, xs);
-    heads_q4_omp(wp, NT, tile_bytes, xs, T, Hn, n, yp, n);
+    heads_q4_omp(wp, NT, tb, xs, T, Hn, n, yp, n);
   }
   return y;
 }
@@ -111,7 +110,8 @@ at::Tensor heads_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) {
 // (Q4_1: and min) move as they are; Q4_0's min is -8 d, exact in fp16 short of overflow, which
 // rounds to inf as PyTorch's fp16 multiply does. raw [M, N, G * block_bytes] (rows of M
 // matrices: a layer's experts, a view of the file's memory map), out [M, ceil(N/8), G, 160]
-// (any matrix and tile strides: a slice of a stack). One pass over both, threads over (matrix,
+// (any matrix and tile strides: a slice of a stack), or [..., 144] for Q4_0: the blocks
+// without their mins (kSymBlockBytes), which the kernels take from the scales. One pass over both, threads over (matrix,
 // tile) so each writes its tiles in order: a 14 B model's 8.6 GB of experts in seconds, where
 // PyTorch's strided copy of 16-byte pieces took 38 s of a 54 s start.
 void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor& out) {
@@ -119,13 +119,16 @@ void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor
               "pack_q4_blocks: block_bytes must be 18 (Q4_0) or 20 (Q4_1), got ", block_bytes);
   TORCH_CHECK(raw.dim() == 3 && raw.scalar_type() == at::kByte && raw.stride(2) == 1,
               "pack_q4_blocks: raw must be uint8 [M, N, row bytes] with contiguous rows");
-  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kByte && out.size(3) == kBlockBytes &&
-                  out.stride(3) == 1 && out.stride(2) == kBlockBytes,
-              "pack_q4_blocks: out must be uint8 [M, tiles, groups, 160] with contiguous blocks");
+  const int64_t bb = out.dim() == 4 ? out.size(3) : 0;
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kByte &&
+                  (bb == kBlockBytes || (bb == kSymBlockBytes && block_bytes == 18)) &&
+                  out.stride(3) == 1 && out.stride(2) == bb,
+              "pack_q4_blocks: out must be uint8 [M, tiles, groups, 160] (or 144 for Q4_0) with "
+              "contiguous blocks");
   const int64_t M = raw.size(0), N = raw.size(1), NT = out.size(1), G = out.size(2);
   TORCH_CHECK(out.size(0) == M && raw.size(2) == G * block_bytes && NT == (N + kTile - 1) / kTile,
               "pack_q4_blocks: raw [", M, ", ", N, ", ", raw.size(2), "] does not fit out [",
-              out.size(0), ", ", NT, ", ", G, ", 160]");
+              out.size(0), ", ", NT, ", ", G, ", ", bb, "]");
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const int64_t rs0 = raw.stride(0), rs1 = raw.stride(1), os0 = out.stride(0), os1 = out.stride(1);
@@ -138,7 +141,7 @@ void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor
     for (int64_t r = 0; r < kTile; ++r)
       rows[r] = t * kTile + r < N ? rp + mi * rs0 + (t * kTile + r) * rs1 : nullptr;
     uint8_t* dst = op + mi * os0 + t * os1;
-    for (int64_t g = 0; g < G; ++g, dst += kBlockBytes) {
+    for (int64_t g = 0; g < G; ++g, dst += bb) {
       uint16_t scale[kTile], mn[kTile];
       for (int64_t r = 0; r < kTile; ++r) {
         // the row's code bytes 4k..4k+3 go to lane r of vector k (bytes 32k + 4r)
@@ -156,7 +159,7 @@ void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor
           mn[r] = _cvtss_sh(_cvtsh_ss(scale[r]) * -8.0f, _MM_FROUND_TO_NEAREST_INT);
       }
       std::memcpy(dst + 128, scale, sizeof(scale));
-      std::memcpy(dst + 144, mn, sizeof(mn));
+      if (bb == kBlockBytes) std::memcpy(dst + 144, mn, sizeof(mn));
     }
   }
 }

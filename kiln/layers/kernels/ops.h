@@ -15,6 +15,8 @@ namespace KILN_NS {
 
 // packed int4 weights (the tiles of q4_tiles.cpp) of `dims` dimensions, and an activation x
 void check_packed(const char* name, const at::Tensor& p, int64_t dims);
+// The bytes of one tile of a packed weight [..., groups, block bytes] (either block size)
+inline int64_t tile_bytes(const at::Tensor& p) { return p.size(-2) * p.size(-1); }
 void check_x(const char* name, const at::Tensor& x);
 // a KV pool pair as the kernels take it (fp32 or fp16, K and V alike), and a step's slots in it
 bool kernel_pool(const at::Tensor& k, const at::Tensor& v);

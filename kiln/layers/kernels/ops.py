@@ -55,20 +55,22 @@ def heads_q4(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_q4_blocks(raw: torch.Tensor, type_name: str, k: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """GGUF Q4_0 / Q4_1 rows (raw uint8 [..., N, K/32 * block bytes]) -> pack_q4's tiles
     [..., ceil(N/8), K/32, 160], written into `out` where given (any strides with contiguous
     160-byte blocks): reference.pack_q4_blocks byte for byte, in one threaded pass where the
-    kernels run (a load's experts: PyTorch's strided copies of 16-byte pieces are 10x slower)."""
+    kernels run (a load's experts: PyTorch's strided copies of 16-byte pieces are 10x slower).
+    `block` 144 (reference.Q4_SYM_BLOCK, Q4_0 only; or `out`'s last dimension): the tiles
+    without their mins."""
     from kiln.layers.kernels import reference
 
+    block = block or reference.Q4_BLOCK
     if not available():
-        return reference.pack_q4_blocks(raw, type_name, k, out)
+        return reference.pack_q4_blocks(raw, type_name, k, out, block)
     *lead, n, row_bytes = raw.shape
     g = k // 32
     if out is None:
-        out = torch.empty(*lead, -(-n // reference.Q4_TILE), g, reference.Q4_BLOCK,
-                          dtype=torch.uint8)
+        out = torch.empty(*lead, -(-n // reference.Q4_TILE), g, block, dtype=torch.uint8)
     lib().pack_q4_blocks(raw.reshape(-1, n, row_bytes), row_bytes // g,
                          out.view(-1, *out.shape[-3:]) if lead else out.unsqueeze(0))
     return out

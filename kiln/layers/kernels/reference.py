@@ -20,9 +20,12 @@ from kiln.layers.kernels.formats import GGML_TYPES, KQUANT_TYPES, GGUFBlocks
 
 Q4_TILE = 8  # output rows per tile of pack_q4's layout
 Q4_BLOCK = 160  # bytes per (tile, group of 32): 128 of codes, 8 fp16 scales, 8 fp16 mins
+# The same block without its mins, for GGUF Q4_0's symmetric blocks (min = -8 scale, which the
+# kernels compute in fp32: the same value the fp16 min held): 10% fewer bytes to stream.
+Q4_SYM_BLOCK = 144
 
 
-def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit groups of 32 (codes q [..., N, K] in 0..15, scale and min [..., N, K/32]; w = scale
     * q + min) -> the kernels' layout, uint8 [..., ceil(N/8), K/32, 160] (see q4_tiles.cpp):
@@ -31,18 +34,20 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
     then their fp16 mins. Rows
     past N are zeros. Leading dimensions (a layer's stacked experts) are packed in the same
     call; `out` (that shape, any strides with contiguous 160-byte blocks: a slice of a larger
-    buffer) is written in place and returned."""
+    buffer) is written in place and returned. mn None: symmetric groups (min = -8 scale), packed
+    without mins into Q4_SYM_BLOCK-byte blocks."""
     *lead, n, k = q.shape
     g = k // 32
     if out is None:
-        out = torch.empty(*lead, -(-n // Q4_TILE), g, Q4_BLOCK, dtype=torch.uint8)
+        block = Q4_BLOCK if mn is not None else Q4_SYM_BLOCK
+        out = torch.empty(*lead, -(-n // Q4_TILE), g, block, dtype=torch.uint8)
     if lead:  # one matrix at a time: the joined codes below stay one matrix's size
         for idx in itertools.product(*map(range, lead)):
-            pack_q4(q[idx], scale[idx], mn[idx], out[idx])
+            pack_q4(q[idx], scale[idx], None if mn is None else mn[idx], out[idx])
         return out
     c = q.to(torch.uint8).reshape(n, g, 2, 16)
     byte = c[..., 0, :] | (c[..., 1, :] << 4)  # [N, G, 16]
-    return _tiles(byte, scale.reshape(n, g), mn.reshape(n, g), out)
+    return _tiles(byte, scale.reshape(n, g), None if mn is None else mn.reshape(n, g), out)
 
 
 # GGUF block bytes (d [, m], 16 bytes of codes) of the 4-bit types pack_q4_blocks takes
@@ -50,14 +55,18 @@ _Q4_BLOCKS = {"Q4_0": 18, "Q4_1": 20}
 
 
 def pack_q4_blocks(raw: torch.Tensor, type_name: str, k: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, block: int = Q4_BLOCK) -> torch.Tensor:
     """GGUF Q4_0 / Q4_1 rows (raw uint8 [..., N, K/32 * block bytes], e.g. a view of the file's
     memory map) -> pack_q4's tiles, equal byte for byte to pack_q4 of the blocks' codes, scales
     and mins. A block's 16 code bytes are already pack_q4's (byte j = q[j] | q[j+16] << 4) and
     its fp16 scale (and Q4_1's min) are stored as they are, so nothing is unpacked: the bytes are
     moved once (a 14 B-parameter model's experts in seconds, where unpacking every code to a byte
     and packing it again touched twice the model's size in fresh memory). Q4_0's min, -8 d, is
-    exact in fp16 (a power of two times an fp16)."""
+    exact in fp16 (a power of two times an fp16). `block` Q4_SYM_BLOCK (Q4_0 only; or `out`'s
+    last dimension): the tiles without their mins."""
+    block = out.shape[-1] if out is not None else block
+    if block == Q4_SYM_BLOCK and type_name != "Q4_0":
+        raise ValueError(f"pack_q4_blocks: {type_name} has mins; only Q4_0 packs without them")
     bb = _Q4_BLOCKS[type_name]
     *lead, n, _ = raw.shape
     g = k // 32
@@ -66,20 +75,22 @@ def pack_q4_blocks(raw: torch.Tensor, type_name: str, k: int,
     if type_name == "Q4_1":
         mn, codes = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1), b[..., 4:20]
     else:
-        mn, codes = d * -8.0, b[..., 2:18]
+        mn, codes = (None if block == Q4_SYM_BLOCK else d * -8.0), b[..., 2:18]
     return _tiles(codes, d, mn, out)
 
 
-def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """byte [..., N, G, 16] (a row's group of 32 codes, byte j = q[j] | q[j+16] << 4) and
     scale, mn [..., N, G] (stored as fp16) -> tiles [..., ceil(N/8), G, 160], written by strided
-    copies straight into `out` (no concatenated temporaries)."""
+    copies straight into `out` (no concatenated temporaries). mn None: the 144-byte blocks
+    without mins (Q4_SYM_BLOCK)."""
     *lead, n, g, _ = byte.shape
     nt = -(-n // Q4_TILE)
     full = n // Q4_TILE
     if out is None:
-        out = torch.empty(*lead, nt, g, Q4_BLOCK, dtype=torch.uint8)
+        out = torch.empty(*lead, nt, g, Q4_BLOCK if mn is not None else Q4_SYM_BLOCK,
+                          dtype=torch.uint8)
     # One strided copy for all the leading matrices (a layer's experts) at once: on a busy
     # machine each parallel region waits for its threads to be scheduled, and a loop over
     # experts made 60 times as many (60 x [2816, 2048] Q4_0 gate_up at load average 3.5 on 2
@@ -92,7 +103,7 @@ def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
         src = byte[..., :f, :, :].unflatten(-3, (full, Q4_TILE)).unflatten(-1, (4, 4))
         nd = src.dim()  # src [..., T, r, G, k, 4]
         dst.copy_(src.permute(*range(nd - 5), nd - 5, nd - 3, nd - 2, nd - 4, nd - 1))
-        for off, v in ((128, scale), (144, mn)):
+        for off, v in ((128, scale), (144, mn))[:2 if mn is not None else 1]:
             half = out[..., :full, :, off:off + 16].view(torch.float16)  # [..., T, G, 8 rows]
             half.copy_(v[..., :f, :].unflatten(-2, (full, Q4_TILE)).transpose(-1, -2))
     if nt > full:  # the last, partial tile: rows past N are zeros
@@ -101,14 +112,35 @@ def _tiles(byte: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
         pb[..., :r, :, :] = byte[..., f:, :, :]
         ps = scale.new_zeros(*lead, Q4_TILE, g)
         ps[..., :r, :] = scale[..., f:, :]
-        pm = mn.new_zeros(*lead, Q4_TILE, g)
-        pm[..., :r, :] = mn[..., f:, :]
+        pm = None
+        if mn is not None:
+            pm = mn.new_zeros(*lead, Q4_TILE, g)
+            pm[..., :r, :] = mn[..., f:, :]
         _tiles(pb, ps, pm, out[..., full:, :, :])
     return out
 
 
+def symmetric(scale: torch.Tensor, mn: torch.Tensor) -> bool:
+    """Whether int4 groups are symmetric, min = -8 scale in every group (GGUF Q4_0's), so that
+    pack_q4 can drop their mins (mn None)."""
+    return torch.equal(mn, scale * -8.0)
+
+
+def as_block(packed: torch.Tensor, n: int, block: int) -> torch.Tensor | None:
+    """pack_q4's tiles of an [n, K] weight in `block`-byte blocks (Q4_BLOCK or Q4_SYM_BLOCK):
+    as they are, or unpacked and packed again; None where mins would be dropped that are not
+    -8 scale."""
+    if packed.shape[-1] == block:
+        return packed
+    q, s, mn = unpack_q4(packed, n)
+    if block == Q4_SYM_BLOCK and not symmetric(s, mn):
+        return None
+    return pack_q4(q, s, None if block == Q4_SYM_BLOCK else mn)
+
+
 def unpack_q4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_q4's inverse: (codes uint8 [n, K], scale fp32 [n, K/32], min fp32 [n, K/32])."""
+    """pack_q4's inverse: (codes uint8 [n, K], scale fp32 [n, K/32], min fp32 [n, K/32]); the
+    144-byte blocks' min is -8 scale."""
     nt, g, _ = packed.shape
     b = packed[..., :128].reshape(nt, g, 4, Q4_TILE, 4)  # [NT, G, k, r, 4]
     b = b.permute(0, 1, 3, 2, 4).reshape(nt, g, Q4_TILE, 16)  # a row's 16 bytes in order
@@ -119,7 +151,8 @@ def unpack_q4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor,
         return packed[..., off:off + 16].contiguous().view(torch.float16).transpose(1, 2) \
             .reshape(nt * Q4_TILE, g)[:n].float()
 
-    return q, f32(128), f32(144)
+    scale = f32(128)
+    return q, scale, (f32(144) if packed.shape[-1] == Q4_BLOCK else scale * -8.0)
 
 
 def quantize_act_q8(x: torch.Tensor, span: int = 32) -> torch.Tensor:

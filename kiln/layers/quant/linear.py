@@ -353,7 +353,9 @@ class Int4Linear(QuantizedLinear):
         bn = int4_block_n() if self.native else None
         self.block_n = bn if bn is not None and n % bn == 0 else None
         if self.kernel == "q4":  # reference.pack_q4's layout: tiles of 8 rows, fp16 scale/min
-            self.register_buffer("packed", reference.pack_q4(gq.q, gq.scale, gq.min))
+            # (symmetric groups, GGUF Q4_0's, without their mins: 10% fewer bytes to stream)
+            mn = None if reference.symmetric(gq.scale, gq.min) else gq.min
+            self.register_buffer("packed", reference.pack_q4(gq.q, gq.scale, mn))
             self.register_buffer("scales_zeros", None)
         elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
