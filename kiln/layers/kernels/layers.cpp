@@ -126,7 +126,8 @@ struct AttnQ4Args {
             sc.data_ptr<float>(), qn.defined() ? qn.data_ptr<float>() : nullptr,
             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(eps),
             static_cast<float>(qk_eps), static_cast<float>(scale), w[0].data_ptr<uint8_t>(),
-            w[1].data_ptr<uint8_t>(), w[0].size(0), tile_bytes(w[0]), w[1].size(0), tile_bytes(w[1]), bias[0], bias[1], k.data_ptr<KT>(), v.data_ptr<KT>(), sp,
+            w[1].data_ptr<uint8_t>(), w[0].size(0), tile_bytes(w[0]), w[1].size(0),
+            tile_bytes(w[1]), bias[0], bias[1], k.data_ptr<KT>(), v.data_ptr<KT>(), sp,
             rt.table.data_ptr<int64_t>(), rt.row_of.data_ptr<int64_t>(),
             rt.lens.data_ptr<int64_t>(), rows.data(), T, H, Hq, Hk, D, rt.L, ws, qkv, qb, ctx, x1,
             &xh, &xc2};

@@ -111,9 +111,9 @@ at::Tensor heads_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) {
 // rounds to inf as PyTorch's fp16 multiply does. raw [M, N, G * block_bytes] (rows of M
 // matrices: a layer's experts, a view of the file's memory map), out [M, ceil(N/8), G, 160]
 // (any matrix and tile strides: a slice of a stack), or [..., 144] for Q4_0: the blocks
-// without their mins (kSymBlockBytes), which the kernels take from the scales. One pass over both, threads over (matrix,
-// tile) so each writes its tiles in order: a 14 B model's 8.6 GB of experts in seconds, where
-// PyTorch's strided copy of 16-byte pieces took 38 s of a 54 s start.
+// without their mins (kSymBlockBytes), which the kernels take from the scales. One pass over
+// both, threads over (matrix, tile) so each writes its tiles in order: a 14 B model's 8.6 GB of
+// experts in seconds, where PyTorch's strided copy of 16-byte pieces took 38 s of a 54 s start.
 void pack_q4_blocks(const at::Tensor& raw, int64_t block_bytes, const at::Tensor& out) {
   TORCH_CHECK(block_bytes == 18 || block_bytes == 20,
               "pack_q4_blocks: block_bytes must be 18 (Q4_0) or 20 (Q4_1), got ", block_bytes);

@@ -16,7 +16,7 @@
 //   (rows past N are zero padding; reference.pack_q4 writes it, reference.unpack_q4 reads it back)
 //   or [ceil(N/8), K/32, 144]: the same blocks without their mins, for symmetric groups (GGUF
 //   Q4_0: min = -8 scale, taken from the scale): a decode step streams 10% fewer bytes
-//   (Qwen3-MoE-shaped benchmark model, Zen 3, c=1: 1.04-1.13x in 7 of 8 alternated rounds).
+//   (Qwen3-MoE-shaped benchmark model, Zen 3, c=1: 1.04-1.14x in 7 of 8 alternated rounds).
 //
 // Activations are quantized the llama.cpp way (Q8_0): per row and group of 32, one fp32 scale
 // d = amax / 127 and int8 codes round(x / d). A group's dot product is then
