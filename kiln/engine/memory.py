@@ -9,6 +9,7 @@ limits: inside a container /proc/meminfo describes the host, not what may OOM-ki
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -28,6 +29,7 @@ import torch
 from kiln.errors import MemoryFitError
 from kiln.i18n import msg
 from kiln.layers.attention import INT8_SCALE_BYTES
+from kiln.layers.tile_cache import MADV_POPULATE_READ
 from kiln.models.config import ModelConfig
 from kiln.paths import cache_dir
 from kiln.resolve import hardware
@@ -201,7 +203,7 @@ _HUGE = 2 << 20
 _TRIM_EVERY = 32 << 20  # weights_on_huge_pages gives the old copies back this often
 
 
-def weights_on_huge_pages(model: torch.nn.Module) -> int:
+def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
     """Moves the model's CPU weights (parameters and buffers on storages of 64 KiB or more)
     into one anonymous map advised for transparent huge pages (madvise MADV_HUGEPAGE; the
     usual THP setting is `madvise`, so nothing else gets them). Why: a decode step streams
@@ -210,7 +212,14 @@ def weights_on_huge_pages(model: torch.nn.Module) -> int:
     kernels streamed 30 layers of SmolLM2-shaped q4 weights in 4.2 ms instead of 5.0 (2-core
     EPYC, Dec 5). Each storage is copied once, and every tensor on it is re-pointed at the copy
     with its own offset, shape and strides (tied weights stay tied); the old storage is freed
-    as its last tensor moves. Returns the bytes moved (0 where THP is off or missing)."""
+    as its last tensor moves. Returns the bytes moved (0 where THP is off or missing).
+
+    `cache` (a kiln.layers.tile_cache.TileCache, or None): the same bytes as an earlier start
+    wrote them (`weights.bin`, page cache on 2 MiB folios), mapped instead of copied where they
+    match this start's byte for byte; otherwise the copy, which the cache then writes from a
+    background thread. Why: fresh huge pages are the memory a VM backs last, on their first
+    touch: Qwen2.5-0.5B's 398 MB took 1.9-4.4 s to copy on the 2-core Zen 3 VM (Dec 7), where
+    the page cache's folios are kept, and backed, between runs."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or platform.system() != "Linux":
         return 0
     try:
@@ -241,25 +250,29 @@ def weights_on_huge_pages(model: torch.nn.Module) -> int:
     if not groups:
         return 0
     slot = {key: -(-n // 4096) * 4096 for key, n in sizes.items()}  # page-aligned slots
-    total = sum(slot.values())
+    slots = [slot[key] for key in groups]
+    total = sum(slots)
+    mapped = cache.map_weights(slots) if cache is not None else None
+    todo = groups
+    if mapped is not None:
+        todo = _map_same(groups, sizes, slot, mapped)
+        if not todo:
+            cache.weights_hit = True
+            return sum(sizes.values())
+        log.info("tile cache %s holds other bytes for these weights (another kiln or model): "
+                 "%d of %d storages copied anew", cache.folder, len(todo), len(groups))
+    total = sum(slot[key] for key in todo)
     # private: a shared anonymous map is shmem, whose huge pages are another setting (off)
     buf = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     off = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _HUGE
     buf.madvise(mmap.MADV_HUGEPAGE, off, total)  # off: a multiple of the page size
     unreturned = 0
-    for key, slots in groups.items():
+    for key, on in todo.items():
         n = sizes[key]
         dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
-        first = slots[0][0][slots[0][1]]
-        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), 0, (n,), (1,)))
-        for table, name in slots:
-            t = table[name]
-            new = torch.empty(0, dtype=t.dtype).set_(dst.untyped_storage(), t.storage_offset(),
-                                                     t.size(), t.stride())
-            table[name] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
-                           if isinstance(t, torch.nn.Parameter) else new)
+        dst.copy_(_bytes_of(on[0][0][on[0][1]], n))
+        _repoint(on, dst)
         off += slot[key]
-        del first, t, new  # the old storage's last references: freed here
         unreturned += n
         if unreturned >= _TRIM_EVERY:
             # Loading's tensors came from the heap (glibc's mmap threshold had risen past
@@ -267,7 +280,55 @@ def weights_on_huge_pages(model: torch.nn.Module) -> int:
             # storages, all the old copies would be in RSS beside the new map at the end.
             release_freed_memory()
             unreturned = 0
+    if cache is not None:  # every storage's bytes where they now are, at its slot's offset
+        at = [0]
+        for key in groups:
+            at.append(at[-1] + slot[key])
+        cache.save_weights_in_background(
+            [(_bytes_of(on[0][0][on[0][1]], sizes[key]), o)
+             for (key, on), o in zip(groups.items(), at, strict=False)], slots)
     return sum(sizes.values())  # (the caller trims what the last storages left)
+
+
+def _bytes_of(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n bytes of t's storage, as a uint8 tensor (no copy)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (n,), (1,))
+
+
+def _repoint(on: list[tuple[dict, str]], dst: torch.Tensor) -> None:
+    """Every tensor of one storage (its (table, name) slots) re-pointed at dst's storage, each
+    with its own offset, shape and strides; the old storage is freed with its last tensor."""
+    for table, name in on:
+        t = table[name]
+        new = torch.empty(0, dtype=t.dtype).set_(dst.untyped_storage(), t.storage_offset(),
+                                                 t.size(), t.stride())
+        table[name] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                       if isinstance(t, torch.nn.Parameter) else new)
+
+
+def _map_same(groups: dict[int, list[tuple[dict, str]]], sizes: dict[int, int],
+              slot: dict[int, int], mapped: mmap.mmap) -> dict[int, list[tuple[dict, str]]]:
+    """weights_on_huge_pages from the cache's file (`mapped`, the storages' slots in order):
+    storage by storage, while its bytes equal its slot's, its tensors are re-pointed there
+    (each slot faulted in just before: the map grows as the old copies go). Returns the
+    storages from the first that differs on (none: all mapped)."""
+    off, unreturned = 0, 0
+    keys = list(groups)
+    for i, key in enumerate(keys):
+        on, n = groups[key], sizes[key]
+        with contextlib.suppress(OSError):  # (before Linux 5.14: the compare faults it in)
+            mapped.madvise(MADV_POPULATE_READ, off, slot[key])
+        # (its own storage from the slot's start: _repoint keeps each tensor's storage offset)
+        view = torch.frombuffer(mapped, dtype=torch.uint8, count=n, offset=off)
+        if not torch.equal(view, _bytes_of(on[0][0][on[0][1]], n)):
+            return {k: groups[k] for k in keys[i:]}
+        _repoint(on, view)
+        off += slot[key]
+        unreturned += n
+        if unreturned >= _TRIM_EVERY:  # (as the copy does)
+            release_freed_memory()
+            unreturned = 0
+    return {}
 
 
 def _file_maps() -> list[tuple[int, int]]:

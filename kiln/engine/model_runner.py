@@ -93,11 +93,12 @@ class ModelRunner:
         # Experts split into pools (--cpu-offload-experts), unless the pools run as one (a CPU
         # "device"), where everything below goes as without a split.
         split = config.experts.cpu_offload and not pools_run_as_one(self.device)
-        # A Q4_0/Q4_1 GGUF's MoE experts repacked at an earlier start are mapped from kiln's
-        # cache (--tile-cache); not where they get split into pools, which move them.
+        # A GGUF's weights repacked at an earlier start are mapped from kiln's cache
+        # (--tile-cache: a Q4_0/Q4_1 file's MoE experts, and the rest where it is large enough);
+        # not where the experts get split into pools, which move them.
         self.tiles = None
-        if (config.quant.tile_cache and ckpt.format == "gguf" and mc.is_moe
-                and self.device.type == "cpu" and not split):
+        if (config.quant.tile_cache and ckpt.format == "gguf" and self.device.type == "cpu"
+                and not split):
             from kiln.layers.tile_cache import TileCache
 
             self.tiles = TileCache.for_file(ckpt.path)
@@ -124,8 +125,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             # (after the checkpoint's release: each old storage is freed as it moves)
             # (the machine's THP setting decides: `never` leaves them where they are)
-            moved = memory.weights_on_huge_pages(self.model)
-            log.info("weights on huge pages: %.0f MB", moved / 1e6)
+            moved = memory.weights_on_huge_pages(self.model, cache=self.tiles)
+            log.info("weights on huge pages: %.0f MB%s", moved / 1e6,
+                     " (mapped from the tile cache)"
+                     if self.tiles is not None and self.tiles.weights_hit
+                     else "")
             # Loading's transients (dequantized GGUF blocks, fp32 copies while quantizing) go
             # back to the kernel before the KV pool is allocated; from here on, freed memory is
             # kept for the steps to reuse.

@@ -43,7 +43,7 @@ class QuantConfig:
     cpu_isa: str = setting("cpu_isa")
     gguf_kernels: bool = setting("gguf_kernels")
     batch_invariant: bool = setting("batch_invariant")
-    tile_cache: bool = setting("tile_cache")  # repacked MoE tiles kept between runs
+    tile_cache: bool = setting("tile_cache")  # repacked GGUF weights kept between runs
 
 
 @dataclass(frozen=True)

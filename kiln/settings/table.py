@@ -437,9 +437,10 @@ SETTINGS: list[Setting] = [
             ("--gguf-kernels",), neg_flags=("--no-gguf-kernels",), affects="correctness",
             engines=("kiln",)),
     Setting("tile_cache", parse_bool, True,
-            "keep a Q4_0/Q4_1 GGUF's MoE experts, once repacked into kiln's int4 tiles, in "
-            "kiln's cache folder (tiles/, about the experts' size) and map them at later starts "
-            "instead of repacking (kiln/layers/tile_cache.py)",
+            "keep a GGUF's weights as kiln repacked them (a Q4_0/Q4_1 file's MoE experts in "
+            "int4 tiles; the other weights past 32 MB, as moved to huge pages) in kiln's cache "
+            "folder (tiles/, about their size) and map them at later starts instead of "
+            "repacking or copying (kiln/layers/tile_cache.py)",
             ("--tile-cache",), neg_flags=("--no-tile-cache",), affects="performance",
             engines=("kiln",)),
     Setting("tensor_parallel_size", positive_int, None, "GPUs per model replica (external engines)",

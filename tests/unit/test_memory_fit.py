@@ -159,3 +159,68 @@ def test_weights_move_to_huge_pages_keeping_values_and_ties(tmp_path):
         assert after["a.weight"].data_ptr() != ptrs["a.weight"]
         assert after["mapped"].data_ptr() == ptrs["mapped"]  # file pages are not copied
         assert after["a.weight"].data_ptr() % 4096 == 0
+def test_moved_weights_are_mapped_from_the_tile_cache_at_the_next_start(tmp_path,
+                                                                        monkeypatch):
+    """weights_on_huge_pages with a tile cache (kiln/layers/tile_cache.py): the first start
+    copies the weights to huge pages and writes the copy to the cache; the next start with the
+    same bytes maps that file instead of copying (its tensors are file memory, values and ties
+    kept); a start whose later storage differs (another kiln's packing under the same slots)
+    keeps the equal ones mapped, copies the rest anew and rewrites the file, which the start
+    after maps whole."""
+    import json
+
+    import torch
+    from torch import nn
+
+    from kiln.engine import memory
+    from kiln.layers import tile_cache
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tile_cache, "MIN_WEIGHTS_BYTES", 0)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Module()
+        m.a = nn.Linear(256, 512)  # weight 512 KiB: moves; bias 2 KiB: stays
+        m.b = nn.Linear(512, 256, bias=False)
+        m.b.weight = nn.Parameter(m.a.weight.detach().t(), requires_grad=False)  # tied
+        torch.manual_seed(seed)
+        m.c = nn.Linear(256, 256, bias=False)  # the second storage: differs by seed
+        return m
+
+    def start(seed: int) -> tuple[nn.Module, tile_cache.TileCache, int]:
+        m, cache = model(seed), tile_cache.TileCache.for_file(gguf)
+        moved = memory.weights_on_huge_pages(m, cache=cache)
+        cache.wait()
+        return m, cache, moved
+
+    def on_file(t: torch.Tensor) -> bool:
+        return memory._in_ranges(t.data_ptr(), memory._file_maps())
+
+    _, cache, moved = start(0)
+    if not moved:  # THP off here (`never`): nothing moves, nothing is cached
+        assert not cache.folder.exists()
+        return
+    assert not cache.weights_hit and len(list(cache.folder.glob("weights-*.bin"))) == 1
+    second, cache, moved = start(0)
+    assert cache.weights_hit and moved == (512 * 256 + 256 * 256) * 4
+    assert on_file(second.a.weight) and on_file(second.c.weight)  # the cache's file, mapped
+    want = model(0)
+    assert torch.equal(second.a.weight, want.a.weight)
+    assert torch.equal(second.c.weight, want.c.weight)
+    assert second.b.weight.data_ptr() == second.a.weight.data_ptr()
+    assert second.b.weight.stride() == (1, 256)
+    third, cache, _ = start(1)  # c's bytes differ: a mapped, c copied, the file rewritten
+    assert not cache.weights_hit and on_file(third.a.weight) and not on_file(third.c.weight)
+    assert torch.equal(third.c.weight, model(1).c.weight)
+    fourth, cache, _ = start(1)
+    assert cache.weights_hit and on_file(fourth.c.weight)
+    assert torch.equal(fourth.c.weight, model(1).c.weight)
+    # a write also removes the folders of model files that are gone
+    gone = cache.folder.parent / "gone"
+    gone.mkdir()
+    (gone / "source.json").write_text(json.dumps({"path": str(tmp_path / "deleted.gguf")}))
+    start(2)
+    assert not gone.exists() and cache.folder.exists()
