@@ -306,6 +306,14 @@ def _repoint(on: list[tuple[dict, str]], dst: torch.Tensor) -> None:
                        if isinstance(t, torch.nn.Parameter) else new)
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two uint8 tensors of one length (each from its storage's start) hold the same
+    bytes: compared 8 at a time (400 MB: 34 ms, against 209 ms a byte at a time)."""
+    k = a.numel() - a.numel() % 8
+    return (torch.equal(a[:k].view(torch.int64), b[:k].view(torch.int64))
+            and torch.equal(a[k:], b[k:]))
+
+
 def _map_same(groups: dict[int, list[tuple[dict, str]]], sizes: dict[int, int],
               slot: dict[int, int], mapped: mmap.mmap) -> dict[int, list[tuple[dict, str]]]:
     """weights_on_huge_pages from the cache's file (`mapped`, the storages' slots in order):
@@ -320,7 +328,7 @@ def _map_same(groups: dict[int, list[tuple[dict, str]]], sizes: dict[int, int],
             mapped.madvise(MADV_POPULATE_READ, off, slot[key])
         # (its own storage from the slot's start: _repoint keeps each tensor's storage offset)
         view = torch.frombuffer(mapped, dtype=torch.uint8, count=n, offset=off)
-        if not torch.equal(view, _bytes_of(on[0][0][on[0][1]], n)):
+        if not _same_bytes(view, _bytes_of(on[0][0][on[0][1]], n)):
             return {k: groups[k] for k in keys[i:]}
         _repoint(on, view)
         off += slot[key]
