@@ -91,7 +91,9 @@ TILED = sorted(KQUANT_TYPES)  # every type has tiles
 def test_pack_round_trip(type_name: str, rows: int) -> None:
     """The tiles hold the blocks' bits, moved (no rounding): unpack gives the raw rows back
     exactly, including the scales' 6-bit packing (Q4_K, Q5_K), the mins (Q5_1) and the high
-    bits (Q5_0, Q5_1, Q5_K, Q6_K)."""
+    bits (Q5_0, Q5_1, Q5_K, Q6_K). Pack moves the codes a group at a time (kquant.cpp's
+    pack_codes), unpack bit by bit (map_block, the layout's definition): the round trip holds
+    the two to one layout."""
     assert gguf_blocks.has_tiles(type_name)
     b = _blocks(rows, 512, type_name, rows)
     packed = gguf_blocks.pack(b)
