@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -215,9 +216,9 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
     as its last tensor moves. Returns the bytes moved (0 where THP is off or missing).
 
     `cache` (a kiln.layers.tile_cache.TileCache, or None): the same bytes as an earlier start
-    wrote them (`weights.bin`, page cache on 2 MiB folios), mapped instead of copied where they
-    match this start's byte for byte; otherwise the copy, which the cache then writes from a
-    background thread. Why: fresh huge pages are the memory a VM backs last, on their first
+    wrote them (`weights-<slots>.bin`, page cache on 2 MiB folios), mapped instead of copied
+    where they match this start's byte for byte; otherwise the copy, which the cache then
+    writes from a background thread. Why: fresh huge pages are the memory a VM backs last, on their first
     touch: Qwen2.5-0.5B's 398 MB took 1.9-4.4 s to copy on the 2-core Zen 3 VM (Dec 7), where
     the page cache's folios are kept, and backed, between runs."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or platform.system() != "Linux":
@@ -281,12 +282,10 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
             release_freed_memory()
             unreturned = 0
     if cache is not None:  # every storage's bytes where they now are, at its slot's offset
-        at = [0]
-        for key in groups:
-            at.append(at[-1] + slot[key])
+        at = list(itertools.accumulate(slots, initial=0))[:-1]
         cache.save_weights_in_background(
             [(_bytes_of(on[0][0][on[0][1]], sizes[key]), o)
-             for (key, on), o in zip(groups.items(), at, strict=False)], slots)
+             for (key, on), o in zip(groups.items(), at, strict=True)], slots)
     return sum(sizes.values())  # (the caller trims what the last storages left)
 
 
