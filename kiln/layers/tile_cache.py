@@ -156,9 +156,9 @@ class TileCache:
     def save_weights_in_background(self, pieces: list[tuple[torch.Tensor, int]],
                                    slots: list[int]) -> threading.Thread | None:
         """Writes the weights file of `slots` from a daemon thread: each piece (a storage's
-        bytes, uint8) at its offset. The pieces must not move or change afterwards. Where the
-        cache holds that file already with these bytes (map_weights' caller mapped all of it,
-        and calls this only when something differed or was missing) it is replaced."""
+        bytes, uint8) at its offset; the pieces must not change afterwards. A file of that
+        name is replaced (weights_on_huge_pages calls this where there was none, or where its
+        bytes differed from this start's)."""
         total = sum(slots)
         if total < MIN_WEIGHTS_BYTES or not self._make_room(total):
             return None
