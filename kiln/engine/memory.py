@@ -252,7 +252,6 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
         return 0
     slot = {key: -(-n // 4096) * 4096 for key, n in sizes.items()}  # page-aligned slots
     slots = [slot[key] for key in groups]
-    total = sum(slots)
     mapped = cache.map_weights(slots) if cache is not None else None
     todo = groups
     if mapped is not None:
