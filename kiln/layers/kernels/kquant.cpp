@@ -511,10 +511,11 @@ at::Tensor kq_pack(const at::Tensor& raw, int64_t type) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r = 8 * t; r < std::min(R, 8 * t + 8); ++r)
         for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* block = src + (r * nb + b) * bb;
           uint8_t* tile = dst + (t * nb + b) * tb;
-          map_block(type, src + (r * nb + b) * bb, tile, static_cast<int>(r - 8 * t), true,
-                    /*codes=*/false);
-          pack_codes(type, src + (r * nb + b) * bb, tile, static_cast<int>(r - 8 * t));
+          const int row = static_cast<int>(r - 8 * t);
+          map_block(type, block, tile, row, true, /*codes=*/false);
+          pack_codes(type, block, tile, row);
         }
   });
   return out;
