@@ -132,7 +132,7 @@ class Experts(nn.Module):
 
     def _expert_groups(self, part: str, e: int) -> Any:
         """Expert e's stashed blocks for `part`, or None where they were loaded dense."""
-        from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant, q4_groups
+        from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant
 
         _, _, size = self._rows(part)
         if (part, e) in self.stash:
@@ -142,10 +142,7 @@ class Experts(nn.Module):
         if whole is None:
             return None
         if isinstance(whole, GGUFBlocks):  # the file's Q4_0/Q4_1 rows: codes unpacked here
-            raw, k = whole.raw[sl], whole.in_features
-            g = q4_groups(raw.reshape(-1, raw.shape[1] * 32 // k), whole.type_name)
-            return GroupQuant(g.q.reshape(-1, k), g.scale.reshape(-1, k // 32),
-                              g.min.reshape(-1, k // 32), 32)
+            return GGUFBlocks(whole.raw[sl], whole.type_name, whole.in_features).groups()
         return GroupQuant(whole.q[sl], whole.scale[sl], whole.min[sl], whole.group_size)
 
     def materialize_stash(self) -> None:

@@ -33,7 +33,6 @@ from kiln.layers.kernels.formats import (
     GGUFBlocks,
     GroupQuant,
     dequantize_blocks,
-    q4_groups,
 )
 
 # --------------------------------------------------------------------------- GGUF parsing
@@ -240,11 +239,7 @@ def gguf_tensor(gf: GGUFFile, t: GGUFTensorInfo, keep_4bit: bool = False,
         # (stacked experts [E, out, in] as E * out rows, as GroupQuant stacks them)
         return GGUFBlocks(raw.view(math.prod(shape[:-1]), -1), t.type_name, shape[-1])
     if keep_4bit and t.type_name in ("Q4_0", "Q4_1") and len(shape) in (2, 3):
-        g = q4_groups(raw.view(-1, GGML_TYPES[t.type_id][2]), t.type_name)
-        k = shape[-1]
-        n = raw.numel() // (k // 32 * GGML_TYPES[t.type_id][2])  # stacked experts: E * rows
-        return GroupQuant(g.q.reshape(n, k), g.scale.reshape(n, k // 32),
-                          g.min.reshape(n, k // 32), 32)
+        return GGUFBlocks(raw.view(math.prod(shape[:-1]), -1), t.type_name, shape[-1]).groups()
     flat = dequantize_blocks(raw, t.type_name)
     if flat is None:
         import gguf

@@ -26,7 +26,7 @@ import torch
 
 from kiln.errors import ModelLoadError
 from kiln.i18n import msg
-from kiln.layers.kernels.formats import KQUANT_TYPES, GGUFBlocks, GroupQuant
+from kiln.layers.kernels.formats import KQUANT_TYPES, Q4_TYPES, GGUFBlocks, GroupQuant
 from kiln.layers.linear import TiedLMHead
 from kiln.layers.moe import Experts
 from kiln.layers.quant.gguf_blocks import EMBED_TYPES, BlockEmbedding
@@ -103,7 +103,6 @@ _GGUF_PERMUTED_QK = {"llama", "mistral", "granite"}
 # Architectures whose norm weights llama.cpp stores with Gemma's 1 added (x * w, not
 # x * (1 + w)); kiln's modules hold the checkpoint's zero-centred weight.
 _GGUF_NORM_SHIFT = {"gemma2", "gemma3"}
-_Q4_TYPES = ("Q4_0", "Q4_1")  # the 4-bit blocks kiln's int4 tiles hold exactly
 
 # A checkpoint's expert tensor: per expert (`experts.3.gate_proj.weight`, Mixtral's `w1`) or
 # stacked (GGUF's `*_exps` mapped above, transformers-5's fused `experts.gate_up_proj`).
@@ -238,9 +237,10 @@ def iter_tensors(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = 
                  ) -> Iterator[tuple[str, torch.Tensor | GroupQuant | GGUFBlocks]]:
     """(HF-style name, fp32/fp16/bf16 CPU tensor) for every tensor of the checkpoint; with
     `keep_4bit`, GGUF Q4_0/Q4_1 matrices come as `GroupQuant` instead; with `keep_blocks`, the
-    linear layers' Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices as `GGUFBlocks` (not the experts');
-    with `expert_blocks` (and `keep_4bit`), the experts' Q4_0/Q4_1 tensors as `GGUFBlocks`,
-    views of the file that `Experts` packs into its tiles without unpacking a code."""
+    linear layers' Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices as `GGUFBlocks` (not the experts'),
+    and their Q4_0/Q4_1 ones too (with `keep_4bit`): views of the file that `Int4Linear` packs
+    into its tiles without unpacking a code; with `expert_blocks` (and `keep_4bit`), the
+    experts' Q4_0/Q4_1 tensors as `GGUFBlocks`, which `Experts` packs the same way."""
     if ckpt.format == "gguf":
         yield from _iter_gguf(ckpt, keep_4bit, keep_blocks, expert_blocks)
         return
@@ -294,9 +294,12 @@ def _iter_gguf(ckpt: Checkpoint, keep_4bit: bool = False, keep_blocks: bool = Fa
         linear = name.endswith("proj.weight") or name == "lm_head.weight"
         blocks: Collection[str] = ()
         if keep_4bit and expert_blocks and ".experts." in name:
-            blocks = _Q4_TYPES
+            blocks = Q4_TYPES
         elif keep_blocks and linear and ".experts." not in name:
-            blocks = KQUANT_TYPES
+            # Q4_0/Q4_1 too: unpacking their codes in PyTorch and packing them again took ~8 s
+            # of a 14 B-parameter MoE model's 17 s second start (0.7 GB of attention and shared
+            # experts), where ops.pack_q4_blocks moves the file's bytes once
+            blocks = (*KQUANT_TYPES, *Q4_TYPES) if keep_4bit else tuple(KQUANT_TYPES)
         elif keep_blocks and name.endswith("embed_tokens.weight"):
             # a tied embedding is the head too: kept as blocks only where kq_linear reads them
             # (SmolLM2's Q8_0; see kiln.layers.quant.apply._quantize_head)

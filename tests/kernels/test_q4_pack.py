@@ -185,3 +185,74 @@ def test_as_block_moves_tiles_between_the_two_blocks():
     assert reference.as_block(full, 21, reference.Q4_BLOCK) is full
     asym = reference.pack_q4(*_random_groups((21,), 64, 6))
     assert reference.as_block(asym, 21, reference.Q4_SYM_BLOCK) is None
+
+
+def _q4_blocks(rows: int, k: int, type_name: str, seed: int) -> GGUFBlocks:
+    """gguf-py's blocks of a random [rows, k] weight."""
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)), type_name, k)
+
+
+@pytest.mark.parametrize(("shards", "block"), [
+    ((("Q4_0", 32), ("Q4_0", 16), ("Q4_0", 16)), 144),  # a fused qkv: no mins, as Q4_0 has none
+    ((("Q4_1", 24), ("Q4_1", 21)), 160),  # the last shard ends inside a tile
+    ((("Q4_0", 16), ("Q4_1", 16)), 160),  # mixed: Q4_0's min -8 d written out
+    ((("Q4_0", 13), ("Q4_0", 16)), 144),  # a shard ends inside a tile: packed from its groups
+])
+def test_int4_linear_packs_gguf_blocks_as_their_groups_would(kernel_level, shards, block):
+    """An Int4Linear made from a layer's GGUF Q4_0 / Q4_1 shards (views of the file, what the
+    loader hands over where kiln's kernels run) holds the bytes of one made from the same
+    weight unpacked to 4-bit groups, and computes the same bits."""
+    from kiln.layers.quant.linear import Int4Linear, _joined_groups
+
+    k = 64
+    parts = [_q4_blocks(rows, k, t, seed) for seed, (t, rows) in enumerate(shards)]
+    from_blocks = Int4Linear(parts, None, torch.float32)
+    from_groups = Int4Linear(_joined_groups(parts), None, torch.float32)
+    assert from_blocks.kernel == from_groups.kernel
+    assert torch.equal(from_blocks.packed, from_groups.packed)
+    if from_blocks.kernel == "q4":
+        assert from_blocks.packed.shape[-1] == block
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(from_blocks(x), from_groups(x))
+    want = x @ torch.cat([b.dequantize() for b in parts]).T  # the file's values, x in int8
+    assert float((from_blocks(x) - want).norm() / want.norm()) < 0.02
+
+
+def test_gguf_q4_linears_come_as_their_blocks_where_the_kernels_run(tmp_path):
+    """With `keep_blocks` (kiln's kernels run) a Q4_0 GGUF's linear layers come from the loader
+    as views of the file's blocks, not unpacked: the same codes and scales as the groups it
+    hands over otherwise; a model built from them has the int4 tiles of one built from the
+    groups (--no-gguf-kernels, under which the loader unpacks them)."""
+    from conftest import make_tiny_model
+
+    from kiln.layers.kernels.formats import GroupQuant
+    from kiln.models.gguf_writer import write_gguf
+    from kiln.models.loader import build_model, iter_tensors, open_checkpoint
+
+    folder = make_tiny_model("llama", tmp_path / "st")
+    ck = open_checkpoint(folder)
+    path = write_gguf(tmp_path / "q4.gguf", ck.config, iter_tensors(ck), qtype="Q4_0")
+    gg = open_checkpoint(path)
+    blocks = dict(iter_tensors(gg, keep_4bit=True, keep_blocks=True))
+    plain = dict(iter_tensors(gg, keep_4bit=True))
+    linears = [n for n, t in plain.items() if isinstance(t, GroupQuant)]
+    assert linears and all(isinstance(blocks[n], GGUFBlocks) for n in linears)
+    assert all(blocks[n].type_name == "Q4_0" for n in linears)
+    for n in linears:
+        assert torch.equal(blocks[n].groups().q, plain[n].q)
+        assert torch.equal(blocks[n].groups().scale, plain[n].scale)
+
+    from kiln.layers.quant.linear import Int4Linear
+    from kiln.settings.engine_config import QuantConfig
+
+    def tiles(gguf_kernels: bool) -> dict[str, torch.Tensor]:
+        quant = QuantConfig(method="int4", cpu_kernels=True, cpu_isa="auto",
+                            gguf_kernels=gguf_kernels, batch_invariant=False, tile_cache=False)
+        model = build_model(gg, dtype=torch.float32, device="cpu", max_positions=64, quant=quant)
+        return {n: m.packed for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+
+    on, off = tiles(True), tiles(False)
+    assert on and on.keys() == off.keys()
+    assert all(torch.equal(on[n], off[n]) for n in on)

@@ -29,6 +29,8 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
 }
 
+# the 4-bit block types kiln's int4 tiles hold exactly (`GroupQuant`'s form: q4_groups)
+Q4_TYPES = ("Q4_0", "Q4_1")
 # ggml type name -> id (GGUF's tensor-table values): the types kernels/kquant.cpp reads
 KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # the legacy block types an embedding lookup dequantizes in C++ (ops.embed_rows), by ggml id
@@ -88,6 +90,14 @@ class GGUFBlocks:
 
     def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GGUFBlocks:
         return GGUFBlocks(fn(self.raw).contiguous(), self.type_name, self.in_features)
+
+    def groups(self) -> GroupQuant:
+        """Q4_0 / Q4_1 rows as the same weight in 4-bit groups [rows, in_features], exactly
+        (`q4_groups`: the codes unpacked to a byte each)."""
+        k = self.in_features
+        g = q4_groups(self.raw.reshape(-1, self.raw.shape[1] * 32 // k), self.type_name)
+        return GroupQuant(g.q.reshape(-1, k), g.scale.reshape(-1, k // 32),
+                          g.min.reshape(-1, k // 32), 32)
 
 
 # --------------------------------------------------------------------------- dequantization

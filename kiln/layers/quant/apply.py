@@ -7,12 +7,12 @@ kiln/layers/quant/linear.py's docstring for the modes and why.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
-from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant
+from kiln.layers.kernels.formats import KQUANT_TYPES, Q4_TYPES, GGUFBlocks, GroupQuant
 from kiln.layers.linear import Linear, TiedLMHead
 from kiln.layers.quant.linear import (
     INT4_GROUP,
@@ -61,10 +61,13 @@ def _groups_of(lin: Linear) -> GroupQuant:
             parts.append(quantize_int4_groups(lin.weight.data[pos:start]))
         if size:
             part = lin.stash[shard]
-            # GGUF blocks the kquant kernels read, in a layer that cannot run on them (a shard
-            # beside Q4_0 / Q4_1 blocks): dequantized, then re-quantized as before
-            parts.append(part if isinstance(part, GroupQuant)
-                         else quantize_int4_groups(part.dequantize(torch.float32)))
+            if isinstance(part, GGUFBlocks) and part.type_name in Q4_TYPES:
+                part = part.groups()  # exactly: Q4_0 / Q4_1 blocks are 4-bit groups
+            elif isinstance(part, GGUFBlocks):
+                # blocks the kquant kernels read, in a layer that cannot run on them (a shard
+                # beside Q4_0 / Q4_1 blocks): dequantized, then re-quantized
+                part = quantize_int4_groups(part.dequantize(torch.float32))
+            parts.append(part)
         pos = max(pos, start + size)
     gs = {p.group_size for p in parts}
     if len(gs) != 1:
@@ -85,15 +88,27 @@ def _int4_ok(lin: Linear) -> bool:
     return lin.in_features % INT4_GROUP == 0 and lin.in_features % 2 == 0
 
 
-def _native_blocks(lin: Linear) -> list | None:
-    """The layer's GGUF blocks in row order when every row of it came as `GGUFBlocks` (the
-    loader kept them: kiln/layers/quant/gguf_blocks.py's kernels run here), else None."""
+def _blocks_of(lin: Linear, types: Collection[str]) -> list[GGUFBlocks] | None:
+    """The layer's GGUF blocks in row order when every row of it came as `GGUFBlocks` of one of
+    `types` (the loader kept them), else None."""
     parts = sorted((lin.shard_rows(s)[0], s) for s in lin.stash)
     shards = getattr(lin, "shards", None)
     whole = None in lin.stash if not shards else set(lin.stash) == set(shards)
-    if not whole or not all(isinstance(lin.stash[s], GGUFBlocks) for _, s in parts):
+    if not whole or not all(isinstance(lin.stash[s], GGUFBlocks) and
+                            lin.stash[s].type_name in types for _, s in parts):
         return None
     return [lin.stash[s] for _, s in parts]
+
+
+def _native_blocks(lin: Linear) -> list[GGUFBlocks] | None:
+    """Blocks kiln/layers/quant/gguf_blocks.py's kernels run as they are (Q8_0, K-quants)."""
+    return _blocks_of(lin, KQUANT_TYPES)
+
+
+def _int4_weight(lin: Linear) -> GroupQuant | list[GGUFBlocks]:
+    """What an Int4Linear is made from: the file's Q4_0/Q4_1 blocks where they are the whole
+    layer (packed into its tiles as they are), else the weight as 4-bit groups."""
+    return _blocks_of(lin, Q4_TYPES) or _groups_of(lin)
 
 
 def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Module:
@@ -107,7 +122,7 @@ def quantize_linear(lin: Linear, mode: str, use_kernels: bool = True) -> nn.Modu
         return KQuantLinear(blocks, bias, dtype)
     with torch.no_grad():
         if mode == "int4" and _int4_ok(lin):
-            return Int4Linear(_groups_of(lin), bias, dtype, use_kernels)
+            return Int4Linear(_int4_weight(lin), bias, dtype, use_kernels)
         return Int8Linear.from_float(_dense_fp32(lin), bias, dtype, use_kernels)
 
 
@@ -201,7 +216,7 @@ def _quantize_head(model: nn.Module, mode: str, use_kernels: bool) -> None:
             model.lm_head = quantize_linear(head, mode, use_kernels)  # the GGUF's blocks
         elif isinstance(head, Linear) and mode == "int4" and None in head.stash \
                 and _int4_ok(head):
-            model.lm_head = Int4Linear(_groups_of(head), None, head.weight.dtype, use_kernels)
+            model.lm_head = Int4Linear(_int4_weight(head), None, head.weight.dtype, use_kernels)
         elif isinstance(head, Linear):
             model.lm_head = quantize_linear(head, "int8", use_kernels)
 

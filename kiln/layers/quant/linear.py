@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.layers.kernels import choose, ops, reference
-from kiln.layers.kernels.formats import GroupQuant
+from kiln.layers.kernels.formats import GGUFBlocks, GroupQuant
 from kiln.layers.linear import pack_weight, packed_linear
 
 log = logging.getLogger("kiln.quant")
@@ -331,31 +331,68 @@ class Int8Embedding(nn.Module):
         return head.rows(ids).to(self.dtype) * head.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
+def _joined_groups(blocks: list[GGUFBlocks]) -> GroupQuant:
+    """GGUF Q4_0 / Q4_1 rows (a layer's shards in row order) as one weight in 4-bit groups."""
+    gs = [b.groups() for b in blocks]
+    return GroupQuant(torch.cat([g.q for g in gs]), torch.cat([g.scale for g in gs]),
+                      torch.cat([g.min for g in gs]), 32)
+
+
+def _pack_blocks(blocks: list[GGUFBlocks], n: int, k: int) -> torch.Tensor | None:
+    """GGUF Q4_0 / Q4_1 rows (a layer's shards in row order) -> reference.pack_q4's tiles of
+    the same weight, byte for byte, moved from the file's bytes by ops.pack_q4_blocks: nothing
+    unpacked (PyTorch's unpack and strided repack ran at ~90 MB/s). All Q4_0: without mins, as
+    pack_q4 packs symmetric groups. None where a shard ends inside a tile of 8 rows."""
+    tile = reference.Q4_TILE
+    if any(b.shape[0] % tile for b in blocks[:-1]):
+        return None
+    sym = all(b.type_name == "Q4_0" for b in blocks)
+    block = reference.Q4_SYM_BLOCK if sym else reference.Q4_BLOCK
+    out = torch.empty(-(-n // tile), k // 32, block, dtype=torch.uint8)
+    t = 0
+    for b in blocks:
+        nt = -(-b.shape[0] // tile)
+        ops.pack_q4_blocks(b.raw, b.type_name, k, out=out[t:t + nt])
+        t += nt
+    return out
+
+
 class Int4Linear(QuantizedLinear):
     """y = x @ W^T + b with W in asymmetric 4-bit groups of 32 along K."""
 
     dense_min_m = INT4_DENSE_MIN_M
 
-    def __init__(self, gq: GroupQuant, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                 use_kernels: bool = True) -> None:
+    def __init__(self, gq: GroupQuant | list[GGUFBlocks], bias: torch.Tensor | None,
+                 out_dtype: torch.dtype, use_kernels: bool = True) -> None:
+        """`gq`: the weight as 4-bit groups, or as GGUF Q4_0 / Q4_1 blocks (a merged layer's
+        shards in row order, views of the file), which kiln's kernel packs as they are."""
         super().__init__(out_dtype)
-        n, k = gq.shape
+        blocks = gq if isinstance(gq, list) else None
+        if blocks is not None:
+            n, k = sum(b.shape[0] for b in blocks), blocks[0].in_features
+            self.group_size, device = 32, blocks[0].raw.device
+        else:
+            n, k = gq.shape
+            self.group_size, device = gq.group_size, gq.q.device
         self.in_features, self.out_features = k, n
-        self.group_size = gq.group_size
-        device = gq.q.device
-        native = (native_int4(device.type) and k % gq.group_size == 0 and n % 16 == 0
-                  and gq.group_size in (32, 64, 128, 256))
+        native = (native_int4(device.type) and k % self.group_size == 0 and n % 16 == 0
+                  and self.group_size in (32, 64, 128, 256))
         self.kernel_choice = choose.choose_linear_kernel(
-            "int4", device, n, k, group_size=gq.group_size, use_kernels=use_kernels,
+            "int4", device, n, k, group_size=self.group_size, use_kernels=use_kernels,
             native=native)
         self.native = self.kernel == "torch-int4"
         self.kernel_max_m = INT4_KERNEL_MAX_M
         bn = int4_block_n() if self.native else None
         self.block_n = bn if bn is not None and n % bn == 0 else None
+        packed = _pack_blocks(blocks, n, k) if blocks and self.kernel == "q4" else None
+        if blocks is not None and packed is None:
+            gq = _joined_groups(blocks)
         if self.kernel == "q4":  # reference.pack_q4's layout: tiles of 8 rows, fp16 scale/min
             # (symmetric groups, GGUF Q4_0's, without their mins: 10% fewer bytes to stream)
-            mn = None if reference.symmetric(gq.scale, gq.min) else gq.min
-            self.register_buffer("packed", reference.pack_q4(gq.q, gq.scale, mn))
+            if packed is None:
+                mn = None if reference.symmetric(gq.scale, gq.min) else gq.min
+                packed = reference.pack_q4(gq.q, gq.scale, mn)
+            self.register_buffer("packed", packed)
             self.register_buffer("scales_zeros", None)
         elif self.native:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
