@@ -200,8 +200,7 @@ class Experts(nn.Module):
                     _, start, size = self._rows(name)
                     gq = quantize_int4_groups(w[start:start + size])
                 pieces.append(gq)
-        return GroupQuant(torch.cat([p.q for p in pieces]), torch.cat([p.scale for p in pieces]),
-                          torch.cat([p.min for p in pieces]), 32)
+        return GroupQuant.cat(pieces)
 
     def _quantize_stacked_q4(self) -> None:
         """All experts into the kernels' stacked layout (see w13_q4), written in place. A part

@@ -204,12 +204,13 @@ def test_int4_linear_packs_gguf_blocks_as_their_groups_would(kernel_level, shard
     """An Int4Linear made from a layer's GGUF Q4_0 / Q4_1 shards (views of the file, what the
     loader hands over where kiln's kernels run) holds the bytes of one made from the same
     weight unpacked to 4-bit groups, and computes the same bits."""
-    from kiln.layers.quant.linear import Int4Linear, _joined_groups
+    from kiln.layers.kernels.formats import GroupQuant
+    from kiln.layers.quant.linear import Int4Linear
 
     k = 64
     parts = [_q4_blocks(rows, k, t, seed) for seed, (t, rows) in enumerate(shards)]
     from_blocks = Int4Linear(parts, None, torch.float32)
-    from_groups = Int4Linear(_joined_groups(parts), None, torch.float32)
+    from_groups = Int4Linear(GroupQuant.cat([b.groups() for b in parts]), None, torch.float32)
     assert from_blocks.kernel == from_groups.kernel
     assert torch.equal(from_blocks.packed, from_groups.packed)
     if from_blocks.kernel == "q4":

@@ -65,6 +65,15 @@ class GroupQuant:
     def permute_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupQuant:
         return GroupQuant(fn(self.q), fn(self.scale), fn(self.min), self.group_size)
 
+    @staticmethod
+    def cat(parts: list[GroupQuant]) -> GroupQuant:
+        """Row blocks of one weight (a merged layer's shards, gate then up) joined in order."""
+        sizes = {p.group_size for p in parts}
+        if len(sizes) != 1:
+            raise ValueError(f"mixed group sizes {sizes}")
+        return GroupQuant(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.min for p in parts]), sizes.pop())
+
 
 @dataclass
 class GGUFBlocks:

@@ -69,11 +69,7 @@ def _groups_of(lin: Linear) -> GroupQuant:
                 part = quantize_int4_groups(part.dequantize(torch.float32))
             parts.append(part)
         pos = max(pos, start + size)
-    gs = {p.group_size for p in parts}
-    if len(gs) != 1:
-        raise ValueError(f"mixed group sizes {gs}")
-    return GroupQuant(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.min for p in parts]), gs.pop())
+    return GroupQuant.cat(parts)
 
 
 def _dense_fp32(lin: Linear) -> torch.Tensor:

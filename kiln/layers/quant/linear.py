@@ -331,13 +331,6 @@ class Int8Embedding(nn.Module):
         return head.rows(ids).to(self.dtype) * head.scales[ids].to(self.dtype).unsqueeze(-1)
 
 
-def _joined_groups(blocks: list[GGUFBlocks]) -> GroupQuant:
-    """GGUF Q4_0 / Q4_1 rows (a layer's shards in row order) as one weight in 4-bit groups."""
-    gs = [b.groups() for b in blocks]
-    return GroupQuant(torch.cat([g.q for g in gs]), torch.cat([g.scale for g in gs]),
-                      torch.cat([g.min for g in gs]), 32)
-
-
 def _pack_blocks(blocks: list[GGUFBlocks], n: int, k: int) -> torch.Tensor | None:
     """GGUF Q4_0 / Q4_1 rows (a layer's shards in row order) -> reference.pack_q4's tiles of
     the same weight, byte for byte, moved from the file's bytes by ops.pack_q4_blocks: nothing
@@ -386,7 +379,7 @@ class Int4Linear(QuantizedLinear):
         self.block_n = bn if bn is not None and n % bn == 0 else None
         packed = _pack_blocks(blocks, n, k) if blocks and self.kernel == "q4" else None
         if blocks is not None and packed is None:
-            gq = _joined_groups(blocks)
+            gq = GroupQuant.cat([b.groups() for b in blocks])
         if self.kernel == "q4":  # reference.pack_q4's layout: tiles of 8 rows, fp16 scale/min
             # (symmetric groups, GGUF Q4_0's, without their mins: 10% fewer bytes to stream)
             if packed is None:
