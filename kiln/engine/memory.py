@@ -20,7 +20,7 @@ import math
 import mmap
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,7 +204,8 @@ _HUGE = 2 << 20
 _TRIM_EVERY = 32 << 20  # weights_on_huge_pages gives the old copies back this often
 
 
-def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
+def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None,
+                          apart: Collection[int] = ()) -> int:
     """Moves the model's CPU weights (parameters and buffers on storages of 64 KiB or more)
     into one anonymous map advised for transparent huge pages (madvise MADV_HUGEPAGE; the
     usual THP setting is `madvise`, so nothing else gets them). Why: a decode step streams
@@ -220,7 +221,12 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
     where they match this start's byte for byte; otherwise the copy, which the cache then
     writes from a background thread. Why: fresh huge pages are the memory a VM backs last, on their first
     touch: Qwen2.5-0.5B's 398 MB took 1.9-4.4 s to copy on the 2-core Zen 3 VM (Dec 7), where
-    the page cache's folios are kept, and backed, between runs."""
+    the page cache's folios are kept, and backed, between runs. `apart`: the storages (data
+    pointers) the cache keeps in files of their own (MoE layers' stacks, packed at a first
+    start): moved like the rest, but not in the weights file, whose slots are then the same at
+    the first start as at later ones, where those storages are the cache's maps (it had held a
+    7.8 GB copy of a 14 B model's experts beside their layer files, under a name no later start
+    asked for)."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or platform.system() != "Linux":
         return 0
     try:
@@ -251,16 +257,19 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
     if not groups:
         return 0
     slot = {key: -(-n // 4096) * 4096 for key, n in sizes.items()}  # page-aligned slots
-    slots = [slot[key] for key in groups]
+    kept = {key: on for key, on in groups.items() if key not in apart}  # the weights file's
+    slots = [slot[key] for key in kept]
     mapped = cache.map_weights(slots) if cache is not None else None
     todo = groups
     if mapped is not None:
-        todo = _map_same(groups, sizes, slot, mapped)
+        rest = _map_same(kept, sizes, slot, mapped)
+        cache.weights_hit = not rest
+        if rest:
+            log.info("tile cache %s holds other bytes for these weights (another kiln or "
+                     "model): %d of %d storages copied anew", cache.folder, len(rest), len(kept))
+        todo = {**rest, **{key: on for key, on in groups.items() if key not in kept}}
         if not todo:
-            cache.weights_hit = True
             return sum(sizes.values())
-        log.info("tile cache %s holds other bytes for these weights (another kiln or model): "
-                 "%d of %d storages copied anew", cache.folder, len(todo), len(groups))
     total = sum(slot[key] for key in todo)
     # private: a shared anonymous map is shmem, whose huge pages are another setting (off)
     buf = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -280,11 +289,11 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None) -> int:
             # storages, all the old copies would be in RSS beside the new map at the end.
             release_freed_memory()
             unreturned = 0
-    if cache is not None:  # every storage's bytes where they now are, at its slot's offset
+    if cache is not None and not cache.weights_hit:  # each storage's bytes, at its slot
         at = list(itertools.accumulate(slots, initial=0))[:-1]
         cache.save_weights_in_background(
             [(_bytes_of(on[0][0][on[0][1]], sizes[key]), o)
-             for (key, on), o in zip(groups.items(), at, strict=True)], slots)
+             for (key, on), o in zip(kept.items(), at, strict=True)], slots)
     return sum(sizes.values())  # (the caller trims what the last storages left)
 
 

@@ -145,13 +145,19 @@ class TileCache:
         (call it after weights_on_huge_pages). Returns the thread, or None with nothing to do
         or no room on the cache's disk."""
         todo = [(layer, w13, w2) for layer, w13, w2 in stacks
-                if w13.nbytes + w2.nbytes >= MIN_LAYER_BYTES and not self._file(layer).exists()]
+                if self.keeps_layer(w13, w2) and not self._file(layer).exists()]
         if not todo:
             return None
         need = sum(_aligned(w13.nbytes) + w2.nbytes for _, w13, w2 in todo)
         if not self._make_room(need):
             return None
         return self._start(self._write, todo, need)
+
+    @staticmethod
+    def keeps_layer(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+        """Whether a MoE layer of these stacks has a file of its own here (large enough):
+        weights_on_huge_pages leaves such stacks out of the weights file."""
+        return w13.nbytes + w2.nbytes >= MIN_LAYER_BYTES
 
     def save_weights_in_background(self, pieces: list[tuple[torch.Tensor, int]],
                                    slots: list[int]) -> threading.Thread | None:
@@ -208,12 +214,18 @@ class TileCache:
 
     def _write_weights(self, pieces: list[tuple[torch.Tensor, int]], slots: list[int]) -> None:
         t0 = time.monotonic()
+        final = self._weights_file(slots)
         try:
-            _write_file(self._weights_file(slots), pieces)
+            _write_file(final, pieces)
         except OSError as e:
             log.warning("tile cache: writing %s failed (%s); the next start copies the "
                         "weights again", self.folder, e)
             return
+        # One weights file a model: another is of other storages (another kiln, other
+        # settings), which the next start with those writes again if it comes
+        for other in self.folder.glob("weights-*.bin"):
+            if other != final:
+                other.unlink(missing_ok=True)
         log.info("tile cache: the other weights (%.2f GB) written to %s in %.1f s; later "
                  "starts map them", sum(slots) / 1e9, self.folder, time.monotonic() - t0)
 

@@ -224,3 +224,53 @@ def test_moved_weights_are_mapped_from_the_tile_cache_at_the_next_start(tmp_path
     (gone / "source.json").write_text(json.dumps({"path": str(tmp_path / "deleted.gguf")}))
     start(2)
     assert not gone.exists() and cache.folder.exists()
+
+
+def test_stacks_the_tile_cache_keeps_apart_stay_out_of_its_weights_file(tmp_path, monkeypatch):
+    """A first start's MoE stacks (packed in memory, `apart`: the tile cache writes them as
+    layer files) move to huge pages but stay out of the weights file, so the next start, where
+    they are the cache's file maps, asks for the same file and maps it; writing a weights file
+    removes the model's other one (no start of these storages would read it)."""
+    import mmap
+
+    import torch
+    from torch import nn
+
+    from kiln.engine import memory
+    from kiln.layers import tile_cache
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tile_cache, "MIN_WEIGHTS_BYTES", 0)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    torch.manual_seed(0)
+    dense = torch.randn(512, 256)
+    stack = torch.randint(0, 256, (4, 64 << 10), dtype=torch.uint8)
+
+    def model(stack_tensor: torch.Tensor) -> nn.Module:
+        m = nn.Module()
+        m.register_buffer("dense", dense.clone())
+        m.register_buffer("stack", stack_tensor)
+        return m
+
+    first, cache = model(stack.clone()), tile_cache.TileCache.for_file(gguf)
+    cache.folder.mkdir(parents=True)
+    (cache.folder / "weights-000000000000.bin").write_bytes(b"an older kiln's")
+    moved = memory.weights_on_huge_pages(
+        first, cache=cache, apart={first.stack.untyped_storage().data_ptr()})
+    cache.wait()
+    if not moved:  # THP off here (`never`): nothing moves, nothing is cached
+        return
+    assert moved == dense.nbytes + stack.nbytes and torch.equal(first.stack, stack)
+    files = list(cache.folder.glob("weights-*.bin"))
+    assert len(files) == 1 and files[0].stat().st_size == dense.nbytes  # the stack left out
+    # the next start: the stack is a file map (the layer file the cache wrote)
+    layer = tmp_path / "layer0.bin"
+    layer.write_bytes(stack.numpy().tobytes())
+    with open(layer, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    second = model(torch.frombuffer(mm, dtype=torch.uint8).view(stack.shape))
+    cache = tile_cache.TileCache.for_file(gguf)
+    assert memory.weights_on_huge_pages(second, cache=cache) == dense.nbytes
+    assert cache.weights_hit and torch.equal(second.dense, dense)
+    assert list(cache.folder.glob("weights-*.bin")) == files
