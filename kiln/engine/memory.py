@@ -221,12 +221,12 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None,
     where they match this start's byte for byte; otherwise the copy, which the cache then
     writes from a background thread. Why: fresh huge pages are the memory a VM backs last, on their first
     touch: Qwen2.5-0.5B's 398 MB took 1.9-4.4 s to copy on the 2-core Zen 3 VM (Dec 7), where
-    the page cache's folios are kept, and backed, between runs. `apart`: the storages (data
-    pointers) the cache keeps in files of their own (MoE layers' stacks, packed at a first
-    start): moved like the rest, but not in the weights file, whose slots are then the same at
-    the first start as at later ones, where those storages are the cache's maps (it had held a
-    7.8 GB copy of a 14 B model's experts beside their layer files, under a name no later start
-    asked for)."""
+    the page cache's folios are kept, and backed, between runs. `apart`: storages (data
+    pointers) left where they are and out of the weights file: MoE layers' stacks, packed onto
+    2 MiB pages already (tile_cache.empty_on_huge_pages) or the cache's maps of their layer
+    files (the weights file's slots are then the same at a first start as at later ones: it had
+    held a 7.8 GB copy of a 14 B model's experts beside their layer files, under a name no later
+    start asked for)."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or platform.system() != "Linux":
         return 0
     try:
@@ -251,25 +251,23 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None,
                     continue
                 # Views of a mapped file (a GGUF's raw blocks, e.g. an embedding table that
                 # only looks rows up) stay: their untouched pages cost no memory, a copy would.
-                if st.nbytes() >= HUGE_PAGE_MIN_BYTES and not _in_ranges(st.data_ptr(), files):
+                if (st.nbytes() >= HUGE_PAGE_MIN_BYTES and st.data_ptr() not in apart
+                        and not _in_ranges(st.data_ptr(), files)):
                     groups.setdefault(st.data_ptr(), []).append((table, name))
                     sizes[st.data_ptr()] = st.nbytes()
     if not groups:
         return 0
     slot = {key: -(-n // 4096) * 4096 for key, n in sizes.items()}  # page-aligned slots
-    kept = {key: on for key, on in groups.items() if key not in apart}  # the weights file's
-    slots = [slot[key] for key in kept]
+    slots = [slot[key] for key in groups]
     mapped = cache.map_weights(slots) if cache is not None else None
     todo = groups
     if mapped is not None:
-        rest = _map_same(kept, sizes, slot, mapped)
-        cache.weights_hit = not rest
-        if rest:
-            log.info("tile cache %s holds other bytes for these weights (another kiln or "
-                     "model): %d of %d storages copied anew", cache.folder, len(rest), len(kept))
-        todo = {**rest, **{key: on for key, on in groups.items() if key not in kept}}
+        todo = _map_same(groups, sizes, slot, mapped)
         if not todo:
+            cache.weights_hit = True
             return sum(sizes.values())
+        log.info("tile cache %s holds other bytes for these weights (another kiln or model): "
+                 "%d of %d storages copied anew", cache.folder, len(todo), len(groups))
     total = sum(slot[key] for key in todo)
     # private: a shared anonymous map is shmem, whose huge pages are another setting (off)
     buf = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -289,11 +287,11 @@ def weights_on_huge_pages(model: torch.nn.Module, cache: Any = None,
             # storages, all the old copies would be in RSS beside the new map at the end.
             release_freed_memory()
             unreturned = 0
-    if cache is not None and not cache.weights_hit:  # each storage's bytes, at its slot
+    if cache is not None:  # every storage's bytes where they now are, at its slot's offset
         at = list(itertools.accumulate(slots, initial=0))[:-1]
         cache.save_weights_in_background(
             [(_bytes_of(on[0][0][on[0][1]], sizes[key]), o)
-             for (key, on), o in zip(kept.items(), at, strict=True)], slots)
+             for (key, on), o in zip(groups.items(), at, strict=True)], slots)
     return sum(sizes.values())  # (the caller trims what the last storages left)
 
 

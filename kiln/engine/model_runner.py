@@ -125,11 +125,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             # (after the checkpoint's release: each old storage is freed as it moves)
             # (the machine's THP setting decides: `never` leaves them where they are)
-            # (the MoE layers' stacks the cache keeps in files of their own stay out of its
-            # weights file)
+            # (the MoE layers' stacks stay: packed onto 2 MiB pages, or the tile cache's maps)
             apart = {t.untyped_storage().data_ptr() for m in self.model.modules()
                      if isinstance(m, Experts) and (st := m.tile_stacks()) is not None
-                     and self.tiles is not None and self.tiles.keeps_layer(*st) for t in st}
+                     for t in st}
             moved = memory.weights_on_huge_pages(self.model, cache=self.tiles, apart=apart)
             log.info("weights on huge pages: %.0f MB%s", moved / 1e6,
                      " (mapped from the tile cache)"

@@ -210,6 +210,7 @@ class Experts(nn.Module):
         from kiln.layers.kernels import ops, reference
         from kiln.layers.kernels.formats import GGUFBlocks
         from kiln.layers.quant.linear import quantize_int4_groups
+        from kiln.layers.tile_cache import empty_on_huge_pages
 
         n, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         tile = reference.Q4_TILE
@@ -223,8 +224,9 @@ class Experts(nn.Module):
         block = reference.Q4_SYM_BLOCK if sym else reference.Q4_BLOCK
         shapes = ((r, 2 * i // tile, h // 32, block), (r, -(-h // tile), i // 32, block))
         cached = self.tile_cache.load(self.layer, *shapes) if self.tile_cache else None
-        w13, w2 = cached or (torch.empty(shapes[0], dtype=torch.uint8),
-                             torch.empty(shapes[1], dtype=torch.uint8))
+        # (packed where they will stay: on 2 MiB pages, which weights_on_huge_pages then
+        # leaves as they are)
+        w13, w2 = cached or (empty_on_huge_pages(shapes[0]), empty_on_huge_pages(shapes[1]))
         # gate rows, then up rows: I % 32 == 0 here, so each part fills whole tiles
         with torch.no_grad():
             for part, out in () if cached else (

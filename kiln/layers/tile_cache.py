@@ -145,19 +145,13 @@ class TileCache:
         (call it after weights_on_huge_pages). Returns the thread, or None with nothing to do
         or no room on the cache's disk."""
         todo = [(layer, w13, w2) for layer, w13, w2 in stacks
-                if self.keeps_layer(w13, w2) and not self._file(layer).exists()]
+                if w13.nbytes + w2.nbytes >= MIN_LAYER_BYTES and not self._file(layer).exists()]
         if not todo:
             return None
         need = sum(_aligned(w13.nbytes) + w2.nbytes for _, w13, w2 in todo)
         if not self._make_room(need):
             return None
         return self._start(self._write, todo, need)
-
-    @staticmethod
-    def keeps_layer(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-        """Whether a MoE layer of these stacks has a file of its own here (large enough):
-        weights_on_huge_pages leaves such stacks out of the weights file."""
-        return w13.nbytes + w2.nbytes >= MIN_LAYER_BYTES
 
     def save_weights_in_background(self, pieces: list[tuple[torch.Tensor, int]],
                                    slots: list[int]) -> threading.Thread | None:
@@ -270,6 +264,23 @@ def _map(path: Path, size: int, populate: bool = True) -> mmap.mmap | None:
     except OSError:  # before Linux 5.14: the first steps fault the pages in
         pass
     return m
+
+
+def empty_on_huge_pages(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialized uint8 tensor on an anonymous map of its own, advised for 2 MiB pages:
+    where MoE layers' stacks are packed when the cache has none (weights_on_huge_pages leaves
+    them there). Packed into ordinary memory, they were copied onto huge pages after: every
+    byte written twice, 24 s of the full-size model's 67 s first start on the Zen 3 VM, whose
+    fresh memory is slow."""
+    n = math.prod(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=torch.uint8)
+    m = mmap.mmap(-1, n + _ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    off = (-torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()) % _ALIGN
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE, off, n)  # off: a multiple of the page size
+    # (the tensor keeps the map alive: torch.frombuffer holds the buffer)
+    return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off).view(shape)
 
 
 def _aligned(n: int) -> int:

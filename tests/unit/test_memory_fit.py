@@ -227,10 +227,11 @@ def test_moved_weights_are_mapped_from_the_tile_cache_at_the_next_start(tmp_path
 
 
 def test_stacks_the_tile_cache_keeps_apart_stay_out_of_its_weights_file(tmp_path, monkeypatch):
-    """A first start's MoE stacks (packed in memory, `apart`: the tile cache writes them as
-    layer files) move to huge pages but stay out of the weights file, so the next start, where
-    they are the cache's file maps, asks for the same file and maps it; writing a weights file
-    removes the model's other one (no start of these storages would read it)."""
+    """A first start's MoE stacks (packed onto 2 MiB pages by empty_on_huge_pages, `apart`:
+    the tile cache writes them as layer files) stay where they are and out of the weights
+    file, so the next start, where they are the cache's file maps, asks for the same file and
+    maps it; writing a weights file removes the model's other one (no start of these storages
+    would read it)."""
     import mmap
 
     import torch
@@ -253,7 +254,10 @@ def test_stacks_the_tile_cache_keeps_apart_stay_out_of_its_weights_file(tmp_path
         m.register_buffer("stack", stack_tensor)
         return m
 
-    first, cache = model(stack.clone()), tile_cache.TileCache.for_file(gguf)
+    packed = tile_cache.empty_on_huge_pages(tuple(stack.shape))
+    assert packed.data_ptr() % (2 << 20) == 0 and packed.shape == stack.shape
+    packed.copy_(stack)
+    first, cache = model(packed), tile_cache.TileCache.for_file(gguf)
     cache.folder.mkdir(parents=True)
     (cache.folder / "weights-000000000000.bin").write_bytes(b"an older kiln's")
     moved = memory.weights_on_huge_pages(
@@ -261,7 +265,8 @@ def test_stacks_the_tile_cache_keeps_apart_stay_out_of_its_weights_file(tmp_path
     cache.wait()
     if not moved:  # THP off here (`never`): nothing moves, nothing is cached
         return
-    assert moved == dense.nbytes + stack.nbytes and torch.equal(first.stack, stack)
+    assert moved == dense.nbytes and first.stack.data_ptr() == packed.data_ptr()
+    assert torch.equal(first.stack, stack)
     files = list(cache.folder.glob("weights-*.bin"))
     assert len(files) == 1 and files[0].stat().st_size == dense.nbytes  # the stack left out
     # the next start: the stack is a file map (the layer file the cache wrote)
