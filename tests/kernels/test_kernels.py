@@ -167,6 +167,36 @@ def test_q4_0_tiles_without_mins_compute_the_same_bits(t):
     assert torch.equal(got, full)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("sym", [False, True], ids=["mins", "q4_0"])
+def test_one_row_runs_two_weight_streams_with_the_bits_of_a_batch(threads, sym):
+    """At one row q4_linear runs each thread's tiles as two halves in lockstep and moe_q4 an
+    expert's gate and up tiles, and its down tiles two experts at a time (tile_pair: two
+    weight streams a thread): every tile count (an odd half leaves one tile alone), both
+    blocks, one thread or two, the bits the same row gets among 5 rows (tile_dot's blocks)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(threads))
+        block = reference.Q4_SYM_BLOCK if sym else reference.Q4_BLOCK
+        for n in (8, 16, 24, 37, 72):
+            raw = _q4_0_raw((n,), 64, n)
+            packed = ck.pack_q4_blocks(raw, "Q4_0", 64, block=block)
+            assert torch.equal(ck.q4_linear(x[2:3], packed, n), ck.q4_linear(x, packed, n)[2:3])
+        e, i, k = 7, 96, 3
+        r13, r2 = _q4_0_raw((e, 2 * i), 64, 5), _q4_0_raw((e, 64), i, 6)
+        w13 = ck.pack_q4_blocks(r13, "Q4_0", 64, block=block)
+        w2 = ck.pack_q4_blocks(r2, "Q4_0", i, block=block)
+        logits = torch.randn(5, e, generator=torch.Generator().manual_seed(7))
+        weights, ids = softmax_topk(logits, k, renormalize=True)
+        many = ck.moe_q4(x, ids, weights, w13, w2)
+        for t in range(5):
+            alone = ck.moe_q4(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w13, w2)
+            assert torch.equal(alone, many[t:t + 1])
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("t", [1, 5, 40])
 def test_moe_q4_matches_the_per_expert_loop(t):
     """moe_q4 equals running each active expert over its rows and summing the weighted outputs

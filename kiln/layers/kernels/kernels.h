@@ -71,6 +71,11 @@ template <int NT = 1>
 void tile_rows(const uint8_t* w, int64_t st, const QRows& xs, const int64_t* rows, int64_t n,
                typename Vec<NT>::F* out, int64_t next = 0);
 
+// Two one-row tile dot products in lockstep (q4_tiles.cpp; two weight streams): tile wa
+// against row ra of xs -> oa, tile wb against row rb -> ob, the bits tile_rows gives each.
+void tile_pair(const uint8_t* wa, const uint8_t* wb, int64_t tile_bytes, const QRows& xs,
+               int64_t ra, int64_t rb, __m256& oa, __m256& ob);
+
 // The tiles' epilogue: y = (dots + bias) + resid, in the order the eager layer adds them (the
 // linear's output, then its bias, then the residual: `x + (lin(h) + b)`), each add one fp32 add
 // of the same operands, so the bits match; bias / resid null: not added. `valid` < 8: the last,

@@ -205,8 +205,13 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
       }
 #endif
       for (int64_t j = j0; j < j0 + nj; ++j) {
-        tile_rows(we + j * mw.w13_tile, mw.w13_tile, xs, rows, nr, g, mw.w13_tile);
-        tile_rows(we + (it1 + j) * mw.w13_tile, mw.w13_tile, xs, rows, nr, u, mw.w13_tile);
+        const uint8_t *wg = we + j * mw.w13_tile, *wu = we + (it1 + j) * mw.w13_tile;
+        if (nr == 1) {  // the gate and up tiles in lockstep: two weight streams (tile_pair)
+          tile_pair(wg, wu, mw.w13_tile, xs, rows[0], rows[0], g[0], u[0]);
+        } else {
+          tile_rows(wg, mw.w13_tile, xs, rows, nr, g, mw.w13_tile);
+          tile_rows(wu, mw.w13_tile, xs, rows, nr, u, mw.w13_tile);
+        }
         for (int64_t m = 0; m < nr; ++m)
           _mm256_storeu_ps(h + (r0 + m) * I + j * kTile, silu_mul(g[m], u[m]));
       }
@@ -214,27 +219,56 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
 #pragma omp barrier
   quantize_rows_omp(h, pl.Pv, I, hs);
   // Phase 2: down, scaled by each pair's routing weight (split2).
-  for_items(pl.split2, u2, it2, mw.w2, mw.w2_expert, [&](const uint8_t* we, int64_t j0,
-                                                         int64_t nj, int64_t r0, int64_t nr) {
-      const int64_t* pr = pl.pair_rows.data() + r0;
+  if (pl.T == 1 && per == 1) {
+    // One token (one row an expert): each range's items as two halves in lockstep (tile_pair:
+    // two weight streams a thread, as q4_tiles_omp runs a one-row linear)
+    auto down_put = [&](int64_t item, __m256 v) {
+      const int64_t r0 = pl.offsets[pl.active[item / u2]];
+      _mm256_storeu_ps(o + r0 * H + item % u2 * kTile,
+                       _mm256_mul_ps(v, _mm256_set1_ps(pl.weight_of[r0])));
+    };
+    for (int r = tid; r < nr_ranges; r += team) {
+      const int64_t a = pl.split2[r], len = pl.split2[r + 1] - a, hh = (len + 1) / 2;
+      auto wt = [&](int64_t item) {
+        return mw.w2 + pl.active[item / u2] * mw.w2_expert + item % u2 * mw.w2_tile;
+      };
+      auto row = [&](int64_t item) { return pl.pair_rows[pl.offsets[pl.active[item / u2]]]; };
+      for (int64_t j = 0; j < len / 2; ++j) {
+        __m256 oa, ob;
+        tile_pair(wt(a + j), wt(a + hh + j), mw.w2_tile, hs, row(a + j), row(a + hh + j), oa,
+                  ob);
+        down_put(a + j, oa);
+        down_put(a + hh + j, ob);
+      }
+      if (len % 2) {
+        const int64_t item = a + hh - 1, pr = row(item);
+        tile_rows(wt(item), mw.w2_tile, hs, &pr, 1, g, 0);
+        down_put(item, g[0]);
+      }
+    }
+  } else {
+    for_items(pl.split2, u2, it2, mw.w2, mw.w2_expert, [&](const uint8_t* we, int64_t j0,
+                                                           int64_t nj, int64_t r0, int64_t nr) {
+        const int64_t* pr = pl.pair_rows.data() + r0;
 #if KILN_VNNI
-      if (nj == 2 && nr >= kMaxBlockRows) {
-        const int64_t st = mw.w2_tile;
-        tile_rows<2>(we + j0 * st, st, hs, pr, nr, g2, 2 * st);
-        for (int64_t m = 0; m < nr; ++m) {
-          const __m512 v = _mm512_mul_ps(g2[m], _mm512_set1_ps(pl.weight_of[r0 + m]));
-          _mm512_storeu_ps(o + (r0 + m) * H + j0 * kTile, v);
+        if (nj == 2 && nr >= kMaxBlockRows) {
+          const int64_t st = mw.w2_tile;
+          tile_rows<2>(we + j0 * st, st, hs, pr, nr, g2, 2 * st);
+          for (int64_t m = 0; m < nr; ++m) {
+            const __m512 v = _mm512_mul_ps(g2[m], _mm512_set1_ps(pl.weight_of[r0 + m]));
+            _mm512_storeu_ps(o + (r0 + m) * H + j0 * kTile, v);
+          }
+          return;
         }
-        return;
-      }
 #endif
-      for (int64_t j = j0; j < j0 + nj; ++j) {
-        tile_rows(we + j * mw.w2_tile, mw.w2_tile, hs, pr, nr, g, mw.w2_tile);
-        for (int64_t m = 0; m < nr; ++m)
-          _mm256_storeu_ps(o + (r0 + m) * H + j * kTile,
-                           _mm256_mul_ps(g[m], _mm256_set1_ps(pl.weight_of[r0 + m])));
-      }
-  });
+        for (int64_t j = j0; j < j0 + nj; ++j) {
+          tile_rows(we + j * mw.w2_tile, mw.w2_tile, hs, pr, nr, g, mw.w2_tile);
+          for (int64_t m = 0; m < nr; ++m)
+            _mm256_storeu_ps(o + (r0 + m) * H + j * kTile,
+                             _mm256_mul_ps(g[m], _mm256_set1_ps(pl.weight_of[r0 + m])));
+        }
+    });
+  }
 #pragma omp barrier
   // Each token sums its k pair rows (in its experts' order: deterministic), then the
   // residual is added as the eager layer adds it (x1 + moe(h)).
