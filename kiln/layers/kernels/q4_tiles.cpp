@@ -1,6 +1,7 @@
-// kiln's int4 tiles: 4-bit weights x int8 activations, the tile kernel (tile_dot / tile_rows)
-// and the tile loop of a linear (q4_tiles_omp), which q4_linear, heads_q4 and the one-call
-// layers run (ops.cpp, layers.cpp) and moe_q4's experts reuse (moe.cpp). Compute only: no ATen
+// kiln's int4 tiles: 4-bit weights x int8 activations, the tile kernel (tile_dot / tile_rows;
+// tile_pair: two one-row dot products in lockstep) and the tile loop of a linear
+// (q4_tiles_omp), which q4_linear, heads_q4 and the one-call layers run (ops.cpp, layers.cpp)
+// and moe_q4's experts reuse (moe.cpp). Compute only: no ATen
 // here (kernels.h says why).
 //
 // Weights: asymmetric 4-bit groups of 32 along K (kiln's GroupQuant: w = q * scale + min,
