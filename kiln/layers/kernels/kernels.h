@@ -71,6 +71,15 @@ template <int NT = 1>
 void tile_rows(const uint8_t* w, int64_t st, const QRows& xs, const int64_t* rows, int64_t n,
                typename Vec<NT>::F* out, int64_t next = 0);
 
+// Items [a, a + len) as two halves in lockstep, for tile_pair's two weight streams: two(i, j)
+// for the pairs (a + k, a + h + k), h = ceil(len / 2), then one(a + h - 1) when len is odd.
+template <typename Two, typename One>
+inline void in_two_halves(int64_t a, int64_t len, Two&& two, One&& one) {
+  const int64_t h = (len + 1) / 2;
+  for (int64_t k = 0; k < len / 2; ++k) two(a + k, a + h + k);
+  if (len % 2) one(a + h - 1);
+}
+
 // Two one-row tile dot products in lockstep (q4_tiles.cpp; two weight streams): tile wa
 // against row ra of xs -> oa, tile wb against row rb -> ob, the bits tile_rows gives each.
 void tile_pair(const uint8_t* wa, const uint8_t* wb, int64_t tile_bytes, const QRows& xs,

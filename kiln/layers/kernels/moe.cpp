@@ -227,25 +227,21 @@ void moe_q4_omp(const MoePlan& pl, const MoeWeights& mw, const QRows& xs, float*
       _mm256_storeu_ps(o + r0 * H + item % u2 * kTile,
                        _mm256_mul_ps(v, _mm256_set1_ps(pl.weight_of[r0])));
     };
-    for (int r = tid; r < nr_ranges; r += team) {
-      const int64_t a = pl.split2[r], len = pl.split2[r + 1] - a, hh = (len + 1) / 2;
-      auto wt = [&](int64_t item) {
-        return mw.w2 + pl.active[item / u2] * mw.w2_expert + item % u2 * mw.w2_tile;
-      };
-      auto row = [&](int64_t item) { return pl.pair_rows[pl.offsets[pl.active[item / u2]]]; };
-      for (int64_t j = 0; j < len / 2; ++j) {
+    auto wt = [&](int64_t item) {
+      return mw.w2 + pl.active[item / u2] * mw.w2_expert + item % u2 * mw.w2_tile;
+    };
+    auto row = [&](int64_t item) { return pl.pair_rows[pl.offsets[pl.active[item / u2]]]; };
+    for (int r = tid; r < nr_ranges; r += team)
+      in_two_halves(pl.split2[r], pl.split2[r + 1] - pl.split2[r], [&](int64_t ia, int64_t ib) {
         __m256 oa, ob;
-        tile_pair(wt(a + j), wt(a + hh + j), mw.w2_tile, hs, row(a + j), row(a + hh + j), oa,
-                  ob);
-        down_put(a + j, oa);
-        down_put(a + hh + j, ob);
-      }
-      if (len % 2) {
-        const int64_t item = a + hh - 1, pr = row(item);
+        tile_pair(wt(ia), wt(ib), mw.w2_tile, hs, row(ia), row(ib), oa, ob);
+        down_put(ia, oa);
+        down_put(ib, ob);
+      }, [&](int64_t item) {
+        const int64_t pr = row(item);
         tile_rows(wt(item), mw.w2_tile, hs, &pr, 1, g, 0);
         down_put(item, g[0]);
-      }
-    }
+      });
   } else {
     for_items(pl.split2, u2, it2, mw.w2, mw.w2_expert, [&](const uint8_t* we, int64_t j0,
                                                            int64_t nj, int64_t r0, int64_t nr) {

@@ -238,22 +238,20 @@ void q4_tiles_omp(const uint8_t* w, int64_t tile_bytes, int64_t NT, const QRows&
     // One row: each thread's range of tiles as two halves in lockstep (tile_pair: two weight
     // streams a thread); its own split, then the barrier an `omp for` would end with.
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t a = NT * tid / nth, len = NT * (tid + 1) / nth - a, h = (len + 1) / 2;
+    const int64_t a = NT * tid / nth, len = NT * (tid + 1) / nth - a;
     auto put = [&](int64_t t, __m256 v) {
       store_tile(y + t * kTile, v, std::min(kTile, n - t * kTile),
                  bias ? bias + t * kTile : nullptr, resid ? resid + t * kTile : nullptr);
     };
-    for (int64_t j = 0; j < len / 2; ++j) {
+    in_two_halves(a, len, [&](int64_t ta, int64_t tb) {
       __m256 oa, ob;
-      tile_pair(w + (a + j) * tile_bytes, w + (a + h + j) * tile_bytes, tile_bytes, xs, rows[0],
-                rows[0], oa, ob);
-      put(a + j, oa);
-      put(a + h + j, ob);
-    }
-    if (len % 2) {  // the first half's last tile, alone
-      tile_rows_in<1>(w + (a + h - 1) * tile_bytes, tile_bytes, xs, rows, 1, out, 0);
-      put(a + h - 1, out[0]);
-    }
+      tile_pair(w + ta * tile_bytes, w + tb * tile_bytes, tile_bytes, xs, rows[0], rows[0], oa, ob);
+      put(ta, oa);
+      put(tb, ob);
+    }, [&](int64_t t) {
+      tile_rows_in<1>(w + t * tile_bytes, tile_bytes, xs, rows, 1, out, 0);
+      put(t, out[0]);
+    });
 #pragma omp barrier
     return;
   }
