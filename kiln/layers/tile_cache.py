@@ -230,12 +230,43 @@ def _write_file(final: Path, pieces: list[tuple[torch.Tensor, int]]) -> None:
     tmp = final.with_suffix(f".tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for t, offset in pieces:
-            _pwrite_all(fd, t, offset)
+        _pwrite_aligned(fd, pieces)
         os.fdatasync(fd)  # the bytes on disk before the name says they are there
     finally:
         os.close(fd)
     os.replace(tmp, final)
+
+
+def _pwrite_aligned(fd: int, pieces: list[tuple[torch.Tensor, int]]) -> None:
+    """The pieces (contiguous tensors' bytes at their offsets) written as whole 2 MiB-aligned
+    blocks, gaps zero: the page cache keeps what a write brings in as folios no larger than the
+    write, so a file written storage by storage (the weights file: a 0.6 MB attention matrix,
+    then 0.15 MB, ...) sat on small folios, which a map reads through 4 KiB page-table entries
+    (Qwen3-MoE-shaped benchmark model: 40 of its weights file's 91 MB mapped on 2 MiB entries,
+    the 35 MB of attention linears none). A block inside one piece is written from the piece
+    (no copy: the experts' stacks); a block of several is gathered into a buffer first."""
+    views = sorted(((o, memoryview(t.contiguous().reshape(-1).numpy())) for t, o in pieces),
+                   key=lambda p: p[0])
+    end = max((o + len(v) for o, v in views), default=0)
+    buf = bytearray(_ALIGN)
+    i = 0  # the first piece that may reach into the block
+    for start in range(0, end, _ALIGN):
+        stop = min(start + _ALIGN, end)
+        while i < len(views) and views[i][0] + len(views[i][1]) <= start:
+            i += 1
+        inside = [(o, v) for o, v in views[i:] if o < stop]
+        if len(inside) == 1 and inside[0][0] <= start and inside[0][0] + len(inside[0][1]) >= stop:
+            o, v = inside[0]
+            block = v[start - o:stop - o]
+        else:
+            buf[:stop - start] = bytes(stop - start)
+            for o, v in inside:
+                a, b = max(o, start), min(o + len(v), stop)
+                buf[a - start:b - start] = v[a - o:b - o]
+            block = memoryview(buf)[:stop - start]
+        done = 0
+        while done < len(block):
+            done += os.pwrite(fd, block[done:], start + done)
 
 
 def _map(path: Path, size: int, populate: bool = True) -> mmap.mmap | None:
@@ -285,18 +316,6 @@ def empty_on_huge_pages(shape: tuple[int, ...]) -> torch.Tensor:
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
-    """A contiguous uint8 tensor's bytes at `offset`, in 64 MiB pieces (each a large folio's
-    worth of page cache, and no copy of the tensor)."""
-    view = memoryview(t.contiguous().reshape(-1).numpy())
-    piece = 64 << 20
-    for start in range(0, len(view), piece):
-        chunk = view[start:start + piece]
-        done = 0
-        while done < len(chunk):
-            done += os.pwrite(fd, chunk[done:], offset + start + done)
 
 
 def _drop_stale(folder: Path, source: dict) -> None:

@@ -279,3 +279,34 @@ def test_stacks_the_tile_cache_keeps_apart_stay_out_of_its_weights_file(tmp_path
     assert memory.weights_on_huge_pages(second, cache=cache) == dense.nbytes
     assert cache.weights_hit and torch.equal(second.dense, dense)
     assert list(cache.folder.glob("weights-*.bin")) == files
+
+
+def test_the_tile_cache_writes_whole_2mib_blocks_with_every_piece_in_place(tmp_path):
+    """tile_cache._write_file writes 2 MiB-aligned blocks (the page cache keeps a write's bytes on
+    folios no larger than the write, and a map reads small folios through 4 KiB entries): a
+    block inside one large piece straight from it, a block of several small pieces (the weights
+    file's attention matrices) gathered, gaps zero; the file holds every piece at its offset and
+    ends where the last one does."""
+    import torch
+
+    from kiln.layers import tile_cache
+
+    mib = 1 << 20
+    torch.manual_seed(0)
+
+    def piece(n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n,), dtype=torch.uint8)
+
+    # a 5 MiB piece from 0 (two whole blocks of its own, then a shared one), small pieces
+    # after it and across the 6 MiB boundary, a gap, a piece ending mid-block
+    pieces = [(piece(5 * mib), 0), (piece(600 << 10), 5 * mib + 4096),
+              (piece(150 << 10), 6 * mib - (64 << 10)), (piece(3 * mib + 123), 7 * mib)]
+    path = tmp_path / "w.bin"
+    tile_cache._write_file(path, pieces)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    assert data.numel() == 10 * mib + 123
+    expected = torch.zeros(10 * mib + 123, dtype=torch.uint8)
+    for t, o in pieces:
+        expected[o:o + t.numel()] = t
+    assert torch.equal(data, expected)
+    assert not list(tmp_path.glob("*.tmp*"))  # renamed into place
