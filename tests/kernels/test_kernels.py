@@ -173,7 +173,9 @@ def test_one_row_runs_two_weight_streams_with_the_bits_of_a_batch(threads, sym):
     """At one row q4_linear runs each thread's tiles as two halves in lockstep and moe_q4 an
     expert's gate and up tiles, and its down tiles two experts at a time (tile_pair: two
     weight streams a thread): every tile count (an odd half leaves one tile alone), both
-    blocks, one thread or two, the bits the same row gets among 5 rows (tile_dot's blocks)."""
+    blocks, one thread or two, the bits the same row gets among 5 rows (tile_dot's blocks).
+    A token's experts split by whole experts or inside one, with and without the barrier
+    between moe_q4's phases, give the same bits."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -183,16 +185,20 @@ def test_one_row_runs_two_weight_streams_with_the_bits_of_a_batch(threads, sym):
             raw = _q4_0_raw((n,), 64, n)
             packed = ck.pack_q4_blocks(raw, "Q4_0", 64, block=block)
             assert torch.equal(ck.q4_linear(x[2:3], packed, n), ck.q4_linear(x, packed, n)[2:3])
-        e, i, k = 7, 96, 3
+        e, i = 7, 96
         r13, r2 = _q4_0_raw((e, 2 * i), 64, 5), _q4_0_raw((e, 64), i, 6)
         w13 = ck.pack_q4_blocks(r13, "Q4_0", 64, block=block)
         w2 = ck.pack_q4_blocks(r2, "Q4_0", i, block=block)
         logits = torch.randn(5, e, generator=torch.Generator().manual_seed(7))
-        weights, ids = softmax_topk(logits, k, renormalize=True)
-        many = ck.moe_q4(x, ids, weights, w13, w2)
-        for t in range(5):
-            alone = ck.moe_q4(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w13, w2)
-            assert torch.equal(alone, many[t:t + 1])
+        # k = 3: a token's experts split between 2 threads inside an expert (the barrier
+        # between the phases); k = 4: by whole experts, each thread's down tiles reading only
+        # the rows its gate and up tiles wrote (no barrier: moe_q4_omp's same_experts)
+        for k in (3, 4):
+            weights, ids = softmax_topk(logits, k, renormalize=True)
+            many = ck.moe_q4(x, ids, weights, w13, w2)
+            for t in range(5):
+                alone = ck.moe_q4(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w13, w2)
+                assert torch.equal(alone, many[t:t + 1])
     finally:
         torch.set_num_threads(old)
 

@@ -194,6 +194,10 @@ struct MoePlan {
   std::vector<int64_t> active, pair_rows, split1, split2;
   int64_t T = 0, k = 0, Pv = 0;    // Pv: the pairs run here
   int64_t per = 1;                 // tiles a work item (moe_units)
+  // Every range of split1 and split2 starts at the same expert's first item: each range's
+  // phase-2 items read only the rows of the experts its phase 1 ran (moe_q4_omp: no barrier
+  // between the phases)
+  bool same_experts = false;
 };
 
 // moe_q4's work items hold `per` tiles of an expert's matrix (the last maybe fewer): on AVX-512,
